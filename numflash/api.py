@@ -1,0 +1,288 @@
+"""Public functions: validate -> normalise -> choose the configuration -> get the kernel -> launch.
+
+Nothing is launched and no output is touched until every argument has been checked; each bad
+argument raises a ValueError or TypeError that names it, says what was given and what is
+accepted.
+"""
+
+import contextlib
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays, config as configs
+from .device import TENSOR_CORE, current_device
+from .kernels import forward, forward_portable
+from .kernels.jit import SIMULATOR, Launcher
+from .kernels.softmax import LOG2E
+
+#: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
+_MAX_GRID_YZ = 65535
+
+
+@dataclass(frozen=True)
+class _Problem:
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    dtype: str
+    scale: float
+    window_left: int
+    window_right: int
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def _shape_str(x):
+    return "(" + ", ".join(str(n) for n in x.shape) + ")"
+
+
+def _check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def _check_window(window_size, causal):
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if ok:
+        ok = all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1
+            for w in window_size
+        )
+    if not ok:
+        raise ValueError(
+            "window_size must be a pair (left, right) of ints >= -1, -1 meaning unbounded; "
+            f"got {window_size!r}"
+        )
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0  # causal is the window (left, 0)
+    return left, right
+
+
+def _check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale!r}")
+    return scale
+
+
+def _check_qkv(q, k, v):
+    """Shapes, dtypes and devices of q, k, v; returns the dtype name."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim); "
+                f"got shape {_shape_str(x)}"
+            )
+    devices = {name: arrays.device_id(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"q, k and v must be on the same GPU; got devices {devices}")
+    names = {name: arrays.dtype_name(x.dtype) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if names[name] is None:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; accepted: float16, bfloat16, float32"
+            )
+    if len(set(names.values())) > 1:
+        raise TypeError(f"q, k and v must share one dtype; got {names}")
+    b, sq, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(
+            f"batch sizes differ: q {_shape_str(q)}, k {_shape_str(k)}, v {_shape_str(v)}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen; got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same nheads; got {k.shape[2]} and {v.shape[2]}")
+    if k.shape[3] != d or v.shape[3] != d:
+        raise ValueError(
+            f"head_dim differs: q {d}, k {k.shape[3]}, v {v.shape[3]}; all three must match"
+        )
+    if not 1 <= d <= configs.MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {configs.MAX_HEAD_DIM}]; got {d}")
+    h_k = k.shape[2]
+    if h_k == 0 or h % h_k:
+        raise ValueError(
+            f"nheads of q ({h}) must be a multiple of nheads of k and v ({h_k}) (GQA/MQA)"
+        )
+    if h > _MAX_GRID_YZ or b > _MAX_GRID_YZ:
+        raise ValueError(f"nheads and batch must be at most {_MAX_GRID_YZ}; got {h} and {b}")
+    return names["q"]
+
+
+def _check_out(out, q):
+    if out is None:
+        return None
+    out = arrays.intake(out, "out")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {_shape_str(q)}; got {_shape_str(out)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must have q's dtype {q.dtype}; got {out.dtype}")
+    if arrays.device_id(out) != arrays.device_id(q):
+        raise ValueError(
+            f"out is on device {arrays.device_id(out)} but q is on {arrays.device_id(q)}"
+        )
+    return out
+
+
+def _check_config(config, problem, device):
+    if config is None:
+        return None
+    if not isinstance(config, (configs.TensorCoreConfig, configs.PortableConfig)):
+        raise TypeError(
+            "config must be a numflash.TensorCoreConfig, a numflash.PortableConfig or None; "
+            f"got {type(config).__name__}"
+        )
+    if config.family == TENSOR_CORE and problem.dtype == "float32":
+        raise TypeError("config: the tensor-core kernel takes float16 or bfloat16, not float32")
+    head_dim = problem.head_dim
+    if config.family == TENSOR_CORE:
+        head_dim = configs.round_up(head_dim, 8)
+    reasons = config.problems(head_dim, device)
+    if reasons:
+        raise ValueError(f"config {config} cannot run here: " + "; ".join(reasons))
+    return config
+
+
+# -- launching -------------------------------------------------------------------------------------
+
+def _signature(dtype_name):
+    """Argument types of both forward kernels: 5 arrays, 12 strides, 3 sizes, scale, window."""
+    if SIMULATOR:
+        return None  # the simulator types nothing
+    from numba.cuda import types
+
+    elem = types.Array(types.float32 if dtype_name == "float32" else types.uint16, 1, "C")
+    lse = types.Array(types.float32, 1, "C")
+    return (
+        (elem,) * 4 + (lse,) + (types.int64,) * 12 + (types.int32,) * 3
+        + (types.float32,) + (types.int32,) * 2
+    )  # fmt: skip
+
+
+_launchers = {}
+
+
+def _launcher(family, key):
+    launcher = _launchers.get((family, key))
+    if launcher is None:
+        build = forward.build if family == TENSOR_CORE else forward_portable.build
+        dtype = key[1]
+        launcher = Launcher(build(*key), _signature(dtype))
+        _launchers[(family, key)] = launcher
+    return launcher
+
+
+def _launch_forward(cfg, p, q, k, v, out, lse):
+    head_dim = q.shape[-1]
+    if cfg.family == TENSOR_CORE:
+        key = (head_dim, p.dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
+               cfg.q_in_registers)  # fmt: skip
+        shared = 2 * forward.shared_memory_layout(head_dim, cfg.block_m, cfg.block_n, cfg.stages)[3]
+    else:
+        key = (head_dim, p.dtype, cfg.block_m, cfg.block_n)
+        shared = 0
+    launcher = _launcher(cfg.family, key)
+    (qf, qs), (kf, ks), (vf, vs), (of, os_) = (arrays.kernel_view(x) for x in (q, k, v, out))
+    args = (
+        qf, kf, vf, of, lse.reshape(-1),
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+        p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k,
+        np.float32(p.scale * LOG2E), p.window_left, p.window_right,
+    )  # fmt: skip
+    grid = ((p.seqlen_q + cfg.block_m - 1) // cfg.block_m, p.nheads, p.batch)
+    launcher(grid, cfg.threads, arrays.current_stream(), shared, args)
+
+
+def _on_device(x):
+    if isinstance(x, np.ndarray):
+        return contextlib.nullcontext()
+    return x.device
+
+
+# -- public ----------------------------------------------------------------------------------------
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+              return_lse=False, out=None, config=None):  # fmt: skip
+    """Exact softmax attention, computed tile by tile on chip (FlashAttention).
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), float16, bfloat16 or float32.
+        k, v: (batch, seqlen_k, nheads_k, head_dim), q's dtype; nheads % nheads_k == 0
+            (grouped-query / multi-query attention). Any strides; arrays whose last dimension
+            is contiguous are read in place, others copied.
+        causal: mask aligned to the bottom-right corner: query i sees key j iff
+            j <= i + seqlen_k - seqlen_q.
+        softmax_scale: scale of q k^T before the softmax; default 1 / sqrt(head_dim).
+        window_size: (left, right) sliding window, -1 meaning unbounded: query i sees key j iff
+            i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
+        return_lse: also return the log-sum-exp of each row's scores.
+        out: optional output array (q's shape and dtype) to write into.
+        config: force a kernel configuration (:class:`numflash.TensorCoreConfig` or
+            :class:`numflash.PortableConfig`); by default numflash chooses.
+
+    Returns:
+        out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
+        float32 (batch, nheads, seqlen_q), natural log. A row that sees no key gets output 0 and
+        lse -inf.
+
+    Kernels run on CuPy's current stream; the call returns without synchronising.
+    """
+    q = arrays.intake(q, "q")
+    k = arrays.intake(k, "k")
+    v = arrays.intake(v, "v")
+    dtype = _check_qkv(q, k, v)
+    causal = _check_flag(causal, "causal")
+    return_lse = _check_flag(return_lse, "return_lse")
+    left, right = _check_window(window_size, causal)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    out = _check_out(out, q)
+    b, sq, h, d = q.shape
+    p = _Problem(b, sq, k.shape[1], h, k.shape[2], d, dtype, scale, left, right)
+    with _on_device(q):
+        device = current_device()
+        cfg = _check_config(config, p, device)
+        xp = arrays.array_module(q)
+        if out is None:
+            out = xp.empty(q.shape, dtype=q.dtype)
+        lse = xp.empty((b, h, sq), dtype=xp.float32)
+        if out.size:
+            if p.seqlen_k == 0:  # nothing to attend to: every row is empty
+                arrays.bits(out)[...] = 0
+                lse[...] = -xp.inf
+            else:
+                _forward(p, q, k, v, out, lse, cfg, device)
+    return (out, lse) if return_lse else out
+
+
+def _forward(p, q, k, v, out, lse, cfg, device):
+    if cfg is None:
+        family = device.preferred_family(p.dtype)
+        cfg = configs.choose_config(family, p, device)
+    if cfg.family == TENSOR_CORE:
+        head_dim = configs.round_up(p.head_dim, 8)
+        if head_dim != p.head_dim:
+            q, k, v = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v))
+        # cp.async moves 16 bytes: rows must start on 16-byte boundaries.
+        q, k, v = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    else:
+        head_dim = p.head_dim
+        q, k, v = (arrays.as_kernel_input(x) for x in (q, k, v))
+    direct = head_dim == p.head_dim and arrays.readable_in_place(out)
+    target = out if direct else arrays.empty(q.shape[:-1] + (head_dim,), out.dtype, like=out)
+    _launch_forward(cfg, p, q, k, v, target, lse)
+    if not direct:
+        arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]

@@ -1,0 +1,172 @@
+"""Array intake: what numflash accepts, how it hands arrays to kernels, on which stream.
+
+On a GPU the public functions take CuPy arrays, or anything CuPy can adopt without a copy: an
+object with ``__dlpack__`` (JAX, PyTorch, ...) or ``__cuda_array_interface__`` (Numba, ...).
+In Numba's CUDA simulator they take NumPy arrays instead. dtypes: float16, bfloat16
+(``ml_dtypes.bfloat16``, which is CuPy's bfloat16) and float32.
+
+Kernels see every tensor as a flat 1-D array over the memory it spans plus its element strides,
+so any strided view whose last dimension is contiguous is read in place.
+"""
+
+import functools
+
+import ml_dtypes
+import numpy as np
+
+from .kernels.jit import SIMULATOR
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: dtype name -> the dtype kernels see its elements as (16-bit floats travel as their bits).
+KERNEL_DTYPES = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.float32}
+SUPPORTED = tuple(KERNEL_DTYPES)
+
+
+def dtype_name(dtype):
+    """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return None
+    if dtype == BFLOAT16:
+        return "bfloat16"
+    if dtype in (np.float16, np.float32):
+        return dtype.name
+    return None
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def intake(x, name):
+    """``x`` as a CuPy array (NumPy in the simulator); TypeError naming ``name`` otherwise."""
+    if SIMULATOR:
+        if isinstance(x, np.ndarray):
+            return x
+        raise TypeError(
+            f"{name} must be a NumPy array in the CUDA simulator; got {type(x).__name__}"
+        )
+    cupy = _cupy()
+    if isinstance(x, cupy.ndarray):
+        return x
+    if isinstance(x, np.ndarray):
+        raise TypeError(
+            f"{name} is a NumPy (host) array; numflash runs on the GPU: pass a CuPy array "
+            f"(cupy.asarray({name}))"
+        )
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cupy.from_dlpack(x)
+        except Exception as exc:  # CPU tensors, unsupported dtypes, ...
+            raise TypeError(f"{name} could not be adopted through DLPack: {exc}") from None
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    raise TypeError(
+        f"{name} must be a CuPy array or a GPU array exposing __dlpack__ or "
+        f"__cuda_array_interface__; got {type(x).__name__}"
+    )
+
+
+def array_module(x):
+    return np if isinstance(x, np.ndarray) else _cupy()
+
+
+def device_id(x):
+    """The GPU an array lives on (0 in the simulator)."""
+    return 0 if isinstance(x, np.ndarray) else x.device.id
+
+
+def empty(shape, dtype, like):
+    return array_module(like).empty(shape, dtype=dtype)
+
+
+def kernel_view(x):
+    """(flat, strides): ``x`` as a 1-D array over the memory it spans, and its element strides.
+
+    ``x`` must have a contiguous last dimension and non-negative strides (callers copy otherwise).
+    16-bit floats are viewed as uint16.
+    """
+    itemsize = x.dtype.itemsize
+    strides = tuple(s // itemsize for s in x.strides)
+    span = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides)) if x.size else 0
+    kdtype = KERNEL_DTYPES[dtype_name(x.dtype)]
+    if isinstance(x, np.ndarray):
+        flat = np.lib.stride_tricks.as_strided(x.view(kdtype), shape=(span,), strides=(itemsize,))
+    else:
+        flat = _cupy().ndarray((span,), dtype=kdtype, memptr=x.data)
+    return flat, strides
+
+
+def readable_in_place(x, alignment_elements=1):
+    """Whether kernels can read ``x`` as it is: contiguous last dimension, non-negative strides,
+    and strides and start address aligned to ``alignment_elements`` (cp.async moves 16 bytes)."""
+    itemsize = x.dtype.itemsize
+    if x.ndim and x.shape[-1] > 1 and x.strides[-1] != itemsize:
+        return False
+    if any(s < 0 or (s // itemsize) % alignment_elements for s in x.strides[:-1]):
+        return False
+    address = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+    return address % (alignment_elements * itemsize) == 0
+
+
+def bits(x):
+    """``x`` viewed as uint16 when it holds 16-bit floats, else ``x``.
+
+    Copies and fills of fp16/bf16 arrays go through this view: moving bits needs no arithmetic,
+    and CuPy has no elementwise kernels for bfloat16.
+    """
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+
+
+def as_kernel_input(x, alignment_elements=1):
+    """``x`` itself when kernels can read it in place, else a C-contiguous copy."""
+    if readable_in_place(x, alignment_elements):
+        return x
+    return array_module(x).ascontiguousarray(bits(x)).view(x.dtype)
+
+
+def pad_last_dim(x, size):
+    """A C-contiguous copy of ``x`` with its last dimension zero-padded to ``size``."""
+    padded = array_module(x).zeros(x.shape[:-1] + (size,), dtype=bits(x).dtype)
+    padded[..., : x.shape[-1]] = bits(x)
+    return padded.view(x.dtype)
+
+
+def to_float64(x):
+    """An exact float64 copy (bfloat16 through its bits: CuPy has no bf16 arithmetic)."""
+    xp = array_module(x)
+    if dtype_name(x.dtype) == "bfloat16":
+        bits = x.view(xp.uint16).astype(xp.uint32) << 16
+        return bits.view(xp.float32).astype(xp.float64)
+    return x.astype(xp.float64)
+
+
+def from_float(x, dtype):
+    """Round a float array to ``dtype`` (to nearest even; bfloat16 included)."""
+    xp = array_module(x)
+    if dtype_name(dtype) == "bfloat16":
+        if xp is np:
+            return x.astype(np.float32).astype(BFLOAT16)
+        bits = x.astype(xp.float32).view(xp.uint32)
+        nan = xp.isnan(x)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = xp.where(nan, (bits >> 16) | 0x40, rounded).astype(xp.uint16)
+        return rounded.view(BFLOAT16)
+    return x.astype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _numba_stream(ptr):
+    from numba import cuda
+
+    return cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
+
+
+def current_stream():
+    """The Numba stream object for CuPy's current stream (0 in the simulator)."""
+    if SIMULATOR:
+        return 0
+    return _numba_stream(_cupy().cuda.get_current_stream().ptr)

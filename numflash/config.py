@@ -1,0 +1,191 @@
+"""Kernel configurations: frozen dataclasses, their feasibility on a device, and the defaults.
+
+A configuration names a kernel family by its type (:class:`TensorCoreConfig` or
+:class:`PortableConfig`) and the compile-time tile sizes of that family. The same feasibility
+check serves the dispatcher (a clear error for a forced configuration) and the autotuner (prune a
+point before compiling it).
+"""
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+from .device import PORTABLE, TENSOR_CORE
+
+#: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
+#: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
+MAX_HEAD_DIM = 256
+
+#: Static shared memory a kernel may use without opting in (all CUDA GPUs).
+STATIC_SHARED_LIMIT = 48 * 1024
+
+
+def round_up(x, multiple):
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass(frozen=True)
+class TensorCoreConfig:
+    """Tiles of the tensor-core forward kernel (:mod:`numflash.kernels.forward`).
+
+    - ``block_m``: query rows per thread block, ``16 * m_tiles * num_warps``, where each warp owns
+      ``m_tiles`` (1 or 2) tiles of 16 rows.
+    - ``block_n``: keys per shared-memory tile, a multiple of 16.
+    - ``num_warps``: warps per block; they share every key/value tile.
+    - ``stages``: key/value tiles in the cp.async ring (2 = double buffering).
+    - ``q_in_registers``: keep the query fragments in registers for the whole key loop instead
+      of reloading them from shared memory with ldmatrix in every iteration.
+    """
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    stages: int = 2
+    q_in_registers: bool = True
+
+    family: ClassVar[str] = TENSOR_CORE
+    #: Fragment registers a thread may hold (accumulators, scores, query fragments) before the
+    #: rest of the kernel (addresses, softmax state) no longer fits in the 255-register limit.
+    #: A coarse bound that prunes hopeless points; ptxas' spill report is the real judge.
+    MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
+
+    @property
+    def m_tiles(self):
+        return self.block_m // (16 * self.num_warps)
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    def shared_memory_bytes(self, head_dim):
+        """Q tile plus ``stages`` K and V tiles, rows padded by 16 bytes against bank conflicts."""
+        row = round_up(head_dim, 16) + 8
+        return 2 * row * (self.block_m + 2 * self.stages * self.block_n)
+
+    def fragment_registers(self, head_dim):
+        hd = round_up(head_dim, 16)
+        acc = self.m_tiles * hd // 2
+        scores = self.m_tiles * self.block_n // 2
+        query = self.m_tiles * hd // 4 if self.q_in_registers else 4
+        return acc + scores + query
+
+    def problems(self, head_dim, device):
+        """Why this configuration cannot run ``head_dim`` on ``device``; empty when it can."""
+        out = []
+        if self.num_warps not in (1, 2, 4, 8):
+            out.append(f"num_warps={self.num_warps} is not one of 1, 2, 4, 8")
+        elif self.block_m % (16 * self.num_warps) or self.m_tiles not in (1, 2):
+            out.append(
+                f"block_m={self.block_m} must be 16 * num_warps * (1 or 2) "
+                f"= {16 * self.num_warps} or {32 * self.num_warps}"
+            )
+        if self.block_n not in (16, 32, 64, 128):
+            out.append(f"block_n={self.block_n} is not one of 16, 32, 64, 128")
+        if not 2 <= self.stages <= 4:
+            out.append(f"stages={self.stages} is not between 2 and 4")
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
+        if out:
+            return out
+        if not device.supports(self.family):
+            out.append(
+                f"{device.name} (compute capability {device.compute_capability}) has no "
+                "mma.sync/ldmatrix/cp.async; the tensor-core kernel needs 8.0 or newer"
+            )
+        smem = self.shared_memory_bytes(head_dim)
+        if smem > device.max_shared_per_block:
+            out.append(
+                f"needs {smem} bytes of shared memory per block; {device.name} allows "
+                f"{device.max_shared_per_block}"
+            )
+        if self.threads > device.max_threads_per_block:
+            out.append(f"needs {self.threads} threads per block")
+        regs = self.fragment_registers(head_dim)
+        if regs > self.MAX_FRAGMENT_REGISTERS:
+            out.append(
+                f"holds {regs} fragment registers per thread at head_dim={head_dim} "
+                f"(at most {self.MAX_FRAGMENT_REGISTERS} fit without spilling)"
+            )
+        return out
+
+    def to_dict(self):
+        return {"family": self.family, **asdict(self)}
+
+
+@dataclass(frozen=True)
+class PortableConfig:
+    """Tiles of the portable forward kernel (:mod:`numflash.kernels.forward_portable`).
+
+    One thread per query row (``block_m`` threads per block); keys and values stream through
+    shared memory ``block_n`` rows at a time, converted to fp32.
+    """
+
+    block_m: int = 64
+    block_n: int = 32
+
+    family: ClassVar[str] = PORTABLE
+
+    @property
+    def threads(self):
+        return self.block_m
+
+    def shared_memory_bytes(self, head_dim):
+        return 2 * self.block_n * head_dim * 4
+
+    def problems(self, head_dim, device):
+        out = []
+        if self.block_m not in (16, 32, 64, 128, 256):
+            out.append(f"block_m={self.block_m} is not one of 16, 32, 64, 128, 256")
+        if self.block_n not in (8, 16, 32, 64):
+            out.append(f"block_n={self.block_n} is not one of 8, 16, 32, 64")
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
+        smem = self.shared_memory_bytes(head_dim)
+        if smem > STATIC_SHARED_LIMIT:
+            out.append(
+                f"needs {smem} bytes of static shared memory at head_dim={head_dim}; "
+                f"the limit is {STATIC_SHARED_LIMIT}"
+            )
+        return out
+
+    def to_dict(self):
+        return {"family": self.family, **asdict(self)}
+
+
+CONFIG_TYPES = {TENSOR_CORE: TensorCoreConfig, PORTABLE: PortableConfig}
+
+
+def config_from_dict(entry):
+    """Inverse of ``to_dict``; raises ValueError on an unknown family or field."""
+    entry = dict(entry)
+    family = entry.pop("family", None)
+    if family not in CONFIG_TYPES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
+    try:
+        return CONFIG_TYPES[family](**entry)
+    except TypeError as exc:
+        raise ValueError(f"bad {family} configuration {entry}: {exc}") from None
+
+
+def default_portable_config(head_dim):
+    # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
+    return PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
+
+
+def default_tensor_core_config(head_dim, device):
+    """The heuristic used when no tuned configuration is cached.
+
+    Measured on the H200 (sm_90), 2026-11-29, fp16, seqlen 4096 (benchmarks/NOTES.md):
+    TODO(measure) — until then FlashAttention-2's Ampere choices for 4 warps.
+    """
+    if head_dim <= 64:
+        return TensorCoreConfig(block_m=64, block_n=64, num_warps=4, stages=2)
+    if head_dim <= 128:
+        return TensorCoreConfig(block_m=64, block_n=64, num_warps=4, stages=2)
+    return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
+
+
+def choose_config(family, problem, device):
+    """The configuration a call without ``config=`` runs with."""
+    if family == PORTABLE:
+        return default_portable_config(problem.head_dim)
+    return default_tensor_core_config(round_up(problem.head_dim, 8), device)

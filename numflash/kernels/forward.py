@@ -1,0 +1,353 @@
+"""Tensor-core attention forward (FlashAttention-2) on mma.sync, ldmatrix and cp.async.
+
+The algorithm and partitioning of FlashAttention-2 (Dao, 2023): one thread block per (block of
+BLOCK_M query rows, head, batch); each warp owns M_TILES tiles of 16 query rows and keeps their
+output accumulator ``acc``, running max ``m_i`` and running sum ``l_i`` in registers. Key and
+value tiles of BLOCK_N rows stream through a ring of STAGES shared-memory slots filled by
+cp.async, so the next tiles load while the tensor cores work on the current one:
+
+    S   = Q K_j^T * softmax_scale * log2(e)      mma.sync m16n8k16, fp32 accumulators
+    m   = max(m_i, rowmax(S));  P = exp2(S - m);  alpha = exp2(m_i - m)
+    l_i = alpha * l_i + rowsum(P);  acc = alpha * acc + P V_j   (P re-packed to fp16/bf16 in
+                                                                 registers as the A operand)
+    O   = acc / l_i;  LSE = (m_i + log2(l_i)) * ln(2)
+
+Fragments come from shared memory through ldmatrix (``.trans`` for V); shared-memory rows are
+padded by 16 bytes so the 8 rows an ldmatrix reads fall in different banks. Key tiles that the
+causal or window mask hides from every row of the block are never loaded nor computed; tiles
+that it hides partly are masked element by element.
+
+Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256 (zero-padded to a multiple of
+16 in shared memory); GQA/MQA; causal and sliding windows aligned bottom-right; any seqlen_q and
+seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.0+. Does not:
+dropout, softcapping, ALiBi, variable-length batches, KV cache.
+"""
+
+import functools
+
+from numba import cuda, float32, int64, uint16, uint32
+
+from . import ptx
+from .jit import device_function, kernel
+from .softmax import (
+    NEG_INF,
+    block_key_range,
+    final_lse,
+    shift_of,
+    tile_needs_mask,
+    visible_keys,
+)
+
+_MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
+_PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
+_FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
+
+
+def shared_memory_layout(head_dim, block_m, block_n, stages):
+    """(row pitch, K offset, V offset, total elements) of the kernel's dynamic shared memory."""
+    row = (head_dim + 15) // 16 * 16 + 8  # +8 elements = 16 bytes: conflict-free ldmatrix
+    k_base = block_m * row
+    v_base = k_base + stages * block_n * row
+    return row, k_base, v_base, v_base + stages * block_n * row
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+    """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
+    HEAD_DIM = head_dim
+    HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
+    BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
+    Q_IN_REGS = q_in_registers
+    THREADS = 32 * NUM_WARPS
+    M_TILES = BLOCK_M // (16 * NUM_WARPS)  # 16-row tiles per warp
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S
+    K_STEPS = HD_PAD // 16  # k16 steps of S = Q K^T
+    D_TILES = HD_PAD // 8  # 8-column tiles of the output
+    PV_STEPS = BLOCK_N // 16  # k16 steps of O += P V
+    ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_m, block_n, stages)
+    TILE = BLOCK_N * ROW
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks of real data per row
+    ROWS_PER_PASS = THREADS // CHUNKS  # rows one pass of all threads' cp.async covers
+    PENDING = STAGES - 2  # cp.async groups left in flight when a tile is consumed
+    Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
+    # Register arrays per thread (their sizes must be plain constants for cuda.local.array).
+    QF_REGS = M_TILES * K_STEPS * 4
+    S_REGS = M_TILES * N_TILES * 4
+    ACC_REGS = M_TILES * D_TILES * 4
+    ROWS = M_TILES * 2
+    mma = _MMA[dtype_name]
+    pack = _PACK[dtype_name]
+    from_f32 = _FROM_F32[dtype_name]
+
+    # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
+
+    @device_function
+    def load_rows(smem, base, src, src_base, src_stride, row0, nrows, valid_rows, tid):
+        """cp.async rows row0.. of ``src`` into ``smem`` rows 0..nrows-1 at ``base``.
+
+        Rows at or past ``valid_rows`` are zero-filled without reading global memory.
+        """
+        r = tid // CHUNKS
+        col = (tid - r * CHUNKS) * 8
+        if r < ROWS_PER_PASS:
+            for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
+                row = r + p * ROWS_PER_PASS
+                if row < nrows:
+                    valid = row0 + row < valid_rows
+                    g = src_base + int64(row0 + row if valid else 0) * src_stride + col
+                    nbytes = uint32(16) if valid else uint32(0)
+                    ptx.cp_async_16(smem, base + row * ROW + col, src, g, nbytes)
+
+    @device_function
+    def zero_padding_columns(smem, tid):
+        """Columns HEAD_DIM..HD_PAD-1 of every row take part in the mma: make them zero once."""
+        if HD_PAD > HEAD_DIM:
+            rows = BLOCK_M + 2 * STAGES * BLOCK_N
+            for i in range(tid, rows * (HD_PAD - HEAD_DIM), THREADS):
+                r = i // (HD_PAD - HEAD_DIM)
+                smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
+
+    # -- fragment math (one warp, registers) --------------------------------------------------------
+
+    @device_function
+    def load_q_fragments(smem, qf, q_lane, mt, kk, slot):
+        """A fragment of Q rows (warp tile mt) x columns 16*kk.. into qf[slot..slot+3]."""
+        a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, q_lane + mt * 16 * ROW + kk * 16)
+        qf[slot] = a0
+        qf[slot + 1] = a1
+        qf[slot + 2] = a2
+        qf[slot + 3] = a3
+
+    @device_function
+    def mma_qk(smem, qf, s, q_lane, k_lane, stage):
+        """S = Q K_j^T for this warp's M_TILES x N_TILES fragments (fp32, zeroed first)."""
+        for i in range(S_REGS):
+            s[i] = float32(0.0)
+        k_tile = K_BASE + stage * TILE + k_lane
+        for kk in range(K_STEPS):
+            if not Q_IN_REGS:
+                for mt in range(M_TILES):
+                    load_q_fragments(smem, qf, q_lane, mt, kk, (mt * K_STEPS + kk) * 4)
+            for np_ in range(N_TILES // 2):
+                # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, k_tile + np_ * 16 * ROW + kk * 16)
+                for mt in range(M_TILES):
+                    a = (mt * K_STEPS + kk) * 4
+                    c = (mt * N_TILES + 2 * np_) * 4
+                    s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
+                        qf[a], qf[a + 1], qf[a + 2], qf[a + 3], b0, b1,
+                        s[c], s[c + 1], s[c + 2], s[c + 3],
+                    )  # fmt: skip
+                    c += 4
+                    s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
+                        qf[a], qf[a + 1], qf[a + 2], qf[a + 3], b2, b3,
+                        s[c], s[c + 1], s[c + 2], s[c + 3],
+                    )  # fmt: skip
+
+    @device_function
+    def scale_and_mask(s, scale_log2, needs_mask, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
+        """S *= scale * log2(e); in a tile the mask cuts through, hidden keys -> -inf."""
+        if not needs_mask:
+            for i in range(S_REGS):
+                s[i] *= scale_log2
+            return
+        for mt in range(M_TILES):
+            for h in range(2):
+                row = row0 + mt * 16 + (lane >> 2) + 8 * h
+                lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
+                for nt in range(N_TILES):
+                    for e in range(2):
+                        i = (mt * N_TILES + nt) * 4 + 2 * h + e
+                        key = n0 + nt * 8 + (lane & 3) * 2 + e
+                        if lo <= key and key < hi:
+                            s[i] *= scale_log2
+                        else:
+                            s[i] = NEG_INF
+
+    @device_function
+    def online_softmax(s, m_i, l_i, acc):
+        """m_i, l_i and acc absorb the tile: P = exp2(S - m_new) is left in s."""
+        for mt in range(M_TILES):
+            for h in range(2):
+                r = mt * 2 + h
+                # -- row max over this thread's columns, then over the 4 lanes of the row
+                m_new = m_i[r]
+                for nt in range(N_TILES):
+                    i = (mt * N_TILES + nt) * 4 + 2 * h
+                    m_new = max(m_new, max(s[i], s[i + 1]))
+                m_new = max(m_new, ptx.shfl_xor(m_new, 1))
+                m_new = max(m_new, ptx.shfl_xor(m_new, 2))
+                shift = shift_of(m_new)
+                alpha = ptx.exp2(m_i[r] - shift)
+                m_i[r] = m_new
+                # -- P = exp2(S - m); l_i keeps this thread's partial sum (reduced at the end)
+                row_sum = float32(0.0)
+                for nt in range(N_TILES):
+                    i = (mt * N_TILES + nt) * 4 + 2 * h
+                    s[i] = ptx.exp2(s[i] - shift)
+                    s[i + 1] = ptx.exp2(s[i + 1] - shift)
+                    row_sum += s[i] + s[i + 1]
+                l_i[r] = l_i[r] * alpha + row_sum
+                for dt in range(D_TILES):
+                    i = (mt * D_TILES + dt) * 4 + 2 * h
+                    acc[i] *= alpha
+                    acc[i + 1] *= alpha
+
+    @device_function
+    def mma_pv(smem, s, acc, v_lane, stage):
+        """acc += P V_j, P taken from the score fragments and packed to 16 bits."""
+        v_tile = V_BASE + stage * TILE + v_lane
+        for kk in range(PV_STEPS):
+            for dp in range(D_TILES // 2):
+                # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, v_tile + kk * 16 * ROW + dp * 16)
+                for mt in range(M_TILES):
+                    # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
+                    c = (mt * N_TILES + 2 * kk) * 4
+                    a0 = pack(s[c], s[c + 1])
+                    a1 = pack(s[c + 2], s[c + 3])
+                    a2 = pack(s[c + 4], s[c + 5])
+                    a3 = pack(s[c + 6], s[c + 7])
+                    o = (mt * D_TILES + 2 * dp) * 4
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                        a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
+                    )
+                    o += 4
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                        a0, a1, a2, a3, b2, b3, acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
+                    )
+
+    @device_function
+    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
+        """O = acc / l_i (0 where l_i = 0) and the row's LSE, for this warp's rows."""
+        for mt in range(M_TILES):
+            for h in range(2):
+                r = mt * 2 + h
+                l_row = l_i[r]
+                l_row += ptx.shfl_xor(l_row, 1)
+                l_row += ptx.shfl_xor(l_row, 2)
+                row = row0 + mt * 16 + (lane >> 2) + 8 * h
+                if row < seqlen_q:
+                    inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
+                    out_row = o_base + int64(row) * o_ss
+                    for dt in range(D_TILES):
+                        col = dt * 8 + (lane & 3) * 2
+                        if col < HEAD_DIM:
+                            i = (mt * D_TILES + dt) * 4 + 2 * h
+                            o[out_row + col] = from_f32(acc[i] * inv_l)
+                            o[out_row + col + 1] = from_f32(acc[i + 1] * inv_l)
+                    if (lane & 3) == 0:
+                        lse[lse_base + row] = final_lse(m_i[r], l_row)
+
+    @device_function
+    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid):
+        """Rows that see no key at all: O = 0, LSE = -inf."""
+        for i in range(tid, BLOCK_M * HEAD_DIM, THREADS):
+            r = i // HEAD_DIM
+            if m0 + r < seqlen_q:
+                o[o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)] = uint16(0)
+        for r in range(tid, BLOCK_M, THREADS):
+            if m0 + r < seqlen_q:
+                lse[lse_base + m0 + r] = NEG_INF
+
+    # -- the kernel -------------------------------------------------------------------------------
+
+    @kernel(launch_bounds=THREADS)
+    def forward(
+        q, k, v, o, lse,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale_log2, window_left, window_right,
+    ):  # fmt: skip
+        smem = cuda.shared.array(0, uint16)
+        qf = cuda.local.array(QF_REGS, uint32)
+        s = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+        m_i = cuda.local.array(ROWS, float32)
+        l_i = cuda.local.array(ROWS, float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        # The longest rows first: under a causal mask the last query blocks see the most keys.
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        m0 = m_block * BLOCK_M
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        o_base = batch * o_sb + head * o_sh
+        lse_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
+
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        if n_hi <= n_lo:
+            write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
+            return
+        first_tile = n_lo // BLOCK_N
+        n_tiles = (n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N
+
+        # -- prologue: Q, then the first STAGES - 1 key/value tiles, each its own cp.async group
+        q_base = batch * q_sb + head * q_sh
+        k_base = batch * k_sb + kv_head * k_sh
+        v_base = batch * v_sb + kv_head * v_sh
+        zero_padding_columns(smem, tid)
+        load_rows(smem, 0, q, q_base, q_ss, m0, BLOCK_M, seqlen_q, tid)
+        ptx.cp_async_commit()
+        for st in range(STAGES - 1):
+            if st < n_tiles:
+                n0 = (first_tile + st) * BLOCK_N
+                load_rows(smem, K_BASE + st * TILE, k, k_base, k_ss, n0, BLOCK_N, seqlen_k, tid)
+                load_rows(smem, V_BASE + st * TILE, v, v_base, v_ss, n0, BLOCK_N, seqlen_k, tid)
+            ptx.cp_async_commit()
+
+        # Lane offsets of the ldmatrix row addresses (see ptx.py for the fragment layouts).
+        row0 = m0 + warp * M_TILES * 16
+        q_lane = (warp * M_TILES * 16 + (lane & 15)) * ROW + (lane >> 4) * 8
+        k_lane = ((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8
+        v_lane = (lane & 15) * ROW + (lane >> 4) * 8
+
+        if Q_IN_REGS:
+            ptx.cp_async_wait(Q_PENDING)
+            cuda.syncthreads()
+            for mt in range(M_TILES):
+                for kk in range(K_STEPS):
+                    load_q_fragments(smem, qf, q_lane, mt, kk, (mt * K_STEPS + kk) * 4)
+
+        for r in range(ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = float32(0.0)
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+        stage = 0
+        for it in range(n_tiles):
+            ptx.cp_async_wait(PENDING)  # tile `it` has landed (for this thread's copies) ...
+            cuda.syncthreads()  # ... for every thread's, and slot it-1 is free again
+            nxt = it + STAGES - 1
+            if nxt < n_tiles:
+                slot = stage - 1 if stage > 0 else STAGES - 1
+                n0 = (first_tile + nxt) * BLOCK_N
+                load_rows(smem, K_BASE + slot * TILE, k, k_base, k_ss, n0, BLOCK_N, seqlen_k, tid)
+                load_rows(smem, V_BASE + slot * TILE, v, v_base, v_ss, n0, BLOCK_N, seqlen_k, tid)
+            ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
+
+            n0 = (first_tile + it) * BLOCK_N
+            # -- S = Q K_j^T
+            mma_qk(smem, qf, s, q_lane, k_lane, stage)
+            needs_mask = tile_needs_mask(
+                m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k,
+                window_left, window_right,
+            )  # fmt: skip
+            scale_and_mask(
+                s, scale_log2, needs_mask, row0, n0, lane, seqlen_q, seqlen_k,
+                window_left, window_right,
+            )  # fmt: skip
+            # -- update m_i and l_i, rescale acc
+            online_softmax(s, m_i, l_i, acc)
+            # -- acc += P V_j
+            mma_pv(smem, s, acc, v_lane, stage)
+            stage = stage + 1 if stage + 1 < STAGES else 0
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
+        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
+
+    return forward

@@ -1,0 +1,131 @@
+"""Portable tiled attention forward: shared-memory tiles and fp32 math, no tensor cores.
+
+FlashAttention's algorithm (Dao et al., 2022; the online softmax of Milakov & Gimelshein, 2018)
+without any warp-level instruction, so it runs on every GPU that numba-cuda supports and in the
+CUDA simulator. It is the path for float32 inputs and for GPUs older than Ampere, and the
+baseline the tensor-core kernel is tested against.
+
+Partitioning: one thread block per (block of BLOCK_M query rows, head, batch) and one thread per
+query row, holding that row of Q and of the output accumulator in fp32. Each tile of BLOCK_N keys
+and values is loaded into shared memory once (converted to fp32) and read by every thread.
+
+Supports: float16, bfloat16 (both as uint16 bits) and float32; any head_dim up to 256; GQA;
+causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows that see no key
+(output 0, LSE -inf). Does not: dropout, softcapping, ALiBi, variable-length batches.
+"""
+
+import functools
+
+from numba import cuda, float32
+
+from . import ptx
+from .jit import device_function, kernel
+from .softmax import NEG_INF, block_key_range, final_lse, shift_of, visible_keys
+
+
+@device_function
+def _identity(x):
+    return float32(x)
+
+
+#: How each input dtype's elements become fp32 and back (16-bit types travel as uint16 bits).
+_TO_F32 = {"float16": ptx.f16_to_f32, "bfloat16": ptx.bf16_to_f32, "float32": _identity}
+_FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16, "float32": _identity}
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_m, block_n):
+    """The portable forward kernel specialised for one (head_dim, dtype, tile) key."""
+    HEAD_DIM = head_dim
+    BLOCK_M = block_m
+    BLOCK_N = block_n
+    TILE = BLOCK_N * HEAD_DIM
+    to_f32 = _TO_F32[dtype_name]
+    from_f32 = _FROM_F32[dtype_name]
+
+    @device_function
+    def load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid):
+        """K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0."""
+        for idx in range(tid, TILE, BLOCK_M):
+            r = idx // HEAD_DIM
+            d = idx - r * HEAD_DIM
+            key = n0 + r
+            if key < seqlen_k:
+                k_tile[idx] = to_f32(k[k_base + key * k_ss + d])
+                v_tile[idx] = to_f32(v[v_base + key * v_ss + d])
+            else:
+                k_tile[idx] = float32(0.0)
+                v_tile[idx] = float32(0.0)
+
+    @kernel
+    def forward_portable(
+        q, k, v, o, lse,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale_log2, window_left, window_right,
+    ):  # fmt: skip
+        k_tile = cuda.shared.array(TILE, float32)
+        v_tile = cuda.shared.array(TILE, float32)
+        q_row = cuda.local.array(HEAD_DIM, float32)
+        acc = cuda.local.array(HEAD_DIM, float32)
+        s = cuda.local.array(BLOCK_N, float32)
+
+        tid = cuda.threadIdx.x
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        m0 = cuda.blockIdx.x * BLOCK_M
+        row = m0 + tid
+        active = row < seqlen_q
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        lo, hi = visible_keys(row, seqlen_q, seqlen_k, window_left, window_right)
+
+        q_base = batch * q_sb + head * q_sh + row * q_ss
+        for d in range(HEAD_DIM):
+            q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
+            acc[d] = float32(0.0)
+        m_i = NEG_INF
+        l_i = float32(0.0)
+
+        k_base = batch * k_sb + kv_head * k_sh
+        v_base = batch * v_sb + kv_head * v_sh
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cuda.syncthreads()  # every thread is done with the previous tile
+            load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid)
+            cuda.syncthreads()
+
+            # -- s = q K_j^T * scale * log2(e); keys this row does not see -> -inf
+            m_new = m_i
+            for j in range(BLOCK_N):
+                key = n0 + j
+                score = NEG_INF
+                if lo <= key and key < hi:
+                    dot = float32(0.0)
+                    for d in range(HEAD_DIM):
+                        dot += q_row[d] * k_tile[j * HEAD_DIM + d]
+                    score = dot * scale_log2
+                s[j] = score
+                m_new = max(m_new, score)
+
+            # -- update m_i and l_i; acc = alpha * acc + p V_j
+            shift = shift_of(m_new)
+            alpha = ptx.exp2(m_i - shift)
+            l_i *= alpha
+            for d in range(HEAD_DIM):
+                acc[d] *= alpha
+            for j in range(BLOCK_N):
+                p = ptx.exp2(s[j] - shift)
+                if p != float32(0.0):
+                    l_i += p
+                    for d in range(HEAD_DIM):
+                        acc[d] += p * v_tile[j * HEAD_DIM + d]
+            m_i = m_new
+
+        if active:
+            inv_l = float32(1.0) / l_i if l_i > float32(0.0) else float32(0.0)
+            o_base = batch * o_sb + head * o_sh + row * o_ss
+            for d in range(HEAD_DIM):
+                o[o_base + d] = from_f32(acc[d] * inv_l)
+            lse[(batch * cuda.gridDim.y + head) * seqlen_q + row] = final_lse(m_i, l_i)
+
+    return forward_portable

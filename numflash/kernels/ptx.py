@@ -1,0 +1,419 @@
+"""Every inline-PTX instruction numflash uses, each beside its simulator fallback.
+
+This is the only module that knows LLVM inline assembly. On a GPU each name below is a Numba
+``@intrinsic`` that emits one PTX instruction through llvmlite's ``builder.asm``; in Numba's
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the same name is a Python function with the same
+semantics, so the tensor-core kernels' own source runs on a machine without a GPU.
+
+Conventions shared by the kernels:
+
+- 16-bit floats (fp16 and bf16) travel as their bits: ``uint16`` in arrays, two of them packed
+  in a ``uint32`` in mma fragments, the element with the lower index in the low half.
+- Shared-memory operands are a ``uint16`` shared array and an element index into it.
+- Global operands are a flat ``uint16`` array and an element index (int64).
+- Warp-collective instructions (mma, ldmatrix, shuffles) must be reached by all 32 lanes of a
+  warp together, as on the hardware; the simulator exchanges lane values through a per-warp
+  barrier to compute the same result.
+
+Fragment layouts (PTX ISA, "Matrix fragments for mma.m16n8k16"), with ``g = lane >> 2`` and
+``t = lane & 3``:
+
+- A (16 x 16, row-major), 4 regs: (row g, cols 2t..2t+1), (row g+8, same cols),
+  (row g, cols 8+2t..), (row g+8, cols 8+2t..).
+- B (16 x 8, k x n), 2 regs: (k 2t..2t+1, col g), (k 8+2t.., col g).
+- C/D (16 x 8, fp32), 4 values: (row g, cols 2t, 2t+1), (row g+8, cols 2t, 2t+1).
+"""
+
+import threading
+
+import numpy as np
+from numba import cuda
+
+from .jit import SIMULATOR, device_function
+
+__all__ = [
+    "mma_f16",
+    "mma_bf16",
+    "ldmatrix_x4",
+    "ldmatrix_x4_trans",
+    "cp_async_16",
+    "cp_async_commit",
+    "cp_async_wait",
+    "exp2",
+    "pack_f16x2",
+    "pack_bf16x2",
+    "shfl_xor",
+    "f16_to_f32",
+    "bf16_to_f32",
+    "f32_to_f16",
+    "f32_to_bf16",
+]
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba.cuda import cgutils, types
+    from numba.cuda.extending import intrinsic
+
+    _I16 = ir.IntType(16)
+    _I32 = ir.IntType(32)
+    _I64 = ir.IntType(64)
+    _F32 = ir.FloatType()
+
+    def _asm(builder, out_types, asm, constraints, args, side_effect):
+        """Emit one inline-asm statement; several outputs come back as an LLVM struct."""
+        if not out_types:
+            ret = ir.VoidType()
+        elif len(out_types) == 1:
+            ret = out_types[0]
+        else:
+            ret = ir.LiteralStructType(out_types)
+        fnty = ir.FunctionType(ret, [a.type for a in args])
+        return builder.asm(fnty, asm, constraints, args, side_effect)
+
+    def _as_tuple(context, builder, tuple_type, struct, count):
+        values = [builder.extract_value(struct, i) for i in range(count)]
+        return context.make_tuple(builder, tuple_type, values)
+
+    def _element_pointer(context, builder, array_type, array, index):
+        ary = context.make_array(array_type)(context, builder, array)
+        return cgutils.get_item_pointer(context, builder, array_type, ary, [index])
+
+    def _shared_address(builder, pointer):
+        """The 32-bit shared-window address that ldmatrix and cp.async take."""
+        shared = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 3))
+        return builder.trunc(builder.ptrtoint(shared, _I64), _I32)
+
+    def _global_address(builder, pointer):
+        glob = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1))
+        return builder.ptrtoint(glob, _I64)
+
+    # -- tensor cores -------------------------------------------------------------------------
+
+    def _make_mma(ab):
+        # D (16x8 f32) = A (16x16 ab, row) @ B (16x8 ab, col) + C; operands $4..$7 A, $8..$9 B.
+        asm = (
+            f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+        )
+        constraints = "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4)
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            rtype = types.UniTuple(types.float32, 4)
+            sig = rtype(*([types.uint32] * 6 + [types.float32] * 4))
+
+            def codegen(context, builder, sig, args):
+                res = _asm(builder, [_F32] * 4, asm, constraints, list(args), False)
+                return _as_tuple(context, builder, rtype, res, 4)
+
+            return sig, codegen
+
+        return mma
+
+    mma_f16 = _make_mma("f16")
+    mma_bf16 = _make_mma("bf16")
+
+    def _make_ldmatrix(trans):
+        # Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and each
+        # lane receives (row lane>>2, cols 2*(lane&3)..+1) of every matrix (of its transpose
+        # with .trans).
+        suffix = ".trans" if trans else ""
+        asm = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
+
+        @intrinsic
+        def ldmatrix(typingctx, smem, index):
+            rtype = types.UniTuple(types.uint32, 4)
+            sig = rtype(smem, types.intp)
+
+            def codegen(context, builder, sig, args):
+                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+                addr = _shared_address(builder, ptr)
+                res = _asm(builder, [_I32] * 4, asm, "=r,=r,=r,=r,r,~{memory}", [addr], True)
+                return _as_tuple(context, builder, rtype, res, 4)
+
+            return sig, codegen
+
+        return ldmatrix
+
+    ldmatrix_x4 = _make_ldmatrix(False)
+    ldmatrix_x4_trans = _make_ldmatrix(True)
+
+    # -- asynchronous copies global -> shared (sm_80+) ------------------------------------------
+
+    @intrinsic
+    def cp_async_16(typingctx, smem, smem_index, gmem, gmem_index, src_bytes):
+        """Copy 16 bytes; only the first ``src_bytes`` (0 or 16) are read, the rest zero-filled."""
+        sig = types.void(smem, types.intp, gmem, types.int64, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            dst = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            src = _element_pointer(context, builder, sig.args[2], args[2], args[3])
+            operands = [_shared_address(builder, dst), _global_address(builder, src), args[4]]
+            _asm(
+                builder, [], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                "r,l,r,~{memory}", operands, True,
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, [], "cp.async.commit_group;", "~{memory}", [], True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx, pending):
+        """Wait until at most ``pending`` (a compile-time constant) committed groups are in flight."""
+        if not isinstance(pending, types.IntegerLiteral):
+            return None
+        count = pending.literal_value
+        sig = types.void(pending)
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, [], f"cp.async.wait_group {count};", "~{memory}", [], True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    # -- arithmetic and conversions -------------------------------------------------------------
+
+    @intrinsic
+    def exp2(typingctx, x):
+        """2**x with the special-function unit (2 ulp); -inf gives +0."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
+
+        return sig, codegen
+
+    def _make_pack(ab):
+        # cvt.rn.{ab}x2.f32 d, a, b puts a in the high half: pass (hi, lo).
+        asm = f"cvt.rn.{ab}x2.f32 $0, $1, $2;"
+
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(types.float32, types.float32)
+
+            def codegen(context, builder, sig, args):
+                return _asm(builder, [_I32], asm, "=r,f,f", [args[1], args[0]], False)
+
+            return sig, codegen
+
+        return pack
+
+    pack_f16x2 = _make_pack("f16")
+    pack_bf16x2 = _make_pack("bf16")
+
+    @device_function
+    def shfl_xor(x, lane_mask):
+        """The value of ``x`` held by lane ``lane ^ lane_mask``, all 32 lanes taking part."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
+
+    @intrinsic
+    def f16_to_f32(typingctx, bits):
+        sig = types.float32(types.uint16)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_F32], "cvt.f32.f16 $0, $1;", "=f,h", list(args), False)
+
+        return sig, codegen
+
+    @intrinsic
+    def f32_to_f16(typingctx, x):
+        """Round to nearest even; overflow gives +-inf as IEEE says."""
+        sig = types.uint16(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_I16], "cvt.rn.f16.f32 $0, $1;", "=h,f", list(args), False)
+
+        return sig, codegen
+
+    @intrinsic
+    def _bits_to_f32(typingctx, bits):
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], _F32)
+
+        return sig, codegen
+
+    @intrinsic
+    def _f32_to_bits(typingctx, x):
+        sig = types.uint32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], _I32)
+
+        return sig, codegen
+
+    # bf16 is the top half of an fp32, so both conversions are integer arithmetic that any GPU
+    # runs (cvt with .bf16 needs sm_80); the portable kernel relies on that.
+
+    @device_function
+    def bf16_to_f32(bits):
+        return _bits_to_f32(types.uint32(bits) << types.uint32(16))
+
+    @device_function
+    def f32_to_bf16(x):
+        """Round to nearest even, NaN kept a (quiet) NaN."""
+        b = _f32_to_bits(x)
+        if (b & types.uint32(0x7FFFFFFF)) > types.uint32(0x7F800000):
+            return types.uint16((b >> types.uint32(16)) | types.uint32(0x40))
+        rounding = types.uint32(0x7FFF) + ((b >> types.uint32(16)) & types.uint32(1))
+        return types.uint16((b + rounding) >> types.uint32(16))
+
+else:
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+    _registry_lock = threading.Lock()
+
+    class _WarpExchange:
+        """The simulator's stand-in for a warp's register network.
+
+        Each lane deposits its operands and waits at one barrier; the barrier's action runs the
+        collective once for the whole warp, and each lane picks up its own result. A lane cannot
+        start the next collective's action before every lane has left this one, so one barrier
+        per collective is enough.
+        """
+
+        def __init__(self):
+            self.inputs = [None] * 32
+            self.results = None
+            self.collective = None
+            self.barrier = threading.Barrier(32, action=self._run, timeout=600)
+
+        def _run(self):
+            self.results = self.collective(self.inputs)
+
+    def _exchange():
+        thread = threading.current_thread()
+        key = (tuple(thread.blockIdx), thread.thread_id >> 5)
+        with _registry_lock:
+            table = thread._manager.__dict__.setdefault("_numflash_warps", {})
+            exchange = table.get(key)
+            if exchange is None:
+                exchange = table[key] = _WarpExchange()
+        return thread.thread_id & 31, exchange
+
+    def _warp_collective(collective, value):
+        """Run ``collective`` (32 lane inputs -> 32 lane results) as one warp-wide step."""
+        lane, exchange = _exchange()
+        exchange.inputs[lane] = value
+        exchange.collective = collective
+        exchange.barrier.wait()
+        return exchange.results[lane]
+
+    def _halves(words, dtype):
+        """uint32 words (n,) -> their (lo, hi) 16-bit floats as float64 (n, 2)."""
+        words = np.ascontiguousarray(words, dtype=np.uint32)
+        return words.view(np.uint16).reshape(-1, 2).view(dtype).astype(np.float64)
+
+    def _make_mma(dtype):
+        def collective(inputs):
+            regs = np.array([lane[:6] for lane in inputs], dtype=np.uint32)  # (32, 6)
+            acc = np.array([lane[6:] for lane in inputs], dtype=np.float64)  # (32, 4)
+            lane = np.arange(32)
+            g, t = lane >> 2, lane & 3
+            a = np.zeros((16, 16))
+            b = np.zeros((16, 8))
+            for reg, (row, col) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                pair = _halves(regs[:, reg], dtype)
+                a[g + row, col + 2 * t] = pair[:, 0]
+                a[g + row, col + 2 * t + 1] = pair[:, 1]
+            for reg, k0 in ((4, 0), (5, 8)):
+                pair = _halves(regs[:, reg], dtype)
+                b[k0 + 2 * t, g] = pair[:, 0]
+                b[k0 + 2 * t + 1, g] = pair[:, 1]
+            # Products of 16-bit floats are exact; accumulate in fp64 and round once to fp32.
+            d = a @ b
+            out = np.stack([d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]], 1)
+            return [tuple(np.float32(x) for x in row) for row in out + acc]
+
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            return _warp_collective(collective, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
+
+        return mma
+
+    mma_f16 = _make_mma(np.float16)
+    mma_bf16 = _make_mma(_BF16)
+
+    def _make_ldmatrix(trans):
+        def collective(inputs):
+            # Matrix m's rows come from the addresses of lanes 8m..8m+7.
+            mats = [
+                np.stack([inputs[8 * m + r][0][inputs[8 * m + r][1] :][:8] for r in range(8)])
+                for m in range(4)
+            ]
+            if trans:
+                mats = [mat.T for mat in mats]
+            results = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                results.append(
+                    tuple(
+                        np.uint32(int(mat[g, 2 * t]) | (int(mat[g, 2 * t + 1]) << 16))
+                        for mat in mats
+                    )
+                )
+            return results
+
+        def ldmatrix(smem, index):
+            return _warp_collective(collective, (smem, int(index)))
+
+        return ldmatrix
+
+    ldmatrix_x4 = _make_ldmatrix(False)
+    ldmatrix_x4_trans = _make_ldmatrix(True)
+
+    def cp_async_16(smem, smem_index, gmem, gmem_index, src_bytes):
+        # The simulator copies at once; wait_group then has nothing left to wait for.
+        s, gi = int(smem_index), int(gmem_index)
+        if int(src_bytes) == 0:
+            smem[s : s + 8] = 0
+        else:
+            smem[s : s + 8] = gmem[gi : gi + 8]
+
+    def cp_async_commit():
+        pass
+
+    def cp_async_wait(pending):
+        pass
+
+    def exp2(x):
+        return np.float32(np.exp2(np.float32(x)))
+
+    def _pack(lo, hi, dtype):
+        bits = np.array([lo, hi], dtype=np.float32).astype(dtype).view(np.uint16)
+        return np.uint32(int(bits[0]) | (int(bits[1]) << 16))
+
+    def pack_f16x2(lo, hi):
+        return _pack(lo, hi, np.float16)
+
+    def pack_bf16x2(lo, hi):
+        return _pack(lo, hi, _BF16)
+
+    def _shfl_xor_collective(inputs):
+        return [inputs[lane ^ int(inputs[lane][1])][0] for lane in range(32)]
+
+    def shfl_xor(x, lane_mask):
+        return _warp_collective(_shfl_xor_collective, (x, lane_mask))
+
+    def f16_to_f32(bits):
+        return np.float32(np.uint16(bits).view(np.float16))
+
+    def bf16_to_f32(bits):
+        return np.float32(np.uint16(bits).view(_BF16))
+
+    def f32_to_f16(x):
+        return np.float16(np.float32(x)).view(np.uint16)
+
+    def f32_to_bf16(x):
+        return np.array(np.float32(x)).astype(_BF16).view(np.uint16)[()]

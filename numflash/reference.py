@@ -1,0 +1,105 @@
+"""Reference attention: float64 ground truth, and a naive same-precision version for error bars.
+
+Tests, benchmarks and the autotuner all judge the kernels against :func:`attention_reference`.
+DESIGN.md's bar for a 16-bit result: ``max|out - ref| <= 2 * max|naive - ref| + atol``, where
+``naive`` is :func:`attention_naive`, attention computed plainly in the input precision.
+
+Both work on NumPy and CuPy arrays of layout (batch, seqlen, nheads, head_dim) and follow
+``numflash.attention``'s semantics exactly (GQA, bottom-right causal/window masks, rows that see
+no key give 0 and LSE -inf).
+"""
+
+import math
+
+import numpy as np
+
+from .arrays import array_module, from_float, to_float64
+
+
+def visibility_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), xp=np):
+    """Boolean (seqlen_q, seqlen_k): True where query i sees key j (bottom-right aligned)."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = xp.arange(seqlen_q)[:, None]
+    j = xp.arange(seqlen_k)[None, :]
+    diagonal = i + seqlen_k - seqlen_q
+    mask = xp.ones((seqlen_q, seqlen_k), dtype=bool)
+    if right >= 0:
+        mask &= j <= diagonal + right
+    if left >= 0:
+        mask &= j >= diagonal - left
+    return mask
+
+
+def _expand_kv(x, nheads):
+    """(b, s, nheads_k, d) -> (b, s, nheads, d): each kv head serves nheads // nheads_k q heads."""
+    return x.repeat(nheads // x.shape[2], axis=2)
+
+
+def _softmax_attention(q, k, v, scale, mask, rounding=None):
+    """Attention over float arrays of layout (b, h, s, d); ``rounding`` is applied after each op."""
+    xp = array_module(q)
+    rnd = rounding or (lambda a: a)
+    scores = rnd(xp.einsum("bhqd,bhkd->bhqk", q, k) * scale)
+    scores = xp.where(mask, scores, -xp.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    finite_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+    p = xp.exp(scores - finite_max)
+    row_sum = p.sum(axis=-1, keepdims=True)
+    seen = row_sum > 0
+    probs = rnd(p / xp.where(seen, row_sum, 1.0))
+    out = rnd(xp.einsum("bhqk,bhkd->bhqd", probs, v))
+    lse = xp.where(seen, finite_max + xp.log(xp.where(seen, row_sum, 1.0)), -xp.inf)[..., 0]
+    return out, lse
+
+
+def _prepare(q, k, v, softmax_scale, convert):
+    nheads = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    qh = convert(q).transpose(0, 2, 1, 3)
+    kh = convert(_expand_kv(k, nheads)).transpose(0, 2, 1, 3)
+    vh = convert(_expand_kv(v, nheads)).transpose(0, 2, 1, 3)
+    return qh, kh, vh, scale
+
+
+def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                        query_chunk=1024):  # fmt: skip
+    """(out, lse) in float64: out (batch, seqlen_q, nheads, head_dim), lse (batch, nheads, seqlen_q).
+
+    Computed ``query_chunk`` query rows at a time so that long sequences fit in memory.
+    """
+    xp = array_module(q)
+    qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, to_float64)
+    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    mask = visibility_mask(seqlen_q, seqlen_k, causal, window_size, xp)
+    out = xp.empty(qh.shape, dtype=xp.float64)
+    lse = xp.empty(qh.shape[:3], dtype=xp.float64)
+    for start in range(0, seqlen_q, query_chunk):
+        rows = slice(start, min(start + query_chunk, seqlen_q))
+        out[:, :, rows], lse[:, :, rows] = _softmax_attention(
+            qh[:, :, rows], kh, vh, scale, mask[rows]
+        )
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """Attention as a plain implementation in the input precision computes it.
+
+    Every intermediate (scores, probabilities, output) is rounded to the input dtype, as a
+    framework's matmuls and softmax in fp16/bf16 would; the math between roundings is fp32.
+    Returns (out in the input dtype, lse in float32).
+    """
+    xp = array_module(q)
+    dtype = q.dtype
+
+    def as_f32(a):
+        return to_float64(a).astype(xp.float32)
+
+    def rounding(a):
+        return to_float64(from_float(a, dtype)).astype(xp.float32)
+
+    qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
+    mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
+    out, lse = _softmax_attention(qh, kh, vh, xp.float32(scale), mask, rounding)
+    return from_float(out.transpose(0, 2, 1, 3), dtype), lse.astype(xp.float32)
