@@ -15,7 +15,7 @@ import numpy as np
 from . import arrays, config as configs
 from .device import TENSOR_CORE, current_device
 from .kernels import forward, forward_portable
-from .kernels.jit import SIMULATOR, Launcher
+from .kernels.jit import Launcher, forward_signature
 from .kernels.softmax import LOG2E
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -158,20 +158,6 @@ def _check_config(config, problem, device):
 
 # -- launching -------------------------------------------------------------------------------------
 
-def _signature(dtype_name):
-    """Argument types of both forward kernels: 5 arrays, 12 strides, 3 sizes, scale, window."""
-    if SIMULATOR:
-        return None  # the simulator types nothing
-    from numba.cuda import types
-
-    elem = types.Array(types.float32 if dtype_name == "float32" else types.uint16, 1, "C")
-    lse = types.Array(types.float32, 1, "C")
-    return (
-        (elem,) * 4 + (lse,) + (types.int64,) * 12 + (types.int32,) * 3
-        + (types.float32,) + (types.int32,) * 2
-    )  # fmt: skip
-
-
 _launchers = {}
 
 
@@ -180,7 +166,7 @@ def _launcher(family, key):
     if launcher is None:
         build = forward.build if family == TENSOR_CORE else forward_portable.build
         dtype = key[1]
-        launcher = Launcher(build(*key), _signature(dtype))
+        launcher = Launcher(build(*key), forward_signature(dtype))
         _launchers[(family, key)] = launcher
     return launcher
 

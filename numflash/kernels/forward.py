@@ -40,7 +40,6 @@ from .softmax import (
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
-_FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
 
 
 def shared_memory_layout(head_dim, block_m, block_n, stages):
@@ -77,7 +76,6 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     ROWS = M_TILES * 2
     mma = _MMA[dtype_name]
     pack = _PACK[dtype_name]
-    from_f32 = _FROM_F32[dtype_name]
 
     # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
 
@@ -234,8 +232,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                         col = dt * 8 + (lane & 3) * 2
                         if col < HEAD_DIM:
                             i = (mt * D_TILES + dt) * 4 + 2 * h
-                            o[out_row + col] = from_f32(acc[i] * inv_l)
-                            o[out_row + col + 1] = from_f32(acc[i + 1] * inv_l)
+                            pair = pack(acc[i] * inv_l, acc[i + 1] * inv_l)
+                            o[out_row + col] = uint16(pair & uint32(0xFFFF))
+                            o[out_row + col + 1] = uint16(pair >> uint32(16))
                     if (lane & 3) == 0:
                         lse[lse_base + row] = final_lse(m_i[r], l_row)
 

@@ -43,6 +43,25 @@ def kernel(fn=None, *, launch_bounds=None):
     return wrap if fn is None else wrap(fn)
 
 
+def forward_signature(dtype_name):
+    """Argument types of both forward kernels (None in the simulator, which types nothing).
+
+    q, k, v, out as flat arrays (uint16 bits for fp16/bf16), lse (float32), the (batch, seqlen,
+    head) element strides of q, k, v and out (int64), seqlen_q, seqlen_k, heads_per_kv (int32),
+    softmax_scale * log2(e) (float32), window_left, window_right (int32).
+    """
+    if SIMULATOR:
+        return None
+    from numba.cuda import types
+
+    elem = types.Array(types.float32 if dtype_name == "float32" else types.uint16, 1, "C")
+    lse = types.Array(types.float32, 1, "C")
+    return (
+        (elem,) * 4 + (lse,) + (types.int64,) * 12 + (types.int32,) * 3
+        + (types.float32,) + (types.int32,) * 2
+    )  # fmt: skip
+
+
 #: Shared memory a block gets without opting in to more (every CUDA GPU).
 DEFAULT_SHARED_LIMIT = 48 * 1024
 

@@ -388,10 +388,12 @@ else:
         pass
 
     def exp2(x):
-        return np.float32(np.exp2(np.float32(x)))
+        with np.errstate(over="ignore"):
+            return np.float32(np.exp2(np.float32(x)))
 
     def _pack(lo, hi, dtype):
-        bits = np.array([lo, hi], dtype=np.float32).astype(dtype).view(np.uint16)
+        with np.errstate(over="ignore"):
+            bits = np.array([lo, hi], dtype=np.float32).astype(dtype).view(np.uint16)
         return np.uint32(int(bits[0]) | (int(bits[1]) << 16))
 
     def pack_f16x2(lo, hi):
@@ -413,7 +415,8 @@ else:
         return np.float32(np.uint16(bits).view(_BF16))
 
     def f32_to_f16(x):
-        return np.float16(np.float32(x)).view(np.uint16)
+        with np.errstate(over="ignore"):
+            return np.float16(np.float32(x)).view(np.uint16)
 
     def f32_to_bf16(x):
         return np.array(np.float32(x)).astype(_BF16).view(np.uint16)[()]

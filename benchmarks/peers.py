@@ -1,0 +1,67 @@
+"""The implementations numflash is measured against, each as a callable on numflash's layout.
+
+Every provider takes q, k, v as CuPy arrays of layout (batch, seqlen, nheads, head_dim) and
+returns a function that runs one forward pass. PyTorch's SDPA is fed the same memory through
+DLPack, transposed to its (batch, heads, seqlen, head_dim) layout without a copy.
+"""
+
+import math
+
+import cupy
+
+import numflash
+
+
+def numflash_forward(q, k, v, causal, config=None):
+    out = cupy.empty_like(q)
+
+    def run():
+        numflash.attention(q, k, v, causal=causal, out=out, config=config)
+
+    return run
+
+
+def naive_forward(q, k, v, causal):
+    """Attention as a CuPy user writes it: scores in fp32 through matmul, softmax, matmul."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qh, kh, vh = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+
+    def run():
+        s = cupy.matmul(qh, kh.transpose(0, 1, 3, 2)).astype(cupy.float32) * scale
+        if causal:
+            sq, sk = s.shape[-2:]
+            keep = cupy.tri(sq, sk, sk - sq, dtype=bool)
+            s = cupy.where(keep, s, -cupy.inf)
+        s -= s.max(axis=-1, keepdims=True)
+        p = cupy.exp(s)
+        p /= p.sum(axis=-1, keepdims=True)
+        return cupy.matmul(p.astype(q.dtype), vh)
+
+    return run
+
+
+def torch_available():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def sdpa_forward(q, k, v, causal, backend):
+    """torch SDPA with one backend forced: "flash" (FlashAttention-2) or "cudnn"."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    gqa = q.shape[2] != k.shape[2]
+
+    def run():
+        with sdpa_kernel(which):
+            return torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=causal, enable_gqa=gqa
+            )
+
+    return run

@@ -1,0 +1,124 @@
+"""Check and time tensor-core configurations side by side with SDPA's FlashAttention-2.
+
+For each (head_dim, dtype, causal) every feasible configuration of a grid is first checked
+against the float64 reference on fresh random inputs, then timed on the benchmark shape; the
+peer runs in the same process on the same inputs. Used to choose the shipped defaults before the
+autotuner exists and to study what limits the kernel.
+
+    python benchmarks/variants.py --head-dims 64 128 --seqlens 4096 --out results.json
+"""
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import cupy
+import numpy as np
+
+import numflash
+from numflash import reference
+from numflash.arrays import BFLOAT16, from_float, to_float64
+from numflash.config import TensorCoreConfig, default_tensor_core_config
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import peers  # noqa: E402
+
+
+def random_qkv(batch, seqlen, nheads, head_dim, dtype, seed):
+    rng = cupy.random.default_rng(seed)
+    shape = (batch, seqlen, nheads, head_dim)
+    return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
+
+
+def check(cfg, head_dim, dtype, causal, seed):
+    """max error against the float64 reference over twice the naive same-precision error."""
+    q, k, v = random_qkv(1, 777, 4, head_dim, dtype, seed)
+    out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
+    numflash.attention(q, k, v, causal=causal, out=out, config=cfg)
+    ref, _ = reference.attention_reference(q, k, v, causal=causal)
+    naive, _ = reference.attention_naive(q, k, v, causal=causal)
+    err = float(cupy.abs(to_float64(out) - ref).max())
+    bar = 2 * float(cupy.abs(to_float64(naive) - ref).max()) + 1e-4
+    return err, bar
+
+
+def grid(head_dim):
+    for bm, bn, nw, st, qr in itertools.product(
+        (64, 128), (32, 64, 128), (4, 8), (2, 3), (True, False)
+    ):
+        cfg = TensorCoreConfig(bm, bn, nw, st, qr)
+        if not cfg.problems(head_dim, current_device()):
+            yield cfg
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--dtypes", nargs="+", default=["float16"])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--default-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    dev = current_device()
+    print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
+    rows = []
+    for hd, dt, causal, seqlen in itertools.product(
+        args.head_dims, args.dtypes, causals, args.seqlens
+    ):
+        dtype = cupy.float16 if dt == "float16" else BFLOAT16
+        batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
+        q, k, v = random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
+        flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
+        peer = None
+        if peers.torch_available():
+            peer = time_gpu(peers.sdpa_forward(q, k, v, causal, "flash")).tflops(flops)
+        default = default_tensor_core_config(hd, dev)
+        cfgs = [default] if args.default_only else [default] + [
+            c for c in grid(hd) if c != default
+        ]
+        for i, cfg in enumerate(cfgs):
+            t0 = time.time()
+            try:
+                err, bar = check(cfg, hd, dtype, causal, seed=100 + i)
+                tf = time_gpu(peers.numflash_forward(q, k, v, causal, cfg)).tflops(flops)
+            except Exception as exc:  # a variant that fails to build or launch is reported
+                print(f"  {cfg}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                continue
+            row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
+                       nheads=nheads, config=cfg.to_dict(), tflops=tf, sdpa_flash=peer,
+                       ratio=tf / peer if peer else None, err=err, bar=bar, ok=err <= bar,
+                       default=cfg == default)  # fmt: skip
+            rows.append(row)
+            print(
+                f"hd{hd} {dt} causal={causal} s{seqlen} {cfg.block_m}x{cfg.block_n} "
+                f"w{cfg.num_warps} st{cfg.stages} qr={int(cfg.q_in_registers)}: "
+                f"{tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}  "
+                f"ratio {row['ratio'] or float('nan'):.3f}  err {err:.2e} (bar {bar:.2e}) "
+                f"{'ok' if row['ok'] else 'WRONG'}  [{time.time() - t0:.1f}s]",
+                flush=True,
+            )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": dev.name, "rows": rows}, f, indent=1)
+    best = {}
+    for r in rows:
+        key = (r["head_dim"], r["dtype"], r["causal"], r["seqlen"])
+        if r["ok"] and (key not in best or r["tflops"] > best[key]["tflops"]):
+            best[key] = r
+    print("\nbest per key:")
+    for key, r in sorted(best.items()):
+        print(f"  {key}: {r['config']} {r['tflops']:.1f} TFLOP/s ratio {r['ratio']}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The ``numflash`` command: ``numflash info`` (versions, the GPU, its kernel paths, the cache)."""
+
+import argparse
+import platform
+import sys
+
+
+def _version(*distributions):
+    """The installed version of the first of ``distributions`` that is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in distributions:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _cuda_versions():
+    import cupy
+
+    def fmt(v):
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    return fmt(cupy.cuda.runtime.driverGetVersion()), fmt(cupy.cuda.runtime.runtimeGetVersion())
+
+
+def info(out=sys.stdout):
+    """Print what numflash runs with and where; returns the exit status (always 0)."""
+    import numflash
+    from numflash.cache import cache_dir
+    from numflash.device import TENSOR_CORE, current_device, gpu_available
+    from numflash.kernels.jit import SIMULATOR
+
+    print(f"numflash {numflash.__version__} (Python {platform.python_version()})", file=out)
+    print(
+        f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, "
+        f"CuPy {_version('cupy-cuda13x', 'cupy-cuda12x', 'cupy')}, "
+        f"numpy {_version('numpy')}, optuna {_version('optuna')}",
+        file=out,
+    )
+    if SIMULATOR:
+        print("GPU: none; running in the Numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1)", file=out)
+        print("  kernel paths: portable (default), tensor-core (with an explicit config)", file=out)
+    elif not gpu_available():
+        print("GPU: none found (no CUDA driver or no device).", file=out)
+        print(
+            "  numflash needs an NVIDIA GPU; without one its API runs in Numba's CUDA simulator "
+            "on NumPy arrays: set NUMBA_ENABLE_CUDASIM=1.",
+            file=out,
+        )
+    else:
+        driver, runtime = _cuda_versions()
+        dev = current_device()
+        print(f"CUDA driver {driver}, runtime {runtime}", file=out)
+        print(
+            f"GPU: {dev.name}, compute capability {dev.compute_capability[0]}."
+            f"{dev.compute_capability[1]} ({dev.arch}), {dev.multiprocessors} SMs, "
+            f"{dev.max_shared_per_block // 1024} KiB shared memory per block",
+            file=out,
+        )
+        if dev.supports(TENSOR_CORE):
+            paths = "tensor-core (float16, bfloat16); portable (float32)"
+        else:
+            paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
+        print(f"  kernel paths: {paths}", file=out)
+    print(f"configuration cache: {cache_dir()}", file=out)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="numflash", description="FlashAttention for CuPy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, the GPU and its kernel paths, the cache location")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Compile every kernel family for every target architecture without a GPU; print a JSON report.
+
+Run by tests/test_compile.py in a subprocess with the simulator off (the test process itself
+may be in the simulator). For each kernel: which instructions its PTX holds, and ptxas' resource
+report (registers, stack frame, spills).
+
+    python tests/compile_targets.py [--quick]
+"""
+
+import json
+import os
+import sys
+
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+
+from numflash.config import default_portable_config, default_tensor_core_config  # noqa: E402
+from numflash.kernels import forward, forward_portable, offline  # noqa: E402
+from numflash.kernels.jit import forward_signature  # noqa: E402
+
+TENSOR_CORE_TARGETS = [(8, 0), (8, 6), (8, 9), (9, 0, "a")]
+PORTABLE_TARGETS = [(7, 5), (9, 0, "a")]
+INSTRUCTIONS = ["mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global",
+                "cp.async.wait_group", "ex2.approx", "shfl.sync.bfly"]  # fmt: skip
+
+
+def report(kernel, dtype, cc, resources):
+    ptx = offline.compile_ptx(kernel, forward_signature(dtype), cc)
+    entry = {"target": offline.arch_name(cc), "counts": {i: ptx.count(i) for i in INSTRUCTIONS}}
+    if resources:
+        usage = offline.resource_usage(ptx, cc)
+        usage.pop("log")
+        entry["resources"] = usage
+    return entry
+
+
+def main(quick):
+    results = []
+    head_dims = [64, 128] if quick else [32, 64, 96, 128, 256]
+    for hd in head_dims:
+        for dtype in ["float16", "bfloat16"]:
+            cfg = default_tensor_core_config(hd, None)
+            kernel = forward.build(hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
+                                   cfg.q_in_registers)  # fmt: skip
+            for cc in TENSOR_CORE_TARGETS:
+                # ptxas' report on the newest target is enough to see spills.
+                entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1])
+                results.append({"family": "tensor-core", "head_dim": hd, "dtype": dtype,
+                                "config": cfg.to_dict(), **entry})  # fmt: skip
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
+        cfg = default_portable_config(hd)
+        kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
+        for cc in PORTABLE_TARGETS:
+            entry = report(kernel, dtype, cc, resources=False)
+            results.append({"family": "portable", "head_dim": hd, "dtype": dtype,
+                            "config": cfg.to_dict(), **entry})  # fmt: skip
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main("--quick" in sys.argv)

@@ -1,0 +1,73 @@
+"""Every kernel family compiles to PTX for every supported target, with the instructions it is
+meant to use, and the default tensor-core configurations spill no registers.
+
+Compilation runs in a subprocess with the simulator off, so these tests run on CI without a GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "compile_targets.py")],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _entries(compiled, family):
+    entries = [e for e in compiled if e["family"] == family]
+    assert entries, f"no {family} kernels were compiled"
+    return entries
+
+
+def test_tensor_core_kernels_compile_for_every_target(compiled):
+    entries = _entries(compiled, "tensor-core")
+    targets = {e["target"] for e in entries}
+    assert targets == {"sm_80", "sm_86", "sm_89", "sm_90a"}
+    for e in entries:
+        counts = e["counts"]
+        for instruction in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned",
+                            "cp.async.cg.shared.global", "cp.async.wait_group", "ex2.approx"):
+            assert counts[instruction] > 0, f"{instruction} missing from {e}"  # fmt: skip
+
+
+def test_tensor_core_mma_count_matches_the_tiles(compiled):
+    # Fully unrolled: S = Q K^T and O += P V each take (rows/16) (cols/8) (k/16) mma per tile.
+    for e in _entries(compiled, "tensor-core"):
+        cfg, hd = e["config"], (e["head_dim"] + 15) // 16 * 16
+        m_tiles = cfg["block_m"] // (16 * cfg["num_warps"])
+        per_tile = m_tiles * (cfg["block_n"] // 8) * (hd // 16)
+        per_tile += m_tiles * (hd // 8) * (cfg["block_n"] // 16)
+        assert e["counts"]["mma.sync.aligned.m16n8k16"] == per_tile, e
+
+
+def test_default_configurations_spill_nothing(compiled):
+    reports = [e for e in _entries(compiled, "tensor-core") if "resources" in e]
+    assert reports
+    for e in reports:
+        r = e["resources"]
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, e
+        assert r["stack"] == 0, f"a register array went to local memory: {e}"
+
+
+def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
+    entries = _entries(compiled, "portable")
+    assert {"sm_75", "sm_90a"} <= {e["target"] for e in entries}
+    for e in entries:
+        assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
+        assert e["counts"]["cp.async.cg.shared.global"] == 0
+        assert e["counts"]["shfl.sync.bfly"] == 0

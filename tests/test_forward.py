@@ -1,0 +1,219 @@
+"""numflash.attention against the float64 reference: both kernel families, awkward shapes."""
+
+import itertools
+
+import numpy as np
+import pytest
+from _support import (
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+    xp,
+)
+
+import numflash
+from numflash.config import PortableConfig, TensorCoreConfig
+
+MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(8, 4))}
+
+
+def _covering_cases(dtypes, head_dims, seqlens, gqa_ratios):
+    """Every (dtype, head_dim, seqlens) triple once; masks and GQA ratios rotate through them,
+    so each value of each parameter meets many values of the others without the full product."""
+    for i, (dtype, hd, (sq, sk)) in enumerate(itertools.product(dtypes, head_dims, seqlens)):
+        mask = list(MASKS)[i % len(MASKS)]
+        ratio = gqa_ratios[(i // len(MASKS)) % len(gqa_ratios)]
+        yield pytest.param(dtype, hd, sq, sk, ratio, mask, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{ratio}-{mask}")
+
+
+SEQLENS = [(1, 1), (7, 33), (33, 7), (80, 80), (33, 80)]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,seqlen_q,seqlen_k,gqa,mask",
+    list(_covering_cases(["float16", "float32", "bfloat16"], [16, 40, 64], SEQLENS, [1, 2, 4])),
+)
+def test_portable_kernel_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask):
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
+    out = poisoned_like(q)
+    cfg = PortableConfig(block_m=32, block_n=16)
+    res, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, **MASKS[mask])
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse, **MASKS[mask])
+
+
+#: Small enough for the simulator: one or four warps, tiles of 16 and 32 keys.
+SIM_TC_CASES = [
+    ("float16", 32, 33, 40, 2, "causal", TensorCoreConfig(16, 16, 1, 2, True)),
+    ("bfloat16", 32, 17, 50, 1, "window", TensorCoreConfig(16, 16, 1, 3, False)),
+    ("float16", 40, 20, 9, 1, "none", TensorCoreConfig(16, 32, 1, 2, True)),
+    ("bfloat16", 16, 70, 70, 2, "causal", TensorCoreConfig(64, 32, 4, 2, True)),
+    ("float16", 24, 5, 19, 4, "none", TensorCoreConfig(32, 16, 1, 2, False)),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,cfg",
+    [pytest.param(*c, id=f"{c[0]}-d{c[1]}-q{c[2]}-k{c[3]}-g{c[4]}-{c[5]}") for c in SIM_TC_CASES],
+)
+def test_tensor_core_kernel_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, cfg):
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
+    out = poisoned_like(q)
+    _, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, **MASKS[mask])
+    assert_matches_reference(q, k, v, out, lse, **MASKS[mask])
+
+
+def test_causal_rows_that_see_no_key_give_zero_and_minus_inf():
+    # seqlen_q > seqlen_k with a bottom-right causal mask: the first 5 rows see nothing.
+    q, k, v = random_qkv(1, 9, 4, 2, 1, 16, "float32")
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    lse = lse if isinstance(lse, np.ndarray) else lse.get()
+    out = out if isinstance(out, np.ndarray) else out.get()
+    assert np.isneginf(lse[:, :, :5]).all() and np.isfinite(lse[:, :, 5:]).all()
+    assert (out[:, :5] == 0).all()
+
+
+def test_window_excluding_everything_gives_zero_rows():
+    q, k, v = random_qkv(1, 6, 6, 1, 1, 8, "float16")
+    # left=0, right=0 keeps only the diagonal; shift it out of range with seqlen_k < seqlen_q.
+    out, lse = numflash.attention(q, k[:, :2], v[:, :2], window_size=(0, 0), return_lse=True)
+    assert_matches_reference(q, k[:, :2], v[:, :2], out, lse, window_size=(0, 0))
+
+
+def test_softmax_scale_is_applied():
+    q, k, v = random_qkv(1, 12, 12, 1, 1, 16, "float32")
+    out, lse = numflash.attention(q, k, v, softmax_scale=0.37, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, softmax_scale=0.37)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_empty_sequences_launch_nothing(dtype):
+    q, k, v = random_qkv(2, 0, 5, 2, 1, 16, dtype)
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 0, 2, 16) and lse.shape == (2, 2, 0)
+    q, k, v = random_qkv(1, 3, 0, 2, 1, 16, dtype)
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    assert (out == 0).all() and bool(xp.isneginf(lse).all())
+
+
+def test_strided_views_are_read_in_place():
+    # (batch, nheads, seqlen, head_dim) arrays transposed to numflash's layout.
+    rng_shape = (1, 3, 21, 16)
+    q, k, v = (random_array(rng_shape, "float16").transpose(0, 2, 1, 3) for _ in range(3))
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, causal=True)
+
+
+def test_output_buffer_with_foreign_strides():
+    q, k, v = random_qkv(1, 10, 10, 2, 2, 8, "float32")
+    big = poisoned_like(random_array((1, 2, 10, 8), "float32"))
+    out = big.transpose(0, 2, 1, 3)  # (1, 10, 2, 8) view with non-default strides
+    res, lse = numflash.attention(q, k, v, out=out, return_lse=True)
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_acceptance_shape(dtype, causal):
+    """Issue 2's acceptance shape on the default (tensor-core) path, output poisoned first."""
+    q, k, v = random_qkv(2, 4096, 4096, 16, 16, 128, dtype)
+    out = poisoned_like(q)
+    _, lse = numflash.attention(q, k, v, causal=causal, out=out, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, causal=causal)
+
+
+GPU_HEAD_DIMS = [32, 40, 64, 72, 96, 128, 160, 256]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype,head_dim,seqlen_q,seqlen_k,gqa,mask",
+    list(
+        _covering_cases(
+            ["float16", "bfloat16"],
+            GPU_HEAD_DIMS,
+            [(1, 1), (113, 203), (203, 113), (1023, 1023), (128, 1023), (7, 1)],
+            [1, 2, 4, 8],
+        )
+    ),
+)
+def test_default_path_matrix(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
+    out = poisoned_like(q)
+    _, lse = numflash.attention(q, k, v, out=out, return_lse=True, **MASKS[mask])
+    assert_matches_reference(q, k, v, out, lse, **MASKS[mask])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [17, 100, 250])
+def test_head_dims_not_multiple_of_8_are_padded(head_dim):
+    q, k, v = random_qkv(1, 77, 91, 2, 1, head_dim, "float16")
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_portable_kernel_on_gpu(dtype):
+    q, k, v = random_qkv(2, 300, 517, 4, 2, 96, dtype)
+    out = poisoned_like(q)
+    _, lse = numflash.attention(
+        q, k, v, causal=True, out=out, return_lse=True, config=PortableConfig()
+    )
+    assert_matches_reference(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.gpu
+def test_runs_on_cupys_current_stream():
+    import cupy
+
+    q, k, v = random_qkv(1, 2048, 2048, 8, 8, 128, "bfloat16")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        out = poisoned_like(q)
+        _, lse = numflash.attention(q, k, v, out=out, return_lse=True)
+        done = cupy.cuda.Event()
+        done.record(stream)
+    done.synchronize()
+    assert_matches_reference(q, k, v, out, lse)
+
+
+@pytest.mark.gpu
+def test_transposed_bhsd_views_on_gpu():
+    q, k, v = (random_array((2, 16, 1000, 128), "float16").transpose(0, 2, 1, 3) for _ in range(3))
+    assert not q.flags.c_contiguous
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    assert_matches_reference(q, k, v, out, lse, causal=True)
+
+
+@pytest.mark.gpu
+def test_forward_is_deterministic():
+    q, k, v = random_qkv(2, 1531, 1531, 8, 4, 128, "float16")
+    first = numflash.attention(q, k, v, causal=True)
+    for _ in range(100):
+        again = numflash.attention(q, k, v, causal=True)
+        assert bool((again.view(xp.uint16) == first.view(xp.uint16)).all())
+
+
+@pytest.mark.gpu
+def test_memory_is_linear_in_seqlen():
+    """At seqlen 32768 a call allocates its output and LSE and nothing of size seqlen^2."""
+    import cupy
+
+    q, k, v = random_qkv(1, 32768, 32768, 16, 16, 128, "float16")
+    numflash.attention(q, k, v)  # compile and warm up outside the measurement
+    cupy.cuda.Device().synchronize()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.used_bytes()
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    cupy.cuda.Device().synchronize()
+    extra = pool.used_bytes() - before
+    assert extra <= out.nbytes + lse.nbytes + 4096, extra
+

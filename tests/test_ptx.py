@@ -1,0 +1,118 @@
+"""The PTX intrinsics against NumPy.
+
+The same kernels run through the simulator fallbacks on CI and through the real instructions on
+a GPU, so on the GPU these tests also prove that the fallbacks mean what the hardware does.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _support import to_numpy, xp
+from numba import cuda, float32, uint16, uint32
+
+from numflash.kernels import ptx
+
+ROW = 24  # 16 columns + 8 padding, as the kernels pitch their shared-memory rows
+A_OFF, BT_OFF, B_OFF = 0, 16 * ROW, 32 * ROW
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _tile_kernel(mma):
+    @cuda.jit
+    def kernel(a, bt, b, out_nt, out_t):
+        """out_nt = A @ BT^T and out_t = A @ B for 16x16 tiles, through cp.async and ldmatrix."""
+        smem = cuda.shared.array(48 * ROW, uint16)
+        lane = cuda.threadIdx.x
+        r = lane >> 1
+        c = (lane & 1) * 8
+        ptx.cp_async_16(smem, A_OFF + r * ROW + c, a, r * 16 + c, uint32(16))
+        ptx.cp_async_16(smem, BT_OFF + r * ROW + c, bt, r * 16 + c, uint32(16))
+        ptx.cp_async_16(smem, B_OFF + r * ROW + c, b, r * 16 + c, uint32(16))
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        cuda.syncthreads()
+        a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, A_OFF + (lane & 15) * ROW + (lane >> 4) * 8)
+        k_row = (lane & 7) + ((lane >> 4) << 3)
+        b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, BT_OFF + k_row * ROW + ((lane >> 3) & 1) * 8)
+        t0, t1, t2, t3 = ptx.ldmatrix_x4_trans(smem, B_OFF + (lane & 15) * ROW + (lane >> 4) * 8)
+        zero = float32(0.0)
+        g = lane >> 2
+        col = (lane & 3) * 2
+        for tile in range(2):
+            if tile == 0:
+                d = mma(a0, a1, a2, a3, b0, b1, zero, zero, zero, zero)
+                e = mma(a0, a1, a2, a3, t0, t1, zero, zero, zero, zero)
+            else:
+                d = mma(a0, a1, a2, a3, b2, b3, zero, zero, zero, zero)
+                e = mma(a0, a1, a2, a3, t2, t3, zero, zero, zero, zero)
+            n = tile * 8 + col
+            out_nt[g, n], out_nt[g, n + 1], out_nt[g + 8, n], out_nt[g + 8, n + 1] = d
+            out_t[g, n], out_t[g, n + 1], out_t[g + 8, n], out_t[g + 8, n + 1] = e
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cp_async_ldmatrix_mma_tile(dtype):
+    rng = np.random.default_rng(7)
+    mats = [rng.standard_normal((16, 16)).astype(DTYPES[dtype]) for _ in range(3)]
+    a, bt, b = (m.astype(np.float64) for m in mats)
+    bits = [xp.asarray(m.view(np.uint16).reshape(-1)) for m in mats]
+    out_nt = xp.full((16, 16), np.nan, dtype=np.float32)
+    out_t = xp.full((16, 16), np.nan, dtype=np.float32)
+    mma = ptx.mma_f16 if dtype == "float16" else ptx.mma_bf16
+    _tile_kernel(mma)[1, 32](*bits, out_nt, out_t)
+    # 16-term fp32 sums of exact products: a few ulp of the result's magnitude.
+    np.testing.assert_allclose(to_numpy(out_nt), a @ bt.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_numpy(out_t), a @ b, rtol=1e-5, atol=1e-5)
+
+
+@cuda.jit
+def _lane_ops(x, shuffled, exps, f16_bits, bf16_bits, f16_pack, bf16_pack, back16, backbf):
+    lane = cuda.threadIdx.x
+    v = x[lane]
+    shuffled[lane] = ptx.shfl_xor(v, 1) + float32(2.0) * ptx.shfl_xor(v, 2)
+    exps[lane] = ptx.exp2(v)
+    f16_bits[lane] = ptx.f32_to_f16(v)
+    bf16_bits[lane] = ptx.f32_to_bf16(v)
+    f16_pack[lane] = ptx.pack_f16x2(v, -v)
+    bf16_pack[lane] = ptx.pack_bf16x2(v, -v)
+    back16[lane] = ptx.f16_to_f32(f16_bits[lane])
+    backbf[lane] = ptx.bf16_to_f32(bf16_bits[lane])
+
+
+def test_lane_operations():
+    # Rounding ties for bf16 (1 + 2^-8 lies halfway), a NaN, infinities, overflow for fp16.
+    special = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, np.nan, np.inf, -np.inf, 70000.0, -0.0, 1e-30]
+    values = np.concatenate([special, np.linspace(-20, 3, 32 - len(special))]).astype(np.float32)
+    x = xp.asarray(values)
+    outs = [xp.zeros(32, np.float32) for _ in range(2)]
+    bits = [xp.zeros(32, np.uint16) for _ in range(2)]
+    packs = [xp.zeros(32, np.uint32) for _ in range(2)]
+    backs = [xp.zeros(32, np.float32) for _ in range(2)]
+    _lane_ops[1, 32](x, *outs, *bits, *packs, *backs)
+    shuffled, exps = (to_numpy(o) for o in outs)
+    lanes = np.arange(32)
+    expected = values[lanes ^ 1] + 2 * values[lanes ^ 2]
+    np.testing.assert_array_equal(np.isnan(shuffled), np.isnan(expected))
+    np.testing.assert_allclose(shuffled[~np.isnan(expected)], expected[~np.isnan(expected)])
+    finite = np.isfinite(values)
+    np.testing.assert_allclose(exps[finite], np.exp2(values[finite]), rtol=2e-6, atol=1e-37)
+    assert exps[4] == 0 and exps[3] == np.inf
+    f16 = values.astype(np.float16)
+    bf16 = values.astype(ml_dtypes.bfloat16)
+    f16_bits, bf16_bits = (to_numpy(b) for b in bits)
+    nan = np.isnan(values)
+    np.testing.assert_array_equal(f16_bits[~nan], f16.view(np.uint16)[~nan])
+    np.testing.assert_array_equal(bf16_bits[~nan], bf16.view(np.uint16)[~nan])
+    assert np.isnan(f16_bits.view(np.float16)[nan]).all()
+    assert np.isnan(bf16_bits.view(ml_dtypes.bfloat16)[nan].astype(np.float32)).all()
+    f16_pack, bf16_pack = (to_numpy(p) for p in packs)
+    np.testing.assert_array_equal((f16_pack & 0xFFFF)[~nan], f16.view(np.uint16)[~nan])
+    np.testing.assert_array_equal((f16_pack >> 16)[~nan], (-f16).view(np.uint16)[~nan])
+    np.testing.assert_array_equal((bf16_pack & 0xFFFF)[~nan], bf16.view(np.uint16)[~nan])
+    np.testing.assert_array_equal((bf16_pack >> 16)[~nan], (-bf16).view(np.uint16)[~nan])
+    back16, backbf = (to_numpy(b) for b in backs)
+    np.testing.assert_array_equal(back16[~nan], f16.astype(np.float32)[~nan])
+    np.testing.assert_array_equal(backbf[~nan], bf16.astype(np.float32)[~nan])
