@@ -46,9 +46,18 @@ def check(cfg, head_dim, dtype, causal, seed):
     return err, bar
 
 
-def grid(head_dim):
+GRIDS = {
+    "small": dict(block_m=(64, 128), block_n=(64, 128), num_warps=(4, 8), stages=(2, 3),
+                  q_in_registers=(True,)),
+    "full": dict(block_m=(64, 128), block_n=(32, 64, 128), num_warps=(4, 8), stages=(2, 3),
+                 q_in_registers=(True, False)),
+}  # fmt: skip
+
+
+def grid(head_dim, name):
+    g = GRIDS[name]
     for bm, bn, nw, st, qr in itertools.product(
-        (64, 128), (32, 64, 128), (4, 8), (2, 3), (True, False)
+        g["block_m"], g["block_n"], g["num_warps"], g["stages"], g["q_in_registers"]
     ):
         cfg = TensorCoreConfig(bm, bn, nw, st, qr)
         if not cfg.problems(head_dim, current_device()):
@@ -63,7 +72,7 @@ def main():
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
-    ap.add_argument("--default-only", action="store_true")
+    ap.add_argument("--grid", choices=["default", *GRIDS], default="small")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
@@ -81,9 +90,9 @@ def main():
         if peers.torch_available():
             peer = time_gpu(peers.sdpa_forward(q, k, v, causal, "flash")).tflops(flops)
         default = default_tensor_core_config(hd, dev)
-        cfgs = [default] if args.default_only else [default] + [
-            c for c in grid(hd) if c != default
-        ]
+        cfgs = [default]
+        if args.grid != "default":
+            cfgs += [c for c in grid(hd, args.grid) if c != default]
         for i, cfg in enumerate(cfgs):
             t0 = time.time()
             try:
