@@ -54,7 +54,21 @@ GRIDS = {
 }  # fmt: skip
 
 
+#: Hand-picked candidates per head_dim (block_m, block_n, num_warps, stages, q_in_registers).
+FOCUS = {
+    64: [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True),
+         (128, 64, 8, 2, True), (128, 128, 8, 2, True), (64, 128, 4, 2, True),
+         (128, 64, 4, 2, False)],
+    128: [(128, 64, 8, 2, True), (128, 64, 8, 3, True), (128, 32, 4, 2, False),
+          (128, 32, 4, 3, False), (128, 64, 4, 2, False), (64, 32, 4, 2, True),
+          (128, 128, 8, 2, True), (64, 64, 4, 3, True)],
+}  # fmt: skip
+
+
 def grid(head_dim, name):
+    if name == "focus":
+        yield from (TensorCoreConfig(*c) for c in FOCUS.get(head_dim, []))
+        return
     g = GRIDS[name]
     for bm, bn, nw, st, qr in itertools.product(
         g["block_m"], g["block_n"], g["num_warps"], g["stages"], g["q_in_registers"]
@@ -72,7 +86,7 @@ def main():
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
-    ap.add_argument("--grid", choices=["default", *GRIDS], default="small")
+    ap.add_argument("--grid", choices=["default", "focus", *GRIDS], default="focus")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]

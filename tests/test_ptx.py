@@ -14,6 +14,7 @@ from numflash.kernels import ptx
 
 ROW = 24  # 16 columns + 8 padding, as the kernels pitch their shared-memory rows
 A_OFF, BT_OFF, B_OFF = 0, 16 * ROW, 32 * ROW
+SMEM_ELEMENTS = 48 * ROW  # a plain constant: cuda.shared.array does not fold expressions
 
 DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
@@ -22,20 +23,23 @@ def _tile_kernel(mma):
     @cuda.jit
     def kernel(a, bt, b, out_nt, out_t):
         """out_nt = A @ BT^T and out_t = A @ B for 16x16 tiles, through cp.async and ldmatrix."""
-        smem = cuda.shared.array(48 * ROW, uint16)
+        smem = cuda.shared.array(SMEM_ELEMENTS, uint16)
         lane = cuda.threadIdx.x
         r = lane >> 1
         c = (lane & 1) * 8
-        ptx.cp_async_16(smem, A_OFF + r * ROW + c, a, r * 16 + c, uint32(16))
-        ptx.cp_async_16(smem, BT_OFF + r * ROW + c, bt, r * 16 + c, uint32(16))
-        ptx.cp_async_16(smem, B_OFF + r * ROW + c, b, r * 16 + c, uint32(16))
+        base = ptx.shared_address(smem, 0)
+        lane_row = uint32((r * ROW + c) * 2)
+        ptx.cp_async_16(base + uint32(A_OFF * 2) + lane_row, a, r * 16 + c, uint32(16))
+        ptx.cp_async_16(base + uint32(BT_OFF * 2) + lane_row, bt, r * 16 + c, uint32(16))
+        ptx.cp_async_16(base + uint32(B_OFF * 2) + lane_row, b, r * 16 + c, uint32(16))
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         cuda.syncthreads()
-        a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, A_OFF + (lane & 15) * ROW + (lane >> 4) * 8)
-        k_row = (lane & 7) + ((lane >> 4) << 3)
-        b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, BT_OFF + k_row * ROW + ((lane >> 3) & 1) * 8)
-        t0, t1, t2, t3 = ptx.ldmatrix_x4_trans(smem, B_OFF + (lane & 15) * ROW + (lane >> 4) * 8)
+        a_lane = ((lane & 15) * ROW + (lane >> 4) * 8) * 2
+        k_lane = (((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2
+        a0, a1, a2, a3 = ptx.ldmatrix_x4(base, uint32(A_OFF * 2 + a_lane))
+        b0, b1, b2, b3 = ptx.ldmatrix_x4(base, uint32(BT_OFF * 2 + k_lane))
+        t0, t1, t2, t3 = ptx.ldmatrix_x4_trans(base, uint32(B_OFF * 2 + a_lane))
         zero = float32(0.0)
         g = lane >> 2
         col = (lane & 3) * 2

@@ -71,6 +71,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
     # Register arrays per thread (their sizes must be plain constants for cuda.local.array).
     QF_REGS = M_TILES * K_STEPS * 4
+    PF_REGS = M_TILES * 4  # P of one k16 step, packed to 16 bits
     S_REGS = M_TILES * N_TILES * 4
     ACC_REGS = M_TILES * D_TILES * 4
     ROWS = M_TILES * 2
@@ -80,21 +81,30 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
 
     @device_function
-    def load_rows(smem, base, src, src_base, src_stride, row0, nrows, valid_rows, tid):
-        """cp.async rows row0.. of ``src`` into ``smem`` rows 0..nrows-1 at ``base``.
-
-        Rows at or past ``valid_rows`` are zero-filled without reading global memory.
-        """
+    def load_rows(dst, src, first, stride, rows_left, nrows, tid):
+        """cp.async ``nrows`` rows of ``src`` starting at element ``first`` (row pitch ``stride``)
+        to shared address ``dst``; rows at or past ``rows_left`` are zero-filled, not read."""
         r = tid // CHUNKS
         col = (tid - r * CHUNKS) * 8
         if r < ROWS_PER_PASS:
-            for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
-                row = r + p * ROWS_PER_PASS
-                if row < nrows:
-                    valid = row0 + row < valid_rows
-                    g = src_base + int64(row0 + row if valid else 0) * src_stride + col
-                    nbytes = uint32(16) if valid else uint32(0)
-                    ptx.cp_async_16(smem, base + row * ROW + col, src, g, nbytes)
+            dst += uint32((r * ROW + col) * 2)
+            offset = first + int64(r) * stride + col
+            step = ROWS_PER_PASS * stride
+            if rows_left >= nrows and nrows % ROWS_PER_PASS == 0:
+                # Every row is in range (all tiles but the last): no per-row checks.
+                for p in range(nrows // ROWS_PER_PASS):
+                    ptx.cp_async_16(dst + uint32(p * ROWS_PER_PASS * ROW * 2), src, offset,
+                                    uint32(16))  # fmt: skip
+                    offset += step
+            else:
+                for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
+                    row = r + p * ROWS_PER_PASS
+                    if row < nrows:
+                        valid = row < rows_left
+                        ptx.cp_async_16(dst + uint32(p * ROWS_PER_PASS * ROW * 2), src,
+                                        offset if valid else first,
+                                        uint32(16) if valid else uint32(0))  # fmt: skip
+                    offset += step
 
     @device_function
     def zero_padding_columns(smem, tid):
@@ -108,27 +118,26 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     # -- fragment math (one warp, registers) --------------------------------------------------------
 
     @device_function
-    def load_q_fragments(smem, qf, q_lane, mt, kk, slot):
+    def load_q_fragments(qf, q_addr, mt, kk, slot):
         """A fragment of Q rows (warp tile mt) x columns 16*kk.. into qf[slot..slot+3]."""
-        a0, a1, a2, a3 = ptx.ldmatrix_x4(smem, q_lane + mt * 16 * ROW + kk * 16)
+        a0, a1, a2, a3 = ptx.ldmatrix_x4(q_addr, (mt * 16 * ROW + kk * 16) * 2)
         qf[slot] = a0
         qf[slot + 1] = a1
         qf[slot + 2] = a2
         qf[slot + 3] = a3
 
     @device_function
-    def mma_qk(smem, qf, s, q_lane, k_lane, stage):
+    def mma_qk(qf, s, q_addr, k_addr):
         """S = Q K_j^T for this warp's M_TILES x N_TILES fragments (fp32, zeroed first)."""
         for i in range(S_REGS):
             s[i] = float32(0.0)
-        k_tile = K_BASE + stage * TILE + k_lane
         for kk in range(K_STEPS):
             if not Q_IN_REGS:
                 for mt in range(M_TILES):
-                    load_q_fragments(smem, qf, q_lane, mt, kk, (mt * K_STEPS + kk) * 4)
+                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
             for np_ in range(N_TILES // 2):
                 # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
-                b0, b1, b2, b3 = ptx.ldmatrix_x4(smem, k_tile + np_ * 16 * ROW + kk * 16)
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
                 for mt in range(M_TILES):
                     a = (mt * K_STEPS + kk) * 4
                     c = (mt * N_TILES + 2 * np_) * 4
@@ -143,38 +152,48 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                     )  # fmt: skip
 
     @device_function
-    def scale_and_mask(s, scale_log2, needs_mask, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
-        """S *= scale * log2(e); in a tile the mask cuts through, hidden keys -> -inf."""
-        if not needs_mask:
-            for i in range(S_REGS):
-                s[i] *= scale_log2
-            return
-        for mt in range(M_TILES):
-            for h in range(2):
-                row = row0 + mt * 16 + (lane >> 2) + 8 * h
-                lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
-                for nt in range(N_TILES):
-                    for e in range(2):
-                        i = (mt * N_TILES + nt) * 4 + 2 * h + e
-                        key = n0 + nt * 8 + (lane & 3) * 2 + e
-                        if lo <= key and key < hi:
-                            s[i] *= scale_log2
-                        else:
-                            s[i] = NEG_INF
+    def mask_row(s, first, row, first_col, seqlen_q, seqlen_k, wl, wr):
+        """-inf for the keys ``row`` does not see among this lane's scores ``s[first + 4 nt + e]``
+        (columns ``first_col + 8 nt + e``)."""
+        lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
+        lo -= first_col  # bounds relative to this lane's first column: the offsets are constants
+        hi -= first_col
+        for nt in range(N_TILES):
+            for e in range(2):
+                visible = lo <= nt * 8 + e and nt * 8 + e < hi
+                s[first + 4 * nt + e] = s[first + 4 * nt + e] if visible else NEG_INF
 
     @device_function
-    def online_softmax(s, m_i, l_i, acc):
-        """m_i, l_i and acc absorb the tile: P = exp2(S - m_new) is left in s."""
+    def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
+        """Hidden keys -> -inf, in a tile the mask cuts through."""
+        # One call per row this lane holds, each with constant offsets: a loop over the row
+        # tiles is not unrolled by NVVM at M_TILES = 2 and would move s to local memory.
+        col = n0 + (lane & 3) * 2
+        row = row0 + (lane >> 2)
+        mask_row(s, 0, row, col, seqlen_q, seqlen_k, wl, wr)
+        mask_row(s, 2, row + 8, col, seqlen_q, seqlen_k, wl, wr)
+        if M_TILES == 2:
+            mask_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, wl, wr)
+            mask_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, wl, wr)
+
+    @device_function
+    def online_softmax(s, m_i, l_i, acc, scale_log2):
+        """m_i, l_i and acc absorb the tile; P = exp2(S * scale_log2 - m_i) is left in s.
+
+        ``s`` holds raw scores q.k (scale_log2 > 0 keeps their order), m_i is in the scaled
+        log2 domain, so each probability costs one fma and one ex2.
+        """
         for mt in range(M_TILES):
             for h in range(2):
                 r = mt * 2 + h
                 # -- row max over this thread's columns, then over the 4 lanes of the row
-                m_new = m_i[r]
+                m_raw = s[mt * N_TILES * 4 + 2 * h]
                 for nt in range(N_TILES):
                     i = (mt * N_TILES + nt) * 4 + 2 * h
-                    m_new = max(m_new, max(s[i], s[i + 1]))
-                m_new = max(m_new, ptx.shfl_xor(m_new, 1))
-                m_new = max(m_new, ptx.shfl_xor(m_new, 2))
+                    m_raw = max(m_raw, max(s[i], s[i + 1]))
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
+                m_new = max(m_i[r], m_raw * scale_log2)
                 shift = shift_of(m_new)
                 alpha = ptx.exp2(m_i[r] - shift)
                 m_i[r] = m_new
@@ -182,8 +201,8 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 row_sum = float32(0.0)
                 for nt in range(N_TILES):
                     i = (mt * N_TILES + nt) * 4 + 2 * h
-                    s[i] = ptx.exp2(s[i] - shift)
-                    s[i + 1] = ptx.exp2(s[i + 1] - shift)
+                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
+                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
                     row_sum += s[i] + s[i + 1]
                 l_i[r] = l_i[r] * alpha + row_sum
                 for dt in range(D_TILES):
@@ -192,28 +211,31 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                     acc[i + 1] *= alpha
 
     @device_function
-    def mma_pv(smem, s, acc, v_lane, stage):
-        """acc += P V_j, P taken from the score fragments and packed to 16 bits."""
-        v_tile = V_BASE + stage * TILE + v_lane
+    def mma_pv(s, pf, acc, v_addr):
+        """acc += P V_j, P packed to 16 bits from the score fragments once per k16 step."""
         for kk in range(PV_STEPS):
+            for mt in range(M_TILES):
+                # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
+                c = (mt * N_TILES + 2 * kk) * 4
+                pf[mt * 4] = pack(s[c], s[c + 1])
+                pf[mt * 4 + 1] = pack(s[c + 2], s[c + 3])
+                pf[mt * 4 + 2] = pack(s[c + 4], s[c + 5])
+                pf[mt * 4 + 3] = pack(s[c + 6], s[c + 7])
             for dp in range(D_TILES // 2):
                 # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
-                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(smem, v_tile + kk * 16 * ROW + dp * 16)
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
                 for mt in range(M_TILES):
-                    # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
-                    c = (mt * N_TILES + 2 * kk) * 4
-                    a0 = pack(s[c], s[c + 1])
-                    a1 = pack(s[c + 2], s[c + 3])
-                    a2 = pack(s[c + 4], s[c + 5])
-                    a3 = pack(s[c + 6], s[c + 7])
+                    a = mt * 4
                     o = (mt * D_TILES + 2 * dp) * 4
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
-                        a0, a1, a2, a3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
-                    )
+                        pf[a], pf[a + 1], pf[a + 2], pf[a + 3], b0, b1,
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3],
+                    )  # fmt: skip
                     o += 4
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
-                        a0, a1, a2, a3, b2, b3, acc[o], acc[o + 1], acc[o + 2], acc[o + 3]
-                    )
+                        pf[a], pf[a + 1], pf[a + 2], pf[a + 3], b2, b3,
+                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3],
+                    )  # fmt: skip
 
     @device_function
     def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
@@ -259,6 +281,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     ):  # fmt: skip
         smem = cuda.shared.array(0, uint16)
         qf = cuda.local.array(QF_REGS, uint32)
+        pf = cuda.local.array(PF_REGS, uint32)
         s = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
         m_i = cuda.local.array(ROWS, float32)
@@ -285,31 +308,38 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         n_tiles = (n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N
 
         # -- prologue: Q, then the first STAGES - 1 key/value tiles, each its own cp.async group
-        q_base = batch * q_sb + head * q_sh
-        k_base = batch * k_sb + kv_head * k_sh
-        v_base = batch * v_sb + kv_head * v_sh
+        smem_addr = ptx.shared_address(smem, 0)
+        q_first = batch * q_sb + head * q_sh + int64(m0) * q_ss
+        k_first = batch * k_sb + kv_head * k_sh + int64(first_tile * BLOCK_N) * k_ss
+        v_first = batch * v_sb + kv_head * v_sh + int64(first_tile * BLOCK_N) * v_ss
+        k_step = int64(BLOCK_N) * k_ss  # elements from one key tile to the next
+        v_step = int64(BLOCK_N) * v_ss
         zero_padding_columns(smem, tid)
-        load_rows(smem, 0, q, q_base, q_ss, m0, BLOCK_M, seqlen_q, tid)
+        load_rows(smem_addr, q, q_first, q_ss, seqlen_q - m0, BLOCK_M, tid)
         ptx.cp_async_commit()
+        keys_left = seqlen_k - first_tile * BLOCK_N  # valid rows from the next tile to load on
         for st in range(STAGES - 1):
             if st < n_tiles:
-                n0 = (first_tile + st) * BLOCK_N
-                load_rows(smem, K_BASE + st * TILE, k, k_base, k_ss, n0, BLOCK_N, seqlen_k, tid)
-                load_rows(smem, V_BASE + st * TILE, v, v_base, v_ss, n0, BLOCK_N, seqlen_k, tid)
+                slot_addr = smem_addr + uint32(st * TILE * 2)
+                load_rows(slot_addr + uint32(K_BASE * 2), k, k_first, k_ss, keys_left, BLOCK_N, tid)
+                load_rows(slot_addr + uint32(V_BASE * 2), v, v_first, v_ss, keys_left, BLOCK_N, tid)
+                k_first += k_step
+                v_first += v_step
+                keys_left -= BLOCK_N
             ptx.cp_async_commit()
 
         # Lane offsets of the ldmatrix row addresses (see ptx.py for the fragment layouts).
         row0 = m0 + warp * M_TILES * 16
-        q_lane = (warp * M_TILES * 16 + (lane & 15)) * ROW + (lane >> 4) * 8
-        k_lane = ((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8
-        v_lane = (lane & 15) * ROW + (lane >> 4) * 8
+        q_addr = smem_addr + uint32(((warp * M_TILES * 16 + (lane & 15)) * ROW + (lane >> 4) * 8) * 2)
+        k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
+        v_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
 
         if Q_IN_REGS:
             ptx.cp_async_wait(Q_PENDING)
             cuda.syncthreads()
             for mt in range(M_TILES):
                 for kk in range(K_STEPS):
-                    load_q_fragments(smem, qf, q_lane, mt, kk, (mt * K_STEPS + kk) * 4)
+                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
 
         for r in range(ROWS):
             m_i[r] = NEG_INF
@@ -321,29 +351,27 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for it in range(n_tiles):
             ptx.cp_async_wait(PENDING)  # tile `it` has landed (for this thread's copies) ...
             cuda.syncthreads()  # ... for every thread's, and slot it-1 is free again
-            nxt = it + STAGES - 1
-            if nxt < n_tiles:
+            if it + STAGES - 1 < n_tiles:
                 slot = stage - 1 if stage > 0 else STAGES - 1
-                n0 = (first_tile + nxt) * BLOCK_N
-                load_rows(smem, K_BASE + slot * TILE, k, k_base, k_ss, n0, BLOCK_N, seqlen_k, tid)
-                load_rows(smem, V_BASE + slot * TILE, v, v_base, v_ss, n0, BLOCK_N, seqlen_k, tid)
+                slot_addr = smem_addr + uint32(slot * TILE * 2)
+                load_rows(slot_addr + uint32(K_BASE * 2), k, k_first, k_ss, keys_left, BLOCK_N, tid)
+                load_rows(slot_addr + uint32(V_BASE * 2), v, v_first, v_ss, keys_left, BLOCK_N, tid)
+                k_first += k_step
+                v_first += v_step
+                keys_left -= BLOCK_N
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
 
             n0 = (first_tile + it) * BLOCK_N
-            # -- S = Q K_j^T
-            mma_qk(smem, qf, s, q_lane, k_lane, stage)
-            needs_mask = tile_needs_mask(
-                m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k,
-                window_left, window_right,
-            )  # fmt: skip
-            scale_and_mask(
-                s, scale_log2, needs_mask, row0, n0, lane, seqlen_q, seqlen_k,
-                window_left, window_right,
-            )  # fmt: skip
-            # -- update m_i and l_i, rescale acc
-            online_softmax(s, m_i, l_i, acc)
+            stage_addr = smem_addr + uint32(stage * TILE * 2)
+            # -- S = Q K_j^T (raw scores; the scale is folded into the softmax's fma)
+            mma_qk(qf, s, q_addr, stage_addr + uint32(K_BASE * 2) + k_lane)
+            if tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k,
+                               window_left, window_right):  # fmt: skip
+                mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, window_left, window_right)
+            # -- update m_i and l_i, rescale acc, P = exp2(S * scale - m_i)
+            online_softmax(s, m_i, l_i, acc, scale_log2)
             # -- acc += P V_j
-            mma_pv(smem, s, acc, v_lane, stage)
+            mma_pv(s, pf, acc, stage_addr + uint32(V_BASE * 2) + v_lane)
             stage = stage + 1 if stage + 1 < STAGES else 0
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits

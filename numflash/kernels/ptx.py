@@ -9,7 +9,8 @@ Conventions shared by the kernels:
 
 - 16-bit floats (fp16 and bf16) travel as their bits: ``uint16`` in arrays, two of them packed
   in a ``uint32`` in mma fragments, the element with the lower index in the low half.
-- Shared-memory operands are a ``uint16`` shared array and an element index into it.
+- Shared-memory operands are 32-bit byte addresses in the shared window, taken once with
+  :func:`shared_address` and offset by constants (which ptxas folds into the instruction).
 - Global operands are a flat ``uint16`` array and an element index (int64).
 - Warp-collective instructions (mma, ldmatrix, shuffles) must be reached by all 32 lanes of a
   warp together, as on the hardware; the simulator exchanges lane values through a per-warp
@@ -32,6 +33,7 @@ from numba import cuda
 from .jit import SIMULATOR, device_function
 
 __all__ = [
+    "shared_address",
     "mma_f16",
     "mma_bf16",
     "ldmatrix_x4",
@@ -40,6 +42,7 @@ __all__ = [
     "cp_async_commit",
     "cp_async_wait",
     "exp2",
+    "fma",
     "pack_f16x2",
     "pack_bf16x2",
     "shfl_xor",
@@ -113,21 +116,31 @@ if not SIMULATOR:
     mma_f16 = _make_mma("f16")
     mma_bf16 = _make_mma("bf16")
 
+    @intrinsic
+    def shared_address(typingctx, smem, index):
+        """The 32-bit shared-window byte address of ``smem[index]`` (a shared array)."""
+        sig = types.uint32(smem, types.intp)
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            return _shared_address(builder, ptr)
+
+        return sig, codegen
+
     def _make_ldmatrix(trans):
         # Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and each
         # lane receives (row lane>>2, cols 2*(lane&3)..+1) of every matrix (of its transpose
-        # with .trans).
+        # with .trans). The address is ``base + offset`` bytes, added in 32 bits here.
         suffix = ".trans" if trans else ""
         asm = f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [$4];"
 
         @intrinsic
-        def ldmatrix(typingctx, smem, index):
+        def ldmatrix(typingctx, base, offset):
             rtype = types.UniTuple(types.uint32, 4)
-            sig = rtype(smem, types.intp)
+            sig = rtype(types.uint32, types.uint32)
 
             def codegen(context, builder, sig, args):
-                ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-                addr = _shared_address(builder, ptr)
+                addr = builder.add(args[0], args[1])
                 res = _asm(builder, [_I32] * 4, asm, "=r,=r,=r,=r,r,~{memory}", [addr], True)
                 return _as_tuple(context, builder, rtype, res, 4)
 
@@ -141,14 +154,14 @@ if not SIMULATOR:
     # -- asynchronous copies global -> shared (sm_80+) ------------------------------------------
 
     @intrinsic
-    def cp_async_16(typingctx, smem, smem_index, gmem, gmem_index, src_bytes):
-        """Copy 16 bytes; only the first ``src_bytes`` (0 or 16) are read, the rest zero-filled."""
-        sig = types.void(smem, types.intp, gmem, types.int64, types.uint32)
+    def cp_async_16(typingctx, dst, gmem, gmem_index, src_bytes):
+        """Copy 16 bytes from ``gmem[gmem_index]`` to shared address ``dst``; only the first
+        ``src_bytes`` (0 or 16) are read, the rest zero-filled."""
+        sig = types.void(types.uint32, gmem, types.int64, types.uint32)
 
         def codegen(context, builder, sig, args):
-            dst = _element_pointer(context, builder, sig.args[0], args[0], args[1])
-            src = _element_pointer(context, builder, sig.args[2], args[2], args[3])
-            operands = [_shared_address(builder, dst), _global_address(builder, src), args[4]]
+            src = _element_pointer(context, builder, sig.args[1], args[1], args[2])
+            operands = [args[0], _global_address(builder, src), args[3]]
             _asm(
                 builder, [], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
                 "r,l,r,~{memory}", operands, True,
@@ -190,6 +203,16 @@ if not SIMULATOR:
 
         def codegen(context, builder, sig, args):
             return _asm(builder, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
+
+        return sig, codegen
+
+    @intrinsic
+    def fma(typingctx, a, b, c):
+        """a * b + c, rounded once."""
+        sig = types.float32(types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_F32], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", list(args), False)
 
         return sig, codegen
 
@@ -345,11 +368,28 @@ else:
     mma_f16 = _make_mma(np.float16)
     mma_bf16 = _make_mma(_BF16)
 
+    class _SharedAddress:
+        """A shared-memory byte address in the simulator: the array and an element index."""
+
+        def __init__(self, array, index):
+            self.array = array
+            self.index = index
+
+        def __add__(self, byte_offset):
+            byte_offset = int(byte_offset)
+            assert byte_offset % 2 == 0, "uint16 shared memory is addressed in 2-byte steps"
+            return _SharedAddress(self.array, self.index + byte_offset // 2)
+
+        __radd__ = __add__
+
+    def shared_address(smem, index):
+        return _SharedAddress(smem, int(index))
+
     def _make_ldmatrix(trans):
         def collective(inputs):
             # Matrix m's rows come from the addresses of lanes 8m..8m+7.
             mats = [
-                np.stack([inputs[8 * m + r][0][inputs[8 * m + r][1] :][:8] for r in range(8)])
+                np.stack([a.array[a.index : a.index + 8] for a in inputs[8 * m : 8 * m + 8]])
                 for m in range(4)
             ]
             if trans:
@@ -365,21 +405,21 @@ else:
                 )
             return results
 
-        def ldmatrix(smem, index):
-            return _warp_collective(collective, (smem, int(index)))
+        def ldmatrix(base, offset):
+            return _warp_collective(collective, base + offset)
 
         return ldmatrix
 
     ldmatrix_x4 = _make_ldmatrix(False)
     ldmatrix_x4_trans = _make_ldmatrix(True)
 
-    def cp_async_16(smem, smem_index, gmem, gmem_index, src_bytes):
+    def cp_async_16(dst, gmem, gmem_index, src_bytes):
         # The simulator copies at once; wait_group then has nothing left to wait for.
-        s, gi = int(smem_index), int(gmem_index)
+        gi = int(gmem_index)
         if int(src_bytes) == 0:
-            smem[s : s + 8] = 0
+            dst.array[dst.index : dst.index + 8] = 0
         else:
-            smem[s : s + 8] = gmem[gi : gi + 8]
+            dst.array[dst.index : dst.index + 8] = gmem[gi : gi + 8]
 
     def cp_async_commit():
         pass
@@ -390,6 +430,10 @@ else:
     def exp2(x):
         with np.errstate(over="ignore"):
             return np.float32(np.exp2(np.float32(x)))
+
+    def fma(a, b, c):
+        # The fp32 product is exact in fp64, so this rounds (nearly always) as fma does.
+        return np.float32(float(a) * float(b) + float(c))
 
     def _pack(lo, hi, dtype):
         with np.errstate(over="ignore"):

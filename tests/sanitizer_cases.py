@@ -1,0 +1,45 @@
+"""A small matrix of attention calls for compute-sanitizer (memcheck, racecheck) on a GPU.
+
+    NUMFLASH_LINEINFO=1 compute-sanitizer --tool memcheck --report-api-errors no \\
+        python tests/sanitizer_cases.py
+
+CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
+array is its own allocation. Each case is also checked against the reference.
+"""
+
+import sys
+
+import cupy
+
+cupy.cuda.set_allocator(None)
+
+import numflash  # noqa: E402
+from numflash.config import PortableConfig, TensorCoreConfig  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _support import assert_matches_reference, poisoned_like, random_qkv  # noqa: E402
+
+CASES = [
+    # dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask kwargs, config
+    ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True), None),
+    ("bfloat16", 2, 130, 77, 2, 2, 128, dict(), None),
+    ("float16", 1, 65, 65, 4, 2, 40, dict(window_size=(16, 8)), None),
+    ("bfloat16", 1, 33, 200, 2, 1, 256, dict(causal=True), None),
+    ("float16", 1, 100, 100, 2, 1, 64, dict(), TensorCoreConfig(128, 64, 4, 3, True)),
+    ("float16", 1, 100, 100, 2, 1, 128, dict(causal=True), TensorCoreConfig(128, 32, 4, 2, False)),
+    ("float32", 1, 70, 45, 2, 1, 96, dict(causal=True), PortableConfig()),
+]
+
+
+def main():
+    for dtype, b, sq, sk, h, hk, d, mask, cfg in CASES:
+        q, k, v = random_qkv(b, sq, sk, h, hk, d, dtype)
+        out = poisoned_like(q)
+        _, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, **mask)
+        cupy.cuda.Device().synchronize()
+        assert_matches_reference(q, k, v, out, lse, **mask)
+        print(f"ok {dtype} b{b} q{sq} k{sk} h{h}/{hk} d{d} {mask} {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
