@@ -62,12 +62,20 @@ FOCUS = {
     128: [(128, 64, 8, 2, True), (128, 64, 8, 3, True), (128, 32, 4, 2, False),
           (128, 32, 4, 3, False), (128, 64, 4, 2, False), (64, 32, 4, 2, True),
           (128, 128, 8, 2, True), (64, 64, 4, 3, True)],
+}
+#: Zero-spill candidates (ptxas report, sm_90a) for choosing the defaults.
+NO_SPILL = {
+    64: [(128, 64, 4, 2, False), (128, 64, 4, 3, False), (64, 64, 4, 2, True)],
+    128: [(128, 32, 4, 2, False), (128, 32, 4, 3, False), (64, 64, 4, 2, True),
+          (128, 64, 8, 2, True)],
+    256: [(64, 32, 4, 2, False), (64, 32, 4, 3, False), (64, 16, 4, 2, False)],
 }  # fmt: skip
 
 
 def grid(head_dim, name):
-    if name == "focus":
-        yield from (TensorCoreConfig(*c) for c in FOCUS.get(head_dim, []))
+    if name in ("focus", "no-spill"):
+        table = FOCUS if name == "focus" else NO_SPILL
+        yield from (TensorCoreConfig(*c) for c in table.get(head_dim, []))
         return
     g = GRIDS[name]
     for bm, bn, nw, st, qr in itertools.product(
@@ -86,7 +94,7 @@ def main():
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
-    ap.add_argument("--grid", choices=["default", "focus", *GRIDS], default="focus")
+    ap.add_argument("--grid", choices=["default", "focus", "no-spill", *GRIDS], default="focus")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]

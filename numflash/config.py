@@ -174,13 +174,25 @@ def default_portable_config(head_dim):
 def default_tensor_core_config(head_dim, device):
     """The heuristic used when no tuned configuration is cached.
 
-    Measured on the H200 (sm_90), 2026-11-29, fp16, seqlen 4096 (benchmarks/NOTES.md):
-    TODO(measure) — until then FlashAttention-2's Ampere choices for 4 warps.
+    Chosen on the H200 (sm_90), 2026-11-29, among configurations whose ptxas report shows no
+    spill (tests/test_compile.py keeps it so), by benchmarks/variants.py --grid no-spill, fp16
+    and bf16, seqlen 4096 and 16384, causal and not (benchmarks/results/dev/):
+
+    - head_dim <= 64: 128 x 64 tiles, two 16-row tiles per warp, 3 stages: 0.88-1.02x SDPA's
+      FlashAttention-2. Two row tiles per warp halve the ldmatrix traffic per mma.
+    - head_dim <= 128: 128 x 32, Q re-read from shared memory: 0.78-0.91x. Keeping Q in
+      registers or 64-key tiles does not fit in 255 registers without spilling.
+    - larger: 64 x 32, Q from shared memory: 0.67-0.81x at head_dim 256.
+
+    The same choices are used on other GPUs until they are tuned there (sm_80/86/89 have less
+    shared memory per block; the largest of these, head_dim 256, takes 99 KiB, sm_86's limit).
     """
     if head_dim <= 64:
-        return TensorCoreConfig(block_m=64, block_n=64, num_warps=4, stages=2)
+        return TensorCoreConfig(block_m=128, block_n=64, num_warps=4, stages=3,
+                                q_in_registers=False)  # fmt: skip
     if head_dim <= 128:
-        return TensorCoreConfig(block_m=64, block_n=64, num_warps=4, stages=2)
+        return TensorCoreConfig(block_m=128, block_n=32, num_warps=4, stages=2,
+                                q_in_registers=False)  # fmt: skip
     return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
 
 

@@ -25,7 +25,7 @@ dropout, softcapping, ALiBi, variable-length batches, KV cache.
 
 import functools
 
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .jit import device_function, kernel
@@ -304,8 +304,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         if n_hi <= n_lo:
             write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
             return
-        first_tile = n_lo // BLOCK_N
-        n_tiles = (n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N
+        first_tile = int32(n_lo // BLOCK_N)
+        # Loop state in int32: Numba widens integer arithmetic to 64 bits, two registers each.
+        n_tiles = int32((n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N)
 
         # -- prologue: Q, then the first STAGES - 1 key/value tiles, each its own cp.async group
         smem_addr = ptx.shared_address(smem, 0)
@@ -317,7 +318,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         zero_padding_columns(smem, tid)
         load_rows(smem_addr, q, q_first, q_ss, seqlen_q - m0, BLOCK_M, tid)
         ptx.cp_async_commit()
-        keys_left = seqlen_k - first_tile * BLOCK_N  # valid rows from the next tile to load on
+        keys_left = int32(seqlen_k - first_tile * BLOCK_N)  # valid rows of the next tile to load
         for st in range(STAGES - 1):
             if st < n_tiles:
                 slot_addr = smem_addr + uint32(st * TILE * 2)
@@ -325,7 +326,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 load_rows(slot_addr + uint32(V_BASE * 2), v, v_first, v_ss, keys_left, BLOCK_N, tid)
                 k_first += k_step
                 v_first += v_step
-                keys_left -= BLOCK_N
+                keys_left = int32(keys_left - BLOCK_N)
             ptx.cp_async_commit()
 
         # Lane offsets of the ldmatrix row addresses (see ptx.py for the fragment layouts).
@@ -347,7 +348,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
 
-        stage = 0
+        stage = int32(0)
         for it in range(n_tiles):
             ptx.cp_async_wait(PENDING)  # tile `it` has landed (for this thread's copies) ...
             cuda.syncthreads()  # ... for every thread's, and slot it-1 is free again
@@ -358,10 +359,10 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 load_rows(slot_addr + uint32(V_BASE * 2), v, v_first, v_ss, keys_left, BLOCK_N, tid)
                 k_first += k_step
                 v_first += v_step
-                keys_left -= BLOCK_N
+                keys_left = int32(keys_left - BLOCK_N)
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
 
-            n0 = (first_tile + it) * BLOCK_N
+            n0 = int32((first_tile + it) * BLOCK_N)
             stage_addr = smem_addr + uint32(stage * TILE * 2)
             # -- S = Q K_j^T (raw scores; the scale is folded into the softmax's fma)
             mma_qk(qf, s, q_addr, stage_addr + uint32(K_BASE * 2) + k_lane)
@@ -372,7 +373,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             online_softmax(s, m_i, l_i, acc, scale_log2)
             # -- acc += P V_j
             mma_pv(s, pf, acc, stage_addr + uint32(V_BASE * 2) + v_lane)
-            stage = stage + 1 if stage + 1 < STAGES else 0
+            stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
         write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)

@@ -1,0 +1,274 @@
+"""Forward-pass benchmark: numflash beside SDPA (FlashAttention-2, cuDNN) and naive CuPy.
+
+Every number comes from one process on one GPU, each provider timed on the same inputs with
+numflash.timing.time_gpu (CUDA events, warm-up, median, L2 flushed between runs).
+
+    python benchmarks/bench_forward.py                 # the full table (a few minutes on an H200)
+    python benchmarks/bench_forward.py --quick         # head_dim 128, fp16, three seqlens
+
+Writes benchmarks/results/latest.json, latest.md and PNG plots (TFLOP/s and peak memory against
+seqlen) unless --out-dir says elsewhere. ``peak_bytes`` is the device memory a call allocates
+beyond its inputs, at its peak.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import sys
+from importlib.metadata import version
+
+import cupy
+
+import numflash
+from numflash.arrays import BFLOAT16, from_float
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+
+PROVIDERS = ["numflash", "sdpa-flash", "sdpa-cudnn", "cupy-naive"]
+DTYPES = {"float16": cupy.float16, "bfloat16": BFLOAT16}
+
+
+class PeakMemory:
+    """Tracks the peak of CuPy's pool (the allocator numflash and the naive version use)."""
+
+    def __init__(self):
+        self.pool = cupy.get_default_memory_pool()
+        self.peak = 0
+        cupy.cuda.set_allocator(self.malloc)
+
+    def malloc(self, size):
+        mem = self.pool.malloc(size)
+        self.peak = max(self.peak, self.pool.used_bytes())
+        return mem
+
+    def measure(self, fn):
+        """Peak bytes allocated while ``fn()`` runs, beyond what was allocated before."""
+        cupy.cuda.Device().synchronize()
+        base = self.pool.used_bytes()
+        self.peak = base
+        result = fn()
+        cupy.cuda.Device().synchronize()
+        del result
+        return self.peak - base
+
+
+def torch_peak(fn):
+    import torch
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    del result
+    return torch.cuda.max_memory_allocated() - base
+
+
+def make_inputs(batch, seqlen, nheads, head_dim, dtype, seed=0):
+    rng = cupy.random.default_rng(seed)
+    shape = (batch, seqlen, nheads, head_dim)
+    return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
+
+
+def runner(provider, q, k, v, causal):
+    if provider == "numflash":
+        return peers.numflash_forward(q, k, v, causal)
+    if provider == "cupy-naive":
+        return peers.naive_forward(q, k, v, causal)
+    return peers.sdpa_forward(q, k, v, causal, provider.split("-")[1])
+
+
+def is_oom(exc):
+    text = f"{type(exc).__name__} {exc}".lower()
+    return "out of memory" in text or "outofmemory" in text
+
+
+def bench(args, memory):
+    records = []
+    providers = [p for p in PROVIDERS if p.startswith("sdpa") is False or peers.torch_available()]
+    for dtype, hd, causal, seqlen in itertools.product(
+        args.dtypes, args.head_dims, [False, True], args.seqlens
+    ):
+        batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
+        q, k, v = make_inputs(batch, seqlen, nheads, hd, DTYPES[dtype])
+        flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
+        for provider in providers:
+            run = runner(provider, q, k, v, causal)
+            naive = provider == "cupy-naive"
+            try:
+                t = time_gpu(run, warmup=1 if naive else 3, runs=5 if naive else 20,
+                             max_total_ms=3000)  # fmt: skip
+                peak = torch_peak(run) if provider.startswith("sdpa") else memory.measure(run)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                print(f"  {provider} {dtype} hd{hd} s{seqlen}: out of memory", flush=True)
+                cupy.get_default_memory_pool().free_all_blocks()
+                continue
+            rec = dict(provider=provider, mode="fwd", dtype=dtype, batch=batch, nheads=nheads,
+                       seqlen_q=seqlen, seqlen_k=seqlen, head_dim=hd, causal=causal,
+                       ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=int(peak))  # fmt: skip
+            records.append(rec)
+            print(f"{provider:11s} {dtype:8s} hd{hd:<4d} causal={int(causal)} s{seqlen:<6d} "
+                  f"b{batch:<3d} {t.median_ms:9.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)  # fmt: skip
+        del q, k, v
+        cupy.get_default_memory_pool().free_all_blocks()
+        with open(os.path.join(args.out_dir, "partial.json"), "w") as f:
+            json.dump(records, f)  # what a run stopped early still leaves behind
+    return records
+
+
+def memory_sweep(args, memory):
+    """Peak memory of one call against seqlen at batch 1, 16 heads, head_dim 128, fp16."""
+    records = []
+    for provider in ("numflash", "cupy-naive"):
+        for seqlen in args.memory_seqlens:
+            q, k, v = make_inputs(1, seqlen, 16, 128, cupy.float16)
+            run = runner(provider, q, k, v, False)
+            try:
+                run()  # compile / warm up outside the measurement
+                peak = memory.measure(run)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                print(f"  memory: {provider} runs out of memory at seqlen {seqlen}", flush=True)
+                del q, k, v
+                cupy.get_default_memory_pool().free_all_blocks()
+                break
+            records.append(dict(provider=provider, mode="fwd-memory", dtype="float16", batch=1,
+                                nheads=16, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128,
+                                causal=False, ms=None, tflops=None, peak_bytes=int(peak)))  # fmt: skip
+            print(f"memory {provider:10s} s{seqlen:<6d} {peak / 2**20:12.1f} MiB", flush=True)
+            del q, k, v
+            cupy.get_default_memory_pool().free_all_blocks()
+    return records
+
+
+def markdown(records, device):
+    fwd = [r for r in records if r["mode"] == "fwd"]
+    by_key = {}
+    for r in fwd:
+        key = (r["dtype"], r["head_dim"], r["causal"], r["seqlen_q"])
+        by_key.setdefault(key, {})[r["provider"]] = r["tflops"]
+    lines = [
+        f"Forward TFLOP/s on {device}, batch x seqlen = 32k tokens, nheads x head_dim = 2048 "
+        "(median of CUDA-event timings; ratios are numflash / peer).",
+        "",
+        "| dtype | head_dim | causal | seqlen | numflash | SDPA FA2 | SDPA cuDNN | naive CuPy "
+        "| vs FA2 | vs cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (dtype, hd, causal, seqlen), row in sorted(by_key.items()):
+        def cell(p):
+            return f"{row[p]:.0f}" if p in row else "-"
+
+        def ratio(p):
+            return f"{row['numflash'] / row[p]:.2f}x" if p in row and "numflash" in row else "-"
+
+        lines.append(
+            f"| {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | {cell('numflash')} | "
+            f"{cell('sdpa-flash')} | {cell('sdpa-cudnn')} | {cell('cupy-naive')} | "
+            f"{ratio('sdpa-flash')} | {ratio('sdpa-cudnn')} |"
+        )
+    mem = [r for r in records if r["mode"] == "fwd-memory"]
+    if mem:
+        lines += ["", "Peak extra device memory of one forward call (batch 1, 16 heads, "
+                  "head_dim 128, fp16), MiB:", "", "| seqlen | numflash | naive CuPy |", "|---|---|---|"]  # fmt: skip
+        seqlens = sorted({r["seqlen_q"] for r in mem})
+        for s in seqlens:
+            row = {r["provider"]: r["peak_bytes"] / 2**20 for r in mem if r["seqlen_q"] == s}
+            lines.append(f"| {s} | {row.get('numflash', float('nan')):.0f} | "
+                         + (f"{row['cupy-naive']:.0f} |" if "cupy-naive" in row else "out of memory |"))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plots(records, out_dir):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plots", flush=True)
+        return
+    fwd = [r for r in records if r["mode"] == "fwd"]
+    panels = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in fwd})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
+    for ax, (dtype, hd, causal) in zip(axes[0], panels):
+        for provider in PROVIDERS:
+            pts = sorted((r["seqlen_q"], r["tflops"]) for r in fwd if r["provider"] == provider
+                         and (r["dtype"], r["head_dim"], r["causal"]) == (dtype, hd, causal))  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dtype} hd{hd} {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("seqlen")
+    axes[0][0].set_ylabel("TFLOP/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "forward_tflops.png"), dpi=110)
+    mem = [r for r in records if r["mode"] == "fwd-memory"]
+    if mem:
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        for provider in ("numflash", "cupy-naive"):
+            pts = sorted((r["seqlen_q"], r["peak_bytes"] / 2**30) for r in mem
+                         if r["provider"] == provider)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=provider)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("seqlen (batch 1, 16 heads, head_dim 128)")
+        ax.set_ylabel("peak extra memory (GiB)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "forward_memory.png"), dpi=110)
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seqlens", type=int, nargs="+",
+                    default=[512, 1024, 2048, 4096, 8192, 16384])  # fmt: skip
+    ap.add_argument("--memory-seqlens", type=int, nargs="+",
+                    default=[1024, 4096, 8192, 16384, 32768, 65536])  # fmt: skip
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    args = ap.parse_args()
+    if args.quick:
+        args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096, 16384]
+        args.memory_seqlens = [4096, 16384]
+    os.makedirs(args.out_dir, exist_ok=True)
+    dev = current_device()
+    memory = PeakMemory()
+    records = bench(args, memory) + memory_sweep(args, memory)
+    versions = {"numflash": numflash.__version__, "python": platform.python_version()}
+    for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
+        try:
+            versions[name] = version(name)
+        except Exception:
+            pass
+    result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
+              "date": datetime.date.today().isoformat(), "versions": versions,
+              "command": "python " + " ".join(sys.argv), "records": records}  # fmt: skip
+    with open(os.path.join(args.out_dir, "latest.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown(records, dev.name)
+    with open(os.path.join(args.out_dir, "latest.md"), "w") as f:
+        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    plots(records, args.out_dir)
+    os.remove(os.path.join(args.out_dir, "partial.json"))
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
