@@ -99,6 +99,8 @@ def bench(args, memory):
         q, k, v = make_inputs(batch, seqlen, nheads, hd, DTYPES[dtype])
         flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
         for provider in providers:
+            if provider == "cupy-naive" and dtype == "bfloat16":
+                continue  # CuPy has no bfloat16 matmul: there is no naive CuPy bf16 attention
             run = runner(provider, q, k, v, causal)
             naive = provider == "cupy-naive"
             try:
@@ -242,6 +244,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--merge", default=None,
+                    help="records (JSON list) of an earlier run on this device to include; each "
+                         "table row still comes from one process")  # fmt: skip
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
     if args.quick:
@@ -251,6 +256,9 @@ def main():
     dev = current_device()
     memory = PeakMemory()
     records = bench(args, memory) + memory_sweep(args, memory)
+    if args.merge:
+        with open(args.merge) as f:
+            records = json.load(f) + records
     versions = {"numflash": numflash.__version__, "python": platform.python_version()}
     for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
         try:
@@ -259,7 +267,8 @@ def main():
             pass
     result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
               "date": datetime.date.today().isoformat(), "versions": versions,
-              "command": "python " + " ".join(sys.argv), "records": records}  # fmt: skip
+              "command": "python " + " ".join(sys.argv), "merged_from": args.merge,
+              "records": records}  # fmt: skip
     with open(os.path.join(args.out_dir, "latest.json"), "w") as f:
         json.dump(result, f, indent=1)
     table = markdown(records, dev.name)
