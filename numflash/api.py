@@ -6,9 +6,9 @@ accepted.
 """
 
 import contextlib
+import dataclasses
 import math
 import numbers
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from .kernels.softmax import LOG2E
 _MAX_GRID_YZ = 65535
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Problem:
     batch: int
     seqlen_q: int
@@ -65,6 +65,12 @@ def _check_window(window_size, causal):
     if causal:
         right = 0  # causal is the window (left, 0)
     return left, right
+
+
+def _clamp_window(w, seqlen_q, seqlen_k):
+    """A window wider than seqlen_q + seqlen_k hides nothing: say so with an int32 the kernels
+    take (any reach beyond that bound sees the same keys)."""
+    return w if w <= seqlen_q + seqlen_k else seqlen_q + seqlen_k
 
 
 def _check_scale(softmax_scale, head_dim):
@@ -237,7 +243,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     scale = _check_scale(softmax_scale, q.shape[-1])
     out = _check_out(out, q)
     b, sq, h, d = q.shape
-    p = _Problem(b, sq, k.shape[1], h, k.shape[2], d, dtype, scale, left, right)
+    sk = k.shape[1]
+    left, right = (_clamp_window(w, sq, sk) for w in (left, right))
+    p = _Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
     with _on_device(q):
         device = current_device()
         cfg = _check_config(config, p, device)
@@ -254,11 +262,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     return (out, lse) if return_lse else out
 
 
+def _positive_scale(q, scale):
+    """(q', scale') with scale' > 0 and the same attention: the tensor-core kernel takes each
+    row's max on unscaled scores, which only orders them right for a positive scale."""
+    if scale > 0:
+        return q, scale
+    xp = arrays.array_module(q)
+    if scale == 0:  # every visible score is 0: the same as q = 0 at any scale
+        return xp.zeros(q.shape, dtype=np.uint16).view(q.dtype), 1.0  # 16-bit: only fp16/bf16 here
+    # q.k * scale == (-q).k * |scale|; negate by flipping the sign bit (exact, bf16 included)
+    flipped = xp.ascontiguousarray(arrays.bits(q)) ^ np.uint16(0x8000)
+    return flipped.view(q.dtype), -scale
+
+
 def _forward(p, q, k, v, out, lse, cfg, device):
     if cfg is None:
         family = device.preferred_family(p.dtype)
         cfg = configs.choose_config(family, p, device)
     if cfg.family == TENSOR_CORE:
+        q, scale = _positive_scale(q, p.scale)
+        p = dataclasses.replace(p, scale=scale)
         head_dim = configs.round_up(p.head_dim, 8)
         if head_dim != p.head_dim:
             q, k, v = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v))

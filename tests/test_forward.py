@@ -217,3 +217,23 @@ def test_memory_is_linear_in_seqlen():
     extra = pool.used_bytes() - before
     assert extra <= out.nbytes + lse.nbytes + 4096, extra
 
+
+
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize(
+    "cfg", [TensorCoreConfig(16, 16, 1, 2, True), PortableConfig(32, 16)], ids=["tc", "portable"]
+)
+def test_negative_and_zero_softmax_scale(scale, cfg):
+    # The tensor-core kernel folds the scale into exp2 after a max over unscaled scores; the
+    # API must still give the exact attention for scales that reverse or erase the order.
+    q, k, v = random_qkv(1, 17, 23, 2, 1, 16, "float16")
+    out, lse = numflash.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True,
+                                  config=cfg)  # fmt: skip
+    assert_matches_reference(q, k, v, out, lse, causal=True, softmax_scale=scale)
+
+
+def test_windows_wider_than_the_sequences_are_unbounded():
+    q, k, v = random_qkv(1, 9, 14, 1, 1, 8, "float32")
+    wide = numflash.attention(q, k, v, window_size=(10**12, 10**15))
+    full = numflash.attention(q, k, v)
+    assert bool((wide == full).all())
