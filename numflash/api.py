@@ -182,10 +182,10 @@ def _launch_forward(cfg, p, q, k, v, out, lse):
     if cfg.family == TENSOR_CORE:
         key = (head_dim, p.dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
                cfg.q_in_registers)  # fmt: skip
-        shared = 2 * forward.shared_memory_layout(head_dim, cfg.block_m, cfg.block_n, cfg.stages)[3]
+        shared = cfg.shared_memory_bytes(head_dim)  # dynamic
     else:
         key = (head_dim, p.dtype, cfg.block_m, cfg.block_n)
-        shared = 0
+        shared = 0  # static shared arrays
     launcher = _launcher(cfg.family, key)
     (qf, qs), (kf, ks), (vf, vs), (of, os_) = (arrays.kernel_view(x) for x in (q, k, v, out))
     args = (

@@ -58,8 +58,10 @@ class TensorCoreConfig:
 
     def shared_memory_bytes(self, head_dim):
         """Q tile plus ``stages`` K and V tiles, rows padded by 16 bytes against bank conflicts."""
-        row = round_up(head_dim, 16) + 8
-        return 2 * row * (self.block_m + 2 * self.stages * self.block_n)
+        from .kernels.forward import shared_memory_layout
+
+        *_, elements = shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages)
+        return 2 * elements
 
     def fragment_registers(self, head_dim):
         hd = round_up(head_dim, 16)

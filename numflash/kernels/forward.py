@@ -19,7 +19,9 @@ that it hides partly are masked element by element.
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256 (zero-padded to a multiple of
 16 in shared memory); GQA/MQA; causal and sliding windows aligned bottom-right; any seqlen_q and
-seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.0+. Does not:
+seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.0+ and
+``scale_log2 > 0``: the row max is taken on unscaled scores and the scale is folded into the
+fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Does not:
 dropout, softcapping, ALiBi, variable-length batches, KV cache.
 """
 
