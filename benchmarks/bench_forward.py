@@ -201,8 +201,12 @@ def plots(records, out_dir):
         return
     fwd = [r for r in records if r["mode"] == "fwd"]
     panels = sorted({(r["dtype"], r["head_dim"], r["causal"]) for r in fwd})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.6), squeeze=False)
-    for ax, (dtype, hd, causal) in zip(axes[0], panels):
+    cols = min(4, len(panels))
+    rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.3 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (dtype, hd, causal) in zip(axes.flat, panels):
         for provider in PROVIDERS:
             pts = sorted((r["seqlen_q"], r["tflops"]) for r in fwd if r["provider"] == provider
                          and (r["dtype"], r["head_dim"], r["causal"]) == (dtype, hd, causal))  # fmt: skip
@@ -211,9 +215,13 @@ def plots(records, out_dir):
         ax.set_xscale("log", base=2)
         ax.set_title(f"{dtype} hd{hd} {'causal' if causal else 'full'}", fontsize=9)
         ax.set_xlabel("seqlen")
-    axes[0][0].set_ylabel("TFLOP/s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_ylabel("TFLOP/s")
+    labels = {}
+    for ax in axes.flat:  # one legend for all panels (bf16 panels have no naive CuPy line)
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            labels.setdefault(label, handle)
+    fig.legend(labels.values(), labels.keys(), loc="upper center", ncol=len(labels), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(os.path.join(out_dir, "forward_tflops.png"), dpi=110)
     mem = [r for r in records if r["mode"] == "fwd-memory"]
     if mem:
@@ -244,6 +252,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plot-only", metavar="JSON", default=None,
+                    help="redraw the plots of a results file into --out-dir; no GPU needed")
     ap.add_argument("--merge", default=None,
                     help="records (JSON list) of an earlier run on this device to include; each "
                          "table row still comes from one process")  # fmt: skip
@@ -253,6 +263,10 @@ def main():
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096, 16384]
         args.memory_seqlens = [4096, 16384]
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            plots(json.load(f)["records"], args.out_dir)
+        return
     dev = current_device()
     memory = PeakMemory()
     records = bench(args, memory) + memory_sweep(args, memory)
