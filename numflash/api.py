@@ -204,7 +204,42 @@ def _on_device(x):
     return x.device
 
 
+def _problem(q, k, v, causal, softmax_scale, window_size):
+    """Validated arrays and the normalised problem they pose."""
+    q = arrays.intake(q, "q")
+    k = arrays.intake(k, "k")
+    v = arrays.intake(v, "v")
+    dtype = _check_qkv(q, k, v)
+    causal = _check_flag(causal, "causal")
+    left, right = _check_window(window_size, causal)
+    scale = _check_scale(softmax_scale, q.shape[-1])
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    left, right = (_clamp_window(w, sq, sk) for w in (left, right))
+    return q, k, v, _Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
+
+
 # -- public ----------------------------------------------------------------------------------------
+
+
+def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):
+    """The configuration ``attention(q, k, v, ...)`` would run with, and where it comes from.
+
+    Returns ``(config, source)``: source is "forced" (``config=`` given), "user cache <path>",
+    "shipped <path>" (tuned configurations in the user's cache or shipped with numflash, see
+    ``numflash autotune``) or "heuristic". Takes the same arguments and raises the same errors
+    as :func:`attention`; launches nothing.
+    """
+    from .cache import Selection
+
+    q, k, v, p = _problem(q, k, v, causal, None, window_size)
+    with _on_device(q):
+        device = current_device()
+        cfg = _check_config(config, p, device)
+        if cfg is not None:
+            return Selection(cfg, "forced")
+        return configs.choose_config(device.preferred_family(p.dtype), p, device)
+
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -233,19 +268,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
     Kernels run on CuPy's current stream; the call returns without synchronising.
     """
-    q = arrays.intake(q, "q")
-    k = arrays.intake(k, "k")
-    v = arrays.intake(v, "v")
-    dtype = _check_qkv(q, k, v)
-    causal = _check_flag(causal, "causal")
+    q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
     return_lse = _check_flag(return_lse, "return_lse")
-    left, right = _check_window(window_size, causal)
-    scale = _check_scale(softmax_scale, q.shape[-1])
     out = _check_out(out, q)
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    left, right = (_clamp_window(w, sq, sk) for w in (left, right))
-    p = _Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
+    b, sq, h, _ = q.shape
     with _on_device(q):
         device = current_device()
         cfg = _check_config(config, p, device)
@@ -277,8 +303,7 @@ def _positive_scale(q, scale):
 
 def _forward(p, q, k, v, out, lse, cfg, device):
     if cfg is None:
-        family = device.preferred_family(p.dtype)
-        cfg = configs.choose_config(family, p, device)
+        cfg = configs.choose_config(device.preferred_family(p.dtype), p, device).config
     if cfg.family == TENSOR_CORE:
         q, scale = _positive_scale(q, p.scale)
         p = dataclasses.replace(p, scale=scale)

@@ -1,11 +1,43 @@
-"""Where tuned configurations live.
+"""Tuned configurations: where they live, how they are keyed, looked up and written.
 
 One JSON file per compute capability (``sm_90.json``) in ``$NUMFLASH_CACHE_DIR``, else the
-platform's user cache directory (``~/.cache/numflash`` on Linux).
+platform's user cache directory (``~/.cache/numflash`` on Linux); numflash also ships files of
+the same format in ``numflash/configs/``. A file carries a header (compute capability, device
+name, numflash version, a hash of the kernel sources) and, per problem key, the winning
+configuration with its measured time and the default's::
+
+    {"format": 1, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
+     "numflash_version": "0.1.0", "kernel_hash": "3f2a...",
+     "entries": {"tensor-core/float16/hd128/causal/s4096":
+                 {"config": {...}, "time_ms": 1.91, "default_ms": 2.04, "default_config": {...},
+                  "trials": 30, "date": "2026-11-29"}}}
+
+Lookup order for a call: the user's cache, then the shipped file for the same architecture,
+then the nearest shipped file of the same major version, then the caller's heuristic; within a
+file the exact key first, then the same key at the nearest sequence-length bucket. Entries
+tuned for other kernel sources are ignored with one warning (the kernels changed, so their
+timings no longer hold); a corrupt or foreign file warns once and is skipped, never fatal.
+Writes take a file lock and replace the file atomically, so concurrent tuners lose nothing.
 """
 
+import datetime
+import functools
+import hashlib
+import json
+import math
 import os
+import tempfile
+import threading
+import warnings
 from pathlib import Path
+from typing import NamedTuple
+
+FORMAT = 1
+SHIPPED_DIR = Path(__file__).parent / "configs"
+_KERNEL_DIR = Path(__file__).parent / "kernels"
+
+#: Sequence-length buckets are powers of two within these bounds.
+MIN_BUCKET, MAX_BUCKET = 128, 1 << 20
 
 
 def cache_dir():
@@ -15,3 +47,211 @@ def cache_dir():
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("numflash", appauthor=False))
+
+
+@functools.lru_cache(maxsize=1)
+def kernel_hash():
+    """sha256 of the kernel sources: tuned timings hold only for the kernels that made them."""
+    digest = hashlib.sha256()
+    for path in sorted(_KERNEL_DIR.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def seqlen_bucket(seqlen):
+    """The power of two at or above ``seqlen``, clamped to [MIN_BUCKET, MAX_BUCKET]."""
+    bucket = 1 << max(0, math.ceil(math.log2(max(seqlen, 1))))
+    return min(max(bucket, MIN_BUCKET), MAX_BUCKET)
+
+
+class ProblemKey(NamedTuple):
+    """What changes the best configuration: family, dtype, head_dim, mask, seqlen bucket."""
+
+    family: str
+    dtype: str
+    head_dim: int
+    mask: str  # "full", "causal" or "window"
+    seqlen: int  # bucket of max(seqlen_q, seqlen_k)
+
+    def __str__(self):
+        return f"{self.family}/{self.dtype}/hd{self.head_dim}/{self.mask}/s{self.seqlen}"
+
+    @classmethod
+    def parse(cls, text):
+        family, dtype, hd, mask, seqlen = text.split("/")
+        if not (hd.startswith("hd") and seqlen.startswith("s")):
+            raise ValueError(f"not a problem key: {text!r}")
+        return cls(family, dtype, int(hd[2:]), mask, int(seqlen[1:]))
+
+    @classmethod
+    def of(cls, family, dtype, head_dim, seqlen_q, seqlen_k, window_left, window_right):
+        if window_left < 0 and window_right < 0:
+            mask = "full"
+        elif window_left < 0 and window_right == 0:
+            mask = "causal"
+        else:
+            mask = "window"
+        return cls(family, dtype, head_dim, mask, seqlen_bucket(max(seqlen_q, seqlen_k)))
+
+
+class Selection(NamedTuple):
+    config: object
+    source: str  # "user cache <path>", "shipped <file>", "heuristic" or "forced"
+
+
+_warned = set()
+_lock = threading.Lock()
+
+
+def _warn_once(path, message):
+    if (str(path), message) not in _warned:
+        _warned.add((str(path), message))
+        warnings.warn(f"numflash cache {path}: {message}", RuntimeWarning, stacklevel=4)
+
+
+def _read(path, arch):
+    """{key: entry} of a cache file; {} (with one warning) when missing, corrupt or foreign."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        _warn_once(path, f"unreadable ({exc}); ignoring it")
+        return {}
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        _warn_once(path, "not a numflash configuration file of this format; ignoring it")
+        return {}
+    if data.get("arch") != arch:
+        _warn_once(path, f"holds configurations for {data.get('arch')}, not {arch}; ignoring it")
+        return {}
+    if data.get("kernel_hash") != kernel_hash():
+        _warn_once(
+            path,
+            f"tuned for other kernel sources (numflash {data.get('numflash_version')}); its "
+            "entries are ignored: run `numflash autotune` again",
+        )
+        return {}
+    from .config import config_from_dict
+
+    entries = {}
+    for key, entry in data.get("entries", {}).items():
+        try:
+            entries[ProblemKey.parse(key)] = (config_from_dict(entry["config"]), entry)
+        except (KeyError, TypeError, ValueError) as exc:
+            _warn_once(path, f"entry {key!r} is malformed ({exc}); skipping it")
+    return entries
+
+
+def _nearest(entries, key):
+    """The entry for ``key``, else the same problem at the nearest seqlen bucket (ties: larger)."""
+    if key in entries:
+        return entries[key]
+    same = [k for k in entries if k._replace(seqlen=key.seqlen) == key]
+    if not same:
+        return None
+    best = min(same, key=lambda k: (abs(math.log2(k.seqlen) - math.log2(key.seqlen)), -k.seqlen))
+    return entries[best]
+
+
+def _sources(arch):
+    """(label, path, arch the file must hold) in lookup order for ``arch`` ("sm_90")."""
+    yield "user cache", cache_dir() / f"{arch}.json", arch
+    yield "shipped", SHIPPED_DIR / f"{arch}.json", arch
+    major, minor = int(arch[3:-1]), int(arch[-1])
+    same_major = []
+    for path in SHIPPED_DIR.glob(f"sm_{major}?.json"):
+        other = path.stem
+        if other != arch and other[-1].isdigit():
+            same_major.append((abs(int(other[-1]) - minor), other, path))
+    for _, other, path in sorted(same_major):
+        yield "shipped (nearest of the same major)", path, other
+
+
+_files = {}  # (path, arch) -> entries
+_memo = {}  # (arch, key) -> (config, entry, label) or None
+#: Bumped whenever what was read is forgotten; memos built on lookups (config.choose_config)
+#: compare it to know they are stale.
+generation = 0
+
+
+def _entries(path, arch):
+    found = _files.get((path, arch))
+    if found is None:
+        found = _files[(path, arch)] = _read(path, arch)
+    return found
+
+
+def lookup(arch, key, feasible=lambda cfg: True):
+    """(config, source) of the best cached configuration for ``key`` on ``arch``, or None.
+
+    ``feasible`` filters out configurations that cannot run the call at hand (a file of a
+    sibling architecture may hold tiles too large for this one). Memoised: a repeated lookup
+    costs a dictionary access.
+    """
+    memo_key = (arch, key)
+    hit = _memo.get(memo_key, _memo)
+    if hit is _memo:
+        with _lock:
+            hit = None
+            for label, path, file_arch in _sources(arch):
+                found = _nearest(_entries(path, file_arch), key)
+                if found is not None and feasible(found[0]):
+                    hit = (found[0], f"{label} {path}")
+                    break
+            _memo[memo_key] = hit
+    return hit
+
+
+def reload():
+    """Forget what was read: the next lookup reads the files again."""
+    global generation
+    with _lock:
+        _files.clear()
+        _memo.clear()
+        generation += 1
+
+
+def user_entries(arch):
+    """{key: entry dict} of the user's cache file for ``arch`` (valid entries only)."""
+    return {k: e for k, (_, e) in _read(cache_dir() / f"{arch}.json", arch).items()}
+
+
+def record(device, results, header_extra=None, path=None):
+    """Merge ``results`` ({ProblemKey: entry dict}) into the cache file of ``device``.
+
+    The file is read, merged and replaced under a file lock, and written to a temporary file
+    that is renamed over it, so a reader never sees half a file and two writers lose nothing.
+    Entries from other kernel sources, or a corrupt file, are replaced.
+    """
+    from filelock import FileLock
+
+    path = Path(path) if path is not None else cache_dir() / f"{device.arch}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        current = {str(k): e for k, (_, e) in _read(path, device.arch).items()}
+        current.update({str(k): e for k, e in results.items()})
+        from . import __version__
+
+        data = {
+            "format": FORMAT,
+            "arch": device.arch,
+            "compute_capability": list(device.compute_capability),
+            "device": device.name,
+            "numflash_version": __version__,
+            "kernel_hash": kernel_hash(),
+            "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **(header_extra or {}),
+            "entries": dict(sorted(current.items())),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    reload()
+    return path

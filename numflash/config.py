@@ -6,9 +6,10 @@ check serves the dispatcher (a clear error for a forced configuration) and the a
 point before compiling it).
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
+from . import cache
 from .device import PORTABLE, TENSOR_CORE
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
@@ -21,6 +22,24 @@ STATIC_SHARED_LIMIT = 48 * 1024
 
 def round_up(x, multiple):
     return (x + multiple - 1) // multiple * multiple
+
+
+def knob(default, choices):
+    """A tunable field: its default and the values the autotuner may try (tuning/space.py)."""
+    return field(default=default, metadata={"choices": tuple(choices)})
+
+
+def knob_choices(config_type):
+    """{field name: allowed values} of a configuration dataclass."""
+    return {f.name: f.metadata["choices"] for f in fields(config_type)}
+
+
+def _out_of_choices(cfg):
+    return [
+        f"{name}={getattr(cfg, name)!r} is not one of {', '.join(map(str, choices))}"
+        for name, choices in knob_choices(type(cfg)).items()
+        if getattr(cfg, name) not in choices
+    ]
 
 
 @dataclass(frozen=True)
@@ -36,11 +55,11 @@ class TensorCoreConfig:
       of reloading them from shared memory with ldmatrix in every iteration.
     """
 
-    block_m: int = 64
-    block_n: int = 64
-    num_warps: int = 4
-    stages: int = 2
-    q_in_registers: bool = True
+    block_m: int = knob(64, (16, 32, 64, 128, 256))
+    block_n: int = knob(64, (16, 32, 64, 128))
+    num_warps: int = knob(4, (1, 2, 4, 8))
+    stages: int = knob(2, (2, 3, 4))
+    q_in_registers: bool = knob(True, (True, False))
 
     family: ClassVar[str] = TENSOR_CORE
     #: Fragment registers a thread may hold (accumulators, scores, query fragments) before the
@@ -72,18 +91,14 @@ class TensorCoreConfig:
 
     def problems(self, head_dim, device):
         """Why this configuration cannot run ``head_dim`` on ``device``; empty when it can."""
-        out = []
-        if self.num_warps not in (1, 2, 4, 8):
-            out.append(f"num_warps={self.num_warps} is not one of 1, 2, 4, 8")
-        elif self.block_m % (16 * self.num_warps) or self.m_tiles not in (1, 2):
+        out = _out_of_choices(self)
+        if self.num_warps in knob_choices(TensorCoreConfig)["num_warps"] and (
+            self.block_m % (16 * self.num_warps) or self.m_tiles not in (1, 2)
+        ):
             out.append(
                 f"block_m={self.block_m} must be 16 * num_warps * (1 or 2) "
                 f"= {16 * self.num_warps} or {32 * self.num_warps}"
             )
-        if self.block_n not in (16, 32, 64, 128):
-            out.append(f"block_n={self.block_n} is not one of 16, 32, 64, 128")
-        if not 2 <= self.stages <= 4:
-            out.append(f"stages={self.stages} is not between 2 and 4")
         if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
             out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
         if out:
@@ -121,8 +136,8 @@ class PortableConfig:
     shared memory ``block_n`` rows at a time, converted to fp32.
     """
 
-    block_m: int = 64
-    block_n: int = 32
+    block_m: int = knob(64, (16, 32, 64, 128, 256))
+    block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE
 
@@ -134,11 +149,7 @@ class PortableConfig:
         return 2 * self.block_n * head_dim * 4
 
     def problems(self, head_dim, device):
-        out = []
-        if self.block_m not in (16, 32, 64, 128, 256):
-            out.append(f"block_m={self.block_m} is not one of 16, 32, 64, 128, 256")
-        if self.block_n not in (8, 16, 32, 64):
-            out.append(f"block_n={self.block_n} is not one of 8, 16, 32, 64")
+        out = _out_of_choices(self)
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
         smem = self.shared_memory_bytes(head_dim)
@@ -198,8 +209,36 @@ def default_tensor_core_config(head_dim, device):
     return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
 
 
+_choices = {}
+
+
 def choose_config(family, problem, device):
-    """The configuration a call without ``config=`` runs with."""
+    """The configuration a call without ``config=`` runs with, as a ``cache.Selection``.
+
+    A tuned one when the cache has one for this problem on this GPU (numflash/cache.py gives
+    the order), else the heuristic default. Memoised per (problem key, device): every call
+    goes through here, and the lookup must cost a few microseconds at most.
+    """
+    seqlen = max(problem.seqlen_q, problem.seqlen_k)
+    memo_key = (cache.generation, family, problem.dtype, problem.head_dim,
+                problem.window_left < 0, problem.window_right, (seqlen - 1).bit_length(),
+                device)  # fmt: skip
+    choice = _choices.get(memo_key)
+    if choice is None:
+        choice = _choices[memo_key] = _choose(family, problem, device)
+    return choice
+
+
+def _choose(family, problem, device):
     if family == PORTABLE:
-        return default_portable_config(problem.head_dim)
-    return default_tensor_core_config(round_up(problem.head_dim, 8), device)
+        head_dim = problem.head_dim
+        default = default_portable_config(head_dim)
+    else:
+        head_dim = round_up(problem.head_dim, 8)
+        default = default_tensor_core_config(head_dim, device)
+    key = cache.ProblemKey.of(family, problem.dtype, head_dim, problem.seqlen_q,
+                              problem.seqlen_k, problem.window_left, problem.window_right)  # fmt: skip
+    hit = cache.lookup(device.arch, key, feasible=lambda cfg: not cfg.problems(head_dim, device))
+    if hit is not None:
+        return cache.Selection(*hit)
+    return cache.Selection(default, "heuristic")

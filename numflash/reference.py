@@ -10,10 +10,11 @@ no key give 0 and LSE -inf).
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import array_module, from_float, to_float64
+from .arrays import array_module, dtype_name, from_float, to_float64
 
 
 def visibility_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), xp=np):
@@ -103,3 +104,48 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
     out, lse = _softmax_attention(qh, kh, vh, xp.float32(scale), mask, rounding)
     return from_float(out.transpose(0, 2, 1, 3), dtype), lse.astype(xp.float32)
+
+
+#: Absolute slack added to twice the naive implementation's error (DESIGN.md, "Tests"): what a
+#: correct kernel may lose beyond the naive version when both errors are near zero.
+ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5}
+LSE_ATOL = 1e-4
+
+
+class Check(NamedTuple):
+    err: float  # max |out - reference|
+    bar: float  # 2 * max |naive - reference| + ATOL[dtype]
+    lse_err: float
+    lse_bar: float
+    nan: int  # output elements that are NaN
+
+    @property
+    def ok(self):
+        return self.nan == 0 and self.err <= self.bar and self.lse_err <= self.lse_bar
+
+
+def check(q, k, v, out, lse=None, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
+    """How far ``out`` (and ``lse``) are from the float64 reference, against DESIGN.md's bar.
+
+    The bar is twice the error of :func:`attention_naive` (the same attention computed plainly
+    in the input precision) plus ``ATOL``; LSE rows without keys must be -inf on both sides.
+    """
+    xp = array_module(q)
+    kw = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale)
+    ref, lse_ref = attention_reference(q, k, v, **kw)
+    naive, lse_naive = attention_naive(q, k, v, **kw)
+    dtype = dtype_name(q.dtype)
+    out64 = to_float64(out)
+    nan = int(xp.isnan(out64).sum())
+    err = float(xp.abs(out64 - ref).max(initial=0.0))
+    bar = 2 * float(xp.abs(to_float64(naive) - ref).max(initial=0.0)) + ATOL[dtype]
+    lse_err = lse_bar = 0.0
+    if lse is not None:
+        empty = xp.isneginf(lse_ref)
+        if bool((xp.isneginf(lse) != empty).any()) or bool(xp.isnan(lse).any()):
+            lse_err = math.inf
+        elif bool((~empty).any()):
+            seen = ~empty
+            lse_err = float(xp.abs(lse[seen] - lse_ref[seen]).max())
+            lse_bar = 2 * float(xp.abs(lse_naive[seen] - lse_ref[seen]).max()) + LSE_ATOL
+    return Check(err, bar, lse_err, lse_bar, nan)

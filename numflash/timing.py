@@ -34,13 +34,18 @@ def _flush_l2(cupy):
 
 
 def time_gpu(fn, *, warmup=3, runs=20, flush_l2=True, max_total_ms=None):
-    """Median wall time of ``fn()`` on CuPy's current stream, measured with CUDA events.
+    """Median wall time of ``fn()`` on CuPy's current stream, measured with CUDA events (a host
+    clock in the simulator, where kernels run synchronously on the host).
 
     ``fn`` is called ``warmup`` times untimed (compilation and first-use costs stay out), then
     ``runs`` times, each between two events, after an L2 flush when ``flush_l2``. With
     ``max_total_ms`` the timed runs stop early once that much GPU time has been spent (at least
     3 runs are kept).
     """
+    from .kernels.jit import SIMULATOR
+
+    if SIMULATOR:
+        return _time_simulated(fn, warmup, runs, max_total_ms)
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -57,6 +62,22 @@ def time_gpu(fn, *, warmup=3, runs=20, flush_l2=True, max_total_ms=None):
         stop.record(stream)
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop))
+        if max_total_ms is not None and i >= 2 and sum(times) > max_total_ms:
+            break
+    return Timing(statistics.median(times), min(times), max(times), len(times))
+
+
+def _time_simulated(fn, warmup, runs, max_total_ms):
+    """The simulator runs kernels synchronously on the host: a host clock times them."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for i in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
         if max_total_ms is not None and i >= 2 and sum(times) > max_total_ms:
             break
     return Timing(statistics.median(times), min(times), max(times), len(times))
