@@ -1,4 +1,9 @@
-"""The ``numflash`` command: ``numflash info`` (versions, the GPU, its kernel paths, the cache)."""
+"""The ``numflash`` command.
+
+- ``numflash info``: versions, the GPU and its kernel paths, the cache and its entries.
+- ``numflash autotune``: tune the kernels on this GPU (the ``tuning`` package, imported only
+  for this command).
+"""
 
 import argparse
 import platform
@@ -66,16 +71,41 @@ def info(out=sys.stdout):
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
         print(f"  kernel paths: {paths}", file=out)
     print(f"configuration cache: {cache_dir()}", file=out)
+    if not SIMULATOR and gpu_available():
+        _print_entries(current_device(), out)
     return 0
+
+
+def _print_entries(device, out):
+    from numflash.cache import user_entries
+
+    entries = user_entries(device.arch)
+    if not entries:
+        print(f"  no tuned configurations for {device.arch} yet (run `numflash autotune`)", file=out)
+        return
+    print(f"  tuned configurations for {device.arch}:", file=out)
+    for key, entry in sorted(entries.items(), key=lambda kv: str(kv[0])):
+        cfg = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "family")
+        default = entry.get("default_ms")
+        print(f"    {key}: {cfg}  ({entry['time_ms']:.3f} ms; default "
+              f"{f'{default:.3f} ms' if default else '-'})", file=out)  # fmt: skip
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numflash", description="FlashAttention for CuPy")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, the GPU and its kernel paths, the cache location")
+    sub.add_parser("info", help="versions, the GPU and its kernel paths, the cache and its entries")
+    tune = sub.add_parser("autotune", help="tune the kernels on this GPU (Optuna), cache the winners")
+    from tuning.run import add_arguments
+
+    add_arguments(tune)
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.command == "autotune":
+        from tuning.run import main as autotune
+
+        return autotune(args)
     return 2
 
 

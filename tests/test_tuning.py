@@ -1,0 +1,224 @@
+"""The autotuner's CPU side: search spaces, the configuration cache, the CLI's plan, and one
+real study in the simulator whose winner the next call uses."""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import optuna
+import pytest
+from _support import random_qkv
+
+import numflash
+from numflash import cache
+from numflash.config import PortableConfig, TensorCoreConfig, knob_choices
+from numflash.device import DeviceInfo
+from numflash.kernels.jit import SIMULATOR
+from tuning import space
+
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 1024)
+KEY = cache.ProblemKey("tensor-core", "float16", 128, "causal", 4096)
+CFG = TensorCoreConfig(128, 64, 4, 3, False)
+
+
+@pytest.fixture
+def cache_dirs(tmp_path, monkeypatch):
+    """An empty user cache and an empty shipped directory, both private to the test."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(user))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", shipped)
+    cache.reload()
+    yield user, shipped
+    cache.reload()
+
+
+def entry(cfg, time_ms=1.0):
+    return {"config": cfg.to_dict(), "time_ms": time_ms, "default_ms": 2.0,
+            "default_config": TensorCoreConfig().to_dict(), "trials": 3, "date": "2026-11-29"}  # fmt: skip
+
+
+# -- search space ------------------------------------------------------------------------------
+
+
+def test_space_is_derived_from_the_config_fields():
+    params = space.params(TensorCoreConfig)
+    assert set(params) == {"block_m_log2", "block_n_log2", "num_warps_log2", "stages",
+                           "q_in_registers"}  # fmt: skip
+    assert params["block_n_log2"] == ("log2", (4, 5, 6, 7))
+    assert params["q_in_registers"] == ("categorical", (True, False))
+    sizes = [len(c) for c in knob_choices(TensorCoreConfig).values()]
+    assert len(list(space.all_points(TensorCoreConfig))) == int(np.prod(sizes))
+
+
+@pytest.mark.parametrize("cfg", [CFG, TensorCoreConfig(), PortableConfig(16, 8)])
+def test_suggest_and_as_params_round_trip(cfg):
+    trial = optuna.trial.FixedTrial(space.as_params(cfg))
+    assert space.suggest(trial, type(cfg)) == cfg
+
+
+def test_infeasible_points_are_pruned_before_compiling():
+    feasible = space.feasible_points(TensorCoreConfig, 128, H200)
+    assert CFG in feasible
+    assert TensorCoreConfig(16, 64, 4, 2, True) not in feasible  # block_m < 16 * num_warps
+    assert all(not c.problems(128, H200) for c in feasible)
+    small = DeviceInfo("small", (8, 6), 84, 101376, 1024)  # sm_86: 99 KiB per block
+    assert len(space.feasible_points(TensorCoreConfig, 256, small)) < len(
+        space.feasible_points(TensorCoreConfig, 256, H200)
+    )
+
+
+# -- cache -------------------------------------------------------------------------------------
+
+
+def test_keys_and_buckets():
+    assert cache.seqlen_bucket(1) == cache.MIN_BUCKET
+    assert cache.seqlen_bucket(4096) == 4096 and cache.seqlen_bucket(4097) == 8192
+    assert cache.ProblemKey.parse(str(KEY)) == KEY
+    assert cache.ProblemKey.of("tensor-core", "float16", 128, 3000, 4000, -1, 0) == KEY
+    assert cache.ProblemKey.of("portable", "float32", 8, 5, 5, -1, -1).mask == "full"
+    assert cache.ProblemKey.of("portable", "float32", 8, 5, 5, 4, 0).mask == "window"
+
+
+def test_record_then_lookup(cache_dirs):
+    path = cache.record(H200, {KEY: entry(CFG)})
+    data = json.loads(path.read_text())
+    assert data["arch"] == "sm_90" and data["kernel_hash"] == cache.kernel_hash()
+    assert data["device"] == "NVIDIA H200" and data["numflash_version"] == numflash.__version__
+    cfg, source = cache.lookup("sm_90", KEY)
+    assert cfg == CFG and source.startswith("user cache")
+
+
+def test_nearest_sequence_bucket(cache_dirs):
+    cache.record(H200, {KEY._replace(seqlen=1024): entry(TensorCoreConfig(64, 64, 4, 2, True)),
+                        KEY._replace(seqlen=16384): entry(CFG)})  # fmt: skip
+    assert cache.lookup("sm_90", KEY._replace(seqlen=8192))[0] == CFG
+    assert cache.lookup("sm_90", KEY._replace(seqlen=2048))[0].block_m == 64
+    assert cache.lookup("sm_90", KEY._replace(dtype="bfloat16")) is None
+
+
+def test_lookup_order_user_then_shipped_then_same_major(cache_dirs):
+    user, shipped = cache_dirs
+    sm80 = DeviceInfo("A100", (8, 0), 108, 166912, 1024)
+    cache.record(sm80, {KEY: entry(TensorCoreConfig(64, 32, 4, 2, False))},
+                 path=shipped / "sm_80.json")  # fmt: skip
+    # sm_86 has no file of its own: the nearest shipped file of major 8 answers.
+    cfg, source = cache.lookup("sm_86", KEY)
+    assert cfg.block_m == 64 and "nearest of the same major" in source
+    cache.record(H200, {KEY: entry(TensorCoreConfig(64, 64, 4, 2, True))},
+                 path=shipped / "sm_90.json")  # fmt: skip
+    assert cache.lookup("sm_90", KEY)[1].startswith("shipped")
+    cache.record(H200, {KEY: entry(CFG)})
+    assert cache.lookup("sm_90", KEY) == (CFG, f"user cache {user / 'sm_90.json'}")
+    # A tuned configuration that cannot run here is passed over.
+    assert cache.lookup("sm_90", KEY._replace(head_dim=120), feasible=lambda c: False) is None
+
+
+def test_corrupt_file_warns_once_and_falls_back(cache_dirs):
+    user, _ = cache_dirs
+    user.mkdir()
+    (user / "sm_90.json").write_text("{ not json")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        assert cache.lookup("sm_90", KEY) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cache.lookup("sm_90", KEY._replace(seqlen=1024)) is None  # no second warning
+    cache.record(H200, {KEY: entry(CFG)})  # a corrupt file is replaced, not fatal
+    assert cache.lookup("sm_90", KEY)[0] == CFG
+
+
+def test_entries_of_other_kernel_sources_are_ignored(cache_dirs):
+    path = cache.record(H200, {KEY: entry(CFG)})
+    data = json.loads(path.read_text())
+    data["kernel_hash"] = "0" * 16
+    data["numflash_version"] = "0.0.1"
+    path.write_text(json.dumps(data))
+    cache.reload()
+    with pytest.warns(RuntimeWarning, match="other kernel sources"):
+        assert cache.lookup("sm_90", KEY) is None
+
+
+def test_file_of_another_architecture_is_ignored(cache_dirs):
+    user, _ = cache_dirs
+    path = cache.record(H200, {KEY: entry(CFG)})
+    os.replace(path, user / "sm_89.json")
+    with pytest.warns(RuntimeWarning, match="for sm_90, not sm_89"):
+        assert cache.lookup("sm_89", KEY) is None
+
+
+def _write_keys(directory, offset, count, start):
+    os.environ["NUMFLASH_CACHE_DIR"] = directory
+    start.wait()  # all writers begin together, after their imports
+    for i in range(count):
+        cache.record(H200, {KEY._replace(head_dim=8 * (offset + i + 1)): entry(CFG, i)})
+
+
+def test_concurrent_writers_lose_nothing(cache_dirs):
+    user, _ = cache_dirs
+    ctx = multiprocessing.get_context("spawn")
+    writers, count = 3, 25
+    start = ctx.Barrier(writers + 1)
+    procs = [ctx.Process(target=_write_keys, args=(str(user), w * count, count, start))
+             for w in range(writers)]  # fmt: skip
+    for p in procs:
+        p.start()
+    start.wait(120)
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(cache.user_entries("sm_90")) == writers * count
+
+
+def test_selected_config_uses_the_cache(cache_dirs):
+    q, k, v = random_qkv(1, 40, 40, 2, 1, 16, "float32")
+    default = numflash.selected_config(q, k, v, causal=True)
+    assert default.source == "heuristic"
+    key = cache.ProblemKey.of("portable", "float32", 16, 40, 40, -1, 0)
+    device = numflash.device.current_device()
+    cache.record(device, {key: entry(PortableConfig(16, 8))})
+    chosen = numflash.selected_config(q, k, v, causal=True)
+    assert chosen.config == PortableConfig(16, 8) and chosen.source.startswith("user cache")
+    forced = numflash.selected_config(q, k, v, config=PortableConfig(32, 16))
+    assert forced == (PortableConfig(32, 16), "forced")
+
+
+# -- the CLI and a real study ---------------------------------------------------------------------
+
+
+def test_cli_dry_run_prints_the_plan(tmp_path):
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "numflash.cli", "autotune", "--quick", "--dry-run"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "4 keys x 8 trials" in proc.stdout
+    assert "tensor-core/float16/hd128/causal/s4096:" in proc.stdout
+    assert not any(tmp_path.iterdir()), "a dry run writes nothing"
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
+def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dirs):
+    """The real portable kernel, real Optuna (TPE, SQLite), a tiny problem, three trials."""
+    from tuning.objective import Workload
+    from tuning.study import storage_url, tune_key
+
+    device = numflash.device.current_device()
+    key = cache.ProblemKey("portable", "float32", 16, "causal", 128)
+    workload = Workload(batch=1, nheads=1, seqlen=40, check_seqlen=24, check_nheads=1)
+    result = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
+    assert result.complete >= 1 and result.best_config is not None
+    assert result.default_ms is not None and result.best_ms <= result.default_ms
+    assert storage_url(device).endswith("studies-sm_52.sqlite3")
+    # Resuming: asking for 3 trials again runs nothing new.
+    again = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
+    assert (again.complete, again.pruned, again.rejected) == (
+        result.complete, result.pruned, result.rejected)
+    cache.record(device, {key: result.entry()})
+    q, k, v = random_qkv(1, 100, 100, 2, 1, 16, "float32")
+    chosen = numflash.selected_config(q, k, v, causal=True)
+    assert chosen.config == result.best_config and chosen.source.startswith("user cache")

@@ -1,0 +1,114 @@
+"""One autotuning trial: propose a configuration, prove it right, time it.
+
+A point the device cannot run (shared memory, threads, registers: the configuration's own
+feasibility check) is pruned before anything compiles. A configuration that fails to compile or
+launch is pruned with the error recorded. A configuration whose result misses the reference bar
+is rejected (pruned, with the errors recorded) and can never win. Everything else is timed with
+numflash.timing.time_gpu, the same method as the benchmarks.
+"""
+
+from dataclasses import dataclass
+
+import optuna
+
+import numflash
+from numflash import reference
+from numflash.arrays import from_float
+from numflash.config import round_up
+from numflash.device import TENSOR_CORE
+from numflash.timing import attention_flops, time_gpu
+
+from . import space
+
+#: The shapes of the timed call: batch x seqlen = TOKENS, nheads x head_dim = MODEL_DIM, as in
+#: the benchmarks (benchmarks/bench_forward.py) and ANCHORS.md.
+TOKENS = 32768
+MODEL_DIM = 2048
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The calls one key is tuned on: a timed call and a smaller checked one."""
+
+    batch: int
+    nheads: int
+    seqlen: int
+    check_seqlen: int
+    check_nheads: int = 2
+
+    @classmethod
+    def for_key(cls, key):
+        seqlen = key.seqlen
+        return cls(batch=max(1, TOKENS // seqlen), nheads=max(1, MODEL_DIM // key.head_dim),
+                   seqlen=seqlen, check_seqlen=min(seqlen, 777))  # fmt: skip
+
+
+def mask_kwargs(mask, seqlen):
+    """attention() arguments for a key's mask kind ("window": a quarter of the sequence back)."""
+    if mask == "causal":
+        return {"causal": True}
+    if mask == "window":
+        return {"window_size": (max(1, seqlen // 4), 0)}
+    return {}
+
+
+def random_inputs(xp, batch, seqlen, nheads, head_dim, dtype, seed):
+    rng = xp.random.default_rng(seed)
+    shape = (batch, seqlen, nheads, head_dim)
+    return [from_float(rng.standard_normal(shape, dtype=xp.float32), dtype) for _ in range(3)]
+
+
+class Objective:
+    """Callable for ``study.optimize``: returns the median time (ms) of a correct configuration."""
+
+    def __init__(self, key, device, workload, xp, dtype, warmup=3, runs=15, max_ms=2000):
+        self.key = key
+        self.device = device
+        self.workload = workload
+        self.xp = xp
+        self.dtype = dtype
+        self.config_type = numflash.TensorCoreConfig if key.family == TENSOR_CORE else (
+            numflash.PortableConfig)  # fmt: skip
+        self.head_dim = round_up(key.head_dim, 8) if key.family == TENSOR_CORE else key.head_dim
+        self.mask = mask_kwargs(key.mask, workload.seqlen)
+        w = workload
+        self.timed = random_inputs(xp, w.batch, w.seqlen, w.nheads, key.head_dim, dtype, seed=0)
+        self.flops = attention_flops(w.batch, w.nheads, w.seqlen, w.seqlen, key.head_dim,
+                                     key.mask == "causal")  # fmt: skip
+        self.timing = dict(warmup=warmup, runs=runs, max_total_ms=max_ms)
+
+    def __call__(self, trial):
+        cfg = space.suggest(trial, self.config_type)
+        trial.set_user_attr("config", cfg.to_dict())
+        for other in trial.study.get_trials(deepcopy=False):
+            if other.number != trial.number and other.params == trial.params:
+                # TPE may propose a point again: timing it twice would only measure noise.
+                trial.set_user_attr("pruned", f"duplicate of trial {other.number}")
+                raise optuna.TrialPruned()
+        reasons = cfg.problems(self.head_dim, self.device)
+        if reasons:
+            trial.set_user_attr("pruned", "infeasible: " + "; ".join(reasons))
+            raise optuna.TrialPruned()
+        try:
+            result = self.check(cfg, seed=1000 + trial.number)
+        except Exception as exc:  # compile or launch failure: prune, keep studying
+            trial.set_user_attr("pruned", f"{type(exc).__name__}: {exc}"[:500])
+            raise optuna.TrialPruned() from None
+        trial.set_user_attr("err", result.err)
+        trial.set_user_attr("bar", result.bar)
+        if not result.ok:
+            trial.set_user_attr("rejected", f"wrong result: {result}")
+            raise optuna.TrialPruned()
+        q, k, v = self.timed
+        t = time_gpu(lambda: numflash.attention(q, k, v, config=cfg, **self.mask), **self.timing)
+        trial.set_user_attr("tflops", t.tflops(self.flops))
+        return t.median_ms
+
+    def check(self, cfg, seed):
+        """The configuration's result on fresh random inputs against the float64 reference."""
+        w = self.workload
+        mask = mask_kwargs(self.key.mask, w.check_seqlen)
+        q, k, v = random_inputs(self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim,
+                                self.dtype, seed)  # fmt: skip
+        out, lse = numflash.attention(q, k, v, config=cfg, return_lse=True, **mask)
+        return reference.check(q, k, v, out, lse, **mask)

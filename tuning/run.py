@@ -1,0 +1,125 @@
+"""``numflash autotune``: plan the problem keys, run a study per key, record, report.
+
+Each key's winner is written to the cache as soon as its study ends, so a run that is stopped
+keeps what it finished, and the studies themselves (SQLite) resume where they stopped.
+"""
+
+import itertools
+import sys
+import time
+
+from numflash import cache
+from numflash.config import TensorCoreConfig, PortableConfig, round_up
+from numflash.device import TENSOR_CORE
+
+from . import space
+
+QUICK = dict(head_dims=[64, 128], dtypes=["float16"], masks=["full", "causal"], seqlens=[4096],
+             trials=8, timeout_per_key=120)  # fmt: skip
+
+
+def add_arguments(parser):
+    parser.add_argument("--family", choices=["tensor-core", "portable"], default="tensor-core")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
+                        choices=["float16", "bfloat16", "float32"])  # fmt: skip
+    parser.add_argument("--masks", nargs="+", default=["full", "causal"],
+                        choices=["full", "causal", "window"])  # fmt: skip
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
+                        help="sequence lengths; each is tuned at its power-of-two bucket")
+    parser.add_argument("--trials", type=int, default=30, help="finished trials per key")
+    parser.add_argument("--timeout-per-key", type=float, default=600,
+                        help="seconds a key's study may start new trials for")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run: no key starts after it is spent")
+    parser.add_argument("--quick", action="store_true",
+                        help="head dims 64 and 128, fp16, full and causal, seqlen 4096, 8 trials")
+    parser.add_argument("--fresh", action="store_true", help="ignore and replace stored studies")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan (keys, space sizes) and exit; needs no GPU")
+    parser.add_argument("--output", default=None,
+                        help="write winners to this file instead of the user's cache "
+                             "(how numflash/configs/ files are made)")  # fmt: skip
+
+
+def plan(args):
+    if args.quick:
+        for name, value in QUICK.items():
+            setattr(args, name, value)
+    if args.family == TENSOR_CORE and "float32" in args.dtypes:
+        raise SystemExit("numflash autotune: the tensor-core kernel takes float16 and bfloat16")
+    keys = []
+    for dtype, hd, mask, seqlen in itertools.product(args.dtypes, args.head_dims, args.masks,
+                                                     args.seqlens):  # fmt: skip
+        head_dim = round_up(hd, 8) if args.family == TENSOR_CORE else hd
+        key = cache.ProblemKey(args.family, dtype, head_dim, mask, cache.seqlen_bucket(seqlen))
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _device(dry_run):
+    from numflash.device import _SIMULATED, current_device, gpu_available
+    from numflash.kernels.jit import SIMULATOR
+
+    if SIMULATOR or gpu_available():
+        return current_device(), None
+    if dry_run:
+        return _SIMULATED, "no GPU here: feasibility counted against H100/H200 limits"
+    raise SystemExit("numflash autotune: no CUDA GPU found (use --dry-run to see the plan)")
+
+
+def print_plan(keys, args, device, note, out):
+    config_type = TensorCoreConfig if args.family == TENSOR_CORE else PortableConfig
+    total = len(list(space.all_points(config_type)))
+    print(f"device: {device.name} ({device.arch})" + (f" [{note}]" if note else ""), file=out)
+    print(f"{len(keys)} keys x {args.trials} trials (at most {args.timeout_per_key:.0f} s each); "
+          f"search space: {total} points per key", file=out)  # fmt: skip
+    for key in keys:
+        feasible = len(space.feasible_points(config_type, key.head_dim, device))
+        print(f"  {key}: {feasible} feasible points", file=out)
+    target = args.output or cache.cache_dir() / (
+        "sm_XY.json (XY: the GPU's compute capability)" if note else f"{device.arch}.json")
+    print(f"winners -> {target}", file=out)
+
+
+def report(results, out):
+    header = (f"{'key':40s} {'default ms':>10s} {'tuned ms':>9s} {'speedup':>7s} "
+              f"{'ok/pruned/wrong/failed':>22s}  tuned config")  # fmt: skip
+    print("\n" + header, file=out)
+    print("-" * len(header), file=out)
+    for r in results:
+        cfg = r.best_config
+        cfg_text = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if k != "family") if cfg else "-"
+        fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
+        counts = f"{r.complete}/{r.pruned}/{r.rejected}/{r.failed}"
+        print(f"{str(r.key):40s} {fmt(r.default_ms, '10.3f')} {fmt(r.best_ms, '9.3f')} "
+              f"{fmt(r.speedup, '7.2f')} {counts:>22s}  {cfg_text}", file=out)  # fmt: skip
+
+
+def main(args, out=sys.stdout):
+    keys = plan(args)
+    device, note = _device(args.dry_run)
+    print_plan(keys, args, device, note, out)
+    if args.dry_run:
+        return 0
+    from .study import tune_key
+
+    start = time.monotonic()
+    results = []
+    header = {"command": "numflash " + " ".join(sys.argv[1:]) if args.output else None}
+    for i, key in enumerate(keys, 1):
+        left = None if args.budget is None else args.budget - (time.monotonic() - start)
+        if left is not None and left <= 0:
+            print(f"budget spent: {len(keys) - i + 1} keys not tuned", file=out)
+            break
+        timeout = args.timeout_per_key if left is None else min(args.timeout_per_key, left)
+        print(f"[{i}/{len(keys)}] {key}", file=out, flush=True)
+        result = tune_key(key, device, trials=args.trials, timeout_s=timeout, fresh=args.fresh,
+                          progress=True)  # fmt: skip
+        results.append(result)
+        if result.best_config is not None:
+            cache.record(device, {key: result.entry()},
+                         header_extra={k: v for k, v in header.items() if v}, path=args.output)  # fmt: skip
+    report(results, out)
+    return 0 if all(r.best_config is not None for r in results) else 1
