@@ -23,7 +23,7 @@ from importlib.metadata import version
 import cupy
 
 import numflash
-from numflash.arrays import BFLOAT16, from_float
+from numflash.arrays import BFLOAT16
 from numflash.device import current_device
 from numflash.timing import attention_flops, time_gpu
 
@@ -70,12 +70,6 @@ def torch_peak(fn):
     return torch.cuda.max_memory_allocated() - base
 
 
-def make_inputs(batch, seqlen, nheads, head_dim, dtype, seed=0):
-    rng = cupy.random.default_rng(seed)
-    shape = (batch, seqlen, nheads, head_dim)
-    return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
-
-
 def runner(provider, q, k, v, causal):
     if provider == "numflash":
         return peers.numflash_forward(q, k, v, causal)
@@ -96,7 +90,7 @@ def bench(args, memory):
         args.dtypes, args.head_dims, [False, True], args.seqlens
     ):
         batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
-        q, k, v = make_inputs(batch, seqlen, nheads, hd, DTYPES[dtype])
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, DTYPES[dtype])
         flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
         for provider in providers:
             if provider == "cupy-naive" and dtype == "bfloat16":
@@ -131,7 +125,7 @@ def memory_sweep(args, memory):
     records = []
     for provider in ("numflash", "cupy-naive"):
         for seqlen in args.memory_seqlens:
-            q, k, v = make_inputs(1, seqlen, 16, 128, cupy.float16)
+            q, k, v = peers.random_qkv(1, seqlen, 16, 128, cupy.float16)
             run = runner(provider, q, k, v, False)
             try:
                 run()  # compile / warm up outside the measurement

@@ -10,6 +10,14 @@ import math
 import cupy
 
 import numflash
+from numflash.arrays import from_float
+
+
+def random_qkv(batch, seqlen, nheads, head_dim, dtype, seed=0):
+    """Fresh standard-normal q, k, v of layout (batch, seqlen, nheads, head_dim) in ``dtype``."""
+    rng = cupy.random.default_rng(seed)
+    shape = (batch, seqlen, nheads, head_dim)
+    return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
 
 
 def numflash_forward(q, k, v, causal, config=None):

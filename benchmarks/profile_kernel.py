@@ -5,11 +5,15 @@
 """
 
 import argparse
+import os
+import sys
 
 import cupy
 
 import numflash
-from numflash.arrays import from_float
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 
 
 def main():
@@ -24,10 +28,8 @@ def main():
     if args.config:
         bm, bn, nw, st, qr = (int(x) for x in args.config.split(","))
         cfg = numflash.TensorCoreConfig(bm, bn, nw, st, bool(qr))
-    rng = cupy.random.default_rng(0)
-    shape = (args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim)
-    q, k, v = (from_float(rng.standard_normal(shape, dtype=cupy.float32), cupy.float16)
-               for _ in range(3))  # fmt: skip
+    q, k, v = peers.random_qkv(args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim,
+                               cupy.float16)  # fmt: skip
     for _ in range(3):  # compile, warm up, then the profiled launch
         numflash.attention(q, k, v, causal=args.causal, config=cfg)
     cupy.cuda.Device().synchronize()

@@ -28,15 +28,9 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import peers  # noqa: E402
 
 
-def random_qkv(batch, seqlen, nheads, head_dim, dtype, seed):
-    rng = cupy.random.default_rng(seed)
-    shape = (batch, seqlen, nheads, head_dim)
-    return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
-
-
 def check(cfg, head_dim, dtype, causal, seed):
     """max error against the float64 reference, and the bar it must stay under."""
-    q, k, v = random_qkv(1, 777, 4, head_dim, dtype, seed)
+    q, k, v = peers.random_qkv(1, 777, 4, head_dim, dtype, seed)
     out = from_float(cupy.full(q.shape, cupy.nan, dtype=cupy.float32), q.dtype)  # poisoned
     out, lse = numflash.attention(q, k, v, causal=causal, out=out, config=cfg, return_lse=True)
     result = reference.check(q, k, v, out, lse, causal=causal)
@@ -103,7 +97,7 @@ def main():
     ):
         dtype = cupy.float16 if dt == "float16" else BFLOAT16
         batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
-        q, k, v = random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
         flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
         peer = None
         if peers.torch_available():

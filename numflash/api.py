@@ -241,7 +241,6 @@ def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None)
         return configs.choose_config(device.preferred_family(p.dtype), p, device)
 
 
-
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
               return_lse=False, out=None, config=None):  # fmt: skip
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).

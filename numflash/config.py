@@ -229,13 +229,17 @@ def choose_config(family, problem, device):
     return choice
 
 
-def _choose(family, problem, device):
+def default_config(family, head_dim, device):
+    """(head_dim the kernel runs at, heuristic default) for a family: the tensor-core kernel
+    runs head dims padded to a multiple of 8."""
     if family == PORTABLE:
-        head_dim = problem.head_dim
-        default = default_portable_config(head_dim)
-    else:
-        head_dim = round_up(problem.head_dim, 8)
-        default = default_tensor_core_config(head_dim, device)
+        return head_dim, default_portable_config(head_dim)
+    head_dim = round_up(head_dim, 8)
+    return head_dim, default_tensor_core_config(head_dim, device)
+
+
+def _choose(family, problem, device):
+    head_dim, default = default_config(family, problem.head_dim, device)
     key = cache.ProblemKey.of(family, problem.dtype, head_dim, problem.seqlen_q,
                               problem.seqlen_k, problem.window_left, problem.window_right)  # fmt: skip
     hit = cache.lookup(device.arch, key, feasible=lambda cfg: not cfg.problems(head_dim, device))

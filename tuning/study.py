@@ -14,8 +14,6 @@ import optuna
 
 from numflash import cache, config as configs
 from numflash.arrays import BFLOAT16
-from numflash.config import round_up
-from numflash.device import TENSOR_CORE
 from numflash.kernels.jit import SIMULATOR
 
 from . import space
@@ -66,12 +64,6 @@ def study_name(key):
     return f"{key}|kernels-{cache.kernel_hash()}"
 
 
-def default_config(key, device):
-    if key.family == TENSOR_CORE:
-        return configs.default_tensor_core_config(round_up(key.head_dim, 8), device)
-    return configs.default_portable_config(key.head_dim)
-
-
 def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, progress=False,
              workload=None, timing=None):  # fmt: skip
     """Run (or resume) the study of ``key`` until it holds ``trials`` finished trials."""
@@ -86,7 +78,7 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.TPESampler(seed=SEED),
                                 load_if_exists=True)  # fmt: skip
-    default = default_config(key, device)
+    _, default = configs.default_config(key.family, key.head_dim, device)
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
     finished = [t for t in study.trials if t.state.is_finished()]
