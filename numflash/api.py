@@ -187,9 +187,11 @@ def _launch_forward(cfg, p, q, k, v, out, lse):
         key = (head_dim, p.dtype, cfg.block_m, cfg.block_n)
         shared = 0  # static shared arrays
     launcher = _launcher(cfg.family, key)
-    (qf, qs), (kf, ks), (vf, vs), (of, os_) = (arrays.kernel_view(x) for x in (q, k, v, out))
+    (qf, qs), (kf, ks), (vf, vs), (of, os_), (lf, _) = (
+        arrays.kernel_view(x) for x in (q, k, v, out, lse)
+    )
     args = (
-        qf, kf, vf, of, lse.reshape(-1),
+        qf, kf, vf, of, lf,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
         p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k,
         np.float32(p.scale * LOG2E), p.window_left, p.window_right,

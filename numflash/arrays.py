@@ -9,7 +9,7 @@ Kernels see every tensor as a flat 1-D array over the memory it spans plus its e
 so any strided view whose last dimension is contiguous is read in place.
 """
 
-import functools
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -22,17 +22,15 @@ KERNEL_DTYPES = {"float16": np.uint16, "bfloat16": np.uint16, "float32": np.floa
 SUPPORTED = tuple(KERNEL_DTYPES)
 
 
+_NAMES = {np.dtype(np.float16): "float16", BFLOAT16: "bfloat16", np.dtype(np.float32): "float32"}
+
+
 def dtype_name(dtype):
     """'float16', 'bfloat16' or 'float32' for a supported dtype, else None."""
     try:
-        dtype = np.dtype(dtype)
+        return _NAMES.get(dtype) or _NAMES.get(np.dtype(dtype))  # the first is the fast path
     except TypeError:
         return None
-    if dtype == BFLOAT16:
-        return "bfloat16"
-    if dtype in (np.float16, np.float32):
-        return dtype.name
-    return None
 
 
 def _cupy():
@@ -83,20 +81,34 @@ def empty(shape, dtype, like):
     return array_module(like).empty(shape, dtype=dtype)
 
 
+class KernelArray(NamedTuple):
+    """What a GPU launch needs of a flat array: its address, length and element size (building
+    a CuPy view per argument and call would cost microseconds each)."""
+
+    pointer: int
+    nitems: int
+    itemsize: int
+
+
 def kernel_view(x):
     """(flat, strides): ``x`` as a 1-D array over the memory it spans, and its element strides.
 
-    ``x`` must have a contiguous last dimension and non-negative strides (callers copy otherwise).
-    16-bit floats are viewed as uint16.
+    ``flat`` is a :class:`KernelArray` on the GPU, a NumPy view in the simulator. ``x`` must
+    have a contiguous last dimension and non-negative strides (callers copy otherwise). 16-bit
+    floats travel as uint16.
     """
     itemsize = x.dtype.itemsize
-    strides = tuple(s // itemsize for s in x.strides)
-    span = 1 + sum((n - 1) * s for n, s in zip(x.shape, strides)) if x.size else 0
-    kdtype = KERNEL_DTYPES[dtype_name(x.dtype)]
+    strides = tuple([s // itemsize for s in x.strides])
+    span = 0
+    if x.size:
+        span = 1
+        for n, s in zip(x.shape, strides):
+            span += (n - 1) * s
     if isinstance(x, np.ndarray):
+        kdtype = KERNEL_DTYPES[dtype_name(x.dtype)]
         flat = np.lib.stride_tricks.as_strided(x.view(kdtype), shape=(span,), strides=(itemsize,))
     else:
-        flat = _cupy().ndarray((span,), dtype=kdtype, memptr=x.data)
+        flat = KernelArray(x.data.ptr, span, itemsize)
     return flat, strides
 
 
@@ -106,8 +118,9 @@ def readable_in_place(x, alignment_elements=1):
     itemsize = x.dtype.itemsize
     if x.ndim and x.shape[-1] > 1 and x.strides[-1] != itemsize:
         return False
-    if any(s < 0 or (s // itemsize) % alignment_elements for s in x.strides[:-1]):
-        return False
+    for s in x.strides[:-1]:
+        if s < 0 or (s // itemsize) % alignment_elements:
+            return False
     address = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
     return address % (alignment_elements * itemsize) == 0
 
@@ -158,15 +171,8 @@ def from_float(x, dtype):
     return x.astype(dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _numba_stream(ptr):
-    from numba import cuda
-
-    return cuda.default_stream() if ptr == 0 else cuda.external_stream(ptr)
-
-
 def current_stream():
-    """The Numba stream object for CuPy's current stream (0 in the simulator)."""
+    """The handle (``CUstream`` as an int) of CuPy's current stream; 0 in the simulator."""
     if SIMULATOR:
         return 0
-    return _numba_stream(_cupy().cuda.get_current_stream().ptr)
+    return _cupy().cuda.get_current_stream().ptr

@@ -3,20 +3,22 @@
 One JSON file per compute capability (``sm_90.json``) in ``$NUMFLASH_CACHE_DIR``, else the
 platform's user cache directory (``~/.cache/numflash`` on Linux); numflash also ships files of
 the same format in ``numflash/configs/``. A file carries a header (compute capability, device
-name, numflash version, a hash of the kernel sources) and, per problem key, the winning
-configuration with its measured time and the default's::
+name, numflash version, the hash of each kernel family's sources) and, per problem key, the
+winning configuration with its measured time, the default's, and the hash of the kernel
+sources it was measured on::
 
-    {"format": 1, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
-     "numflash_version": "0.1.0", "kernel_hash": "3f2a...",
+    {"format": 2, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
+     "numflash_version": "0.1.0", "kernel_hashes": {"tensor-core": "3f2a..."},
      "entries": {"tensor-core/float16/hd128/causal/s4096":
                  {"config": {...}, "time_ms": 1.91, "default_ms": 2.04, "default_config": {...},
-                  "trials": 30, "date": "2026-11-29"}}}
+                  "trials": 30, "date": "2026-11-29", "kernel_hash": "3f2a..."}}}
 
 Lookup order for a call: the user's cache, then the shipped file for the same architecture,
 then the nearest shipped file of the same major version, then the caller's heuristic; within a
 file the exact key first, then the same key at the nearest sequence-length bucket. Entries
-tuned for other kernel sources are ignored with one warning (the kernels changed, so their
-timings no longer hold); a corrupt or foreign file warns once and is skipped, never fatal.
+tuned for other sources of their kernel family are ignored with one warning (the kernels
+changed, so their timings no longer hold; a change to one family leaves the others' entries
+valid); a corrupt or foreign file warns once and is skipped, never fatal.
 Writes take a file lock and replace the file atomically, so concurrent tuners lose nothing.
 """
 
@@ -32,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-FORMAT = 1
+FORMAT = 2
 SHIPPED_DIR = Path(__file__).parent / "configs"
 _KERNEL_DIR = Path(__file__).parent / "kernels"
 
@@ -49,13 +51,22 @@ def cache_dir():
     return Path(platformdirs.user_cache_dir("numflash", appauthor=False))
 
 
-@functools.lru_cache(maxsize=1)
-def kernel_hash():
-    """sha256 of the kernel sources: tuned timings hold only for the kernels that made them."""
+#: The kernel sources (in numflash/kernels/) whose code each configuration family runs.
+FAMILY_SOURCES = {
+    "tensor-core": ("forward.py", "ptx.py", "softmax.py"),
+    "portable": ("forward_portable.py", "softmax.py"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_hash(family):
+    """sha256 of a family's kernel sources: tuned timings hold only for the kernels that made
+    them. A family without a listed set hashes every kernel source."""
+    names = FAMILY_SOURCES.get(family) or sorted(p.name for p in _KERNEL_DIR.glob("*.py"))
     digest = hashlib.sha256()
-    for path in sorted(_KERNEL_DIR.glob("*.py")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    for name in names:
+        digest.update(name.encode())
+        digest.update((_KERNEL_DIR / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -126,21 +137,25 @@ def _read(path, arch):
     if data.get("arch") != arch:
         _warn_once(path, f"holds configurations for {data.get('arch')}, not {arch}; ignoring it")
         return {}
-    if data.get("kernel_hash") != kernel_hash():
-        _warn_once(
-            path,
-            f"tuned for other kernel sources (numflash {data.get('numflash_version')}); its "
-            "entries are ignored: run `numflash autotune` again",
-        )
-        return {}
     from .config import config_from_dict
 
     entries = {}
+    stale = set()
     for key, entry in data.get("entries", {}).items():
         try:
-            entries[ProblemKey.parse(key)] = (config_from_dict(entry["config"]), entry)
-        except (KeyError, TypeError, ValueError) as exc:
+            parsed = ProblemKey.parse(key)
+            if entry.get("kernel_hash") != kernel_hash(parsed.family):
+                stale.add(parsed.family)
+                continue
+            entries[parsed] = (config_from_dict(entry["config"]), entry)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             _warn_once(path, f"entry {key!r} is malformed ({exc}); skipping it")
+    for family in sorted(stale):
+        _warn_once(
+            path,
+            f"its {family} entries were tuned for other kernel sources (numflash "
+            f"{data.get('numflash_version')}) and are ignored: run `numflash autotune` again",
+        )
     return entries
 
 
@@ -231,7 +246,8 @@ def record(device, results, header_extra=None, path=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         current = {str(k): e for k, (_, e) in _read(path, device.arch).items()}
-        current.update({str(k): e for k, e in results.items()})
+        current.update({str(k): {**e, "kernel_hash": kernel_hash(k.family)}
+                        for k, e in results.items()})  # fmt: skip
         from . import __version__
 
         data = {
@@ -240,7 +256,7 @@ def record(device, results, header_extra=None, path=None):
             "compute_capability": list(device.compute_capability),
             "device": device.name,
             "numflash_version": __version__,
-            "kernel_hash": kernel_hash(),
+            "kernel_hashes": {f: kernel_hash(f) for f in sorted({k.split("/")[0] for k in current})},
             "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **(header_extra or {}),
             "entries": dict(sorted(current.items())),

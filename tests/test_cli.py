@@ -6,7 +6,7 @@ import sys
 
 def test_info_exits_zero_and_names_the_device_or_its_absence():
     proc = subprocess.run(
-        [sys.executable, "-m", "numflash.cli", "info"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "numflash", "info"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("numflash ")

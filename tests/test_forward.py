@@ -185,6 +185,22 @@ def test_runs_on_cupys_current_stream():
 
 
 @pytest.mark.gpu
+def test_call_returns_before_its_kernel_finishes():
+    """attention() queues its kernel and returns: it must not wait for the GPU (adopting CuPy
+    arrays through __cuda_array_interface__ would synchronise their stream)."""
+    import cupy
+
+    q, k, v = random_qkv(1, 16384, 16384, 16, 16, 128, "float16")
+    numflash.attention(q, k, v, causal=True)  # compile and warm up
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    numflash.attention(q, k, v, causal=True)  # a few milliseconds of GPU work
+    finished = cupy.cuda.Event()
+    finished.record(stream)
+    assert not finished.done
+
+
+@pytest.mark.gpu
 def test_transposed_bhsd_views_on_gpu():
     q, k, v = (random_array((2, 16, 1000, 128), "float16").transpose(0, 2, 1, 3) for _ in range(3))
     assert not q.flags.c_contiguous

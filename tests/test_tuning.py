@@ -87,7 +87,8 @@ def test_keys_and_buckets():
 def test_record_then_lookup(cache_dirs):
     path = cache.record(H200, {KEY: entry(CFG)})
     data = json.loads(path.read_text())
-    assert data["arch"] == "sm_90" and data["kernel_hash"] == cache.kernel_hash()
+    assert data["arch"] == "sm_90" and data["kernel_hashes"] == {KEY.family: cache.kernel_hash(KEY.family)}
+    assert data["entries"][str(KEY)]["kernel_hash"] == cache.kernel_hash(KEY.family)
     assert data["device"] == "NVIDIA H200" and data["numflash_version"] == numflash.__version__
     cfg, source = cache.lookup("sm_90", KEY)
     assert cfg == CFG and source.startswith("user cache")
@@ -132,14 +133,25 @@ def test_corrupt_file_warns_once_and_falls_back(cache_dirs):
 
 
 def test_entries_of_other_kernel_sources_are_ignored(cache_dirs):
-    path = cache.record(H200, {KEY: entry(CFG)})
+    portable_key = cache.ProblemKey("portable", "float32", 64, "full", 4096)
+    portable = PortableConfig(32, 32)
+    path = cache.record(H200, {KEY: entry(CFG), portable_key: entry(portable)})
     data = json.loads(path.read_text())
-    data["kernel_hash"] = "0" * 16
+    data["entries"][str(KEY)]["kernel_hash"] = "0" * 16
     data["numflash_version"] = "0.0.1"
     path.write_text(json.dumps(data))
     cache.reload()
-    with pytest.warns(RuntimeWarning, match="other kernel sources"):
+    with pytest.warns(RuntimeWarning, match="tensor-core entries were tuned for other kernel"):
         assert cache.lookup("sm_90", KEY) is None
+    # Only the family whose sources changed loses its entries.
+    assert cache.lookup("sm_90", portable_key)[0] == portable
+
+
+def test_kernel_hash_follows_the_family_sources():
+    assert cache.kernel_hash("tensor-core") != cache.kernel_hash("portable")
+    for family, names in cache.FAMILY_SOURCES.items():
+        for name in names:
+            assert (cache._KERNEL_DIR / name).is_file(), (family, name)
 
 
 def test_file_of_another_architecture_is_ignored(cache_dirs):

@@ -61,7 +61,7 @@ def storage_url(device):
 
 
 def study_name(key):
-    return f"{key}|kernels-{cache.kernel_hash()}"
+    return f"{key}|kernels-{cache.kernel_hash(key.family)}"
 
 
 def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, progress=False,

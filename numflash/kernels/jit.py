@@ -5,7 +5,11 @@ options, so kernel modules decorate through :func:`device_function` and :func:`k
 pass the GPU-only options (``forceinline``, ``lineinfo``, ``launch_bounds``) where they exist.
 """
 
+import ctypes
 import os
+import struct
+
+import numpy as np
 
 from numba import cuda
 
@@ -66,18 +70,53 @@ def forward_signature(dtype_name):
 DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
+def _param_layout(argtypes):
+    """(struct format, slots per argument) of the kernel parameters in Numba's ABI.
+
+    A 1-D C-contiguous array is seven parameters (meminfo, parent, nitems, itemsize, data,
+    shape[0], strides[0]); a scalar is one, of its C type. Every parameter gets its own 8-byte
+    slot, so the parameter pointers are the buffer's start plus multiples of 8.
+    """
+    from numba.cuda import types
+
+    scalars = {types.int32: "i4x", types.int64: "q", types.uint32: "I4x",
+               types.float32: "f4x", types.float64: "d"}  # fmt: skip
+    fmt, kinds = "=", []
+    for ty in argtypes:
+        if isinstance(ty, types.Array):
+            if ty.ndim != 1 or ty.layout != "C":
+                raise TypeError(f"only 1-D C arrays are launched directly; got {ty}")
+            fmt += "QQqqQqq"
+            kinds.append(7)
+        elif ty in scalars:
+            fmt += scalars[ty]
+            kinds.append(1)
+        else:
+            raise TypeError(f"no direct launch for argument type {ty}")
+    return fmt, kinds
+
+
 class Launcher:
     """Launches one kernel compiled for a fixed signature, skipping Numba's per-call typing.
 
-    On the GPU the kernel is compiled once for ``argtypes`` (on first use); a launch needing more
-    than 48 KiB of dynamic shared memory first raises the kernel's opt-in limit on that device.
+    On the GPU the kernel is compiled once for ``argtypes`` (on first use) and launched straight
+    through the driver with the arguments packed here from the CuPy arrays' pointers. Numba's
+    own launch is not used: it adopts each CuPy array through ``__cuda_array_interface__``,
+    which synchronises the array's stream (the host would wait for all queued work at every
+    call) and costs tens of microseconds per array. A launch needing more than 48 KiB of
+    dynamic shared memory first raises the kernel's opt-in limit on that device.
     """
 
     def __init__(self, dispatcher, argtypes):
         self.dispatcher = dispatcher
         self.argtypes = argtypes
         self._compiled = None
+        if not SIMULATOR:
+            self._format, self._kinds = _param_layout(argtypes)
+            self._struct = struct.Struct(self._format)
+            self._offsets = np.arange(sum(self._kinds), dtype=np.uint64) * 8
         self._shared_opt_in = {}  # device id -> bytes allowed
+        self._functions = {}  # device id -> CUfunction
 
     def compiled(self):
         if self._compiled is None:
@@ -85,20 +124,65 @@ class Launcher:
         return self._compiled
 
     def _allow_shared(self, nbytes):
-        from cuda.bindings import driver as binding
-        from numba.cuda.cudadrv.driver import driver
+        """Raise the kernel's dynamic shared memory limit on the current device to ``nbytes``."""
+        import cupy
 
-        cufunc = self.compiled()._codelibrary.get_cufunc()
-        dev = cufunc.device.id
+        dev = cupy.cuda.runtime.getDevice()
         if self._shared_opt_in.get(dev, DEFAULT_SHARED_LIMIT) < nbytes:
-            attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, dev)
+            from numba.cuda.cudadrv.driver import driver
+
+            cufunc = self.compiled()._codelibrary.get_cufunc()
+            attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
             self._shared_opt_in[dev] = nbytes
 
     def __call__(self, grid, block, stream, shared_bytes, args):
+        """Launch on ``stream``, a ``CUstream`` handle as an int (0: the legacy default)."""
         if SIMULATOR:
             self.dispatcher[grid, block, stream, shared_bytes](*args)
             return
         if shared_bytes > DEFAULT_SHARED_LIMIT:
             self._allow_shared(shared_bytes)
-        self.compiled().launch(args, grid, block, stream, shared_bytes)
+        values = []
+        for kind, value in zip(self._kinds, args):
+            if kind == 7:  # a KernelArray (pointer, nitems, itemsize)
+                values += (0, 0, value.nitems, value.itemsize, value.pointer, value.nitems,
+                           value.itemsize)  # fmt: skip
+            else:
+                values.append(value)
+        buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
+        pointers = self._offsets + np.uint64(ctypes.addressof(buffer))
+        gx, gy, gz = grid
+        bx, by, bz = _dim3(block)
+        driver = _driver()
+        (err,) = driver.cuLaunchKernel(self._function(), gx, gy, gz, bx, by, bz, shared_bytes,
+                                       stream, pointers.ctypes.data, 0)  # fmt: skip
+        # ``buffer`` and ``pointers`` stayed alive until the driver copied the parameters.
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
+                               f"{shared_bytes} bytes of shared memory)")  # fmt: skip
+
+    def _function(self):
+        """The kernel's CUfunction on the current device (Numba loads it as a CUkernel)."""
+        import cupy
+
+        dev = cupy.cuda.runtime.getDevice()
+        function = self._functions.get(dev)
+        if function is None:
+            cufunc = self.compiled()._codelibrary.get_cufunc()
+            driver = _driver()
+            err, function = driver.cuKernelGetFunction(cufunc.handle)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuKernelGetFunction failed: {err!r}")
+            self._functions[dev] = function
+        return function
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _dim3(block):
+    return (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))

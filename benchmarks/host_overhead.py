@@ -1,0 +1,141 @@
+"""What a numflash call costs the host, on the GPU machine.
+
+    python benchmarks/host_overhead.py [--json PATH]
+
+Measures, in one process:
+- ``attention()`` per call on a tiny problem (the GPU finishes each kernel in a few
+  microseconds, so calls back to back measure the host side): validation, configuration
+  lookup, array views, argument packing and the launch;
+- the launch alone (numflash's ``Launcher``);
+- the configuration lookup alone (``config.choose_config``, memoised);
+- whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
+  runs for milliseconds, beside the kernel's time;
+- with ``--profile``, cProfile's view of where a call's host time goes.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import cupy
+import numpy as np
+
+import numflash
+from numflash import api, arrays, config
+from numflash.device import current_device
+from peers import random_qkv
+
+
+def per_call_us(fn, calls=2000, repeats=5):
+    """Median over ``repeats`` of the mean host time of ``calls`` back-to-back calls."""
+    fn()
+    cupy.cuda.get_current_stream().synchronize()
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        means.append((time.perf_counter() - start) / calls * 1e6)
+        cupy.cuda.get_current_stream().synchronize()
+    return statistics.median(means)
+
+
+def launch_part(q, k, v):
+    """numflash's launch alone of the kernel ``attention(q, k, v)`` runs."""
+    p = api._problem(q, k, v, False, None, (-1, -1))[3]
+    device = current_device()
+    cfg = config.choose_config(device.preferred_family(p.dtype), p, device).config
+    out = cupy.empty_like(q)
+    lse = cupy.empty((p.batch, p.nheads, p.seqlen_q), dtype=cupy.float32)
+    captured = {}
+    real = api.Launcher.__call__
+
+    def capture(self, grid, block, stream, shared, args):
+        captured.update(launcher=self, grid=grid, block=block, stream=stream, shared=shared,
+                        args=args)  # fmt: skip
+        return real(self, grid, block, stream, shared, args)
+
+    api.Launcher.__call__ = capture
+    try:
+        api._launch_forward(cfg, p, q, k, v, out, lse)
+    finally:
+        api.Launcher.__call__ = real
+    c = captured
+    launcher = c["launcher"]
+
+    def ours():
+        launcher(c["grid"], c["block"], c["stream"], c["shared"], c["args"])
+
+    return ours, (p, device)
+
+
+def blocking(seqlen=32768):
+    """(host ms for attention() to return, kernel ms) on a long problem."""
+    q, k, v = random_qkv(1, seqlen, 16, 128, "float16", seed=1)
+    numflash.attention(q, k, v, causal=True)  # compile, warm up
+    stream = cupy.cuda.get_current_stream()
+    stream.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    t0 = time.perf_counter()
+    numflash.attention(q, k, v, causal=True)
+    host_ms = (time.perf_counter() - t0) * 1e3
+    stop.record(stream)
+    done_at_return = stop.done
+    stop.synchronize()
+    return host_ms, cupy.cuda.get_elapsed_time(start, stop), done_at_return
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    results = {"device": current_device().name}
+    for dtype in ("float16", "bfloat16"):
+        q, k, v = random_qkv(1, 128, 1, 64, dtype)
+        results[f"attention_us[{dtype}]"] = per_call_us(lambda: numflash.attention(q, k, v))
+    q, k, v = random_qkv(1, 128, 1, 64, "float16")
+    ours, (p, device) = launch_part(q, k, v)
+    results["launcher_us"] = per_call_us(ours)
+    family = device.preferred_family(p.dtype)
+    results["choose_config_us"] = per_call_us(lambda: config.choose_config(family, p, device),
+                                              calls=20000)  # fmt: skip
+    views = [q, k, v]
+    results["kernel_view_x4_us"] = per_call_us(
+        lambda: [arrays.kernel_view(x) for x in views + [q]], calls=5000)
+    results["empty_out_and_lse_us"] = per_call_us(
+        lambda: (cupy.empty(q.shape, q.dtype), cupy.empty((1, 1, 128), np.float32)), calls=5000)
+    host_ms, kernel_ms, done = blocking()
+    results["long_call"] = {"host_return_ms": host_ms, "kernel_ms": kernel_ms,
+                            "finished_when_call_returned": done}  # fmt: skip
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in random_qkv(1, 128, 1, 64,
+                                                                                "float16"))
+        results["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+    except ImportError:
+        pass
+    if args.profile:
+        import cProfile
+        import pstats
+
+        q, k, v = random_qkv(1, 128, 1, 64, "float16")
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(2000):
+            numflash.attention(q, k, v)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
