@@ -102,6 +102,19 @@ def main():
     family = device.preferred_family(p.dtype)
     results["choose_config_us"] = per_call_us(lambda: config.choose_config(family, p, device),
                                               calls=20000)  # fmt: skip
+    # The steps of attention() one by one (its body, api.attention, in order).
+    results["step_problem_us"] = per_call_us(lambda: api._problem(q, k, v, False, None, (-1, -1)))
+    results["step_current_device_us"] = per_call_us(current_device)
+
+    def enter_device():
+        with q.device:
+            pass
+
+    results["step_enter_device_us"] = per_call_us(enter_device)
+    out = cupy.empty_like(q)
+    lse = cupy.empty((p.batch, p.nheads, p.seqlen_q), dtype=cupy.float32)
+    results["step_forward_us"] = per_call_us(lambda: api._forward(p, q, k, v, out, lse, None,
+                                                                  device))  # fmt: skip
     views = [q, k, v]
     results["kernel_view_x4_us"] = per_call_us(
         lambda: [arrays.kernel_view(x) for x in views + [q]], calls=5000)

@@ -224,12 +224,14 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     workload = Workload(batch=1, nheads=1, seqlen=40, check_seqlen=24, check_nheads=1)
     result = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
     assert result.complete >= 1 and result.best_config is not None
+    # Three configurations were compiled and run; skipped proposals did not use up the budget.
+    assert result.complete + result.rejected + result.pruned + result.failed == 3
     assert result.default_ms is not None and result.best_ms <= result.default_ms
     assert storage_url(device).endswith("studies-sm_52.sqlite3")
     # Resuming: asking for 3 trials again runs nothing new.
     again = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
-    assert (again.complete, again.pruned, again.rejected) == (
-        result.complete, result.pruned, result.rejected)
+    assert (again.complete, again.pruned, again.rejected, again.skipped) == (
+        result.complete, result.pruned, result.rejected, result.skipped)
     cache.record(device, {key: result.entry()})
     q, k, v = random_qkv(1, 100, 100, 2, 1, 16, "float32")
     chosen = numflash.selected_config(q, k, v, causal=True)

@@ -27,7 +27,8 @@ def add_arguments(parser):
                         choices=["full", "causal", "window"])  # fmt: skip
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
                         help="sequence lengths; each is tuned at its power-of-two bucket")
-    parser.add_argument("--trials", type=int, default=30, help="finished trials per key")
+    parser.add_argument("--trials", type=int, default=30, help="configurations compiled and measured per key (duplicate and infeasible "
+                             "proposals are skipped and do not count)")
     parser.add_argument("--timeout-per-key", type=float, default=600,
                         help="seconds a key's study may start new trials for")  # fmt: skip
     parser.add_argument("--budget", type=float, default=None,
@@ -85,16 +86,16 @@ def print_plan(keys, args, device, note, out):
 
 def report(results, out):
     header = (f"{'key':40s} {'default ms':>10s} {'tuned ms':>9s} {'speedup':>7s} "
-              f"{'ok/pruned/wrong/failed':>22s}  tuned config")  # fmt: skip
+              f"{'ok/wrong/failed/skipped':>23s}  tuned config")  # fmt: skip
     print("\n" + header, file=out)
     print("-" * len(header), file=out)
     for r in results:
         cfg = r.best_config
         cfg_text = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if k != "family") if cfg else "-"
         fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
-        counts = f"{r.complete}/{r.pruned}/{r.rejected}/{r.failed}"
+        counts = f"{r.complete}/{r.rejected}/{r.pruned + r.failed}/{r.skipped}"
         print(f"{str(r.key):40s} {fmt(r.default_ms, '10.3f')} {fmt(r.best_ms, '9.3f')} "
-              f"{fmt(r.speedup, '7.2f')} {counts:>22s}  {cfg_text}", file=out)  # fmt: skip
+              f"{fmt(r.speedup, '7.2f')} {counts:>23s}  {cfg_text}", file=out)  # fmt: skip
 
 
 def main(args, out=sys.stdout):

@@ -7,6 +7,7 @@ than the default by more than the timing noise: the default is one of the candid
 """
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,9 +32,10 @@ class KeyResult:
     best_config: object | None
     best_ms: float | None
     complete: int
-    pruned: int
-    rejected: int
+    pruned: int  # compile or launch failures
+    rejected: int  # wrong results
     failed: int
+    skipped: int = 0  # duplicates and infeasible points: nothing compiled or ran
 
     @property
     def speedup(self):
@@ -48,7 +50,7 @@ class KeyResult:
             "time_ms": self.best_ms,
             "default_ms": self.default_ms,
             "default_config": self.default_config.to_dict(),
-            "trials": self.complete + self.pruned + self.failed,
+            "trials": self.complete + self.pruned + self.rejected + self.failed,
             "date": datetime.date.today().isoformat(),
         }
 
@@ -64,9 +66,28 @@ def study_name(key):
     return f"{key}|kernels-{cache.kernel_hash(key.family)}"
 
 
+#: Proposals skipped without compiling (duplicates, infeasible points) cost nothing, but a
+#: study stops proposing after this many per requested trial, whatever it found.
+MAX_PROPOSALS_PER_TRIAL = 25
+
+
+def _skipped(trial):
+    """Whether a finished trial was skipped without compiling: a duplicate or infeasible point."""
+    return trial.user_attrs.get("pruned", "").startswith(("duplicate", "infeasible"))
+
+
+def _evaluated(study):
+    """Trials that compiled and ran a configuration (timed, rejected as wrong, or failed)."""
+    return [t for t in study.trials if t.state.is_finished() and not _skipped(t)]
+
+
 def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, progress=False,
              workload=None, timing=None):  # fmt: skip
-    """Run (or resume) the study of ``key`` until it holds ``trials`` finished trials."""
+    """Run (or resume) the study of ``key`` until it has evaluated ``trials`` configurations
+    (or every feasible one, when there are fewer), or ``timeout_s`` has passed.
+
+    Duplicate and infeasible proposals are pruned before compiling and do not count: the
+    budget buys measured configurations."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = storage or storage_url(device)
     name = study_name(key)
@@ -81,26 +102,36 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
     _, default = configs.default_config(key.family, key.head_dim, device)
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
-    finished = [t for t in study.trials if t.state.is_finished()]
-    remaining = trials - len(finished)
-    if remaining > 0:
-        if SIMULATOR:
-            import numpy as xp
-        else:
-            import cupy as xp
-        objective = Objective(key, device, workload or Workload.for_key(key), xp,
-                              DTYPES[key.dtype], **(timing or {}))  # fmt: skip
+    config_type = type(default)
+    head_dim = configs.default_config(key.family, key.head_dim, device)[0]
+    target = min(trials, len(space.feasible_points(config_type, head_dim, device)))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    objective = None
+    proposals = 0
+    while len(_evaluated(study)) < target and proposals < MAX_PROPOSALS_PER_TRIAL * trials:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        if objective is None:
+            if SIMULATOR:
+                import numpy as xp
+            else:
+                import cupy as xp
+            objective = Objective(key, device, workload or Workload.for_key(key), xp,
+                                  DTYPES[key.dtype], **(timing or {}))  # fmt: skip
+        n = target - len(_evaluated(study))
+        proposals += n
         # Failures inside a trial are pruned by the objective; anything else that escapes
         # (a launch error while timing, say) fails that trial only.
-        study.optimize(objective, n_trials=remaining, timeout=timeout_s,
-                       show_progress_bar=progress, catch=(Exception,))  # fmt: skip
+        study.optimize(objective, n_trials=n, timeout=left, show_progress_bar=progress,
+                       catch=(Exception,))  # fmt: skip
     return summarise(key, study, default)
 
 
 def summarise(key, study, default):
     states = optuna.trial.TrialState
     complete = [t for t in study.trials if t.state == states.COMPLETE]
-    pruned = [t for t in study.trials if t.state == states.PRUNED]
+    pruned = [t for t in study.trials if t.state == states.PRUNED and not _skipped(t)]
     rejected = [t for t in pruned if "rejected" in t.user_attrs]
     default_ms = next((t.value for t in complete if t.user_attrs.get("default")), None)
     best = min(complete, key=lambda t: t.value) if complete else None
@@ -114,4 +145,5 @@ def summarise(key, study, default):
         pruned=len(pruned) - len(rejected),
         rejected=len(rejected),
         failed=sum(t.state == states.FAIL for t in study.trials),
+        skipped=sum(t.state == states.PRUNED and _skipped(t) for t in study.trials),
     )
