@@ -1,8 +1,16 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
-from .api import attention, selected_config
-from .config import PortableConfig, TensorCoreConfig
+from .api import attention, attention_backward, selected_config
+from .config import PortableBackwardConfig, PortableConfig, TensorCoreConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "selected_config", "TensorCoreConfig", "PortableConfig", "__version__"]
+__all__ = [
+    "attention",
+    "attention_backward",
+    "selected_config",
+    "TensorCoreConfig",
+    "PortableConfig",
+    "PortableBackwardConfig",
+    "__version__",
+]

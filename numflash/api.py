@@ -14,8 +14,8 @@ import numpy as np
 
 from . import arrays, config as configs
 from .device import TENSOR_CORE, current_device
-from .kernels import forward, forward_portable
-from .kernels.jit import Launcher, forward_signature
+from .kernels import backward_portable, forward, forward_portable
+from .kernels.jit import Launcher, backward_signatures, forward_signature
 from .kernels.softmax import LOG2E
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -141,6 +141,25 @@ def _check_out(out, q):
             f"out is on device {arrays.device_id(out)} but q is on {arrays.device_id(q)}"
         )
     return out
+
+
+def _check_like(x, name, like, like_name, dtype=None, shape=None):
+    """``x`` adopted as an array with ``like``'s shape, dtype and device (or the given ones)."""
+    x = arrays.intake(x, name)
+    shape = like.shape if shape is None else shape
+    dtype = like.dtype if dtype is None else dtype
+    if x.shape != shape:
+        what = f"{like_name}'s shape" if shape == like.shape else "shape"
+        raise ValueError(f"{name} must have {what} ({', '.join(map(str, shape))}); "
+                         f"got {_shape_str(x)}")  # fmt: skip
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}; got {x.dtype}")
+    if arrays.device_id(x) != arrays.device_id(like):
+        raise ValueError(
+            f"{name} is on device {arrays.device_id(x)} but {like_name} is on "
+            f"{arrays.device_id(like)}"
+        )
+    return x
 
 
 def _check_config(config, problem, device):
@@ -321,3 +340,112 @@ def _forward(p, q, k, v, out, lse, cfg, device):
     _launch_forward(cfg, p, q, k, v, target, lse)
     if not direct:
         arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]
+
+
+# -- backward --------------------------------------------------------------------------------------
+
+#: Threads per block of the D = rowsum(dO * O) kernel.
+_PREPROCESS_BLOCK = 128
+
+
+def _check_backward_config(config, head_dim):
+    if config is None:
+        return configs.default_portable_backward_config(head_dim)
+    if not isinstance(config, configs.PortableBackwardConfig):
+        raise TypeError(
+            "config must be a numflash.PortableBackwardConfig or None; "
+            f"got {type(config).__name__}"
+        )
+    reasons = config.problems(head_dim, current_device())
+    if reasons:
+        raise ValueError(f"config {config} cannot run here: " + "; ".join(reasons))
+    return config
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None,
+                       window_size=(-1, -1), deterministic=False, config=None):  # fmt: skip
+    """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
+
+    Args:
+        dout: the gradient of the loss with respect to ``out``; q's shape and dtype.
+        q, k, v: the forward's inputs.
+        out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
+            recomputed from q, k and lse, never stored.
+        causal, softmax_scale, window_size: as given to the forward call.
+        deterministic: ask for bitwise reproducible gradients. The present kernels sum in a
+            fixed order and are always deterministic; the flag is accepted for flash-attn
+            compatibility and for faster kernels that accumulate dQ with atomics.
+        config: force a :class:`numflash.PortableBackwardConfig`.
+
+    Returns:
+        dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
+        the contributions of every query head of their group. Rows that see no key contribute
+        nothing; keys that no row sees get zero gradients.
+
+    Runs on the portable backward kernels (fp32 math, no tensor cores) for every dtype.
+    Kernels run on CuPy's current stream; the call returns without synchronising.
+    """
+    q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
+    dout = _check_like(dout, "dout", q, "q")
+    out = _check_like(out, "out", q, "q")
+    b, sq, h, d = q.shape
+    xp = arrays.array_module(q)
+    lse = _check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(b, h, sq))
+    _check_flag(deterministic, "deterministic")
+    with _on_device(q):
+        cfg = _check_backward_config(config, d)
+        dq = xp.empty(q.shape, dtype=q.dtype)
+        dk = xp.empty(k.shape, dtype=k.dtype)
+        dv = xp.empty(v.shape, dtype=v.dtype)
+        if p.seqlen_q == 0 or p.seqlen_k == 0 or dq.size == 0:
+            for g in (dq, dk, dv):  # nothing attends: every gradient is 0
+                arrays.bits(g)[...] = 0
+        else:
+            _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _backward_launcher(kind, head_dim, dtype, *tiles):
+    key = ("backward", kind, head_dim, dtype, tiles)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        build = {"preprocess": backward_portable.build_preprocess,
+                 "dkdv": backward_portable.build_dkdv, "dq": backward_portable.build_dq}[kind]  # fmt: skip
+        launcher = Launcher(build(head_dim, dtype, *tiles), backward_signatures(dtype)[kind])
+        _launchers[key] = launcher
+    return launcher
+
+
+def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+    xp = arrays.array_module(q)
+    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    lse = xp.ascontiguousarray(lse)
+    delta = xp.empty(lse.shape, dtype=xp.float32)
+    views = {name: arrays.kernel_view(x) for name, x in
+             dict(q=q, k=k, v=v, do=dout, o=out, dq=dq, dk=dk, dv=dv).items()}  # fmt: skip
+    flat = {name: view[0] for name, view in views.items()}
+    strides = {name: view[1][:3] for name, view in views.items()}
+    lse_flat, delta_flat = arrays.kernel_view(lse)[0], arrays.kernel_view(delta)[0]
+    stream = arrays.current_stream()
+    d, dtype = p.head_dim, p.dtype
+    tail = (p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k, np.float32(p.scale),
+            p.window_left, p.window_right)  # fmt: skip
+
+    grid = ((p.seqlen_q + _PREPROCESS_BLOCK - 1) // _PREPROCESS_BLOCK, p.nheads, p.batch)
+    _backward_launcher("preprocess", d, dtype, _PREPROCESS_BLOCK)(
+        grid, _PREPROCESS_BLOCK, stream, 0,
+        (flat["do"], flat["o"], delta_flat, *strides["do"], *strides["o"], p.seqlen_q),
+    )
+    grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
+    _backward_launcher("dkdv", d, dtype, cfg.block_m, cfg.block_n)(
+        grid, cfg.block_n, stream, 0,
+        (flat["q"], flat["k"], flat["v"], flat["do"], lse_flat, delta_flat, flat["dk"],
+         flat["dv"], *strides["q"], *strides["k"], *strides["v"], *strides["do"],
+         *strides["dk"], *strides["dv"], *tail),
+    )  # fmt: skip
+    grid = ((p.seqlen_q + cfg.block_m - 1) // cfg.block_m, p.nheads, p.batch)
+    _backward_launcher("dq", d, dtype, cfg.block_m, cfg.block_n)(
+        grid, cfg.block_m, stream, 0,
+        (flat["q"], flat["k"], flat["v"], flat["do"], lse_flat, delta_flat, flat["dq"],
+         *strides["q"], *strides["k"], *strides["v"], *strides["do"], *strides["dq"], *tail),
+    )  # fmt: skip

@@ -54,7 +54,8 @@ def cache_dir():
 #: The kernel sources (in numflash/kernels/) whose code each configuration family runs.
 FAMILY_SOURCES = {
     "tensor-core": ("forward.py", "ptx.py", "softmax.py"),
-    "portable": ("forward_portable.py", "softmax.py"),
+    "portable": ("forward_portable.py", "softmax.py", "ptx.py"),
+    "portable-backward": ("backward_portable.py", "forward_portable.py", "softmax.py", "ptx.py"),
 }
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 from . import cache
-from .device import PORTABLE, TENSOR_CORE
+from .device import PORTABLE, PORTABLE_BACKWARD, TENSOR_CORE
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -164,7 +164,54 @@ class PortableConfig:
         return {"family": self.family, **asdict(self)}
 
 
-CONFIG_TYPES = {TENSOR_CORE: TensorCoreConfig, PORTABLE: PortableConfig}
+@dataclass(frozen=True)
+class PortableBackwardConfig:
+    """Tiles of the portable backward kernels (:mod:`numflash.kernels.backward_portable`).
+
+    - ``block_m``: query rows per block of the dQ kernel (one thread each), and query rows per
+      shared-memory tile of the dK/dV kernel.
+    - ``block_n``: keys per block of the dK/dV kernel (one thread each), and keys per
+      shared-memory tile of the dQ kernel.
+    """
+
+    block_m: int = knob(32, (16, 32, 64, 128))
+    block_n: int = knob(32, (16, 32, 64, 128))
+
+    family: ClassVar[str] = PORTABLE_BACKWARD
+
+    def shared_memory_bytes(self, head_dim):
+        """The larger of the two kernels' static shared memory: q and dO tiles with their LSE
+        and D (dK/dV), or k and v tiles (dQ), all fp32."""
+        return max(2 * self.block_m * (head_dim + 1) * 4, 2 * self.block_n * head_dim * 4)
+
+    def problems(self, head_dim, device):
+        out = _out_of_choices(self)
+        if not 1 <= head_dim <= MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
+        smem = self.shared_memory_bytes(head_dim)
+        if smem > STATIC_SHARED_LIMIT:
+            out.append(
+                f"needs {smem} bytes of static shared memory at head_dim={head_dim}; "
+                f"the limit is {STATIC_SHARED_LIMIT}"
+            )
+        return out
+
+    def to_dict(self):
+        return {"family": self.family, **asdict(self)}
+
+
+def default_portable_backward_config(head_dim):
+    """Two fp32 tiles of 32 rows (64 at head_dim <= 64, 16 above 128) fit the 48 KiB of static
+    shared memory; untuned: these kernels are the correctness path, not the fast one."""
+    if head_dim <= 64:
+        return PortableBackwardConfig(block_m=64, block_n=64)
+    if head_dim <= 128:
+        return PortableBackwardConfig(block_m=32, block_n=32)
+    return PortableBackwardConfig(block_m=16, block_n=16)
+
+
+CONFIG_TYPES = {TENSOR_CORE: TensorCoreConfig, PORTABLE: PortableConfig,
+                PORTABLE_BACKWARD: PortableBackwardConfig}  # fmt: skip
 
 
 def config_from_dict(entry):

@@ -11,6 +11,8 @@ from .kernels.jit import SIMULATOR
 #: "portable" runs on every GPU numba-cuda supports and in the simulator.
 TENSOR_CORE = "tensor-core"
 PORTABLE = "portable"
+#: The backward kernels without tensor cores (every GPU, every dtype, the simulator).
+PORTABLE_BACKWARD = "portable-backward"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)

@@ -154,3 +154,120 @@ def check(q, k, v, out, lse=None, *, causal=False, softmax_scale=None, window_si
             lse_err = _max_abs(lse[seen] - lse_ref[seen])
             lse_bar = 2 * _max_abs(lse_naive[seen] - lse_ref[seen]) + LSE_ATOL
     return Check(err, bar, lse_err, lse_bar, nan)
+
+
+# -- gradients -------------------------------------------------------------------------------------
+
+
+def _sum_groups(x, nheads_k):
+    """(b, s, nheads, d) -> (b, s, nheads_k, d): GQA gradients sum over each group's q heads."""
+    b, s, h, d = x.shape
+    return x.reshape(b, s, nheads_k, h // nheads_k, d).sum(axis=3)
+
+
+def _softmax_backward(q, k, v, dout, scale, mask, rounding=None):
+    """(dq, dk, dv) over float arrays of layout (b, h, s, d); ``rounding`` after each op.
+
+    p = softmax(q k^T * scale) over the visible keys; dv = p^T dout; dp = dout v^T;
+    ds = p * (dp - rowsum(dp * p)); dq = ds k * scale; dk = ds^T q * scale.
+    """
+    xp = array_module(q)
+    rnd = rounding or (lambda a: a)
+    scores = xp.where(mask, xp.einsum("bhqd,bhkd->bhqk", q, k) * scale, -xp.inf)
+    row_max = scores.max(axis=-1, keepdims=True)
+    p = xp.exp(scores - xp.where(xp.isfinite(row_max), row_max, 0.0))
+    row_sum = p.sum(axis=-1, keepdims=True)
+    p = rnd(p / xp.where(row_sum > 0, row_sum, 1.0))
+    dv = rnd(xp.einsum("bhqk,bhqd->bhkd", p, dout))
+    dp = rnd(xp.einsum("bhqd,bhkd->bhqk", dout, v))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    dq = rnd(xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale)
+    dk = rnd(xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale)
+    return dq, dk, dv
+
+
+def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None,
+                                 window_size=(-1, -1), query_chunk=512):  # fmt: skip
+    """(dq, dk, dv) in float64, the gradients of ``sum(attention(q, k, v) * dout)``.
+
+    Layouts as :func:`attention_reference`; dk and dv have k's shape (summed over the query
+    heads of each GQA group). Rows that see no key contribute nothing. Computed
+    ``query_chunk`` query rows at a time.
+    """
+    xp = array_module(q)
+    qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, to_float64)
+    doh = to_float64(dout).transpose(0, 2, 1, 3)
+    mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
+    dq = xp.empty(qh.shape, dtype=xp.float64)
+    dk = xp.zeros(kh.shape, dtype=xp.float64)
+    dv = xp.zeros(vh.shape, dtype=xp.float64)
+    for start in range(0, q.shape[1], query_chunk):
+        rows = slice(start, min(start + query_chunk, q.shape[1]))
+        dq[:, :, rows], dk_part, dv_part = _softmax_backward(
+            qh[:, :, rows], kh, vh, doh[:, :, rows], scale, mask[rows]
+        )
+        dk += dk_part
+        dv += dv_part
+    nheads_k = k.shape[2]
+    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk.transpose(0, 2, 1, 3), nheads_k),
+            _sum_groups(dv.transpose(0, 2, 1, 3), nheads_k))  # fmt: skip
+
+
+def attention_backward_naive(dout, q, k, v, *, causal=False, softmax_scale=None,
+                             window_size=(-1, -1)):  # fmt: skip
+    """The gradients as a plain implementation in the input precision computes them: every
+    intermediate (p, dv, dp, ds, dq, dk) rounded to the input dtype, fp32 between roundings,
+    GQA sums in fp32. Returns (dq, dk, dv) in the input dtype."""
+    xp = array_module(q)
+    dtype = q.dtype
+
+    def as_f32(a):
+        return to_float64(a).astype(xp.float32)
+
+    def rounding(a):
+        return to_float64(from_float(a, dtype)).astype(xp.float32)
+
+    qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
+    doh = as_f32(dout).transpose(0, 2, 1, 3)
+    mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
+    dq, dk, dv = _softmax_backward(qh, kh, vh, doh, xp.float32(scale), mask, rounding)
+    nheads_k = k.shape[2]
+    dk, dv = (_sum_groups(g.transpose(0, 2, 1, 3), nheads_k) for g in (dk, dv))
+    return (from_float(dq.transpose(0, 2, 1, 3), dtype), from_float(dk, dtype),
+            from_float(dv, dtype))  # fmt: skip
+
+
+class GradCheck(NamedTuple):
+    name: str  # "dq", "dk" or "dv"
+    err: float  # max |grad - reference|
+    bar: float  # 2 * max |naive - reference| + atol
+    nan: int
+
+    @property
+    def ok(self):
+        return self.nan == 0 and self.err <= self.bar
+
+
+def _rounding_atol(ref, dtype):
+    """flash-attn's absolute slack for a gradient: twice the rounding step of the dtype at the
+    gradient's magnitude, measured as |round(ref + 0.3) - 0.3 - ref|."""
+    shifted = to_float64(from_float(ref + 0.3, dtype)) - 0.3
+    return 2 * _max_abs(shifted - ref)
+
+
+def check_backward(dout, q, k, v, dq, dk, dv, *, causal=False, softmax_scale=None,
+                   window_size=(-1, -1)):  # fmt: skip
+    """(GradCheck for dq, dk, dv): each gradient against the float64 reference, under twice the
+    naive same-precision error plus the dtype's rounding slack (flash-attn's test bar)."""
+    xp = array_module(q)
+    kw = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale)
+    refs = attention_backward_reference(dout, q, k, v, **kw)
+    naives = attention_backward_naive(dout, q, k, v, **kw)
+    dtype = q.dtype
+    results = []
+    for name, grad, ref, naive in zip(("dq", "dk", "dv"), (dq, dk, dv), refs, naives):
+        grad64 = to_float64(grad)
+        atol = max(_rounding_atol(ref, dtype), ATOL[dtype_name(dtype)])
+        bar = 2 * _max_abs(to_float64(naive) - ref) + atol
+        results.append(GradCheck(name, _max_abs(grad64 - ref), bar, int(xp.isnan(grad64).sum())))
+    return tuple(results)

@@ -4,7 +4,7 @@ import numpy as np
 
 from numflash.arrays import BFLOAT16, from_float, to_float64
 from numflash.kernels.jit import SIMULATOR
-from numflash.reference import check
+from numflash.reference import check, check_backward
 
 if SIMULATOR:
     xp = np
@@ -71,3 +71,14 @@ def assert_matches_reference(q, k, v, out, lse, *, causal=False, window_size=(-1
         rows = np.broadcast_to(empty.transpose(0, 2, 1)[..., None], out64.shape)
         assert (out64[rows] == 0).all(), "rows without keys must output 0"
     return result.err, result.bar
+
+
+def assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask):
+    """dq, dk, dv: shapes, dtypes, no NaN, and each under its bar against float64 gradients."""
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
+    for result in check_backward(dout, q, k, v, dq, dk, dv, **mask):
+        assert result.nan == 0, f"{result.name}: {result.nan} NaN elements"
+        assert result.err <= result.bar, (
+            f"{result.name}: max |grad - ref| = {result.err:.3e} > bar {result.bar:.3e}"
+        )

@@ -13,9 +13,13 @@ import sys
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
-from numflash.config import default_portable_config, default_tensor_core_config  # noqa: E402
-from numflash.kernels import forward, forward_portable, offline  # noqa: E402
-from numflash.kernels.jit import forward_signature  # noqa: E402
+from numflash.config import (  # noqa: E402
+    default_portable_backward_config,
+    default_portable_config,
+    default_tensor_core_config,
+)
+from numflash.kernels import backward_portable, forward, forward_portable, offline  # noqa: E402
+from numflash.kernels.jit import backward_signatures, forward_signature  # noqa: E402
 
 TENSOR_CORE_TARGETS = [(8, 0), (8, 6), (8, 9), (9, 0, "a")]
 PORTABLE_TARGETS = [(7, 5), (9, 0, "a")]
@@ -23,8 +27,8 @@ INSTRUCTIONS = ["mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.
                 "cp.async.wait_group", "ex2.approx", "shfl.sync.bfly"]  # fmt: skip
 
 
-def report(kernel, dtype, cc, resources):
-    ptx = offline.compile_ptx(kernel, forward_signature(dtype), cc)
+def report(kernel, dtype, cc, resources, signature=None):
+    ptx = offline.compile_ptx(kernel, signature or forward_signature(dtype), cc)
     entry = {"target": offline.arch_name(cc), "counts": {i: ptx.count(i) for i in INSTRUCTIONS}}
     if resources:
         usage = offline.resource_usage(ptx, cc)
@@ -54,6 +58,17 @@ def main(quick):
             entry = report(kernel, dtype, cc, resources=False)
             results.append({"family": "portable", "head_dim": hd, "dtype": dtype,
                             "config": cfg.to_dict(), **entry})  # fmt: skip
+    for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
+        cfg = default_portable_backward_config(hd)
+        signatures = backward_signatures(dtype)
+        kernels = {"preprocess": backward_portable.build_preprocess(hd, dtype, 128),
+                   "dkdv": backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
+                   "dq": backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n)}  # fmt: skip
+        for name, kernel in kernels.items():
+            for cc in PORTABLE_TARGETS:
+                entry = report(kernel, dtype, cc, resources=False, signature=signatures[name])
+                results.append({"family": "portable-backward", "kernel": name, "head_dim": hd,
+                                "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
     print(json.dumps(results))
 
 

@@ -3,6 +3,8 @@
     NUMFLASH_LINEINFO=1 compute-sanitizer --tool memcheck --report-api-errors no \\
         python tests/sanitizer_cases.py
 
+Every case runs the forward and then the backward pass from its outputs.
+
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation. Each case is also checked against the reference.
 """
@@ -17,7 +19,13 @@ import numflash  # noqa: E402
 from numflash.config import PortableConfig, TensorCoreConfig  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _support import assert_matches_reference, poisoned_like, random_qkv  # noqa: E402
+from _support import (  # noqa: E402
+    assert_gradients_match,
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+)
 
 CASES = [
     # dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask kwargs, config
@@ -38,6 +46,10 @@ def main():
         _, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, **mask)
         cupy.cuda.Device().synchronize()
         assert_matches_reference(q, k, v, out, lse, **mask)
+        dout = random_array(q.shape, dtype)
+        dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, **mask)
+        cupy.cuda.Device().synchronize()
+        assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask)
         print(f"ok {dtype} b{b} q{sq} k{sk} h{h}/{hk} d{d} {mask} {cfg}", flush=True)
 
 

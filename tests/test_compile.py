@@ -71,3 +71,14 @@ def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
         assert e["counts"]["cp.async.cg.shared.global"] == 0
         assert e["counts"]["shfl.sync.bfly"] == 0
+
+
+def test_portable_backward_kernels_compile_for_every_target(compiled):
+    entries = _entries(compiled, "portable-backward")
+    assert {(e["kernel"], e["target"]) for e in entries} == {
+        (kernel, target) for kernel in ("preprocess", "dkdv", "dq") for target in ("sm_75", "sm_90a")
+    }
+    for e in entries:
+        assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
+        if e["kernel"] != "preprocess":
+            assert e["counts"]["ex2.approx"] > 0, e  # p recomputed from the LSE

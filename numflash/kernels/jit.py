@@ -66,6 +66,29 @@ def forward_signature(dtype_name):
     )  # fmt: skip
 
 
+def backward_signatures(dtype_name):
+    """Argument types of the portable backward kernels: {"preprocess", "dkdv", "dq"}.
+
+    First the flat arrays (uint16 bits for fp16/bf16; lse and D float32), then the (batch,
+    seqlen, head) element strides of each strided tensor (int64), then seqlen_q (int32); dkdv
+    and dq go on with seqlen_k, heads_per_kv (int32), softmax_scale (float32), window_left,
+    window_right (int32).
+    """
+    if SIMULATOR:
+        return dict(preprocess=None, dkdv=None, dq=None)
+    from numba.cuda import types
+
+    elem = types.Array(types.float32 if dtype_name == "float32" else types.uint16, 1, "C")
+    f32 = types.Array(types.float32, 1, "C")
+    i64, i32 = types.int64, types.int32
+    tail = (i32, i32, i32, types.float32, i32, i32)
+    return dict(
+        preprocess=(elem, elem, f32) + (i64,) * 6 + (i32,),
+        dkdv=(elem,) * 4 + (f32, f32) + (elem,) * 2 + (i64,) * 18 + tail,
+        dq=(elem,) * 4 + (f32, f32, elem) + (i64,) * 15 + tail,
+    )
+
+
 #: Shared memory a block gets without opting in to more (every CUDA GPU).
 DEFAULT_SHARED_LIMIT = 48 * 1024
 

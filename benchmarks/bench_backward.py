@@ -1,0 +1,159 @@
+"""Backward and forward+backward benchmark: numflash beside SDPA (FlashAttention-2, cuDNN).
+
+Same method as bench_forward.py (one process, numflash.timing.time_gpu, fresh random inputs),
+same record format with "mode": "bwd" (the gradients from saved forward outputs) or "fwd+bwd"
+(both passes). SDPA's backward is timed as ``torch.autograd.grad`` of a retained graph, which
+runs exactly its backward kernels.
+
+    python benchmarks/bench_backward.py [--seqlens 4096 16384] [--head-dims 128]
+
+Writes benchmarks/results/backward.json and backward.md.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import sys
+from importlib.metadata import version
+
+import cupy
+
+import numflash
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from bench_forward import DTYPES  # noqa: E402
+
+PROVIDERS = ["numflash", "sdpa-flash", "sdpa-cudnn"]
+
+
+def numflash_runs(q, k, v, causal):
+    """(backward only, forward + backward) for numflash."""
+    out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+    dout = peers.random_qkv(*q.shape[:2], q.shape[2], q.shape[3], q.dtype, seed=5)[0]
+
+    def bwd():
+        return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+    def fwd_bwd():
+        o, l = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        return numflash.attention_backward(dout, q, k, v, o, l, causal=causal)
+
+    return bwd, fwd_bwd
+
+
+def sdpa_runs(q, k, v, causal, backend):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(qt)
+
+    def forward():
+        with sdpa_kernel(which):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    saved = forward()
+
+    def bwd():
+        return torch.autograd.grad(saved, (qt, kt, vt), dout, retain_graph=True)
+
+    def fwd_bwd():
+        return torch.autograd.grad(forward(), (qt, kt, vt), dout)
+
+    return bwd, fwd_bwd
+
+
+def bench(args):
+    records = []
+    providers = [p for p in PROVIDERS if not p.startswith("sdpa") or peers.torch_available()]
+    for dtype, hd, causal, seqlen in itertools.product(args.dtypes, args.head_dims,
+                                                       [False, True], args.seqlens):  # fmt: skip
+        batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, DTYPES[dtype])
+        for provider in providers:
+            if provider == "numflash":
+                runs = numflash_runs(q, k, v, causal)
+            else:
+                runs = sdpa_runs(q, k, v, causal, provider.split("-")[1])
+            for mode, run in zip(("bwd", "fwd+bwd"), runs):
+                slow = provider == "numflash"  # the portable kernels take seconds per call
+                t = time_gpu(run, warmup=1 if slow else 3, runs=3 if slow else 20,
+                             max_total_ms=args.max_ms)  # fmt: skip
+                flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
+                rec = dict(provider=provider, mode=mode, dtype=dtype, batch=batch, nheads=nheads,
+                           seqlen_q=seqlen, seqlen_k=seqlen, head_dim=hd, causal=causal,
+                           ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=None)  # fmt: skip
+                records.append(rec)
+                print(f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
+                      f"s{seqlen:<6d} b{batch:<3d} {t.median_ms:10.3f} ms "
+                      f"{rec['tflops']:7.1f} TFLOP/s", flush=True)  # fmt: skip
+        del q, k, v
+        cupy.get_default_memory_pool().free_all_blocks()
+    return records
+
+
+def markdown(records, device):
+    rows = {}
+    for r in records:
+        key = (r["mode"], r["dtype"], r["head_dim"], r["causal"], r["seqlen_q"])
+        rows.setdefault(key, {})[r["provider"]] = r["tflops"]
+    lines = [
+        f"Backward TFLOP/s on {device} (2.5 forwards of FLOPs; fwd+bwd: 3.5), batch x seqlen = "
+        "32k tokens, nheads x head_dim = 2048; ratios are numflash / peer.",
+        "",
+        "| mode | dtype | head_dim | causal | seqlen | numflash | SDPA FA2 | SDPA cuDNN | vs FA2 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, dtype, hd, causal, seqlen), row in sorted(rows.items()):
+        def cell(p):
+            return f"{row[p]:.1f}" if p in row else "-"
+
+        ratio = (f"{row['numflash'] / row['sdpa-flash']:.3f}x"
+                 if "numflash" in row and "sdpa-flash" in row else "-")  # fmt: skip
+        lines.append(f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | "
+                     f"{cell('numflash')} | {cell('sdpa-flash')} | {cell('sdpa-cudnn')} | "
+                     f"{ratio} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--max-ms", type=float, default=20000,
+                    help="GPU time a timing may spend before it stops early (at least 3 runs)")
+    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    dev = current_device()
+    records = bench(args)
+    versions = {"numflash": numflash.__version__, "python": platform.python_version()}
+    for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
+        try:
+            versions[name] = version(name)
+        except Exception:
+            pass
+    result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
+              "date": datetime.date.today().isoformat(), "versions": versions,
+              "command": "python " + " ".join(sys.argv), "records": records}  # fmt: skip
+    with open(os.path.join(args.out_dir, "backward.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown(records, dev.name)
+    with open(os.path.join(args.out_dir, "backward.md"), "w") as f:
+        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()

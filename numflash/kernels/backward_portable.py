@@ -1,0 +1,270 @@
+"""Portable attention backward: shared-memory tiles and fp32 math, no tensor cores.
+
+FlashAttention-2's backward (Dao, 2023) without warp-level instructions, so it runs on every GPU
+that numba-cuda supports and in the CUDA simulator. Attention is recomputed from q, k and the
+saved log-sum-exp; nothing of size seqlen_q x seqlen_k is stored. Three kernels:
+
+1. ``preprocess``: ``D_i = rowsum(dO_i * O_i)`` in fp32, one thread per query row.
+2. ``dkdv``: one thread block per (block of BLOCK_N keys, kv head, batch), one thread per key,
+   holding that key's k, v and its dk, dv accumulators in fp32. Query rows stream through shared
+   memory BLOCK_M at a time (q, dO, lse, D), for every query head of the GQA group in turn, so a
+   group's sum is formed in one thread in a fixed order: no atomics.
+3. ``dq``: one thread block per (block of BLOCK_M query rows, head, batch), one thread per row,
+   holding q, dO and the dq accumulator; key and value tiles stream through shared memory.
+
+With p = exp(s * scale - lse), per visible (query i, key j):
+``dv_j += p dO_i; dp = dO_i . v_j; ds = p (dp - D_i); dk_j += ds q_i scale; dq_i += ds k_j scale``.
+Every sum runs in a fixed order, so the gradients are bitwise reproducible (``deterministic``
+holds whatever the flag says). Rows that see no key contribute nothing; keys that no row sees
+get dk = dv = 0.
+"""
+
+import functools
+
+from numba import cuda, float32
+
+from . import ptx
+from .forward_portable import _FROM_F32, _TO_F32
+from .jit import device_function, kernel
+from .softmax import LOG2E, NEG_INF, block_key_range, visible_keys
+
+
+@device_function
+def block_query_range(first_key, last_key, seqlen_q, seqlen_k, window_left, window_right):
+    """The query rows ``[lo, hi)`` that see any of the keys ``first_key..last_key``.
+
+    Row ``i`` sees key ``j`` iff ``j - window_right <= i + offset <= j + window_left`` (offset =
+    seqlen_k - seqlen_q; softmax.py states the mask), so the rows of a block of keys run from
+    the first key's lower end to the last key's upper end.
+    """
+    offset = seqlen_k - seqlen_q
+    lo = 0
+    if window_right >= 0:
+        lo = max(lo, first_key - window_right - offset)
+    hi = seqlen_q
+    if window_left >= 0:
+        hi = min(hi, last_key + window_left - offset + 1)
+    return lo, hi
+
+
+@functools.lru_cache(maxsize=None)
+def build_preprocess(head_dim, dtype_name, block):
+    """D = rowsum(dO * O) in fp32: grid (ceil(seqlen_q / block), nheads, batch)."""
+    HEAD_DIM = head_dim
+    to_f32 = _TO_F32[dtype_name]
+
+    @kernel
+    def preprocess(do, o, delta, do_sb, do_ss, do_sh, o_sb, o_ss, o_sh, seqlen_q):
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        row = cuda.blockIdx.x * block + cuda.threadIdx.x
+        if row < seqlen_q:
+            do_base = batch * do_sb + head * do_sh + row * do_ss
+            o_base = batch * o_sb + head * o_sh + row * o_ss
+            acc = float32(0.0)
+            for d in range(HEAD_DIM):
+                acc += to_f32(do[do_base + d]) * to_f32(o[o_base + d])
+            delta[(batch * cuda.gridDim.y + head) * seqlen_q + row] = acc
+
+    return preprocess
+
+
+@device_function
+def _row_log2_lse(lse_value):
+    """A row's LSE in the log2 domain; +inf for a row that saw no key, so that its p is 0."""
+    if lse_value == NEG_INF:
+        return -NEG_INF
+    return lse_value * float32(LOG2E)
+
+
+@functools.lru_cache(maxsize=None)
+def build_dkdv(head_dim, dtype_name, block_m, block_n):
+    """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads."""
+    HEAD_DIM = head_dim
+    BLOCK_M = block_m
+    BLOCK_N = block_n
+    TILE = BLOCK_M * HEAD_DIM
+    to_f32 = _TO_F32[dtype_name]
+    from_f32 = _FROM_F32[dtype_name]
+
+    @device_function
+    def load_query_tile(q, do, lse, delta, q_tile, do_tile, lse_tile, d_tile, q_base, do_base,
+                        q_ss, do_ss, row_base, m0, seqlen_q, tid):  # fmt: skip
+        """Rows m0..m0+BLOCK_M-1 of q and dO as fp32, with their LSE (log2) and D; rows past
+        the end get zeros and an LSE of +inf (p = 0)."""
+        for idx in range(tid, TILE, BLOCK_N):
+            r = idx // HEAD_DIM
+            d = idx - r * HEAD_DIM
+            row = m0 + r
+            if row < seqlen_q:
+                q_tile[idx] = to_f32(q[q_base + row * q_ss + d])
+                do_tile[idx] = to_f32(do[do_base + row * do_ss + d])
+            else:
+                q_tile[idx] = float32(0.0)
+                do_tile[idx] = float32(0.0)
+        for r in range(tid, BLOCK_M, BLOCK_N):
+            row = m0 + r
+            if row < seqlen_q:
+                lse_tile[r] = _row_log2_lse(lse[row_base + row])
+                d_tile[r] = delta[row_base + row]
+            else:
+                lse_tile[r] = -NEG_INF
+                d_tile[r] = float32(0.0)
+
+    @kernel
+    def dkdv(
+        q, k, v, do, lse, delta, dk, dv,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        q_tile = cuda.shared.array(TILE, float32)
+        do_tile = cuda.shared.array(TILE, float32)
+        lse_tile = cuda.shared.array(BLOCK_M, float32)
+        d_tile = cuda.shared.array(BLOCK_M, float32)
+        k_row = cuda.local.array(HEAD_DIM, float32)
+        v_row = cuda.local.array(HEAD_DIM, float32)
+        dk_acc = cuda.local.array(HEAD_DIM, float32)
+        dv_acc = cuda.local.array(HEAD_DIM, float32)
+
+        tid = cuda.threadIdx.x
+        kv_head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        n0 = cuda.blockIdx.x * BLOCK_N
+        key = n0 + tid
+        active = key < seqlen_k
+        last_key = min(n0 + BLOCK_N, seqlen_k) - 1
+        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
+                                       window_right)  # fmt: skip
+        scale_log2 = scale * float32(LOG2E)
+
+        k_base = batch * k_sb + kv_head * k_sh + key * k_ss
+        v_base = batch * v_sb + kv_head * v_sh + key * v_ss
+        for d in range(HEAD_DIM):
+            k_row[d] = to_f32(k[k_base + d]) if active else float32(0.0)
+            v_row[d] = to_f32(v[v_base + d]) if active else float32(0.0)
+            dk_acc[d] = float32(0.0)
+            dv_acc[d] = float32(0.0)
+
+        nheads = cuda.gridDim.y * heads_per_kv
+        for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
+            q_base = batch * q_sb + head * q_sh
+            do_base = batch * do_sb + head * do_sh
+            row_base = (batch * nheads + head) * seqlen_q
+            for m0 in range(m_lo, m_hi, BLOCK_M):
+                cuda.syncthreads()  # every thread is done with the previous tile
+                load_query_tile(q, do, lse, delta, q_tile, do_tile, lse_tile, d_tile, q_base,
+                                do_base, q_ss, do_ss, row_base, m0, seqlen_q, tid)  # fmt: skip
+                cuda.syncthreads()
+                if active:
+                    for i in range(BLOCK_M):
+                        lo, hi = visible_keys(m0 + i, seqlen_q, seqlen_k, window_left,
+                                              window_right)  # fmt: skip
+                        if lo <= key and key < hi and m0 + i < seqlen_q:
+                            s = float32(0.0)
+                            dp = float32(0.0)
+                            for d in range(HEAD_DIM):
+                                s += q_tile[i * HEAD_DIM + d] * k_row[d]
+                                dp += do_tile[i * HEAD_DIM + d] * v_row[d]
+                            p = ptx.exp2(s * scale_log2 - lse_tile[i])
+                            ds = p * (dp - d_tile[i])
+                            for d in range(HEAD_DIM):
+                                dv_acc[d] += p * do_tile[i * HEAD_DIM + d]
+                                dk_acc[d] += ds * q_tile[i * HEAD_DIM + d]
+
+        if active:
+            dk_base = batch * dk_sb + kv_head * dk_sh + key * dk_ss
+            dv_base = batch * dv_sb + kv_head * dv_sh + key * dv_ss
+            for d in range(HEAD_DIM):
+                dk[dk_base + d] = from_f32(dk_acc[d] * scale)
+                dv[dv_base + d] = from_f32(dv_acc[d])
+
+    return dkdv
+
+
+@functools.lru_cache(maxsize=None)
+def build_dq(head_dim, dtype_name, block_m, block_n):
+    """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads."""
+    HEAD_DIM = head_dim
+    BLOCK_M = block_m
+    BLOCK_N = block_n
+    TILE = BLOCK_N * HEAD_DIM
+    to_f32 = _TO_F32[dtype_name]
+    from_f32 = _FROM_F32[dtype_name]
+
+    @device_function
+    def load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid):
+        """K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0."""
+        for idx in range(tid, TILE, BLOCK_M):
+            r = idx // HEAD_DIM
+            d = idx - r * HEAD_DIM
+            key = n0 + r
+            if key < seqlen_k:
+                k_tile[idx] = to_f32(k[k_base + key * k_ss + d])
+                v_tile[idx] = to_f32(v[v_base + key * v_ss + d])
+            else:
+                k_tile[idx] = float32(0.0)
+                v_tile[idx] = float32(0.0)
+
+    @kernel
+    def dq_kernel(
+        q, k, v, do, lse, delta, dq,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dq_sb, dq_ss, dq_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        k_tile = cuda.shared.array(TILE, float32)
+        v_tile = cuda.shared.array(TILE, float32)
+        q_row = cuda.local.array(HEAD_DIM, float32)
+        do_row = cuda.local.array(HEAD_DIM, float32)
+        dq_acc = cuda.local.array(HEAD_DIM, float32)
+
+        tid = cuda.threadIdx.x
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        m0 = cuda.blockIdx.x * BLOCK_M
+        row = m0 + tid
+        active = row < seqlen_q
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        lo, hi = visible_keys(row, seqlen_q, seqlen_k, window_left, window_right)
+        scale_log2 = scale * float32(LOG2E)
+
+        q_base = batch * q_sb + head * q_sh + row * q_ss
+        do_base = batch * do_sb + head * do_sh + row * do_ss
+        for d in range(HEAD_DIM):
+            q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
+            do_row[d] = to_f32(do[do_base + d]) if active else float32(0.0)
+            dq_acc[d] = float32(0.0)
+        row_lse = -NEG_INF
+        row_d = float32(0.0)
+        if active:
+            row_index = (batch * cuda.gridDim.y + head) * seqlen_q + row
+            row_lse = _row_log2_lse(lse[row_index])
+            row_d = delta[row_index]
+
+        k_base = batch * k_sb + kv_head * k_sh
+        v_base = batch * v_sb + kv_head * v_sh
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            cuda.syncthreads()  # every thread is done with the previous tile
+            load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid)
+            cuda.syncthreads()
+            for j in range(BLOCK_N):
+                key = n0 + j
+                if lo <= key and key < hi:
+                    s = float32(0.0)
+                    dp = float32(0.0)
+                    for d in range(HEAD_DIM):
+                        s += q_row[d] * k_tile[j * HEAD_DIM + d]
+                        dp += do_row[d] * v_tile[j * HEAD_DIM + d]
+                    ds = ptx.exp2(s * scale_log2 - row_lse) * (dp - row_d)
+                    for d in range(HEAD_DIM):
+                        dq_acc[d] += ds * k_tile[j * HEAD_DIM + d]
+
+        if active:
+            dq_base = batch * dq_sb + head * dq_sh + row * dq_ss
+            for d in range(HEAD_DIM):
+                dq[dq_base + d] = from_f32(dq_acc[d] * scale)
+
+    return dq_kernel

@@ -1,0 +1,210 @@
+"""numflash.attention_backward against float64 reference gradients, and its argument checks."""
+
+import numpy as np
+import pytest
+from _support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
+
+import numflash
+from numflash.arrays import to_float64
+from numflash.reference import attention_backward_reference, attention_reference
+
+MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(5, 3))}
+
+
+def _run(q, k, v, mask, **kw):
+    """Forward with numflash, a fresh random dout, numflash's backward; returns all of it."""
+    out, lse = numflash.attention(q, k, v, return_lse=True, **mask)
+    dout = random_array(q.shape, q.dtype)
+    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, **mask, **kw)
+    return dout, dq, dk, dv
+
+
+# -- the reference itself --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True), dict(window_size=(2, 1)), dict()])
+def test_reference_gradients_match_finite_differences(mask):
+    """The float64 reference is the derivative of the float64 forward (GQA, masks, empty rows)."""
+    rng = np.random.default_rng(7)
+    q, dout = (rng.standard_normal((1, 6, 4, 3)) for _ in range(2))
+    k, v = (rng.standard_normal((1, 4, 2, 3)) for _ in range(2))  # seqlen_q > seqlen_k
+    kw = dict(softmax_scale=0.8, **mask)
+    grads = attention_backward_reference(dout, q, k, v, **kw)
+
+    def loss(**args):
+        return float((attention_reference(**args, **kw)[0] * dout).sum())
+
+    eps = 1e-6
+    for name, x, grad in zip("qkv", (q, k, v), grads):
+        numeric = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            plus, minus = x.copy(), x.copy()
+            plus[idx] += eps
+            minus[idx] -= eps
+            args = dict(q=q, k=k, v=v)
+            numeric[idx] = (loss(**{**args, name: plus}) - loss(**{**args, name: minus})) / (2 * eps)
+        assert np.abs(numeric - grad).max() < 1e-7, name
+
+
+# -- the kernels -----------------------------------------------------------------------------------
+
+SIM_CASES = [
+    ("float32", 16, 1, 1, 1, "none"),
+    ("float16", 16, 7, 33, 2, "causal"),
+    ("bfloat16", 16, 33, 7, 1, "window"),
+    ("float16", 40, 33, 20, 2, "none"),
+    ("float32", 8, 20, 33, 4, "causal"),
+    ("bfloat16", 24, 17, 17, 1, "causal"),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask", SIM_CASES)
+def test_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
+    cfg = numflash.PortableBackwardConfig(block_m=16, block_n=16)
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=cfg)
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+def test_rows_without_keys_contribute_nothing():
+    # causal with seqlen_q > seqlen_k: the first rows see no key
+    q, k, v = random_qkv(1, 12, 5, 2, 1, 8, "float32")
+    dout, dq, dk, dv = _run(q, k, v, dict(causal=True),
+                            config=numflash.PortableBackwardConfig(16, 16))  # fmt: skip
+    assert bool((to_numpy(dq)[:, :7] == 0).all())
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=True)
+
+
+def test_keys_no_row_sees_get_zero_gradients():
+    q, k, v = random_qkv(1, 4, 9, 1, 1, 8, "float32")
+    dout, dq, dk, dv = _run(q, k, v, dict(window_size=(1, 0)))
+    # query i sees keys i+4 and i+5 only: keys 0..3 are never seen
+    assert bool((to_numpy(dk)[:, :4] == 0).all()) and bool((to_numpy(dv)[:, :4] == 0).all())
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, window_size=(1, 0))
+
+
+def test_empty_sequences_give_zero_gradients():
+    q, k, v = random_qkv(1, 3, 0, 2, 2, 8, "float16")
+    out = xp.zeros(q.shape, dtype=q.dtype)
+    lse = xp.full((1, 2, 3), -np.inf, dtype=np.float32)
+    dq, dk, dv = numflash.attention_backward(random_array(q.shape, q.dtype), q, k, v, out, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape
+    assert bool((to_float64(dq) == 0).all())
+
+
+def test_strided_inputs_and_softmax_scale():
+    q, k, v = (random_array((1, 2, 19, 16), "float16").transpose(0, 2, 1, 3) for _ in range(3))
+    kw = dict(causal=True, softmax_scale=-0.4)
+    out, lse = numflash.attention(q, k, v, return_lse=True, **kw)
+    dout = random_array((1, 2, 19, 16), "float16").transpose(0, 2, 1, 3)
+    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, **kw,
+                                             config=numflash.PortableBackwardConfig(16, 16))  # fmt: skip
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **kw)
+
+
+# -- on the GPU ------------------------------------------------------------------------------------
+
+GPU_CASES = [
+    pytest.param(dtype, hd, sq, sk, gqa, mask, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}")
+    for i, (dtype, hd, (sq, sk)) in enumerate(
+        (dtype, hd, seqlens)
+        for dtype in ("float16", "bfloat16")
+        for hd in (32, 64, 96, 128, 256)
+        for seqlens in ((113, 203), (256, 256), (1023, 517))
+    )
+    for gqa in ((1, 2, 4)[i % 3],)
+    for mask in (list(MASKS)[(i // 3) % 3],)
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask", GPU_CASES)
+def test_backward_matches_reference_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
+    _poison_pool()
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask])
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+def _poison_pool(nbytes=64 << 20):
+    """Fill freed pool memory with NaN bits, so that gradients the kernels fail to write (they
+    come out of the same pool) show up as NaN."""
+    import cupy
+
+    block = cupy.full(nbytes // 4, 0x7FC07FC0, dtype=cupy.uint32)
+    del block
+
+
+@pytest.mark.gpu
+def test_backward_is_deterministic():
+    q, k, v = random_qkv(2, 777, 777, 8, 2, 128, "bfloat16")
+    dout, *first = _run(q, k, v, dict(causal=True), deterministic=True)
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(20):
+        again = numflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                            deterministic=True)  # fmt: skip
+        for a, b in zip(first, again):
+            assert bool((a.view(xp.uint16) == b.view(xp.uint16)).all())
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fwd():
+    q, k, v = random_qkv(1, 5, 6, 2, 1, 8, "float16")
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    return dict(dout=random_array(q.shape, "float16"), q=q, k=k, v=v, out=out, lse=lse)
+
+
+def _call(fwd, **changes):
+    args = {**fwd, **changes}
+    kw = {name: args.pop(name) for name in list(args) if name not in
+          ("dout", "q", "k", "v", "out", "lse")}  # fmt: skip
+    return numflash.attention_backward(args["dout"], args["q"], args["k"], args["v"],
+                                       args["out"], args["lse"], **kw)  # fmt: skip
+
+
+def test_dout_of_the_wrong_shape(fwd):
+    with pytest.raises(ValueError, match=r"dout must have q's shape \(1, 5, 2, 8\); got"):
+        _call(fwd, dout=random_array((1, 5, 2, 4), "float16"))
+
+
+def test_out_of_the_wrong_dtype(fwd):
+    with pytest.raises(TypeError, match="out must have dtype float16; got float32"):
+        _call(fwd, out=random_array((1, 5, 2, 8), "float32"))
+
+
+def test_lse_of_the_wrong_shape_or_dtype(fwd):
+    with pytest.raises(ValueError, match=r"lse must have shape \(1, 2, 5\); got \(1, 5, 2\)"):
+        _call(fwd, lse=xp.zeros((1, 5, 2), dtype=np.float32))
+    with pytest.raises(TypeError, match="lse must have dtype float32; got float16"):
+        _call(fwd, lse=xp.zeros((1, 2, 5), dtype=np.float16))
+
+
+def test_lse_not_an_array(fwd):
+    with pytest.raises(TypeError, match="lse must be"):
+        _call(fwd, lse=[0.0] * 10)
+
+
+def test_backward_validates_like_the_forward(fwd):
+    with pytest.raises(ValueError, match="window_size"):
+        _call(fwd, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="k and v must have the same seqlen"):
+        _call(fwd, v=random_array((1, 7, 1, 8), "float16"))
+
+
+def test_deterministic_must_be_bool(fwd):
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        _call(fwd, deterministic="yes")
+
+
+def test_backward_config_is_checked(fwd):
+    with pytest.raises(TypeError, match="PortableBackwardConfig"):
+        _call(fwd, config=numflash.PortableConfig())
+    with pytest.raises(ValueError, match="static shared memory"):
+        _call(fwd, q=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256),
+              "float16"), v=random_array((1, 6, 1, 256), "float16"),
+              dout=random_array((1, 5, 2, 256), "float16"),
+              out=random_array((1, 5, 2, 256), "float16"),
+              config=numflash.PortableBackwardConfig(128, 128))  # fmt: skip
