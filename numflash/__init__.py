@@ -1,7 +1,12 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
 from .api import attention, attention_backward, selected_config
-from .config import PortableBackwardConfig, PortableConfig, TensorCoreConfig
+from .config import (
+    PortableBackwardConfig,
+    PortableConfig,
+    TensorCoreBackwardConfig,
+    TensorCoreConfig,
+)
 
 __version__ = "0.1.0"
 
@@ -12,5 +17,6 @@ __all__ = [
     "TensorCoreConfig",
     "PortableConfig",
     "PortableBackwardConfig",
+    "TensorCoreBackwardConfig",
     "__version__",
 ]

@@ -14,8 +14,13 @@ import numpy as np
 
 from . import arrays, config as configs
 from .device import TENSOR_CORE, current_device
-from .kernels import backward_portable, forward, forward_portable
-from .kernels.jit import Launcher, backward_signatures, forward_signature
+from .kernels import backward, backward_portable, forward, forward_portable
+from .kernels.jit import (
+    Launcher,
+    backward_signatures,
+    forward_signature,
+    tensor_core_backward_signature,
+)
 from .kernels.softmax import LOG2E
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -348,13 +353,29 @@ def _forward(p, q, k, v, out, lse, cfg, device):
 _PREPROCESS_BLOCK = 128
 
 
-def _check_backward_config(config, head_dim):
+def _check_backward_config(config, p, deterministic):
     if config is None:
-        return configs.default_portable_backward_config(head_dim)
-    if not isinstance(config, configs.PortableBackwardConfig):
+        return configs.default_portable_backward_config(p.head_dim)
+    if isinstance(config, configs.PortableBackwardConfig):
+        head_dim = p.head_dim
+    elif isinstance(config, configs.TensorCoreBackwardConfig):
+        if p.dtype == "float32":
+            raise TypeError("config: the tensor-core backward takes float16 or bfloat16, "
+                            "not float32")  # fmt: skip
+        if deterministic:
+            raise ValueError(
+                "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
+                "deterministic=True needs the portable backward (config=None)"
+            )
+        head_dim = configs.round_up(p.head_dim, 16)
+        device = current_device()
+        if not device.supports(TENSOR_CORE):
+            raise ValueError(f"config: {device.name} ({device.arch}) has no mma.sync "
+                             "(compute capability 8.0 or newer needed)")  # fmt: skip
+    else:
         raise TypeError(
-            "config must be a numflash.PortableBackwardConfig or None; "
-            f"got {type(config).__name__}"
+            "config must be a numflash.PortableBackwardConfig, a "
+            f"numflash.TensorCoreBackwardConfig or None; got {type(config).__name__}"
         )
     reasons = config.problems(head_dim, current_device())
     if reasons:
@@ -372,17 +393,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
             recomputed from q, k and lse, never stored.
         causal, softmax_scale, window_size: as given to the forward call.
-        deterministic: ask for bitwise reproducible gradients. The present kernels sum in a
-            fixed order and are always deterministic; the flag is accepted for flash-attn
-            compatibility and for faster kernels that accumulate dQ with atomics.
-        config: force a :class:`numflash.PortableBackwardConfig`.
+        deterministic: ask for bitwise reproducible gradients. The portable kernels (the
+            default) sum in a fixed order and always are; the tensor-core kernel is not (it
+            adds dQ up with atomics) and refuses the flag.
+        config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
+            with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128;
+            checked in the simulator and compiled for sm_80-sm_90a, not yet run on a GPU).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
         the contributions of every query head of their group. Rows that see no key contribute
         nothing; keys that no row sees get zero gradients.
 
-    Runs on the portable backward kernels (fp32 math, no tensor cores) for every dtype.
+    By default runs on the portable backward kernels (fp32 math, no tensor cores).
     Kernels run on CuPy's current stream; the call returns without synchronising.
     """
     q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
@@ -391,15 +414,17 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     b, sq, h, d = q.shape
     xp = arrays.array_module(q)
     lse = _check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(b, h, sq))
-    _check_flag(deterministic, "deterministic")
+    deterministic = _check_flag(deterministic, "deterministic")
     with _on_device(q):
-        cfg = _check_backward_config(config, d)
+        cfg = _check_backward_config(config, p, deterministic)
         dq = xp.empty(q.shape, dtype=q.dtype)
         dk = xp.empty(k.shape, dtype=k.dtype)
         dv = xp.empty(v.shape, dtype=v.dtype)
         if p.seqlen_q == 0 or p.seqlen_k == 0 or dq.size == 0:
             for g in (dq, dk, dv):  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
+        elif isinstance(cfg, configs.TensorCoreBackwardConfig):
+            _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
         else:
             _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
@@ -416,13 +441,59 @@ def _backward_launcher(kind, head_dim, dtype, *tiles):
     return launcher
 
 
-def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
-    xp = arrays.array_module(q)
-    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+def _preprocess(p, dout, out, lse):
+    """(lse as a contiguous array, D = rowsum(dout * out) in fp32), D computed on the GPU."""
+    xp = arrays.array_module(out)
     lse = xp.ascontiguousarray(lse)
     delta = xp.empty(lse.shape, dtype=xp.float32)
+    (do_flat, do_strides), (o_flat, o_strides) = (arrays.kernel_view(x) for x in (dout, out))
+    grid = ((p.seqlen_q + _PREPROCESS_BLOCK - 1) // _PREPROCESS_BLOCK, p.nheads, p.batch)
+    _backward_launcher("preprocess", p.head_dim, p.dtype, _PREPROCESS_BLOCK)(
+        grid, _PREPROCESS_BLOCK, arrays.current_stream(), 0,
+        (do_flat, o_flat, arrays.kernel_view(delta)[0], *do_strides[:3], *o_strides[:3],
+         p.seqlen_q),
+    )  # fmt: skip
+    return lse, delta
+
+
+def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+    """D, then the tensor-core dK/dV kernel accumulating dQ in fp32; dQ scaled and rounded."""
+    xp = arrays.array_module(q)
+    dout, out = (arrays.as_kernel_input(x) for x in (dout, out))
+    lse, delta = _preprocess(p, dout, out, lse)
+    head_dim = configs.round_up(p.head_dim, 16)
+    if head_dim != p.head_dim:
+        q, k, v, dout = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v, dout))
+    q, k, v, dout = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
+    direct = head_dim == p.head_dim
+    dk_t, dv_t = (g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
+                  for g in (dk, dv))  # fmt: skip
+    dq_acc = xp.zeros(q.shape[:-1] + (head_dim,), dtype=xp.float32)
+    views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dk_t, dv_t, dq_acc)]
+    flats = [view[0] for view in views]
+    strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
+    key = ("backward", "tensor-core", head_dim, p.dtype, cfg.block_m, cfg.num_warps)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = Launcher(backward.build(head_dim, p.dtype, cfg.block_m, cfg.num_warps),
+                            tensor_core_backward_signature())  # fmt: skip
+        _launchers[key] = launcher
+    grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
+    launcher(grid, cfg.threads, arrays.current_stream(), cfg.shared_memory_bytes(head_dim),
+             (*flats, *strides, p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k,
+              np.float32(p.scale), p.window_left, p.window_right))  # fmt: skip
+    rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
+    arrays.bits(dq)[...] = arrays.bits(rounded)
+    if not direct:
+        arrays.bits(dk)[...] = arrays.bits(dk_t)[..., : p.head_dim]
+        arrays.bits(dv)[...] = arrays.bits(dv_t)[..., : p.head_dim]
+
+
+def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    lse, delta = _preprocess(p, dout, out, lse)
     views = {name: arrays.kernel_view(x) for name, x in
-             dict(q=q, k=k, v=v, do=dout, o=out, dq=dq, dk=dk, dv=dv).items()}  # fmt: skip
+             dict(q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv).items()}  # fmt: skip
     flat = {name: view[0] for name, view in views.items()}
     strides = {name: view[1][:3] for name, view in views.items()}
     lse_flat, delta_flat = arrays.kernel_view(lse)[0], arrays.kernel_view(delta)[0]
@@ -431,11 +502,6 @@ def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     tail = (p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k, np.float32(p.scale),
             p.window_left, p.window_right)  # fmt: skip
 
-    grid = ((p.seqlen_q + _PREPROCESS_BLOCK - 1) // _PREPROCESS_BLOCK, p.nheads, p.batch)
-    _backward_launcher("preprocess", d, dtype, _PREPROCESS_BLOCK)(
-        grid, _PREPROCESS_BLOCK, stream, 0,
-        (flat["do"], flat["o"], delta_flat, *strides["do"], *strides["o"], p.seqlen_q),
-    )
     grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
     _backward_launcher("dkdv", d, dtype, cfg.block_m, cfg.block_n)(
         grid, cfg.block_n, stream, 0,

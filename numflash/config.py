@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
 from . import cache
-from .device import PORTABLE, PORTABLE_BACKWARD, TENSOR_CORE
+from .device import PORTABLE, PORTABLE_BACKWARD, TENSOR_CORE, TENSOR_CORE_BACKWARD
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -200,6 +200,53 @@ class PortableBackwardConfig:
         return {"family": self.family, **asdict(self)}
 
 
+@dataclass(frozen=True)
+class TensorCoreBackwardConfig:
+    """Tiles of the tensor-core backward kernel (:mod:`numflash.kernels.backward`).
+
+    - ``block_m``: query rows per shared-memory block, a multiple of ``16 * num_warps`` (each
+      warp computes 16-row tiles of dQ).
+    - ``num_warps``: warps per block; each owns 16 keys, so a block holds ``16 * num_warps``.
+    """
+
+    block_m: int = knob(64, (16, 32, 64, 128))
+    num_warps: int = knob(4, (1, 2, 4, 8))
+
+    family: ClassVar[str] = TENSOR_CORE_BACKWARD
+    MAX_HEAD_DIM: ClassVar[int] = 128
+
+    @property
+    def block_n(self):
+        return 16 * self.num_warps
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    def shared_memory_bytes(self, head_dim):
+        """Dynamic: K, V, Q, dO tiles (rows padded by 16 bytes) and dS; plus LSE and D (fp32)."""
+        from .kernels.backward import shared_memory_layout
+
+        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n)[-1]
+
+    def problems(self, head_dim, device):
+        out = _out_of_choices(self)
+        if head_dim % 16 or not 16 <= head_dim <= self.MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not a multiple of 16 in [16, {self.MAX_HEAD_DIM}]")
+        if self.block_m % (16 * self.num_warps):
+            out.append(f"block_m={self.block_m} is not a multiple of 16 * num_warps "
+                       f"= {16 * self.num_warps}")  # fmt: skip
+        if not out:
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.block_m
+            if device is not None and smem > device.max_shared_per_block:
+                out.append(f"needs {smem} bytes of shared memory; the device allows "
+                           f"{device.max_shared_per_block}")  # fmt: skip
+        return out
+
+    def to_dict(self):
+        return {"family": self.family, **asdict(self)}
+
+
 def default_portable_backward_config(head_dim):
     """Two fp32 tiles of 32 rows (64 at head_dim <= 64, 16 above 128) fit the 48 KiB of static
     shared memory; untuned: these kernels are the correctness path, not the fast one."""
@@ -211,7 +258,8 @@ def default_portable_backward_config(head_dim):
 
 
 CONFIG_TYPES = {TENSOR_CORE: TensorCoreConfig, PORTABLE: PortableConfig,
-                PORTABLE_BACKWARD: PortableBackwardConfig}  # fmt: skip
+                PORTABLE_BACKWARD: PortableBackwardConfig,
+                TENSOR_CORE_BACKWARD: TensorCoreBackwardConfig}  # fmt: skip
 
 
 def config_from_dict(entry):

@@ -13,6 +13,8 @@ TENSOR_CORE = "tensor-core"
 PORTABLE = "portable"
 #: The backward kernels without tensor cores (every GPU, every dtype, the simulator).
 PORTABLE_BACKWARD = "portable-backward"
+#: The tensor-core backward (sm_80+, fp16/bf16); not yet measured on a GPU, so only on request.
+TENSOR_CORE_BACKWARD = "tensor-core-backward"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)
@@ -35,7 +37,7 @@ class DeviceInfo:
 
     def supports(self, family):
         """Whether kernels of ``family`` can run here (the simulator runs every family)."""
-        if family == PORTABLE or self.simulated:
+        if family in (PORTABLE, PORTABLE_BACKWARD) or self.simulated:
             return True
         return self.compute_capability >= TENSOR_CORE_MIN_CC
 

@@ -18,8 +18,19 @@ from numflash.config import (  # noqa: E402
     default_portable_config,
     default_tensor_core_config,
 )
-from numflash.kernels import backward_portable, forward, forward_portable, offline  # noqa: E402
-from numflash.kernels.jit import backward_signatures, forward_signature  # noqa: E402
+from numflash.config import TensorCoreBackwardConfig  # noqa: E402
+from numflash.kernels import (  # noqa: E402
+    backward,
+    backward_portable,
+    forward,
+    forward_portable,
+    offline,
+)
+from numflash.kernels.jit import (  # noqa: E402
+    backward_signatures,
+    forward_signature,
+    tensor_core_backward_signature,
+)
 
 TENSOR_CORE_TARGETS = [(8, 0), (8, 6), (8, 9), (9, 0, "a")]
 PORTABLE_TARGETS = [(7, 5), (9, 0, "a")]
@@ -69,6 +80,14 @@ def main(quick):
                 entry = report(kernel, dtype, cc, resources=False, signature=signatures[name])
                 results.append({"family": "portable-backward", "kernel": name, "head_dim": hd,
                                 "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
+    cfg = TensorCoreBackwardConfig()
+    for hd, dtype in [(64, "float16"), (128, "bfloat16")]:
+        kernel = backward.build(hd, dtype, cfg.block_m, cfg.num_warps)
+        for cc in TENSOR_CORE_TARGETS:
+            entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
+                           signature=tensor_core_backward_signature())  # fmt: skip
+            results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
+                            "config": cfg.to_dict(), **entry})  # fmt: skip
     print(json.dumps(results))
 
 

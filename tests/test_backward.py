@@ -102,6 +102,62 @@ def test_strided_inputs_and_softmax_scale():
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **kw)
 
 
+# -- the tensor-core kernel --------------------------------------------------------------------------
+
+TC_SIM_CASES = [
+    ("float16", 16, 9, 21, 1, "none", (16, 1)),
+    ("bfloat16", 32, 20, 13, 2, "causal", (32, 2)),
+    ("float16", 24, 17, 17, 2, "window", (16, 1)),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_SIM_CASES)
+def test_tensor_core_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask,
+                                                tiles):  # fmt: skip
+    """The mma.sync kernel's own source, in the simulator on CI and on the GPU."""
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+TC_GPU_CASES = [
+    pytest.param(dtype, hd, sq, sk, gqa, mask, tiles,
+                 id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-{tiles[0]}x{tiles[1]}")
+    for dtype, hd, (sq, sk), gqa, mask, tiles in [
+        ("float16", 64, (1023, 517), 1, "causal", (64, 4)),
+        ("bfloat16", 128, (256, 256), 2, "none", (64, 4)),
+        ("float16", 128, (113, 203), 4, "window", (32, 2)),
+        ("bfloat16", 96, (517, 1023), 1, "causal", (128, 8)),
+        ("float16", 40, (300, 300), 2, "none", (64, 2)),
+    ]
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_GPU_CASES)
+def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles):
+    q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
+    with pytest.raises(ValueError, match="deterministic=True needs the portable backward"):
+        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 1), deterministic=True)
+    q32 = random_array((1, 5, 2, 8), "float32")
+    k32, v32 = (random_array((1, 6, 1, 8), "float32") for _ in range(2))
+    with pytest.raises(TypeError, match="tensor-core backward takes float16 or bfloat16"):
+        _call(fwd, q=q32, k=k32, v=v32, dout=q32, out=q32,
+              config=numflash.TensorCoreBackwardConfig(16, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="block_m=16 is not a multiple of 16 \\* num_warps"):
+        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 2))
+    big = dict(q=random_array((1, 5, 2, 256), "float16"), dout=random_array((1, 5, 2, 256), "float16"),
+               out=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256), "float16"),
+               v=random_array((1, 6, 1, 256), "float16"))  # fmt: skip
+    with pytest.raises(ValueError, match="head_dim=256 is not a multiple of 16 in \\[16, 128\\]"):
+        _call(fwd, **big, config=numflash.TensorCoreBackwardConfig(16, 1))
+
+
 # -- on the GPU ------------------------------------------------------------------------------------
 
 GPU_CASES = [
@@ -200,7 +256,7 @@ def test_deterministic_must_be_bool(fwd):
 
 
 def test_backward_config_is_checked(fwd):
-    with pytest.raises(TypeError, match="PortableBackwardConfig"):
+    with pytest.raises(TypeError, match="PortableBackwardConfig, a numflash.TensorCoreBackwardConfig"):
         _call(fwd, config=numflash.PortableConfig())
     with pytest.raises(ValueError, match="static shared memory"):
         _call(fwd, q=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256),

@@ -89,6 +89,22 @@ def backward_signatures(dtype_name):
     )
 
 
+def tensor_core_backward_signature():
+    """Argument types of the tensor-core backward kernel: q, k, v, dO (uint16 bits), lse, D
+    (float32), dK, dV (uint16 bits), the dQ accumulator (float32); the (batch, seqlen, head)
+    element strides of q, k, v, dO, dK, dV and dQ (int64); seqlen_q, seqlen_k, heads_per_kv
+    (int32), softmax_scale (float32), window_left, window_right (int32)."""
+    if SIMULATOR:
+        return None
+    from numba.cuda import types
+
+    bits = types.Array(types.uint16, 1, "C")
+    f32 = types.Array(types.float32, 1, "C")
+    i32 = types.int32
+    return ((bits,) * 4 + (f32, f32) + (bits, bits, f32) + (types.int64,) * 21
+            + (i32, i32, i32, types.float32, i32, i32))  # fmt: skip
+
+
 #: Shared memory a block gets without opting in to more (every CUDA GPU).
 DEFAULT_SHARED_LIMIT = 48 * 1024
 

@@ -1,0 +1,302 @@
+"""Tensor-core attention backward (FlashAttention-2's dK/dV kernel) on mma.sync and ldmatrix.
+
+One thread block per (block of BLOCK_N keys, kv head, batch); each warp owns 16 key rows and
+keeps their dK and dV accumulators (fp32) in registers while blocks of BLOCK_M query rows (q, dO,
+their log2-domain LSE and D = rowsum(dO * O)) stream through shared memory, for every query head
+of the GQA group in turn. Per query block, with the key rows as the M side of every mma:
+
+    S^T  = K Q^T,  dP^T = V dO^T                  ldmatrix (K, V: A; Q, dO: B), fp32 accumulators
+    P^T  = exp2(S^T * scale * log2(e) - lse_log2[query]),  0 where the mask hides the pair
+    dS^T = P^T * (dP^T - D[query])
+    dV  += P^T dO,  dK += dS^T Q                  P^T and dS^T packed to 16 bits in registers:
+                                                  their accumulator layout is the A layout
+    dQ  += dS K                                   dS^T through shared memory (stored as dS),
+                                                  fp32 atomics into a (batch, seqlen_q, heads,
+                                                  head_dim) buffer, scaled and rounded after
+
+This is the kernel the issue's design calls for; it has run in Numba's CUDA simulator (tests)
+and compiled for sm_80-sm_90a, not yet on a GPU: numflash.attention_backward takes it only when
+a TensorCoreBackwardConfig is passed. dQ's atomics make the sum order vary between runs;
+``deterministic=True`` takes the portable kernels instead.
+
+Supports: float16 and bfloat16; head_dim a multiple of 16 up to 128 (the API zero-pads others);
+GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
+"""
+
+import functools
+
+from numba import cuda, float32, int64, uint16, uint32
+
+from . import ptx
+from .backward_portable import _row_log2_lse, block_query_range
+from .jit import device_function, kernel
+from .softmax import visible_keys
+
+_MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
+_PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
+_TO_BITS = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
+
+
+def shared_memory_layout(head_dim, block_m, block_n):
+    """(row pitch, offsets of K, V, Q, dO, dS, dS row pitch, total 16-bit elements)."""
+    row = head_dim + 8  # +16 bytes per row: the 8 rows an ldmatrix reads hit different banks
+    ds_row = block_n + 8
+    k_base = 0
+    v_base = k_base + block_n * row
+    q_base = v_base + block_n * row
+    do_base = q_base + block_m * row
+    ds_base = do_base + block_m * row
+    return row, k_base, v_base, q_base, do_base, ds_base, ds_row, ds_base + block_m * ds_row
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_m, num_warps):
+    """The dK/dV (and dQ-accumulating) kernel for one key; all sizes are compile-time."""
+    HEAD_DIM = head_dim  # a multiple of 16
+    BLOCK_M, NUM_WARPS = block_m, num_warps
+    BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
+    THREADS = 32 * NUM_WARPS
+    Q_TILES = BLOCK_M // 8  # 8-query column tiles of S^T
+    K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
+    D_TILES = HEAD_DIM // 8  # 8-column tiles of dK, dV and dQ
+    M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
+    N_STEPS = BLOCK_N // 16  # k16 steps of dQ += dS K
+    DQ_TILES = BLOCK_M // (16 * NUM_WARPS)  # 16-row tiles of dQ per warp
+    ROW, K_BASE, V_BASE, Q_BASE, DO_BASE, DS_BASE, DS_ROW, _ = shared_memory_layout(
+        head_dim, block_m, BLOCK_N
+    )
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
+    ROWS_PER_PASS = THREADS // CHUNKS
+    S_REGS = Q_TILES * 4
+    ACC_REGS = D_TILES * 4
+    mma = _MMA[dtype_name]
+    pack = _PACK[dtype_name]
+    to_bits = _TO_BITS[dtype_name]
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, tid):
+        """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``) to
+        shared address ``dst``; rows at or past ``rows_left`` are zero-filled, not read."""
+        r = tid // CHUNKS
+        col = (tid - r * CHUNKS) * 8
+        if r < ROWS_PER_PASS:
+            dst += uint32((r * ROW + col) * 2)
+            offset = first + int64(r) * stride + col
+            for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
+                row = r + p * ROWS_PER_PASS
+                if row < nrows:
+                    valid = row < rows_left
+                    ptx.cp_async_16(dst + uint32(p * ROWS_PER_PASS * ROW * 2), src,
+                                    offset if valid else first,
+                                    uint32(16) if valid else uint32(0))  # fmt: skip
+                offset += ROWS_PER_PASS * stride
+
+    @device_function
+    def mma_rows_by_queries(acc, a_addr, b_addr):
+        """acc (16 key rows x BLOCK_M queries) = A (16 x HEAD_DIM, rows of K or V) times the
+        transpose of B (BLOCK_M x HEAD_DIM, rows of Q or dO)."""
+        for i in range(S_REGS):
+            acc[i] = float32(0.0)
+        for kk in range(K_STEPS):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr, kk * 16 * 2)
+            for qp in range(Q_TILES // 2):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(b_addr, (qp * 16 * ROW + kk * 16) * 2)
+                c = qp * 8
+                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
+                    a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+                acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
+                    a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7])
+
+    @device_function
+    def mma_accumulate(acc, frag, b_addr):
+        """acc (16 key rows x HEAD_DIM) += F (16 x BLOCK_M, in ``frag``'s accumulator layout)
+        times B (BLOCK_M x HEAD_DIM, rows of dO or Q, read transposed by ldmatrix)."""
+        for kk in range(M_STEPS):
+            c = kk * 8  # accumulator tiles 2kk, 2kk+1 are the A fragment of k-step kk
+            f0 = pack(frag[c], frag[c + 1])
+            f1 = pack(frag[c + 2], frag[c + 3])
+            f2 = pack(frag[c + 4], frag[c + 5])
+            f3 = pack(frag[c + 6], frag[c + 7])
+            for dp in range(D_TILES // 2):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(b_addr, (kk * 16 * ROW + dp * 16) * 2)
+                o = dp * 8
+                acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                    f0, f1, f2, f3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
+                acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
+                    f0, f1, f2, f3, b2, b3, acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
+
+    @device_function
+    def key_row_probabilities(st, dpt, lse_tile, d_tile, key, m0, lane, half, seqlen_q,
+                              seqlen_k, scale_log2, wl, wr):  # fmt: skip
+        """For this lane's key row ``key`` (elements 2*half, 2*half+1 of every query tile):
+        st <- P^T, dpt <- dS^T; 0 where the pair is masked or the key is past the end."""
+        q_lo, q_hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
+        if key >= seqlen_k:
+            q_hi = q_lo  # a padding row of the key tile: sees nothing
+        q_lo -= m0 + (lane & 3) * 2  # relative to this lane's first column: constant offsets
+        q_hi -= m0 + (lane & 3) * 2
+        for qt in range(Q_TILES):
+            for e in range(2):
+                i = qt * 4 + 2 * half + e
+                col = qt * 8 + e
+                if q_lo <= col and col < q_hi:
+                    c = (lane & 3) * 2 + col  # the query's index in the tile
+                    p = ptx.exp2(ptx.fma(st[i], scale_log2, -lse_tile[c]))
+                    st[i] = p
+                    dpt[i] = p * (dpt[i] - d_tile[c])
+                else:
+                    st[i] = float32(0.0)
+                    dpt[i] = float32(0.0)
+
+    @device_function
+    def store_ds(smem, dpt, warp, lane):
+        """dS^T of this warp's key rows into shared memory as dS: row = query, column = key."""
+        for qt in range(Q_TILES):
+            for e in range(4):
+                key = warp * 16 + (lane >> 2) + 8 * (e >> 1)
+                query = qt * 8 + (lane & 3) * 2 + (e & 1)
+                smem[DS_BASE + query * DS_ROW + key] = to_bits(dpt[qt * 4 + e])
+
+    @device_function
+    def accumulate_dq(dqa, ds_addr, k_addr, dq_acc, dq_base, dq_ss, q_row0, seqlen_q, lane):
+        """dQ rows q_row0.. (16 of them) += dS K, added atomically to the fp32 buffer."""
+        for i in range(ACC_REGS):
+            dqa[i] = float32(0.0)
+        for kk in range(N_STEPS):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(ds_addr, kk * 16 * 2)
+            for dp in range(D_TILES // 2):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(k_addr, (kk * 16 * ROW + dp * 16) * 2)
+                o = dp * 8
+                dqa[o], dqa[o + 1], dqa[o + 2], dqa[o + 3] = mma(
+                    a0, a1, a2, a3, b0, b1, dqa[o], dqa[o + 1], dqa[o + 2], dqa[o + 3])
+                dqa[o + 4], dqa[o + 5], dqa[o + 6], dqa[o + 7] = mma(
+                    a0, a1, a2, a3, b2, b3, dqa[o + 4], dqa[o + 5], dqa[o + 6], dqa[o + 7])
+        for h in range(2):
+            row = q_row0 + (lane >> 2) + 8 * h
+            if row < seqlen_q:
+                base = dq_base + int64(row) * dq_ss
+                for dt in range(D_TILES):
+                    col = dt * 8 + (lane & 3) * 2
+                    cuda.atomic.add(dq_acc, base + col, dqa[dt * 4 + 2 * h])
+                    cuda.atomic.add(dq_acc, base + col + 1, dqa[dt * 4 + 2 * h + 1])
+
+    @device_function
+    def write_rows(out, acc, base, stride, row0, lane, seqlen_k, factor):
+        """acc * factor (16 key rows x HEAD_DIM) to ``out``'s rows row0.. that exist."""
+        for h in range(2):
+            row = row0 + (lane >> 2) + 8 * h
+            if row < seqlen_k:
+                at = base + int64(row) * stride
+                for dt in range(D_TILES):
+                    col = dt * 8 + (lane & 3) * 2
+                    i = dt * 4 + 2 * h
+                    pair = pack(acc[i] * factor, acc[i + 1] * factor)
+                    out[at + col] = uint16(pair & uint32(0xFFFF))
+                    out[at + col + 1] = uint16(pair >> uint32(16))
+
+    @kernel(launch_bounds=THREADS)
+    def dkdv(
+        q, k, v, do, lse, delta, dk, dv, dq_acc,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh, dq_sb, dq_ss, dq_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        smem = cuda.shared.array(0, uint16)
+        lse_tile = cuda.shared.array(BLOCK_M, float32)
+        d_tile = cuda.shared.array(BLOCK_M, float32)
+        st = cuda.local.array(S_REGS, float32)
+        dpt = cuda.local.array(S_REGS, float32)
+        dk_acc = cuda.local.array(ACC_REGS, float32)
+        dv_acc = cuda.local.array(ACC_REGS, float32)
+        dqa = cuda.local.array(ACC_REGS, float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        kv_head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        n0 = cuda.blockIdx.x * BLOCK_N
+        last_key = min(n0 + BLOCK_N, seqlen_k) - 1
+        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
+                                       window_right)  # fmt: skip
+        scale_log2 = scale * float32(1.4426950408889634)
+
+        # -- K and V of this block stay in shared memory for the whole kernel
+        smem_addr = ptx.shared_address(smem, 0)
+        k_first = batch * k_sb + kv_head * k_sh + int64(n0) * k_ss
+        v_first = batch * v_sb + kv_head * v_sh + int64(n0) * v_ss
+        load_rows(smem_addr + uint32(K_BASE * 2), k, k_first, k_ss, seqlen_k - n0, BLOCK_N, tid)
+        load_rows(smem_addr + uint32(V_BASE * 2), v, v_first, v_ss, seqlen_k - n0, BLOCK_N, tid)
+        ptx.cp_async_commit()
+
+        # ldmatrix lane addresses: A fragments of 16 rows (a warp's keys, or a dQ row tile) and
+        # B fragments of pairs of 8-row tiles (non-transposed) or of k16 x 16 blocks (.trans).
+        a_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        b_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
+        t_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        ds_lane = uint32(((lane & 15) * DS_ROW + (lane >> 4) * 8) * 2)
+        k_rows = smem_addr + uint32((K_BASE + warp * 16 * ROW) * 2) + a_lane
+        v_rows = smem_addr + uint32((V_BASE + warp * 16 * ROW) * 2) + a_lane
+        q_cols = smem_addr + uint32(Q_BASE * 2) + b_lane
+        do_cols = smem_addr + uint32(DO_BASE * 2) + b_lane
+        q_trans = smem_addr + uint32(Q_BASE * 2) + t_lane
+        do_trans = smem_addr + uint32(DO_BASE * 2) + t_lane
+        k_trans = smem_addr + uint32(K_BASE * 2) + t_lane
+
+        for i in range(ACC_REGS):
+            dk_acc[i] = float32(0.0)
+            dv_acc[i] = float32(0.0)
+        key0 = n0 + warp * 16 + (lane >> 2)  # this lane's key rows: key0 and key0 + 8
+        nheads = cuda.gridDim.y * heads_per_kv
+        for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
+            q_head = batch * q_sb + head * q_sh
+            do_head = batch * do_sb + head * do_sh
+            dq_head = batch * dq_sb + head * dq_sh
+            row_base = (int64(batch) * nheads + head) * seqlen_q
+            for m0 in range(m_lo, m_hi, BLOCK_M):
+                cuda.syncthreads()  # every warp is done with the previous query block
+                load_rows(smem_addr + uint32(Q_BASE * 2), q, q_head + int64(m0) * q_ss, q_ss,
+                          seqlen_q - m0, BLOCK_M, tid)  # fmt: skip
+                load_rows(smem_addr + uint32(DO_BASE * 2), do, do_head + int64(m0) * do_ss,
+                          do_ss, seqlen_q - m0, BLOCK_M, tid)  # fmt: skip
+                ptx.cp_async_commit()
+                for r in range(tid, BLOCK_M, THREADS):
+                    row = m0 + r
+                    if row < seqlen_q:
+                        lse_tile[r] = _row_log2_lse(lse[row_base + row])
+                        d_tile[r] = delta[row_base + row]
+                    else:  # past the end: every pair with this row is masked
+                        lse_tile[r] = float32(0.0)
+                        d_tile[r] = float32(0.0)
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()
+
+                # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
+                mma_rows_by_queries(st, k_rows, q_cols)
+                mma_rows_by_queries(dpt, v_rows, do_cols)
+                # -- P^T and dS^T, masked pairs 0 (one call per held key row: constant offsets)
+                key_row_probabilities(st, dpt, lse_tile, d_tile, key0, m0, lane, 0, seqlen_q,
+                                      seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
+                key_row_probabilities(st, dpt, lse_tile, d_tile, key0 + 8, m0, lane, 1,
+                                      seqlen_q, seqlen_k, scale_log2, window_left,
+                                      window_right)  # fmt: skip
+                # -- dV += P^T dO, dK += dS^T Q
+                mma_accumulate(dv_acc, st, do_trans)
+                mma_accumulate(dk_acc, dpt, q_trans)
+                # -- dQ += dS K through shared memory
+                store_ds(smem, dpt, warp, lane)
+                cuda.syncthreads()
+                for t in range(DQ_TILES):
+                    tile = warp * DQ_TILES + t
+                    ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
+                    accumulate_dq(dqa, ds_addr, k_trans, dq_acc, dq_head, dq_ss,
+                                  m0 + tile * 16, seqlen_q, lane)  # fmt: skip
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
+        row0 = n0 + warp * 16
+        write_rows(dk, dk_acc, batch * dk_sb + kv_head * dk_sh, dk_ss, row0, lane, seqlen_k,
+                   scale)  # fmt: skip
+        write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
+                   float32(1.0))  # fmt: skip
+
+    return dkdv
