@@ -1,6 +1,6 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
-from .api import attention, attention_backward, selected_config
+from .api import attention, attention_backward, selected_backward_config, selected_config
 from .config import (
     PortableBackwardConfig,
     PortableConfig,
@@ -14,6 +14,7 @@ __all__ = [
     "attention",
     "attention_backward",
     "selected_config",
+    "selected_backward_config",
     "TensorCoreConfig",
     "PortableConfig",
     "PortableBackwardConfig",

@@ -13,7 +13,7 @@ import numbers
 import numpy as np
 
 from . import arrays, config as configs
-from .device import TENSOR_CORE, current_device
+from .device import PORTABLE_BACKWARD, TENSOR_CORE, TENSOR_CORE_BACKWARD, current_device
 from .kernels import backward, backward_portable, forward, forward_portable
 from .kernels.jit import (
     Launcher,
@@ -349,13 +349,44 @@ def _forward(p, q, k, v, out, lse, cfg, device):
 
 # -- backward --------------------------------------------------------------------------------------
 
+
+def selected_backward_config(q, k, v, *, causal=False, window_size=(-1, -1),
+                             deterministic=False, config=None):  # fmt: skip
+    """The configuration ``attention_backward`` would run with for these inputs, and where it
+    comes from: ``(config, source)`` as :func:`selected_config` returns it. Launches nothing."""
+    from .cache import Selection
+
+    q, k, v, p = _problem(q, k, v, causal, None, window_size)
+    deterministic = _check_flag(deterministic, "deterministic")
+    with _on_device(q):
+        cfg = _check_backward_config(config, p, deterministic)
+        if cfg is not None:
+            return Selection(cfg, "forced")
+        return _choose_backward(p, current_device(), deterministic)
+
 #: Threads per block of the D = rowsum(dO * O) kernel.
 _PREPROCESS_BLOCK = 128
 
 
+def _choose_backward(p, device, deterministic):
+    """The backward configuration of a call without ``config=`` (a cache.Selection).
+
+    The tensor-core kernel where this GPU has a tuned entry for it (``numflash autotune
+    --family tensor-core-backward`` checked its gradients here), unless deterministic
+    gradients are asked for; else the portable kernels, tuned or heuristic.
+    """
+    head_dim = configs.round_up(p.head_dim, 16)
+    if (not deterministic and p.dtype != "float32" and device.supports(TENSOR_CORE)
+            and head_dim <= configs.TensorCoreBackwardConfig.MAX_HEAD_DIM):  # fmt: skip
+        selection = configs.choose_config(TENSOR_CORE_BACKWARD, p, device)
+        if selection.source != "heuristic":
+            return selection
+    return configs.choose_config(PORTABLE_BACKWARD, p, device)
+
+
 def _check_backward_config(config, p, deterministic):
     if config is None:
-        return configs.default_portable_backward_config(p.head_dim)
+        return None
     if isinstance(config, configs.PortableBackwardConfig):
         head_dim = p.head_dim
     elif isinstance(config, configs.TensorCoreBackwardConfig):
@@ -393,19 +424,22 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
             recomputed from q, k and lse, never stored.
         causal, softmax_scale, window_size: as given to the forward call.
-        deterministic: ask for bitwise reproducible gradients. The portable kernels (the
-            default) sum in a fixed order and always are; the tensor-core kernel is not (it
-            adds dQ up with atomics) and refuses the flag.
+        deterministic: ask for bitwise reproducible gradients. The portable kernels sum in a
+            fixed order and always are; the tensor-core kernel is not (it adds dQ up with
+            atomics): with the flag it is never chosen, and a forced one is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
-            with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128;
-            checked in the simulator and compiled for sm_80-sm_90a, not yet run on a GPU).
+            with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128).
+            By default the tensor-core kernel runs where ``numflash autotune --family
+            tensor-core-backward`` has tuned (and so checked) it on this GPU, the portable
+            kernels elsewhere (:func:`selected_backward_config` tells which).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
         the contributions of every query head of their group. Rows that see no key contribute
         nothing; keys that no row sees get zero gradients.
 
-    By default runs on the portable backward kernels (fp32 math, no tensor cores).
+    The tensor-core kernel has run in the simulator and compiled for sm_80-sm_90a, not yet on
+    a GPU; the portable kernels (fp32 math, no tensor cores) are correct on every GPU.
     Kernels run on CuPy's current stream; the call returns without synchronising.
     """
     q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
@@ -417,6 +451,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     deterministic = _check_flag(deterministic, "deterministic")
     with _on_device(q):
         cfg = _check_backward_config(config, p, deterministic)
+        if cfg is None:
+            cfg = _choose_backward(p, current_device(), deterministic).config
         dq = xp.empty(q.shape, dtype=q.dtype)
         dk = xp.empty(k.shape, dtype=k.dtype)
         dv = xp.empty(v.shape, dtype=v.dtype)

@@ -325,10 +325,16 @@ def choose_config(family, problem, device):
 
 
 def default_config(family, head_dim, device):
-    """(head_dim the kernel runs at, heuristic default) for a family: the tensor-core kernel
-    runs head dims padded to a multiple of 8."""
+    """(head_dim the kernel runs at, heuristic default) for a family: the tensor-core forward
+    runs head dims padded to a multiple of 8, the tensor-core backward to a multiple of 16."""
     if family == PORTABLE:
         return head_dim, default_portable_config(head_dim)
+    if family == PORTABLE_BACKWARD:
+        return head_dim, default_portable_backward_config(head_dim)
+    if family == TENSOR_CORE_BACKWARD:
+        return round_up(head_dim, 16), TensorCoreBackwardConfig()
+    if family != TENSOR_CORE:
+        raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     head_dim = round_up(head_dim, 8)
     return head_dim, default_tensor_core_config(head_dim, device)
 

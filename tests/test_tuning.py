@@ -236,3 +236,65 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     q, k, v = random_qkv(1, 100, 100, 2, 1, 16, "float32")
     chosen = numflash.selected_config(q, k, v, causal=True)
     assert chosen.config == result.best_config and chosen.source.startswith("user cache")
+
+
+# -- the backward families -------------------------------------------------------------------------
+
+
+def test_backward_families_have_defaults_and_spaces():
+    from numflash.config import (
+        PortableBackwardConfig,
+        TensorCoreBackwardConfig,
+        default_config,
+    )
+
+    assert default_config("portable-backward", 40, H200) == (40, PortableBackwardConfig(64, 64))
+    assert default_config("tensor-core-backward", 40, H200) == (48, TensorCoreBackwardConfig())
+    feasible = space.feasible_points(TensorCoreBackwardConfig, 128, H200)
+    assert TensorCoreBackwardConfig() in feasible
+    assert all(cfg.block_m % (16 * cfg.num_warps) == 0 for cfg in feasible)
+    assert not space.feasible_points(TensorCoreBackwardConfig, 256, H200)
+
+
+def test_cli_dry_run_plans_the_backward(tmp_path):
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-m", "numflash", "autotune", "--family", "tensor-core-backward",
+         "--head-dims", "40", "--dtypes", "bfloat16", "--seqlens", "1000", "--dry-run"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "tensor-core-backward/bfloat16/hd48/full/s1024:" in proc.stdout
+
+
+def test_tuned_tensor_core_backward_is_chosen_unless_deterministic(cache_dirs):
+    from numflash.config import TensorCoreBackwardConfig
+
+    device = numflash.device.current_device()
+    q, k, v = random_qkv(1, 100, 100, 2, 1, 64, "float16")
+    assert numflash.selected_backward_config(q, k, v).config.family == "portable-backward"
+    tuned = TensorCoreBackwardConfig(32, 2)
+    key = cache.ProblemKey("tensor-core-backward", "float16", 64, "full", 128)
+    cache.record(device, {key: entry(tuned)})
+    chosen = numflash.selected_backward_config(q, k, v)
+    assert chosen.config == tuned and chosen.source.startswith("user cache")
+    assert numflash.selected_backward_config(q, k, v, deterministic=True).config.family == (
+        "portable-backward")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
+def test_backward_study_in_the_simulator_checks_gradients_and_records(cache_dirs):
+    """Real Optuna over the portable backward: trials are checked on all three gradients."""
+    from tuning.objective import Workload
+    from tuning.study import tune_key
+
+    device = numflash.device.current_device()
+    key = cache.ProblemKey("portable-backward", "float32", 8, "causal", 128)
+    workload = Workload(batch=1, nheads=1, seqlen=24, check_seqlen=20, check_nheads=1)
+    result = tune_key(key, device, trials=2, workload=workload, timing=dict(warmup=1, runs=2))
+    assert result.complete + result.rejected + result.pruned + result.failed == 2
+    assert result.rejected == 0 and result.best_config is not None
+    cache.record(device, {key: result.entry()})
+    q, k, v = random_qkv(1, 90, 90, 2, 1, 8, "float32")
+    chosen = numflash.selected_backward_config(q, k, v, causal=True)
+    assert chosen.config == result.best_config and chosen.source.startswith("user cache")

@@ -14,8 +14,8 @@ import optuna
 import numflash
 from numflash import reference
 from numflash.arrays import from_float
-from numflash.config import round_up
-from numflash.device import TENSOR_CORE
+from numflash.config import CONFIG_TYPES, default_config
+from numflash.device import PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD
 from numflash.timing import attention_flops, time_gpu
 
 from . import space
@@ -58,8 +58,15 @@ def random_inputs(xp, batch, seqlen, nheads, head_dim, dtype, seed):
     return [from_float(rng.standard_normal(shape, dtype=xp.float32), dtype) for _ in range(3)]
 
 
+BACKWARD_FAMILIES = (PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD)
+
+
 class Objective:
-    """Callable for ``study.optimize``: returns the median time (ms) of a correct configuration."""
+    """Callable for ``study.optimize``: returns the median time (ms) of a correct configuration.
+
+    Forward families time ``attention``; backward families time ``attention_backward`` from
+    saved forward outputs, and check all three gradients against the float64 reference.
+    """
 
     def __init__(self, key, device, workload, xp, dtype, warmup=3, runs=15, max_ms=2000):
         self.key = key
@@ -67,14 +74,19 @@ class Objective:
         self.workload = workload
         self.xp = xp
         self.dtype = dtype
-        self.config_type = numflash.TensorCoreConfig if key.family == TENSOR_CORE else (
-            numflash.PortableConfig)  # fmt: skip
-        self.head_dim = round_up(key.head_dim, 8) if key.family == TENSOR_CORE else key.head_dim
+        self.config_type = CONFIG_TYPES[key.family]
+        self.head_dim = default_config(key.family, key.head_dim, device)[0]
+        self.backward = key.family in BACKWARD_FAMILIES
         self.mask = mask_kwargs(key.mask, workload.seqlen)
         w = workload
         self.timed = random_inputs(xp, w.batch, w.seqlen, w.nheads, key.head_dim, dtype, seed=0)
+        if self.backward:
+            q, k, v = self.timed
+            out, lse = numflash.attention(q, k, v, return_lse=True, **self.mask)
+            dout = random_inputs(xp, w.batch, w.seqlen, w.nheads, key.head_dim, dtype, 1)[0]
+            self.saved = (dout, out, lse)
         self.flops = attention_flops(w.batch, w.nheads, w.seqlen, w.seqlen, key.head_dim,
-                                     key.mask == "causal")  # fmt: skip
+                                     key.mask == "causal", "bwd" if self.backward else "fwd")  # fmt: skip
         self.timing = dict(warmup=warmup, runs=runs, max_total_ms=max_ms)
 
     def __call__(self, trial):
@@ -94,21 +106,36 @@ class Objective:
         except Exception as exc:  # compile or launch failure: prune, keep studying
             trial.set_user_attr("pruned", f"{type(exc).__name__}: {exc}"[:500])
             raise optuna.TrialPruned() from None
-        trial.set_user_attr("err", result.err)
-        trial.set_user_attr("bar", result.bar)
-        if not result.ok:
-            trial.set_user_attr("rejected", f"wrong result: {result}")
+        trial.set_user_attr("err", max(r.err for r in result))
+        trial.set_user_attr("bar", min(r.bar for r in result))
+        if not all(r.ok for r in result):
+            trial.set_user_attr("rejected", f"wrong result: {[r for r in result if not r.ok]}")
             raise optuna.TrialPruned()
-        q, k, v = self.timed
-        t = time_gpu(lambda: numflash.attention(q, k, v, config=cfg, **self.mask), **self.timing)
+        t = time_gpu(self.call(cfg), **self.timing)
         trial.set_user_attr("tflops", t.tflops(self.flops))
         return t.median_ms
 
+    def call(self, cfg):
+        """The timed call with ``cfg``."""
+        q, k, v = self.timed
+        if self.backward:
+            dout, out, lse = self.saved
+            return lambda: numflash.attention_backward(dout, q, k, v, out, lse, config=cfg,
+                                                       **self.mask)  # fmt: skip
+        return lambda: numflash.attention(q, k, v, config=cfg, **self.mask)
+
     def check(self, cfg, seed):
-        """The configuration's result on fresh random inputs against the float64 reference."""
+        """The configuration's results on fresh random inputs against the float64 reference:
+        a list of checks (the output, or the three gradients), each with ``ok``."""
         w = self.workload
         mask = mask_kwargs(self.key.mask, w.check_seqlen)
         q, k, v = random_inputs(self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim,
                                 self.dtype, seed)  # fmt: skip
+        if self.backward:
+            out, lse = numflash.attention(q, k, v, return_lse=True, **mask)
+            dout = random_inputs(self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim,
+                                 self.dtype, seed + 1)[0]  # fmt: skip
+            grads = numflash.attention_backward(dout, q, k, v, out, lse, config=cfg, **mask)
+            return list(reference.check_backward(dout, q, k, v, *grads, **mask))
         out, lse = numflash.attention(q, k, v, config=cfg, return_lse=True, **mask)
-        return reference.check(q, k, v, out, lse, **mask)
+        return [reference.check(q, k, v, out, lse, **mask)]

@@ -9,8 +9,13 @@ import sys
 import time
 
 from numflash import cache
-from numflash.config import TensorCoreConfig, PortableConfig, round_up
-from numflash.device import TENSOR_CORE
+from numflash.config import CONFIG_TYPES, default_config
+from numflash.device import (
+    PORTABLE,
+    PORTABLE_BACKWARD,
+    TENSOR_CORE,
+    TENSOR_CORE_BACKWARD,
+)
 
 from . import space
 
@@ -19,7 +24,9 @@ QUICK = dict(head_dims=[64, 128], dtypes=["float16"], masks=["full", "causal"], 
 
 
 def add_arguments(parser):
-    parser.add_argument("--family", choices=["tensor-core", "portable"], default="tensor-core")
+    parser.add_argument("--family", default=TENSOR_CORE,
+                        choices=[TENSOR_CORE, PORTABLE, TENSOR_CORE_BACKWARD, PORTABLE_BACKWARD],
+                        help="the kernels to tune: the forward's (default) or the backward's")  # fmt: skip
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
                         choices=["float16", "bfloat16", "float32"])  # fmt: skip
@@ -47,12 +54,12 @@ def plan(args):
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
-    if args.family == TENSOR_CORE and "float32" in args.dtypes:
-        raise SystemExit("numflash autotune: the tensor-core kernel takes float16 and bfloat16")
+    if args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD) and "float32" in args.dtypes:
+        raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
     keys = []
     for dtype, hd, mask, seqlen in itertools.product(args.dtypes, args.head_dims, args.masks,
                                                      args.seqlens):  # fmt: skip
-        head_dim = round_up(hd, 8) if args.family == TENSOR_CORE else hd
+        head_dim = default_config(args.family, hd, None)[0]  # the head_dim it runs at
         key = cache.ProblemKey(args.family, dtype, head_dim, mask, cache.seqlen_bucket(seqlen))
         if key not in keys:
             keys.append(key)
@@ -71,7 +78,7 @@ def _device(dry_run):
 
 
 def print_plan(keys, args, device, note, out):
-    config_type = TensorCoreConfig if args.family == TENSOR_CORE else PortableConfig
+    config_type = CONFIG_TYPES[args.family]
     total = len(list(space.all_points(config_type)))
     print(f"device: {device.name} ({device.arch})" + (f" [{note}]" if note else ""), file=out)
     print(f"{len(keys)} keys x {args.trials} trials (at most {args.timeout_per_key:.0f} s each); "
