@@ -6,6 +6,10 @@ same record format with "mode": "bwd" (the gradients from saved forward outputs)
 runs exactly its backward kernels.
 
     python benchmarks/bench_backward.py [--seqlens 4096 16384] [--head-dims 128]
+                                        [--numflash-kernel default|portable|tensor-core]
+
+``--numflash-kernel`` forces numflash's backward kernels (default: what attention_backward
+chooses); each record names the configuration that ran.
 
 Writes benchmarks/results/backward.json and backward.md.
 """
@@ -32,19 +36,29 @@ from bench_forward import DTYPES  # noqa: E402
 PROVIDERS = ["numflash", "sdpa-flash", "sdpa-cudnn"]
 
 
-def numflash_runs(q, k, v, causal):
-    """(backward only, forward + backward) for numflash."""
+KERNELS = {"default": None, "portable": numflash.PortableBackwardConfig,
+           "tensor-core": numflash.TensorCoreBackwardConfig}  # fmt: skip
+
+
+def numflash_runs(q, k, v, causal, kernel):
+    """(backward only, forward + backward, the backward's configuration) for numflash."""
     out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
     dout = peers.random_qkv(*q.shape[:2], q.shape[2], q.shape[3], q.dtype, seed=5)[0]
+    config = KERNELS[kernel]
+    if config is not None:  # the family's heuristic tiles for this head_dim
+        from numflash.config import default_config
+
+        config = default_config(config.family, q.shape[-1], current_device())[1]
+    chosen = numflash.selected_backward_config(q, k, v, causal=causal, config=config).config
 
     def bwd():
-        return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, config=config)
 
     def fwd_bwd():
         o, l = numflash.attention(q, k, v, causal=causal, return_lse=True)
-        return numflash.attention_backward(dout, q, k, v, o, l, causal=causal)
+        return numflash.attention_backward(dout, q, k, v, o, l, causal=causal, config=config)
 
-    return bwd, fwd_bwd
+    return bwd, fwd_bwd, chosen.to_dict()
 
 
 def sdpa_runs(q, k, v, causal, backend):
@@ -78,18 +92,20 @@ def bench(args):
         batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
         q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, DTYPES[dtype])
         for provider in providers:
+            config = None
             if provider == "numflash":
-                runs = numflash_runs(q, k, v, causal)
+                *runs, config = numflash_runs(q, k, v, causal, args.numflash_kernel)
             else:
                 runs = sdpa_runs(q, k, v, causal, provider.split("-")[1])
             for mode, run in zip(("bwd", "fwd+bwd"), runs):
-                slow = provider == "numflash"  # the portable kernels take seconds per call
+                slow = config is not None and config["family"] == "portable-backward"
                 t = time_gpu(run, warmup=1 if slow else 3, runs=3 if slow else 20,
                              max_total_ms=args.max_ms)  # fmt: skip
                 flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
                 rec = dict(provider=provider, mode=mode, dtype=dtype, batch=batch, nheads=nheads,
                            seqlen_q=seqlen, seqlen_k=seqlen, head_dim=hd, causal=causal,
-                           ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=None)  # fmt: skip
+                           ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=None,
+                           config=config)  # fmt: skip
                 records.append(rec)
                 print(f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
                       f"s{seqlen:<6d} b{batch:<3d} {t.median_ms:10.3f} ms "
@@ -133,6 +149,7 @@ def main():
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
     ap.add_argument("--max-ms", type=float, default=20000,
                     help="GPU time a timing may spend before it stops early (at least 3 runs)")
+    ap.add_argument("--numflash-kernel", choices=list(KERNELS), default="default")
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)

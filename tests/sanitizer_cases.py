@@ -16,7 +16,11 @@ import cupy
 cupy.cuda.set_allocator(None)
 
 import numflash  # noqa: E402
-from numflash.config import PortableConfig, TensorCoreConfig  # noqa: E402
+from numflash.config import (  # noqa: E402
+    PortableConfig,
+    TensorCoreBackwardConfig,
+    TensorCoreConfig,
+)
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _support import (  # noqa: E402
@@ -39,6 +43,14 @@ CASES = [
 ]
 
 
+#: The tensor-core backward on a few of the same shapes (fp16/bf16, head_dim <= 128).
+TC_BACKWARD = [
+    ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True), TensorCoreBackwardConfig(64, 4)),
+    ("bfloat16", 2, 130, 77, 2, 2, 128, dict(), TensorCoreBackwardConfig(32, 2)),
+    ("float16", 1, 65, 65, 4, 2, 40, dict(window_size=(16, 8)), TensorCoreBackwardConfig(16, 1)),
+]
+
+
 def main():
     for dtype, b, sq, sk, h, hk, d, mask, cfg in CASES:
         q, k, v = random_qkv(b, sq, sk, h, hk, d, dtype)
@@ -51,6 +63,14 @@ def main():
         cupy.cuda.Device().synchronize()
         assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask)
         print(f"ok {dtype} b{b} q{sq} k{sk} h{h}/{hk} d{d} {mask} {cfg}", flush=True)
+    for dtype, b, sq, sk, h, hk, d, mask, cfg in TC_BACKWARD:
+        q, k, v = random_qkv(b, sq, sk, h, hk, d, dtype)
+        out, lse = numflash.attention(q, k, v, return_lse=True, **mask)
+        dout = random_array(q.shape, dtype)
+        dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, config=cfg, **mask)
+        cupy.cuda.Device().synchronize()
+        assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask)
+        print(f"ok backward {dtype} b{b} q{sq} k{sk} h{h}/{hk} d{d} {mask} {cfg}", flush=True)
 
 
 if __name__ == "__main__":

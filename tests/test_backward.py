@@ -108,6 +108,7 @@ TC_SIM_CASES = [
     ("float16", 16, 9, 21, 1, "none", (16, 1)),
     ("bfloat16", 32, 20, 13, 2, "causal", (32, 2)),
     ("float16", 24, 17, 17, 2, "window", (16, 1)),
+    ("bfloat16", 16, 33, 7, 2, "causal", (16, 1)),  # the first rows see no key
 ]
 
 
