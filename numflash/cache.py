@@ -235,6 +235,11 @@ def user_entries(arch):
     return {k: e for k, (_, e) in _read(cache_dir() / f"{arch}.json", arch).items()}
 
 
+def shipped_entries(arch):
+    """{key: entry dict} of the configurations shipped with numflash for ``arch``."""
+    return {k: e for k, (_, e) in _read(SHIPPED_DIR / f"{arch}.json", arch).items()}
+
+
 def record(device, results, header_extra=None, path=None):
     """Merge ``results`` ({ProblemKey: entry dict}) into the cache file of ``device``.
 

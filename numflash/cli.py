@@ -67,9 +67,13 @@ def info(out=sys.stdout):
         )
         if dev.supports(TENSOR_CORE):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
+            backward = ("portable (every dtype); tensor-core (float16, bfloat16) when forced "
+                        "or tuned here")  # fmt: skip
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
+            backward = "portable (every dtype)"
         print(f"  kernel paths: {paths}", file=out)
+        print(f"  backward kernels: {backward}", file=out)
     print(f"configuration cache: {cache_dir()}", file=out)
     if not SIMULATOR and gpu_available():
         _print_entries(current_device(), out)
@@ -77,8 +81,12 @@ def info(out=sys.stdout):
 
 
 def _print_entries(device, out):
-    from numflash.cache import user_entries
+    from numflash.cache import SHIPPED_DIR, shipped_entries, user_entries
 
+    shipped = shipped_entries(device.arch)
+    if shipped:
+        print(f"  shipped tuned configurations for {device.arch}: {len(shipped)} "
+              f"({SHIPPED_DIR / (device.arch + '.json')})", file=out)  # fmt: skip
     entries = user_entries(device.arch)
     if not entries:
         print(f"  no tuned configurations for {device.arch} yet (run `numflash autotune`)", file=out)

@@ -298,3 +298,24 @@ def test_backward_study_in_the_simulator_checks_gradients_and_records(cache_dirs
     q, k, v = random_qkv(1, 90, 90, 2, 1, 8, "float32")
     chosen = numflash.selected_backward_config(q, k, v, causal=True)
     assert chosen.config == result.best_config and chosen.source.startswith("user cache")
+
+
+def test_shipped_configurations_match_the_kernels():
+    """numflash/configs/*.json must hold entries for the present kernel sources: stale ones
+    would be ignored, with a warning at every user's first call. Re-tune after kernel edits."""
+    from numflash.config import TensorCoreConfig
+
+    files = sorted(cache.SHIPPED_DIR.glob("sm_*.json"))
+    assert files, "no shipped configurations"
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["format"] == cache.FORMAT and data.get("command", "").startswith("numflash autotune")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a stale or malformed entry warns: fail here instead
+            entries = cache.shipped_entries(path.stem)
+        assert len(entries) == len(data["entries"]), path
+        for key, e in entries.items():
+            cfg = numflash.config.config_from_dict(e["config"])
+            if isinstance(cfg, TensorCoreConfig):
+                assert not cfg.problems(key.head_dim, H200), (key, cfg)
+            assert e["time_ms"] <= e["default_ms"], (key, e)
