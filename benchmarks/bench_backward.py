@@ -19,9 +19,7 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import sys
-from importlib.metadata import version
 
 import cupy
 
@@ -155,12 +153,7 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     dev = current_device()
     records = bench(args)
-    versions = {"numflash": numflash.__version__, "python": platform.python_version()}
-    for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
-        try:
-            versions[name] = version(name)
-        except Exception:
-            pass
+    versions = peers.versions()
     result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
               "date": datetime.date.today().isoformat(), "versions": versions,
               "command": "python " + " ".join(sys.argv), "records": records}  # fmt: skip

@@ -16,13 +16,10 @@ import datetime
 import itertools
 import json
 import os
-import platform
 import sys
-from importlib.metadata import version
 
 import cupy
 
-import numflash
 from numflash.arrays import BFLOAT16
 from numflash.device import current_device
 from numflash.timing import attention_flops, time_gpu
@@ -267,12 +264,7 @@ def main():
     if args.merge:
         with open(args.merge) as f:
             records = json.load(f) + records
-    versions = {"numflash": numflash.__version__, "python": platform.python_version()}
-    for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
-        try:
-            versions[name] = version(name)
-        except Exception:
-            pass
+    versions = peers.versions()
     result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
               "date": datetime.date.today().isoformat(), "versions": versions,
               "command": "python " + " ".join(sys.argv), "merged_from": args.merge,

@@ -20,6 +20,20 @@ def random_qkv(batch, seqlen, nheads, head_dim, dtype, seed=0):
     return [from_float(rng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in range(3)]
 
 
+def versions():
+    """{package: version} of what a benchmark ran with."""
+    import platform
+    from importlib.metadata import version
+
+    found = {"numflash": numflash.__version__, "python": platform.python_version()}
+    for name in ("numba", "numba-cuda", "cupy-cuda13x", "torch", "numpy"):
+        try:
+            found[name] = version(name)
+        except Exception:  # not installed
+            pass
+    return found
+
+
 def numflash_forward(q, k, v, causal, config=None):
     """Allocates its output in every call, as SDPA and the naive version do, so that time and
     peak memory compare like with like."""

@@ -364,6 +364,7 @@ def selected_backward_config(q, k, v, *, causal=False, window_size=(-1, -1),
             return Selection(cfg, "forced")
         return _choose_backward(p, current_device(), deterministic)
 
+
 #: Threads per block of the D = rowsum(dO * O) kernel.
 _PREPROCESS_BLOCK = 128
 

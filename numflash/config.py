@@ -42,6 +42,20 @@ def _out_of_choices(cfg):
     ]
 
 
+def _static_shared_problems(cfg, head_dim):
+    """Why a configuration of the portable kernels (static shared memory) cannot run."""
+    out = _out_of_choices(cfg)
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
+    smem = cfg.shared_memory_bytes(head_dim)
+    if smem > STATIC_SHARED_LIMIT:
+        out.append(
+            f"needs {smem} bytes of static shared memory at head_dim={head_dim}; "
+            f"the limit is {STATIC_SHARED_LIMIT}"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class TensorCoreConfig:
     """Tiles of the tensor-core forward kernel (:mod:`numflash.kernels.forward`).
@@ -149,16 +163,7 @@ class PortableConfig:
         return 2 * self.block_n * head_dim * 4
 
     def problems(self, head_dim, device):
-        out = _out_of_choices(self)
-        if not 1 <= head_dim <= MAX_HEAD_DIM:
-            out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
-        smem = self.shared_memory_bytes(head_dim)
-        if smem > STATIC_SHARED_LIMIT:
-            out.append(
-                f"needs {smem} bytes of static shared memory at head_dim={head_dim}; "
-                f"the limit is {STATIC_SHARED_LIMIT}"
-            )
-        return out
+        return _static_shared_problems(self, head_dim)
 
     def to_dict(self):
         return {"family": self.family, **asdict(self)}
@@ -185,16 +190,7 @@ class PortableBackwardConfig:
         return max(2 * self.block_m * (head_dim + 1) * 4, 2 * self.block_n * head_dim * 4)
 
     def problems(self, head_dim, device):
-        out = _out_of_choices(self)
-        if not 1 <= head_dim <= MAX_HEAD_DIM:
-            out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
-        smem = self.shared_memory_bytes(head_dim)
-        if smem > STATIC_SHARED_LIMIT:
-            out.append(
-                f"needs {smem} bytes of static shared memory at head_dim={head_dim}; "
-                f"the limit is {STATIC_SHARED_LIMIT}"
-            )
-        return out
+        return _static_shared_problems(self, head_dim)
 
     def to_dict(self):
         return {"family": self.family, **asdict(self)}

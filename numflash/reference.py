@@ -84,6 +84,18 @@ def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_siz
     return out.transpose(0, 2, 1, 3), lse
 
 
+def _low_precision(xp, dtype):
+    """(to fp32, round through ``dtype`` and back to fp32): how the naive versions compute."""
+
+    def as_f32(a):
+        return to_float64(a).astype(xp.float32)
+
+    def rounding(a):
+        return to_float64(from_float(a, dtype)).astype(xp.float32)
+
+    return as_f32, rounding
+
+
 def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
     """Attention as a plain implementation in the input precision computes it.
 
@@ -93,13 +105,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     xp = array_module(q)
     dtype = q.dtype
-
-    def as_f32(a):
-        return to_float64(a).astype(xp.float32)
-
-    def rounding(a):
-        return to_float64(from_float(a, dtype)).astype(xp.float32)
-
+    as_f32, rounding = _low_precision(xp, dtype)
     qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
     mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
     out, lse = _softmax_attention(qh, kh, vh, xp.float32(scale), mask, rounding)
@@ -220,13 +226,7 @@ def attention_backward_naive(dout, q, k, v, *, causal=False, softmax_scale=None,
     GQA sums in fp32. Returns (dq, dk, dv) in the input dtype."""
     xp = array_module(q)
     dtype = q.dtype
-
-    def as_f32(a):
-        return to_float64(a).astype(xp.float32)
-
-    def rounding(a):
-        return to_float64(from_float(a, dtype)).astype(xp.float32)
-
+    as_f32, rounding = _low_precision(xp, dtype)
     qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
     doh = as_f32(dout).transpose(0, 2, 1, 3)
     mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)

@@ -30,7 +30,6 @@ from numba import cuda, float32, int64, uint16, uint32
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
 from .jit import device_function, kernel
-from .softmax import visible_keys
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
@@ -92,6 +91,14 @@ def build(head_dim, dtype_name, block_m, num_warps):
                 offset += ROWS_PER_PASS * stride
 
     @device_function
+    def mma_pair(acc, c, a0, a1, a2, a3, b0, b1, b2, b3):
+        """acc[c..c+3] += A B0 and acc[c+4..c+7] += A B1: two adjacent 8-column tiles."""
+        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
+            a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+        acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
+            a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7])
+
+    @device_function
     def mma_rows_by_queries(acc, a_addr, b_addr):
         """acc (16 key rows x BLOCK_M queries) = A (16 x HEAD_DIM, rows of K or V) times the
         transpose of B (BLOCK_M x HEAD_DIM, rows of Q or dO)."""
@@ -101,11 +108,7 @@ def build(head_dim, dtype_name, block_m, num_warps):
             a0, a1, a2, a3 = ptx.ldmatrix_x4(a_addr, kk * 16 * 2)
             for qp in range(Q_TILES // 2):
                 b0, b1, b2, b3 = ptx.ldmatrix_x4(b_addr, (qp * 16 * ROW + kk * 16) * 2)
-                c = qp * 8
-                acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
-                    a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
-                acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
-                    a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7])
+                mma_pair(acc, qp * 8, a0, a1, a2, a3, b0, b1, b2, b3)
 
     @device_function
     def mma_accumulate(acc, frag, b_addr):
@@ -119,11 +122,7 @@ def build(head_dim, dtype_name, block_m, num_warps):
             f3 = pack(frag[c + 6], frag[c + 7])
             for dp in range(D_TILES // 2):
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(b_addr, (kk * 16 * ROW + dp * 16) * 2)
-                o = dp * 8
-                acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
-                    f0, f1, f2, f3, b0, b1, acc[o], acc[o + 1], acc[o + 2], acc[o + 3])
-                acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7] = mma(
-                    f0, f1, f2, f3, b2, b3, acc[o + 4], acc[o + 5], acc[o + 6], acc[o + 7])
+                mma_pair(acc, dp * 8, f0, f1, f2, f3, b0, b1, b2, b3)
 
     @device_function
     def key_row_probabilities(st, dpt, lse_tile, d_tile, key, m0, lane, half, seqlen_q,
@@ -166,11 +165,7 @@ def build(head_dim, dtype_name, block_m, num_warps):
             a0, a1, a2, a3 = ptx.ldmatrix_x4(ds_addr, kk * 16 * 2)
             for dp in range(D_TILES // 2):
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(k_addr, (kk * 16 * ROW + dp * 16) * 2)
-                o = dp * 8
-                dqa[o], dqa[o + 1], dqa[o + 2], dqa[o + 3] = mma(
-                    a0, a1, a2, a3, b0, b1, dqa[o], dqa[o + 1], dqa[o + 2], dqa[o + 3])
-                dqa[o + 4], dqa[o + 5], dqa[o + 6], dqa[o + 7] = mma(
-                    a0, a1, a2, a3, b2, b3, dqa[o + 4], dqa[o + 5], dqa[o + 6], dqa[o + 7])
+                mma_pair(dqa, dp * 8, a0, a1, a2, a3, b0, b1, b2, b3)
         for h in range(2):
             row = q_row0 + (lane >> 2) + 8 * h
             if row < seqlen_q:

@@ -24,9 +24,9 @@ import functools
 from numba import cuda, float32
 
 from . import ptx
-from .forward_portable import _FROM_F32, _TO_F32
+from .forward_portable import _FROM_F32, _TO_F32, query_row_position, tile_pair_loader
 from .jit import device_function, kernel
-from .softmax import LOG2E, NEG_INF, block_key_range, visible_keys
+from .softmax import LOG2E, NEG_INF, visible_keys
 
 
 @device_function
@@ -77,6 +77,22 @@ def _row_log2_lse(lse_value):
     return lse_value * float32(LOG2E)
 
 
+def _score_and_dp(head_dim):
+    """A device function: (q . k, dO . v) of one query row and one key row, each pair of rows
+    read at its own offset (q and dO share one, k and v the other)."""
+
+    @device_function
+    def score_and_dp(q, do, qd_offset, k, v, kv_offset):
+        s = float32(0.0)
+        dp = float32(0.0)
+        for d in range(head_dim):
+            s += q[qd_offset + d] * k[kv_offset + d]
+            dp += do[qd_offset + d] * v[kv_offset + d]
+        return s, dp
+
+    return score_and_dp
+
+
 @functools.lru_cache(maxsize=None)
 def build_dkdv(head_dim, dtype_name, block_m, block_n):
     """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads."""
@@ -87,21 +103,15 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
     to_f32 = _TO_F32[dtype_name]
     from_f32 = _FROM_F32[dtype_name]
 
+    load_q_do = tile_pair_loader(BLOCK_M, HEAD_DIM, BLOCK_N, to_f32)
+    score_and_dp = _score_and_dp(HEAD_DIM)
+
     @device_function
     def load_query_tile(q, do, lse, delta, q_tile, do_tile, lse_tile, d_tile, q_base, do_base,
                         q_ss, do_ss, row_base, m0, seqlen_q, tid):  # fmt: skip
         """Rows m0..m0+BLOCK_M-1 of q and dO as fp32, with their LSE (log2) and D; rows past
         the end get zeros and an LSE of +inf (p = 0)."""
-        for idx in range(tid, TILE, BLOCK_N):
-            r = idx // HEAD_DIM
-            d = idx - r * HEAD_DIM
-            row = m0 + r
-            if row < seqlen_q:
-                q_tile[idx] = to_f32(q[q_base + row * q_ss + d])
-                do_tile[idx] = to_f32(do[do_base + row * do_ss + d])
-            else:
-                q_tile[idx] = float32(0.0)
-                do_tile[idx] = float32(0.0)
+        load_q_do(q, do, q_tile, do_tile, q_base, do_base, q_ss, do_ss, m0, seqlen_q, tid)
         for r in range(tid, BLOCK_M, BLOCK_N):
             row = m0 + r
             if row < seqlen_q:
@@ -161,11 +171,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
                         lo, hi = visible_keys(m0 + i, seqlen_q, seqlen_k, window_left,
                                               window_right)  # fmt: skip
                         if lo <= key and key < hi and m0 + i < seqlen_q:
-                            s = float32(0.0)
-                            dp = float32(0.0)
-                            for d in range(HEAD_DIM):
-                                s += q_tile[i * HEAD_DIM + d] * k_row[d]
-                                dp += do_tile[i * HEAD_DIM + d] * v_row[d]
+                            s, dp = score_and_dp(q_tile, do_tile, i * HEAD_DIM, k_row, v_row, 0)
                             p = ptx.exp2(s * scale_log2 - lse_tile[i])
                             ds = p * (dp - d_tile[i])
                             for d in range(HEAD_DIM):
@@ -192,19 +198,9 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
     to_f32 = _TO_F32[dtype_name]
     from_f32 = _FROM_F32[dtype_name]
 
-    @device_function
-    def load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid):
-        """K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0."""
-        for idx in range(tid, TILE, BLOCK_M):
-            r = idx // HEAD_DIM
-            d = idx - r * HEAD_DIM
-            key = n0 + r
-            if key < seqlen_k:
-                k_tile[idx] = to_f32(k[k_base + key * k_ss + d])
-                v_tile[idx] = to_f32(v[v_base + key * v_ss + d])
-            else:
-                k_tile[idx] = float32(0.0)
-                v_tile[idx] = float32(0.0)
+    # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
+    load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
+    score_and_dp = _score_and_dp(HEAD_DIM)
 
     @kernel
     def dq_kernel(
@@ -223,12 +219,9 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        m0 = cuda.blockIdx.x * BLOCK_M
-        row = m0 + tid
-        active = row < seqlen_q
-        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
-        lo, hi = visible_keys(row, seqlen_q, seqlen_k, window_left, window_right)
+        m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
+            cuda.blockIdx.x, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
+        )
         scale_log2 = scale * float32(LOG2E)
 
         q_base = batch * q_sb + head * q_sh + row * q_ss
@@ -253,11 +246,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
             for j in range(BLOCK_N):
                 key = n0 + j
                 if lo <= key and key < hi:
-                    s = float32(0.0)
-                    dp = float32(0.0)
-                    for d in range(HEAD_DIM):
-                        s += q_row[d] * k_tile[j * HEAD_DIM + d]
-                        dp += do_row[d] * v_tile[j * HEAD_DIM + d]
+                    s, dp = score_and_dp(q_row, do_row, 0, k_tile, v_tile, j * HEAD_DIM)
                     ds = ptx.exp2(s * scale_log2 - row_lse) * (dp - row_d)
                     for d in range(HEAD_DIM):
                         dq_acc[d] += ds * k_tile[j * HEAD_DIM + d]

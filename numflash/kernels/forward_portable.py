@@ -33,6 +33,42 @@ _TO_F32 = {"float16": ptx.f16_to_f32, "bfloat16": ptx.bf16_to_f32, "float32": _i
 _FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16, "float32": _identity}
 
 
+def tile_pair_loader(rows, head_dim, threads, to_f32):
+    """A device function that copies rows ``r0..r0+rows-1`` of two tensors (element offsets
+    ``a_base``, ``b_base``, row strides ``a_ss``, ``b_ss``) into two fp32 shared tiles of
+    ``rows x head_dim``, ``threads`` threads sharing the work; rows at or past ``n_rows`` are 0."""
+    TILE = rows * head_dim
+
+    @device_function
+    def load(a, b, a_tile, b_tile, a_base, b_base, a_ss, b_ss, r0, n_rows, tid):
+        for idx in range(tid, TILE, threads):
+            r = idx // head_dim
+            d = idx - r * head_dim
+            row = r0 + r
+            if row < n_rows:
+                a_tile[idx] = to_f32(a[a_base + row * a_ss + d])
+                b_tile[idx] = to_f32(b[b_base + row * b_ss + d])
+            else:
+                a_tile[idx] = float32(0.0)
+                b_tile[idx] = float32(0.0)
+
+    return load
+
+
+@device_function
+def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, window_right):
+    """Where thread ``tid`` of query block ``m_block`` works, one thread per query row:
+    (m0, row, active, n_lo, n_hi, lo, hi), ``[n_lo, n_hi)`` the keys any row of the block
+    sees and ``[lo, hi)`` those this thread's row sees."""
+    m0 = m_block * block_m
+    row = m0 + tid
+    active = row < seqlen_q
+    last_row = min(m0 + block_m, seqlen_q) - 1
+    n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+    lo, hi = visible_keys(row, seqlen_q, seqlen_k, window_left, window_right)
+    return m0, row, active, n_lo, n_hi, lo, hi
+
+
 @functools.lru_cache(maxsize=None)
 def build(head_dim, dtype_name, block_m, block_n):
     """The portable forward kernel specialised for one (head_dim, dtype, tile) key."""
@@ -42,20 +78,8 @@ def build(head_dim, dtype_name, block_m, block_n):
     TILE = BLOCK_N * HEAD_DIM
     to_f32 = _TO_F32[dtype_name]
     from_f32 = _FROM_F32[dtype_name]
-
-    @device_function
-    def load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid):
-        """K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0."""
-        for idx in range(tid, TILE, BLOCK_M):
-            r = idx // HEAD_DIM
-            d = idx - r * HEAD_DIM
-            key = n0 + r
-            if key < seqlen_k:
-                k_tile[idx] = to_f32(k[k_base + key * k_ss + d])
-                v_tile[idx] = to_f32(v[v_base + key * v_ss + d])
-            else:
-                k_tile[idx] = float32(0.0)
-                v_tile[idx] = float32(0.0)
+    # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
+    load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
 
     @kernel
     def forward_portable(
@@ -73,12 +97,9 @@ def build(head_dim, dtype_name, block_m, block_n):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        m0 = cuda.blockIdx.x * BLOCK_M
-        row = m0 + tid
-        active = row < seqlen_q
-        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
-        lo, hi = visible_keys(row, seqlen_q, seqlen_k, window_left, window_right)
+        m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
+            cuda.blockIdx.x, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
+        )
 
         q_base = batch * q_sb + head * q_sh + row * q_ss
         for d in range(HEAD_DIM):
