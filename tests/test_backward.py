@@ -109,6 +109,7 @@ TC_SIM_CASES = [
     ("bfloat16", 32, 20, 13, 2, "causal", (32, 2)),
     ("float16", 24, 17, 17, 2, "window", (16, 1)),
     ("bfloat16", 16, 33, 7, 2, "causal", (16, 1)),  # the first rows see no key
+    ("float16", 16, 70, 80, 2, "causal", (64, 4)),  # the default tiles, several query blocks
 ]
 
 
