@@ -14,10 +14,10 @@ of the GQA group in turn. Per query block, with the key rows as the M side of ev
                                                   fp32 atomics into a (batch, seqlen_q, heads,
                                                   head_dim) buffer, scaled and rounded after
 
-This is the kernel the issue's design calls for; it has run in Numba's CUDA simulator (tests)
-and compiled for sm_80-sm_90a, not yet on a GPU: numflash.attention_backward takes it only when
-a TensorCoreBackwardConfig is passed. dQ's atomics make the sum order vary between runs;
-``deterministic=True`` takes the portable kernels instead.
+It has run in Numba's CUDA simulator (tests) and compiled for sm_80-sm_90a, not yet on a GPU:
+numflash.attention_backward takes it when a TensorCoreBackwardConfig is passed or when the
+autotuner has tuned (and so checked) it on the GPU at hand. dQ's atomics make the sum order
+vary between runs; ``deterministic=True`` takes the portable kernels instead.
 
 Supports: float16 and bfloat16; head_dim a multiple of 16 up to 128 (the API zero-pads others);
 GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
