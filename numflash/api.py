@@ -388,6 +388,7 @@ def _choose_backward(p, device, deterministic):
 def _check_backward_config(config, p, deterministic):
     if config is None:
         return None
+    device = current_device()
     if isinstance(config, configs.PortableBackwardConfig):
         head_dim = p.head_dim
     elif isinstance(config, configs.TensorCoreBackwardConfig):
@@ -400,7 +401,6 @@ def _check_backward_config(config, p, deterministic):
                 "deterministic=True needs the portable backward (config=None)"
             )
         head_dim = configs.round_up(p.head_dim, 16)
-        device = current_device()
         if not device.supports(TENSOR_CORE):
             raise ValueError(f"config: {device.name} ({device.arch}) has no mma.sync "
                              "(compute capability 8.0 or newer needed)")  # fmt: skip
@@ -409,7 +409,7 @@ def _check_backward_config(config, p, deterministic):
             "config must be a numflash.PortableBackwardConfig, a "
             f"numflash.TensorCoreBackwardConfig or None; got {type(config).__name__}"
         )
-    reasons = config.problems(head_dim, current_device())
+    reasons = config.problems(head_dim, device)
     if reasons:
         raise ValueError(f"config {config} cannot run here: " + "; ".join(reasons))
     return config

@@ -42,6 +42,13 @@ def _out_of_choices(cfg):
     ]
 
 
+class _Config:
+    """What every configuration dataclass shares: its dict form, family included."""
+
+    def to_dict(self):
+        return {"family": self.family, **asdict(self)}
+
+
 def _static_shared_problems(cfg, head_dim):
     """Why a configuration of the portable kernels (static shared memory) cannot run."""
     out = _out_of_choices(cfg)
@@ -57,7 +64,7 @@ def _static_shared_problems(cfg, head_dim):
 
 
 @dataclass(frozen=True)
-class TensorCoreConfig:
+class TensorCoreConfig(_Config):
     """Tiles of the tensor-core forward kernel (:mod:`numflash.kernels.forward`).
 
     - ``block_m``: query rows per thread block, ``16 * m_tiles * num_warps``, where each warp owns
@@ -138,12 +145,8 @@ class TensorCoreConfig:
             )
         return out
 
-    def to_dict(self):
-        return {"family": self.family, **asdict(self)}
-
-
 @dataclass(frozen=True)
-class PortableConfig:
+class PortableConfig(_Config):
     """Tiles of the portable forward kernel (:mod:`numflash.kernels.forward_portable`).
 
     One thread per query row (``block_m`` threads per block); keys and values stream through
@@ -165,12 +168,8 @@ class PortableConfig:
     def problems(self, head_dim, device):
         return _static_shared_problems(self, head_dim)
 
-    def to_dict(self):
-        return {"family": self.family, **asdict(self)}
-
-
 @dataclass(frozen=True)
-class PortableBackwardConfig:
+class PortableBackwardConfig(_Config):
     """Tiles of the portable backward kernels (:mod:`numflash.kernels.backward_portable`).
 
     - ``block_m``: query rows per block of the dQ kernel (one thread each), and query rows per
@@ -192,12 +191,8 @@ class PortableBackwardConfig:
     def problems(self, head_dim, device):
         return _static_shared_problems(self, head_dim)
 
-    def to_dict(self):
-        return {"family": self.family, **asdict(self)}
-
-
 @dataclass(frozen=True)
-class TensorCoreBackwardConfig:
+class TensorCoreBackwardConfig(_Config):
     """Tiles of the tensor-core backward kernel (:mod:`numflash.kernels.backward`).
 
     - ``block_m``: query rows per shared-memory block, a multiple of ``16 * num_warps`` (each
@@ -238,10 +233,6 @@ class TensorCoreBackwardConfig:
                 out.append(f"needs {smem} bytes of shared memory; the device allows "
                            f"{device.max_shared_per_block}")  # fmt: skip
         return out
-
-    def to_dict(self):
-        return {"family": self.family, **asdict(self)}
-
 
 def default_portable_backward_config(head_dim):
     """Two fp32 tiles of 32 rows (64 at head_dim <= 64, 16 above 128) fit the 48 KiB of static

@@ -99,12 +99,10 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
                                 sampler=optuna.samplers.TPESampler(seed=SEED),
                                 load_if_exists=True)  # fmt: skip
-    _, default = configs.default_config(key.family, key.head_dim, device)
+    head_dim, default = configs.default_config(key.family, key.head_dim, device)
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
-    config_type = type(default)
-    head_dim = configs.default_config(key.family, key.head_dim, device)[0]
-    target = min(trials, len(space.feasible_points(config_type, head_dim, device)))
+    target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     objective = None
     proposals = 0
