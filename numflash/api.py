@@ -372,15 +372,16 @@ _PREPROCESS_BLOCK = 128
 def _choose_backward(p, device, deterministic):
     """The backward configuration of a call without ``config=`` (a cache.Selection).
 
-    The tensor-core kernel where this GPU has a tuned entry for it (``numflash autotune
-    --family tensor-core-backward`` checked its gradients here), unless deterministic
-    gradients are asked for; else the portable kernels, tuned or heuristic.
+    The tensor-core kernel for fp16/bf16 up to head_dim 128, unless deterministic gradients
+    are asked for: tuned, or its heuristic tiles where the forward too prefers the tensor
+    cores (GPUs with mma.sync; the simulator takes it only when tuned). Else the portable
+    kernels.
     """
     head_dim = configs.round_up(p.head_dim, 16)
     if (not deterministic and p.dtype != "float32" and device.supports(TENSOR_CORE)
             and head_dim <= configs.TensorCoreBackwardConfig.MAX_HEAD_DIM):  # fmt: skip
         selection = configs.choose_config(TENSOR_CORE_BACKWARD, p, device)
-        if selection.source != "heuristic":
+        if selection.source != "heuristic" or device.preferred_family(p.dtype) == TENSOR_CORE:
             return selection
     return configs.choose_config(PORTABLE_BACKWARD, p, device)
 
@@ -430,18 +431,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             atomics): with the flag it is never chosen, and a forced one is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
             with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128).
-            By default the tensor-core kernel runs where ``numflash autotune --family
-            tensor-core-backward`` has tuned (and so checked) it on this GPU, the portable
-            kernels elsewhere (:func:`selected_backward_config` tells which).
+            By default the tensor-core kernel runs for fp16/bf16 up to head_dim 128 on GPUs
+            with mma.sync (compute capability 8.0+), with its tiles from ``numflash autotune
+            --family tensor-core-backward`` where tuned; the portable kernels run for float32,
+            head_dim above 128, ``deterministic=True`` and older GPUs
+            (:func:`selected_backward_config` tells which).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
         the contributions of every query head of their group. Rows that see no key contribute
         nothing; keys that no row sees get zero gradients.
 
-    The tensor-core kernel has run in the simulator and compiled for sm_80-sm_90a, not yet on
-    a GPU; the portable kernels (fp32 math, no tensor cores) are correct on every GPU.
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    The portable kernels use fp32 math without tensor cores: correct everywhere, but two to
+    three orders of magnitude slower than the tensor-core kernel. Kernels run on CuPy's current stream; the call returns without synchronising.
     """
     q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
     dout = _check_like(dout, "dout", q, "q")
@@ -509,10 +511,11 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dk_t, dv_t, dq_acc)]
     flats = [view[0] for view in views]
     strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
-    key = ("backward", "tensor-core", head_dim, p.dtype, cfg.block_m, cfg.num_warps)
+    key = ("backward", "tensor-core", head_dim, p.dtype, cfg.block_m, cfg.num_warps, cfg.stages)
     launcher = _launchers.get(key)
     if launcher is None:
-        launcher = Launcher(backward.build(head_dim, p.dtype, cfg.block_m, cfg.num_warps),
+        launcher = Launcher(backward.build(head_dim, p.dtype, cfg.block_m, cfg.num_warps,
+                                           cfg.stages),
                             tensor_core_backward_signature())  # fmt: skip
         _launchers[key] = launcher
     grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)

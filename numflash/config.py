@@ -195,13 +195,17 @@ class PortableBackwardConfig(_Config):
 class TensorCoreBackwardConfig(_Config):
     """Tiles of the tensor-core backward kernel (:mod:`numflash.kernels.backward`).
 
-    - ``block_m``: query rows per shared-memory block, a multiple of ``16 * num_warps`` (each
-      warp computes 16-row tiles of dQ).
+    - ``block_m``: query rows per shared-memory block.
     - ``num_warps``: warps per block; each owns 16 keys, so a block holds ``16 * num_warps``.
+      The warps share each block's dQ += dS K by 16-row tiles, split by columns where there
+      are more warps than tiles: the split must come out even (see ``problems``).
+    - ``stages``: shared-memory buffers for the Q and dO blocks: 2 loads the next block while
+      the current one is computed; 1 waits for each block's loads (less shared memory).
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
-    num_warps: int = knob(4, (1, 2, 4, 8))
+    num_warps: int = knob(8, (1, 2, 4, 8))
+    stages: int = knob(2, (1, 2))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
     MAX_HEAD_DIM: ClassVar[int] = 128
@@ -215,20 +219,22 @@ class TensorCoreBackwardConfig(_Config):
         return 32 * self.num_warps
 
     def shared_memory_bytes(self, head_dim):
-        """Dynamic: K, V, Q, dO tiles (rows padded by 16 bytes) and dS; plus LSE and D (fp32)."""
+        """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
         from .kernels.backward import shared_memory_layout
 
-        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n)[-1]
+        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages)[-1]
 
     def problems(self, head_dim, device):
+        from .kernels.backward import dq_split
+
         out = _out_of_choices(self)
         if head_dim % 16 or not 16 <= head_dim <= self.MAX_HEAD_DIM:
             out.append(f"head_dim={head_dim} is not a multiple of 16 in [16, {self.MAX_HEAD_DIM}]")
-        if self.block_m % (16 * self.num_warps):
-            out.append(f"block_m={self.block_m} is not a multiple of 16 * num_warps "
-                       f"= {16 * self.num_warps}")  # fmt: skip
+        elif dq_split(head_dim, self.block_m, self.num_warps) is None:
+            out.append(f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
+                       f"x {head_dim // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
         if not out:
-            smem = self.shared_memory_bytes(head_dim) + 8 * self.block_m
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
             if device is not None and smem > device.max_shared_per_block:
                 out.append(f"needs {smem} bytes of shared memory; the device allows "
                            f"{device.max_shared_per_block}")  # fmt: skip
@@ -291,6 +297,20 @@ def default_tensor_core_config(head_dim, device):
     return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
 
 
+def default_tensor_core_backward_config(head_dim):
+    """The tensor-core backward's heuristic (head_dim a multiple of 16, at most 128).
+
+    8 warps (128 keys per block) with 64-row query blocks in two stages where dQ's split comes
+    out even (head_dim a multiple of 32), else 4 warps. On the H200 (2026-11-30, one-stage
+    kernel, benchmarks/backward_variants.py) time fell almost in proportion to the warps per
+    block (shared memory allows one or two blocks per SM): 8 warps were fastest at head_dim 64
+    and 128, causal and not.
+    """
+    if head_dim % 32 == 0:
+        return TensorCoreBackwardConfig(block_m=64, num_warps=8, stages=2)
+    return TensorCoreBackwardConfig(block_m=64, num_warps=4, stages=2)
+
+
 _choices = {}
 
 
@@ -319,7 +339,8 @@ def default_config(family, head_dim, device):
     if family == PORTABLE_BACKWARD:
         return head_dim, default_portable_backward_config(head_dim)
     if family == TENSOR_CORE_BACKWARD:
-        return round_up(head_dim, 16), TensorCoreBackwardConfig()
+        head_dim = round_up(head_dim, 16)
+        return head_dim, default_tensor_core_backward_config(head_dim)
     if family != TENSOR_CORE:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     head_dim = round_up(head_dim, 8)

@@ -82,7 +82,7 @@ def main(quick):
                                 "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
     cfg = TensorCoreBackwardConfig()
     for hd, dtype in [(64, "float16"), (128, "bfloat16")]:
-        kernel = backward.build(hd, dtype, cfg.block_m, cfg.num_warps)
+        kernel = backward.build(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages)
         for cc in TENSOR_CORE_TARGETS:
             entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
                            signature=tensor_core_backward_signature())  # fmt: skip

@@ -109,7 +109,9 @@ TC_SIM_CASES = [
     ("bfloat16", 32, 20, 13, 2, "causal", (32, 2)),
     ("float16", 24, 17, 17, 2, "window", (16, 1)),
     ("bfloat16", 16, 33, 7, 2, "causal", (16, 1)),  # the first rows see no key
-    ("float16", 16, 70, 80, 2, "causal", (64, 4)),  # the default tiles, several query blocks
+    ("float16", 16, 70, 80, 2, "causal", (64, 4)),  # several query blocks, two stages
+    ("bfloat16", 32, 45, 40, 2, "none", (32, 4, 1)),  # dQ split by columns; one stage
+    ("float16", 32, 50, 70, 1, "causal", (32, 4, 2)),  # dQ split by columns; two stages
 ]
 
 
@@ -151,7 +153,7 @@ def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
     with pytest.raises(TypeError, match="tensor-core backward takes float16 or bfloat16"):
         _call(fwd, q=q32, k=k32, v=v32, dout=q32, out=q32,
               config=numflash.TensorCoreBackwardConfig(16, 1))  # fmt: skip
-    with pytest.raises(ValueError, match="block_m=16 is not a multiple of 16 \\* num_warps"):
+    with pytest.raises(ValueError, match="2 warps cannot share dQ's 1 row tiles x 2 column"):
         _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 2))
     big = dict(q=random_array((1, 5, 2, 256), "float16"), dout=random_array((1, 5, 2, 256), "float16"),
                out=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256), "float16"),

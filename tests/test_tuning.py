@@ -249,10 +249,17 @@ def test_backward_families_have_defaults_and_spaces():
     )
 
     assert default_config("portable-backward", 40, H200) == (40, PortableBackwardConfig(64, 64))
-    assert default_config("tensor-core-backward", 40, H200) == (48, TensorCoreBackwardConfig())
+    from numflash.kernels.backward import dq_split
+
+    # head_dim 48: 6 column tiles of dQ cannot go to 8 warps in pairs, so 4 warps
+    assert default_config("tensor-core-backward", 40, H200) == (
+        48, TensorCoreBackwardConfig(64, 4, 2))
+    assert default_config("tensor-core-backward", 128, H200) == (
+        128, TensorCoreBackwardConfig(64, 8, 2))
     feasible = space.feasible_points(TensorCoreBackwardConfig, 128, H200)
     assert TensorCoreBackwardConfig() in feasible
-    assert all(cfg.block_m % (16 * cfg.num_warps) == 0 for cfg in feasible)
+    assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible)
+    assert TensorCoreBackwardConfig(128, 8, 2) not in feasible  # 244 KiB of shared memory
     assert not space.feasible_points(TensorCoreBackwardConfig, 256, H200)
 
 
@@ -272,7 +279,9 @@ def test_tuned_tensor_core_backward_is_chosen_unless_deterministic(cache_dirs):
 
     device = numflash.device.current_device()
     q, k, v = random_qkv(1, 100, 100, 2, 1, 64, "float16")
-    assert numflash.selected_backward_config(q, k, v).config.family == "portable-backward"
+    expected = "tensor-core-backward" if device.preferred_family("float16") == "tensor-core" else (
+        "portable-backward")
+    assert numflash.selected_backward_config(q, k, v).config.family == expected
     tuned = TensorCoreBackwardConfig(32, 2)
     key = cache.ProblemKey("tensor-core-backward", "float16", 64, "full", 128)
     cache.record(device, {key: entry(tuned)})

@@ -14,10 +14,13 @@ of the GQA group in turn. Per query block, with the key rows as the M side of ev
                                                   fp32 atomics into a (batch, seqlen_q, heads,
                                                   head_dim) buffer, scaled and rounded after
 
-It has run in Numba's CUDA simulator (tests) and compiled for sm_80-sm_90a, not yet on a GPU:
-numflash.attention_backward takes it when a TensorCoreBackwardConfig is passed or when the
-autotuner has tuned (and so checked) it on the GPU at hand. dQ's atomics make the sum order
-vary between runs; ``deterministic=True`` takes the portable kernels instead.
+Q, dO, LSE and D of the next query block load (cp.async; LSE and D into registers) while the
+current one is computed, with ``stages=2``. The warps share each block's dQ += dS K by 16-row
+tiles, split by columns when there are more warps than tiles.
+
+numflash.attention_backward takes it by default for fp16/bf16 (tested on the H200, in the
+simulator on CI). dQ's atomics make the sum order vary between runs; ``deterministic=True``
+takes the portable kernels instead.
 
 Supports: float16 and bfloat16; head_dim a multiple of 16 up to 128 (the API zero-pads others);
 GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
@@ -36,38 +39,54 @@ _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
 _TO_BITS = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
 
 
-def shared_memory_layout(head_dim, block_m, block_n):
-    """(row pitch, offsets of K, V, Q, dO, dS, dS row pitch, total 16-bit elements)."""
+def shared_memory_layout(head_dim, block_m, block_n, stages):
+    """(row pitch, offsets of K, V, the Q/dO stages, one stage's size, dS, dS row pitch, total),
+    in 16-bit elements. Stage s holds Q at Q_BASE + s * STAGE and dO at + block_m rows."""
     row = head_dim + 8  # +16 bytes per row: the 8 rows an ldmatrix reads hit different banks
     ds_row = block_n + 8
     k_base = 0
     v_base = k_base + block_n * row
     q_base = v_base + block_n * row
-    do_base = q_base + block_m * row
-    ds_base = do_base + block_m * row
-    return row, k_base, v_base, q_base, do_base, ds_base, ds_row, ds_base + block_m * ds_row
+    stage = 2 * block_m * row
+    ds_base = q_base + stages * stage
+    return row, k_base, v_base, q_base, stage, ds_base, ds_row, ds_base + block_m * ds_row
+
+
+def dq_split(head_dim, block_m, num_warps):
+    """How the warps share dQ += dS K of a query block: (column pieces per 16-row tile, 8-column
+    tiles per piece, pieces per warp), or None where the warps cannot split it evenly."""
+    row_tiles = block_m // 16
+    pieces = max(1, num_warps // row_tiles)
+    d_tiles = head_dim // 8
+    if (row_tiles * pieces) % num_warps or d_tiles % pieces or (d_tiles // pieces) % 2:
+        return None
+    return pieces, d_tiles // pieces, row_tiles * pieces // num_warps
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, num_warps):
+def build(head_dim, dtype_name, block_m, num_warps, stages):
     """The dK/dV (and dQ-accumulating) kernel for one key; all sizes are compile-time."""
     HEAD_DIM = head_dim  # a multiple of 16
-    BLOCK_M, NUM_WARPS = block_m, num_warps
+    BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
     THREADS = 32 * NUM_WARPS
     Q_TILES = BLOCK_M // 8  # 8-query column tiles of S^T
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
-    D_TILES = HEAD_DIM // 8  # 8-column tiles of dK, dV and dQ
+    D_TILES = HEAD_DIM // 8  # 8-column tiles of dK and dV
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     N_STEPS = BLOCK_N // 16  # k16 steps of dQ += dS K
-    DQ_TILES = BLOCK_M // (16 * NUM_WARPS)  # 16-row tiles of dQ per warp
-    ROW, K_BASE, V_BASE, Q_BASE, DO_BASE, DS_BASE, DS_ROW, _ = shared_memory_layout(
-        head_dim, block_m, BLOCK_N
+    DQ_PIECES, DQ_TILES, DQ_UNITS = dq_split(HEAD_DIM, BLOCK_M, NUM_WARPS)
+    ROW, K_BASE, V_BASE, Q_BASE, STAGE, DS_BASE, DS_ROW, _ = shared_memory_layout(
+        head_dim, block_m, BLOCK_N, stages
     )
+    DO_OFFSET = BLOCK_M * ROW  # dO after Q within a stage
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     ROWS_PER_PASS = THREADS // CHUNKS
+    STAT_LOADS = (BLOCK_M + THREADS - 1) // THREADS  # LSE and D values per thread per block
+    STAT_TILE = STAGES * BLOCK_M  # LSE and D of every stage
     S_REGS = Q_TILES * 4
     ACC_REGS = D_TILES * 4
+    DQ_REGS = DQ_TILES * 4
     mma = _MMA[dtype_name]
     pack = _PACK[dtype_name]
     to_bits = _TO_BITS[dtype_name]
@@ -89,6 +108,36 @@ def build(head_dim, dtype_name, block_m, num_warps):
                                     offset if valid else first,
                                     uint32(16) if valid else uint32(0))  # fmt: skip
                 offset += ROWS_PER_PASS * stride
+
+    @device_function
+    def fetch_row_stats(lse_r, d_r, lse, delta, row_base, m0, seqlen_q, tid):
+        """Start loading the raw LSE and D of query rows m0.. into registers (0 past the end).
+        Nothing here uses the values, so the loads stay in flight while the block computes."""
+        for j in range(STAT_LOADS):
+            row = m0 + tid + j * THREADS
+            if tid + j * THREADS < BLOCK_M and row < seqlen_q:
+                lse_r[j] = lse[row_base + row]
+                d_r[j] = delta[row_base + row]
+            else:  # past the end: every pair with this row is masked
+                lse_r[j] = float32(0.0)
+                d_r[j] = float32(0.0)
+
+    @device_function
+    def store_row_stats(lse_tile, d_tile, lse_r, d_r, stage, tid):
+        """The fetched LSE (in the log2 domain) and D into shared stage ``stage``."""
+        for j in range(STAT_LOADS):
+            r = tid + j * THREADS
+            if r < BLOCK_M:
+                lse_tile[stage * BLOCK_M + r] = _row_log2_lse(lse_r[j])
+                d_tile[stage * BLOCK_M + r] = d_r[j]
+
+    @device_function
+    def load_query_block(stage_addr, q, do, q_first, q_ss, do_first, do_ss, rows_left, tid):
+        """cp.async the Q and dO rows of one query block into a stage, as one commit group."""
+        load_rows(stage_addr, q, q_first, q_ss, rows_left, BLOCK_M, tid)
+        load_rows(stage_addr + uint32(DO_OFFSET * 2), do, do_first, do_ss, rows_left, BLOCK_M,
+                  tid)  # fmt: skip
+        ptx.cp_async_commit()
 
     @device_function
     def mma_pair(acc, c, a0, a1, a2, a3, b0, b1, b2, b3):
@@ -125,10 +174,11 @@ def build(head_dim, dtype_name, block_m, num_warps):
                 mma_pair(acc, dp * 8, f0, f1, f2, f3, b0, b1, b2, b3)
 
     @device_function
-    def key_row_probabilities(st, dpt, lse_tile, d_tile, key, m0, lane, half, seqlen_q,
+    def key_row_probabilities(st, dpt, lse_tile, d_tile, stats, key, m0, lane, half, seqlen_q,
                               seqlen_k, scale_log2, wl, wr):  # fmt: skip
         """For this lane's key row ``key`` (elements 2*half, 2*half+1 of every query tile):
-        st <- P^T, dpt <- dS^T; 0 where the pair is masked or the key is past the end."""
+        st <- P^T, dpt <- dS^T; 0 where the pair is masked or the key is past the end.
+        The block's LSE and D start at ``stats`` in their shared tiles."""
         q_lo, q_hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
         if key >= seqlen_k:
             q_hi = q_lo  # a padding row of the key tile: sees nothing
@@ -139,7 +189,7 @@ def build(head_dim, dtype_name, block_m, num_warps):
                 i = qt * 4 + 2 * half + e
                 col = qt * 8 + e
                 if q_lo <= col and col < q_hi:
-                    c = (lane & 3) * 2 + col  # the query's index in the tile
+                    c = stats + (lane & 3) * 2 + col  # the query's index in the tiles
                     p = ptx.exp2(ptx.fma(st[i], scale_log2, -lse_tile[c]))
                     st[i] = p
                     dpt[i] = p * (dpt[i] - d_tile[c])
@@ -157,23 +207,24 @@ def build(head_dim, dtype_name, block_m, num_warps):
                 smem[DS_BASE + query * DS_ROW + key] = to_bits(dpt[qt * 4 + e])
 
     @device_function
-    def accumulate_dq(dqa, ds_addr, k_addr, dq_acc, dq_base, dq_ss, q_row0, seqlen_q, lane):
-        """dQ rows q_row0.. (16 of them) += dS K, added atomically to the fp32 buffer."""
-        for i in range(ACC_REGS):
+    def accumulate_dq(dqa, ds_addr, k_addr, col0, dq_acc, dq_base, dq_ss, q_row0, seqlen_q,
+                      lane):  # fmt: skip
+        """dQ rows q_row0.. (16 of them), columns col0.. (DQ_TILES * 8 of them) += dS K, added
+        atomically to the fp32 buffer."""
+        for i in range(DQ_REGS):
             dqa[i] = float32(0.0)
         for kk in range(N_STEPS):
             a0, a1, a2, a3 = ptx.ldmatrix_x4(ds_addr, kk * 16 * 2)
-            for dp in range(D_TILES // 2):
-                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(k_addr, (kk * 16 * ROW + dp * 16) * 2)
+            for dp in range(DQ_TILES // 2):
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(k_addr, (kk * 16 * ROW + col0 + dp * 16) * 2)
                 mma_pair(dqa, dp * 8, a0, a1, a2, a3, b0, b1, b2, b3)
         for h in range(2):
             row = q_row0 + (lane >> 2) + 8 * h
             if row < seqlen_q:
-                base = dq_base + int64(row) * dq_ss
-                for dt in range(D_TILES):
-                    col = dt * 8 + (lane & 3) * 2
-                    cuda.atomic.add(dq_acc, base + col, dqa[dt * 4 + 2 * h])
-                    cuda.atomic.add(dq_acc, base + col + 1, dqa[dt * 4 + 2 * h + 1])
+                base = dq_base + int64(row) * dq_ss + col0 + (lane & 3) * 2
+                for dt in range(DQ_TILES):
+                    cuda.atomic.add(dq_acc, base + dt * 8, dqa[dt * 4 + 2 * h])
+                    cuda.atomic.add(dq_acc, base + dt * 8 + 1, dqa[dt * 4 + 2 * h + 1])
 
     @device_function
     def write_rows(out, acc, base, stride, row0, lane, seqlen_k, factor):
@@ -197,13 +248,15 @@ def build(head_dim, dtype_name, block_m, num_warps):
         seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
     ):  # fmt: skip
         smem = cuda.shared.array(0, uint16)
-        lse_tile = cuda.shared.array(BLOCK_M, float32)
-        d_tile = cuda.shared.array(BLOCK_M, float32)
+        lse_tile = cuda.shared.array(STAT_TILE, float32)
+        d_tile = cuda.shared.array(STAT_TILE, float32)
         st = cuda.local.array(S_REGS, float32)
         dpt = cuda.local.array(S_REGS, float32)
         dk_acc = cuda.local.array(ACC_REGS, float32)
         dv_acc = cuda.local.array(ACC_REGS, float32)
-        dqa = cuda.local.array(ACC_REGS, float32)
+        dqa = cuda.local.array(DQ_REGS, float32)
+        lse_r = cuda.local.array(STAT_LOADS, float32)
+        d_r = cuda.local.array(STAT_LOADS, float32)
 
         tid = cuda.threadIdx.x
         lane = tid & 31
@@ -215,6 +268,10 @@ def build(head_dim, dtype_name, block_m, num_warps):
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
                                        window_right)  # fmt: skip
         scale_log2 = scale * float32(1.4426950408889634)
+        # The query blocks this key block sees, for every query head of the GQA group in turn.
+        blocks_per_head = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M if m_hi > m_lo else 0
+        n_blocks = heads_per_kv * blocks_per_head
+        nheads = cuda.gridDim.y * heads_per_kv
 
         # -- K and V of this block stay in shared memory for the whole kernel
         smem_addr = ptx.shared_address(smem, 0)
@@ -228,64 +285,85 @@ def build(head_dim, dtype_name, block_m, num_warps):
         # B fragments of pairs of 8-row tiles (non-transposed) or of k16 x 16 blocks (.trans).
         a_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
         b_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
-        t_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
         ds_lane = uint32(((lane & 15) * DS_ROW + (lane >> 4) * 8) * 2)
         k_rows = smem_addr + uint32((K_BASE + warp * 16 * ROW) * 2) + a_lane
         v_rows = smem_addr + uint32((V_BASE + warp * 16 * ROW) * 2) + a_lane
-        q_cols = smem_addr + uint32(Q_BASE * 2) + b_lane
-        do_cols = smem_addr + uint32(DO_BASE * 2) + b_lane
-        q_trans = smem_addr + uint32(Q_BASE * 2) + t_lane
-        do_trans = smem_addr + uint32(DO_BASE * 2) + t_lane
-        k_trans = smem_addr + uint32(K_BASE * 2) + t_lane
+        k_trans = smem_addr + uint32(K_BASE * 2) + a_lane
 
         for i in range(ACC_REGS):
             dk_acc[i] = float32(0.0)
             dv_acc[i] = float32(0.0)
         key0 = n0 + warp * 16 + (lane >> 2)  # this lane's key rows: key0 and key0 + 8
-        nheads = cuda.gridDim.y * heads_per_kv
-        for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
-            q_head = batch * q_sb + head * q_sh
-            do_head = batch * do_sb + head * do_sh
-            dq_head = batch * dq_sb + head * dq_sh
-            row_base = (int64(batch) * nheads + head) * seqlen_q
-            for m0 in range(m_lo, m_hi, BLOCK_M):
-                cuda.syncthreads()  # every warp is done with the previous query block
-                load_rows(smem_addr + uint32(Q_BASE * 2), q, q_head + int64(m0) * q_ss, q_ss,
-                          seqlen_q - m0, BLOCK_M, tid)  # fmt: skip
-                load_rows(smem_addr + uint32(DO_BASE * 2), do, do_head + int64(m0) * do_ss,
-                          do_ss, seqlen_q - m0, BLOCK_M, tid)  # fmt: skip
-                ptx.cp_async_commit()
-                for r in range(tid, BLOCK_M, THREADS):
-                    row = m0 + r
-                    if row < seqlen_q:
-                        lse_tile[r] = _row_log2_lse(lse[row_base + row])
-                        d_tile[r] = delta[row_base + row]
-                    else:  # past the end: every pair with this row is masked
-                        lse_tile[r] = float32(0.0)
-                        d_tile[r] = float32(0.0)
+
+        # The block to load next: its query head and first row, and its stage.
+        next_head = kv_head * heads_per_kv
+        next_m0 = m_lo
+        if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
+            q_head = batch * q_sb + next_head * q_sh
+            do_head = batch * do_sb + next_head * do_sh
+            load_query_block(smem_addr + uint32(Q_BASE * 2), q, do, q_head + int64(m_lo) * q_ss,
+                             q_ss, do_head + int64(m_lo) * do_ss, do_ss, seqlen_q - m_lo, tid)  # fmt: skip
+            fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + next_head) * seqlen_q,
+                            m_lo, seqlen_q, tid)  # fmt: skip
+            store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
+
+        for it in range(n_blocks):
+            head = next_head
+            m0 = next_m0
+            stage = it % STAGES
+            next_m0 += BLOCK_M
+            if next_m0 >= m_hi:
+                next_m0 = m_lo
+                next_head += 1
+            if STAGES == 1:  # load this block, then wait for it
+                cuda.syncthreads()  # every warp is done with the previous block
+                load_query_block(smem_addr + uint32(Q_BASE * 2), q, do,
+                                 batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                                 batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
+                                 seqlen_q - m0, tid)  # fmt: skip
+                fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
+                                m0, seqlen_q, tid)  # fmt: skip
+                store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()
+            else:  # this block has landed; start the next one's loads into the other stage
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()  # ... for every thread; and every warp is done with it - 1
+                if it + 1 < n_blocks:
+                    load_query_block(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), q, do,
+                                     batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
+                                     q_ss, batch * do_sb + next_head * do_sh
+                                     + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
+                    fetch_row_stats(lse_r, d_r, lse, delta,
+                                    (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
+                                    seqlen_q, tid)  # fmt: skip
 
-                # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
-                mma_rows_by_queries(st, k_rows, q_cols)
-                mma_rows_by_queries(dpt, v_rows, do_cols)
-                # -- P^T and dS^T, masked pairs 0 (one call per held key row: constant offsets)
-                key_row_probabilities(st, dpt, lse_tile, d_tile, key0, m0, lane, 0, seqlen_q,
-                                      seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
-                key_row_probabilities(st, dpt, lse_tile, d_tile, key0 + 8, m0, lane, 1,
-                                      seqlen_q, seqlen_k, scale_log2, window_left,
-                                      window_right)  # fmt: skip
-                # -- dV += P^T dO, dK += dS^T Q
-                mma_accumulate(dv_acc, st, do_trans)
-                mma_accumulate(dk_acc, dpt, q_trans)
-                # -- dQ += dS K through shared memory
-                store_ds(smem, dpt, warp, lane)
-                cuda.syncthreads()
-                for t in range(DQ_TILES):
-                    tile = warp * DQ_TILES + t
-                    ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
-                    accumulate_dq(dqa, ds_addr, k_trans, dq_acc, dq_head, dq_ss,
-                                  m0 + tile * 16, seqlen_q, lane)  # fmt: skip
+            q_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
+            do_stage = q_stage + uint32(DO_OFFSET * 2)
+            # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
+            mma_rows_by_queries(st, k_rows, q_stage + b_lane)
+            mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
+            # -- P^T and dS^T, masked pairs 0 (one call per held key row: constant offsets)
+            key_row_probabilities(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane, 0,
+                                  seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
+            key_row_probabilities(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0 + 8, m0, lane,
+                                  1, seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
+            # -- dV += P^T dO, dK += dS^T Q
+            mma_accumulate(dv_acc, st, do_stage + a_lane)
+            mma_accumulate(dk_acc, dpt, q_stage + a_lane)
+            # -- dQ += dS K through shared memory
+            store_ds(smem, dpt, warp, lane)
+            cuda.syncthreads()
+            dq_head = batch * dq_sb + head * dq_sh
+            for t in range(DQ_UNITS):
+                unit = warp * DQ_UNITS + t
+                tile = unit // DQ_PIECES
+                col0 = (unit - tile * DQ_PIECES) * DQ_TILES * 8
+                ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
+                accumulate_dq(dqa, ds_addr, k_trans, col0, dq_acc, dq_head, dq_ss,
+                              m0 + tile * 16, seqlen_q, lane)  # fmt: skip
+            if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
+                store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
         row0 = n0 + warp * 16

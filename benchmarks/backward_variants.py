@@ -1,0 +1,116 @@
+"""Check and time tensor-core backward configurations side by side with SDPA's FlashAttention-2.
+
+For each (head_dim, dtype, causal, seqlen) every feasible TensorCoreBackwardConfig of the grid
+is first checked against the float64 reference gradients on fresh random inputs (a small
+ragged problem with GQA), then its backward is timed on the benchmark shape (batch x seqlen =
+32k tokens, nheads x head_dim = 2048); SDPA's FlashAttention-2 backward runs in the same process
+on the same inputs. Used to choose the backward defaults and to study what limits the kernel.
+
+    python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 --out rows.json
+"""
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+
+import cupy
+import numpy as np
+
+import numflash
+from numflash import reference
+from numflash.arrays import BFLOAT16
+from numflash.config import TensorCoreBackwardConfig, default_config
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from bench_backward import sdpa_runs  # noqa: E402
+
+
+def configs(head_dim, device):
+    """Every feasible point of the tensor-core backward's knobs, the default first."""
+    default = default_config(TensorCoreBackwardConfig.family, head_dim, device)[1]
+    yield default
+    for bm, nw, st in itertools.product((32, 64, 128), (4, 8), (1, 2)):  # fewer warps: slower
+        cfg = TensorCoreBackwardConfig(bm, nw, st)
+        if cfg != default and not cfg.problems(head_dim, device):
+            yield cfg
+
+
+def check(cfg, head_dim, dtype, causal, seed):
+    """(worst error / bar over dq, dk, dv; NaN count) on a small GQA problem with ragged sizes."""
+    rng = np.random.default_rng(seed)
+    q, k, v, dout = (
+        cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+        for shape in ((1, 333, 4, head_dim), (1, 517, 2, head_dim), (1, 517, 2, head_dim),
+                      (1, 333, 4, head_dim))
+    )  # fmt: skip
+    out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, config=cfg)
+    checks = reference.check_backward(dout, q, k, v, dq, dk, dv, causal=causal)
+    return max(c.err / c.bar for c in checks), sum(c.nan for c in checks)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--dtypes", nargs="+", default=["float16"])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--only-default", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    dev = current_device()
+    print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
+    rows = []
+    for hd, dt, causal, seqlen in itertools.product(args.head_dims, args.dtypes, causals,
+                                                    args.seqlens):  # fmt: skip
+        dtype = cupy.float16 if dt == "float16" else BFLOAT16
+        batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
+        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        dout = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=2)[0]
+        flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, "bwd")
+        peer = None
+        if peers.torch_available():
+            peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
+        cfgs = list(configs(hd, dev))
+        for i, cfg in enumerate(cfgs[:1] if args.only_default else cfgs):
+            t0 = time.time()
+            try:
+                ratio_to_bar, nans = check(cfg, hd, dtype, causal, seed=100 + i)
+                t = time_gpu(functools.partial(numflash.attention_backward, dout, q, k, v, out,
+                                               lse, causal=causal, config=cfg))  # fmt: skip
+            except Exception as exc:  # a variant that fails to build or launch is reported
+                print(f"  {cfg}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                continue
+            tf = t.tflops(flops)
+            ok = ratio_to_bar <= 1 and nans == 0
+            row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
+                       nheads=nheads, config=cfg.to_dict(), ms=t.median_ms, tflops=tf,
+                       sdpa_flash=peer, ratio=tf / peer if peer else None,
+                       err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
+            rows.append(row)
+            print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps}: "
+                  f"{t.median_ms:8.3f} ms {tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}"
+                  f"  ratio {row['ratio'] or float('nan'):.3f}  err/bar {ratio_to_bar:.2f} "
+                  f"{'ok' if ok else 'WRONG'}  [{time.time() - t0:.1f}s]", flush=True)  # fmt: skip
+        del q, k, v, out, lse, dout
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": dev.name, "rows": rows}, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
