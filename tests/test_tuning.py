@@ -214,7 +214,7 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
-def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dirs):
+def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dirs, capsys):
     """The real portable kernel, real Optuna (TPE, SQLite), a tiny problem, three trials."""
     from tuning.objective import Workload
     from tuning.study import storage_url, tune_key
@@ -222,8 +222,13 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     device = numflash.device.current_device()
     key = cache.ProblemKey("portable", "float32", 16, "causal", 128)
     workload = Workload(batch=1, nheads=1, seqlen=40, check_seqlen=24, check_nheads=1)
-    result = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
+    result = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3),
+                      progress=True)  # fmt: skip
     assert result.complete >= 1 and result.best_config is not None
+    # One progress bar over the measured configurations, ending at 3 of 3 with the best time.
+    bar = capsys.readouterr().err.split("\r")
+    assert "3/3" in bar[-1] and f"best {result.best_ms:.3f} ms" in bar[-1], bar
+    assert "Best trial" not in "".join(bar)  # not Optuna's own bar (one per optimize call)
     # Three configurations were compiled and run; skipped proposals did not use up the budget.
     assert result.complete + result.rejected + result.pruned + result.failed == 3
     assert result.default_ms is not None and result.best_ms <= result.default_ms

@@ -106,6 +106,7 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     objective = None
     proposals = 0
+    bar = _ProgressBar(study, target) if progress else None
     while len(_evaluated(study)) < target and proposals < MAX_PROPOSALS_PER_TRIAL * trials:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -121,9 +122,36 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
         proposals += n
         # Failures inside a trial are pruned by the objective; anything else that escapes
         # (a launch error while timing, say) fails that trial only.
-        study.optimize(objective, n_trials=n, timeout=left, show_progress_bar=progress,
-                       catch=(Exception,))  # fmt: skip
+        study.optimize(objective, n_trials=n, timeout=left, catch=(Exception,),
+                       callbacks=[bar] if bar else None)  # fmt: skip
+    if bar:
+        bar.close()
     return summarise(key, study, default)
+
+
+class _ProgressBar:
+    """One bar per key over the configurations measured (skipped proposals do not move it),
+    with the best time so far; an Optuna callback."""
+
+    def __init__(self, study, target):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=target, initial=min(len(_evaluated(study)), target), unit="cfg",
+                        leave=True)  # fmt: skip
+        self._show_best(study)
+
+    def _show_best(self, study):
+        done = [t.value for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        if done:
+            self.bar.set_postfix_str(f"best {min(done):.3f} ms", refresh=False)
+
+    def __call__(self, study, trial):
+        if trial.state.is_finished() and not _skipped(trial):
+            self._show_best(study)
+            self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
 
 
 def summarise(key, study, default):
