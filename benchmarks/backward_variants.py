@@ -99,7 +99,8 @@ def main():
                        sdpa_flash=peer, ratio=tf / peer if peer else None,
                        err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
             rows.append(row)
-            print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps}: "
+            print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
+                  f"st{cfg.stages}: "
                   f"{t.median_ms:8.3f} ms {tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}"
                   f"  ratio {row['ratio'] or float('nan'):.3f}  err/bar {ratio_to_bar:.2f} "
                   f"{'ok' if ok else 'WRONG'}  [{time.time() - t0:.1f}s]", flush=True)  # fmt: skip
