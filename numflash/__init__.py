@@ -1,6 +1,12 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
-from .api import attention, attention_backward, selected_backward_config, selected_config
+from .api import (
+    PerformanceWarning,
+    attention,
+    attention_backward,
+    selected_backward_config,
+    selected_config,
+)
 from .config import (
     PortableBackwardConfig,
     PortableConfig,
@@ -19,5 +25,6 @@ __all__ = [
     "PortableConfig",
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
+    "PerformanceWarning",
     "__version__",
 ]

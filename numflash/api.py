@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import math
 import numbers
+import warnings
 
 import numpy as np
 
@@ -455,7 +456,11 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     with _on_device(q):
         cfg = _check_backward_config(config, p, deterministic)
         if cfg is None:
-            cfg = _choose_backward(p, current_device(), deterministic).config
+            device = current_device()
+            cfg = _choose_backward(p, device, deterministic).config
+            if (isinstance(cfg, configs.PortableBackwardConfig)
+                    and device.preferred_family(p.dtype) == TENSOR_CORE):  # fmt: skip
+                _warn_slow_backward(p, deterministic)
         dq = xp.empty(q.shape, dtype=q.dtype)
         dk = xp.empty(k.shape, dtype=k.dtype)
         dv = xp.empty(v.shape, dtype=v.dtype)
@@ -467,6 +472,28 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         else:
             _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
+
+
+class PerformanceWarning(UserWarning):
+    """A call runs correctly but on a much slower path than its inputs suggest; filter it with
+    ``warnings.filterwarnings("ignore", category=numflash.PerformanceWarning)``."""
+
+
+_slow_backward_warned = set()
+
+
+def _warn_slow_backward(p, deterministic):
+    """Once per reason and process: fp16/bf16 on a GPU with tensor cores, yet the portable
+    backward runs (hundreds of times slower than the tensor-core one)."""
+    reason = ("deterministic=True (the tensor-core backward adds dQ up with atomics)"
+              if deterministic else
+              f"head_dim={p.head_dim} (the tensor-core backward takes head_dim <= "
+              f"{configs.TensorCoreBackwardConfig.MAX_HEAD_DIM})")  # fmt: skip
+    if reason not in _slow_backward_warned:
+        _slow_backward_warned.add(reason)
+        warnings.warn(f"numflash.attention_backward: {reason}, so the portable kernels run, "
+                      "without tensor cores: expect it to be several hundred times slower",
+                      PerformanceWarning, stacklevel=3)  # fmt: skip
 
 
 def _backward_launcher(kind, head_dim, dtype, *tiles):

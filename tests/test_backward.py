@@ -225,6 +225,29 @@ def _call(fwd, **changes):
                                        args["out"], args["lse"], **kw)  # fmt: skip
 
 
+def test_portable_fallback_on_a_tensor_core_gpu_warns_once_per_reason(fwd, monkeypatch):
+    import dataclasses
+    import warnings
+
+    from numflash import api
+
+    gpu = dataclasses.replace(numflash.device.current_device(), compute_capability=(9, 0),
+                              simulated=False)  # fmt: skip
+    monkeypatch.setattr(api, "current_device", lambda: gpu)
+    monkeypatch.setattr(api, "_slow_backward_warned", set())
+    with pytest.warns(numflash.PerformanceWarning, match="deterministic=True .* portable kernels"):
+        _call(fwd, deterministic=True)
+    big = {name: random_array(x.shape[:-1] + (256,), "float16")
+           for name, x in fwd.items() if name in ("dout", "q", "k", "v", "out")}  # fmt: skip
+    with pytest.warns(numflash.PerformanceWarning, match="head_dim=256 .* head_dim <= 128"):
+        _call(fwd, **big)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _call(fwd, deterministic=True)  # each reason warns once per process
+        _call(fwd, **big)
+        _call(fwd, deterministic=True, config=numflash.PortableBackwardConfig())  # asked for
+
+
 def test_dout_of_the_wrong_shape(fwd):
     with pytest.raises(ValueError, match=r"dout must have q's shape \(1, 5, 2, 8\); got"):
         _call(fwd, dout=random_array((1, 5, 2, 4), "float16"))
