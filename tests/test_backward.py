@@ -126,13 +126,15 @@ def test_tensor_core_backward_matches_reference(dtype, head_dim, seqlen_q, seqle
 
 TC_GPU_CASES = [
     pytest.param(dtype, hd, sq, sk, gqa, mask, tiles,
-                 id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-{tiles[0]}x{tiles[1]}")
+                 id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-" + "x".join(map(str, tiles)))
     for dtype, hd, (sq, sk), gqa, mask, tiles in [
         ("float16", 64, (1023, 517), 1, "causal", (64, 4)),
         ("bfloat16", 128, (256, 256), 2, "none", (64, 4)),
         ("float16", 128, (113, 203), 4, "window", (32, 2)),
         ("bfloat16", 96, (517, 1023), 1, "causal", (128, 8)),
         ("float16", 40, (300, 300), 2, "none", (64, 2)),
+        ("bfloat16", 64, (300, 451), 1, "window", (32, 4, 1)),  # one stage, dQ split by columns
+        ("float16", 128, (777, 777), 2, "causal", (64, 8, 1)),
     ]
 ]  # fmt: skip
 
