@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from numflash.kernels.backward import dq_split
+
 HERE = Path(__file__).parent
 
 
@@ -91,11 +93,14 @@ def test_tensor_core_backward_compiles_for_every_target(compiled):
         cfg, hd = e["config"], e["head_dim"]
         warps, block_m = cfg["num_warps"], cfg["block_m"]
         # Per warp and query block: S^T and dP^T ((hd/16) (block_m/8) each), dV and dK
-        # ((block_m/16) (hd/8) each), dQ ((block_m / (16 warps)) (16 warps / 16) (hd/8)).
+        # ((block_m/16) (hd/8) each), dQ (its pieces per warp, each (16 warps / 16) k-steps of
+        # its 8-column tiles).
         per_block = 2 * (hd // 16) * (block_m // 8) + 2 * (block_m // 16) * (hd // 8)
-        per_block += (block_m // (16 * warps)) * warps * (hd // 8)
+        _, tiles, units = dq_split(hd, block_m, warps)
+        per_block += units * warps * tiles
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == per_block, e
         assert e["counts"]["ldmatrix.sync.aligned"] > 0 and e["counts"]["ex2.approx"] > 0
-    # head_dim 64 fits in registers; head_dim 128 spills (recorded in benchmarks/NOTES.md)
-    report = next(e for e in entries if e["head_dim"] == 64 and "resources" in e)["resources"]
-    assert report["spill_stores"] == 0 and report["stack"] == 0, report
+    # The default tiles fit in registers at head_dim 64 and 128 (ptxas, sm_90a)
+    for e in entries:
+        if "resources" in e:
+            assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e

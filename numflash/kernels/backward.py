@@ -28,7 +28,7 @@ GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
 
 import functools
 
-from numba import cuda, float32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
@@ -174,37 +174,56 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                 mma_pair(acc, dp * 8, f0, f1, f2, f3, b0, b1, b2, b3)
 
     @device_function
-    def key_row_probabilities(st, dpt, lse_tile, d_tile, stats, key, m0, lane, half, seqlen_q,
-                              seqlen_k, scale_log2, wl, wr):  # fmt: skip
-        """For this lane's key row ``key`` (elements 2*half, 2*half+1 of every query tile):
-        st <- P^T, dpt <- dS^T; 0 where the pair is masked or the key is past the end.
-        The block's LSE and D start at ``stats`` in their shared tiles."""
-        q_lo, q_hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
+    def visible_queries(key, m0, lane, seqlen_q, seqlen_k, wl, wr):
+        """The query columns [lo, hi) of the block that key row ``key`` sees, relative to this
+        lane's first column (so each element's test compares with a constant); empty for a
+        padding row past the last key."""
+        lo, hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
         if key >= seqlen_k:
-            q_hi = q_lo  # a padding row of the key tile: sees nothing
-        q_lo -= m0 + (lane & 3) * 2  # relative to this lane's first column: constant offsets
-        q_hi -= m0 + (lane & 3) * 2
+            hi = lo
+        first = m0 + (lane & 3) * 2
+        return int32(lo - first), int32(hi - first)
+
+    @device_function
+    def probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
+                             seqlen_k, scale_log2, wl, wr):  # fmt: skip
+        """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and key0 + 8
+        (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
+
+        Branch-free: every element is computed and masked ones are selected away, and each
+        query's LSE and D are read once for both key rows (``stats`` is the block's offset in
+        the shared tiles). Per element branches cost a reconvergence barrier and a serial
+        shared-load -> ex2 chain each."""
+        lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
         for qt in range(Q_TILES):
             for e in range(2):
-                i = qt * 4 + 2 * half + e
                 col = qt * 8 + e
-                if q_lo <= col and col < q_hi:
-                    c = stats + (lane & 3) * 2 + col  # the query's index in the tiles
-                    p = ptx.exp2(ptx.fma(st[i], scale_log2, -lse_tile[c]))
-                    st[i] = p
-                    dpt[i] = p * (dpt[i] - d_tile[c])
-                else:
-                    st[i] = float32(0.0)
-                    dpt[i] = float32(0.0)
+                neg_lse = -lse_tile[first + uint32(col)]
+                d = d_tile[first + uint32(col)]
+                i = qt * 4 + e  # key row key0
+                p = ptx.exp2(ptx.fma(st[i], scale_log2, neg_lse))
+                seen = (lo0 <= col) & (col < hi0)
+                ds = p * (dpt[i] - d)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+                i += 2  # key row key0 + 8
+                p = ptx.exp2(ptx.fma(st[i], scale_log2, neg_lse))
+                seen = (lo1 <= col) & (col < hi1)
+                ds = p * (dpt[i] - d)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
 
     @device_function
     def store_ds(smem, dpt, warp, lane):
-        """dS^T of this warp's key rows into shared memory as dS: row = query, column = key."""
+        """dS^T of this warp's key rows into shared memory as dS: row = query, column = key.
+        One base index per lane; every store's offset from it is a compile-time constant."""
+        base = uint32(DS_BASE + (lane & 3) * 2 * DS_ROW + warp * 16 + (lane >> 2))
         for qt in range(Q_TILES):
             for e in range(4):
-                key = warp * 16 + (lane >> 2) + 8 * (e >> 1)
-                query = qt * 8 + (lane & 3) * 2 + (e & 1)
-                smem[DS_BASE + query * DS_ROW + key] = to_bits(dpt[qt * 4 + e])
+                offset = (qt * 8 + (e & 1)) * DS_ROW + 8 * (e >> 1)
+                smem[base + uint32(offset)] = to_bits(dpt[qt * 4 + e])
 
     @device_function
     def accumulate_dq(dqa, ds_addr, k_addr, col0, dq_acc, dq_base, dq_ss, q_row0, seqlen_q,
@@ -343,11 +362,9 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
             # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
             mma_rows_by_queries(st, k_rows, q_stage + b_lane)
             mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
-            # -- P^T and dS^T, masked pairs 0 (one call per held key row: constant offsets)
-            key_row_probabilities(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane, 0,
-                                  seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
-            key_row_probabilities(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0 + 8, m0, lane,
-                                  1, seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
+            # -- P^T and dS^T, masked pairs 0
+            probabilities_and_ds(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane,
+                                 seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
             # -- dV += P^T dO, dK += dS^T Q
             mma_accumulate(dv_acc, st, do_stage + a_lane)
             mma_accumulate(dk_acc, dpt, q_stage + a_lane)
