@@ -102,9 +102,10 @@ def test_lane_operations():
     np.testing.assert_array_equal(np.isnan(shuffled), np.isnan(expected))
     np.testing.assert_allclose(shuffled[~np.isnan(expected)], expected[~np.isnan(expected)])
     finite = np.isfinite(values)
-    np.testing.assert_allclose(exps[finite], np.exp2(values[finite]), rtol=2e-6, atol=1e-37)
+    with np.errstate(over="ignore"):  # the special values include ones past float32/fp16 range
+        np.testing.assert_allclose(exps[finite], np.exp2(values[finite]), rtol=2e-6, atol=1e-37)
+        f16 = values.astype(np.float16)
     assert exps[4] == 0 and exps[3] == np.inf
-    f16 = values.astype(np.float16)
     bf16 = values.astype(ml_dtypes.bfloat16)
     f16_bits, bf16_bits = (to_numpy(b) for b in bits)
     nan = np.isnan(values)
