@@ -35,6 +35,11 @@ from .backward_portable import _row_log2_lse, block_query_range
 from .jit import device_function, kernel
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
+#: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
+#: does (cuda.atomic.add always), about eight integer instructions per access; with the sign bit
+#: known to be clear the compiler drops that code, and the AND itself vanishes into the address
+#: arithmetic (the index is scaled past bit 63). Indices here are never negative.
+NON_NEGATIVE = (1 << 63) - 1
 _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
 _TO_BITS = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
 
@@ -116,8 +121,9 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
         for j in range(STAT_LOADS):
             row = m0 + tid + j * THREADS
             if tid + j * THREADS < BLOCK_M and row < seqlen_q:
-                lse_r[j] = lse[row_base + row]
-                d_r[j] = delta[row_base + row]
+                at = (row_base + row) & NON_NEGATIVE
+                lse_r[j] = lse[at]
+                d_r[j] = delta[at]
             else:  # past the end: every pair with this row is masked
                 lse_r[j] = float32(0.0)
                 d_r[j] = float32(0.0)
@@ -242,8 +248,10 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
             if row < seqlen_q:
                 base = dq_base + int64(row) * dq_ss + col0 + (lane & 3) * 2
                 for dt in range(DQ_TILES):
-                    cuda.atomic.add(dq_acc, base + dt * 8, dqa[dt * 4 + 2 * h])
-                    cuda.atomic.add(dq_acc, base + dt * 8 + 1, dqa[dt * 4 + 2 * h + 1])
+                    at = (base + dt * 8) & NON_NEGATIVE
+                    cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h])
+                    at = (base + dt * 8 + 1) & NON_NEGATIVE
+                    cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h + 1])
 
     @device_function
     def write_rows(out, acc, base, stride, row0, lane, seqlen_k, factor):
@@ -256,8 +264,8 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                     col = dt * 8 + (lane & 3) * 2
                     i = dt * 4 + 2 * h
                     pair = pack(acc[i] * factor, acc[i + 1] * factor)
-                    out[at + col] = uint16(pair & uint32(0xFFFF))
-                    out[at + col + 1] = uint16(pair >> uint32(16))
+                    out[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
+                    out[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
 
     @kernel(launch_bounds=THREADS)
     def dkdv(

@@ -1,0 +1,126 @@
+"""Instruction counts of a tensor-core kernel's SASS, whole and in its main loop; no GPU needed.
+
+Compiles the kernel to PTX (Numba), links it to a cubin for the target with nvJitLink, and
+disassembles it with nvdisasm (``pip install nvidia-cuda-nvdisasm``, or a CUDA toolkit). The
+main loop is the loop body with the most HMMA: the query-block loop of the backward, the
+key-tile loop of the forward.
+
+    python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128
+    python benchmarks/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
+"""
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_TARGET = re.compile(r"`\(\.?(L_x_\d+)\)")
+
+
+def find_nvdisasm(given):
+    if given:
+        return given
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    import nvidia  # the nvidia-cuda-nvdisasm wheel installs under the nvidia namespace
+
+    for root in nvidia.__path__:
+        hits = glob.glob(os.path.join(root, "**", "bin", "nvdisasm"), recursive=True)
+        if hits:
+            return hits[0]
+    sys.exit("nvdisasm not found: pip install nvidia-cuda-nvdisasm, or pass --nvdisasm")
+
+
+def sass(kernel, signature, arch, nvdisasm):
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+
+    from numflash.kernels import offline
+
+    ptx = offline.compile_ptx(kernel, signature, (9, 0) if arch.startswith("sm_90") else
+                              (int(arch[3]), int(arch[4])))  # fmt: skip
+    cubin = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin.code)
+        f.flush()
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+
+
+def parse(text):
+    """[(address, opcode, line)] and {label: address}."""
+    lines = text.splitlines()
+    ops, labels, pending = [], {}, []
+    for line in lines:
+        label = _LABEL.match(line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = _INSTRUCTION.search(line)
+        if m:
+            address = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = address
+            pending = []
+            ops.append((address, m.group(2), line))
+    return ops, labels
+
+
+def main_loop(ops, labels):
+    """The loop with the most HMMA (then the longest): from a backward branch's target to the
+    branch."""
+    best, best_key = [], (-1, -1)
+    for address, opcode, line in ops:
+        target = _TARGET.search(line) if opcode == "BRA" else None
+        if target and labels.get(target.group(1), address) < address:
+            start = labels[target.group(1)]
+            body = [op for op in ops if start <= op[0] <= address]
+            key = (sum(op[1] == "HMMA" for op in body), len(body))
+            if key > best_key:
+                best, best_key = body, key
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--config", required=True,
+                    help="backward: block_m,num_warps,stages; forward: "
+                         "block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--nvdisasm", default=None)
+    args = ap.parse_args()
+    values = [int(x) for x in args.config.split(",")]
+    if args.backward:
+        from numflash.kernels import backward
+        from numflash.kernels.jit import tensor_core_backward_signature
+
+        kernel = backward.build(args.head_dim, args.dtype, *values)
+        signature = tensor_core_backward_signature()
+    else:
+        from numflash.kernels import forward
+        from numflash.kernels.jit import forward_signature
+
+        bm, bn, nw, st, qr = values
+        kernel = forward.build(args.head_dim, args.dtype, bm, bn, nw, st, bool(qr))
+        signature = forward_signature(args.dtype)
+    ops, labels = parse(sass(kernel, signature, args.arch, find_nvdisasm(args.nvdisasm)))
+    loop = main_loop(ops, labels)
+    for name, part in (("kernel", ops), ("main loop", loop)):
+        counts = collections.Counter(op for _, op, _ in part)
+        top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
+        print(f"{name}: {len(part)} instructions; HMMA {counts['HMMA']}, LDSM {counts['LDSM']}, "
+              f"BRA {counts['BRA']}, ATOMG {counts['ATOMG']}; most common: {top}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
