@@ -124,6 +124,7 @@ def memory_sweep(args, memory):
         for seqlen in args.memory_seqlens:
             q, k, v = peers.random_qkv(1, seqlen, 16, 128, cupy.float16)
             run = runner(provider, q, k, v, False)
+            peak = None
             try:
                 run()  # compile / warm up outside the measurement
                 peak = memory.measure(run)
@@ -131,15 +132,14 @@ def memory_sweep(args, memory):
                 if not is_oom(exc):
                     raise
                 print(f"  memory: {provider} runs out of memory at seqlen {seqlen}", flush=True)
-                del q, k, v
-                cupy.get_default_memory_pool().free_all_blocks()
+            del q, k, v, run
+            cupy.get_default_memory_pool().free_all_blocks()
+            if peak is None:
                 break
             records.append(dict(provider=provider, mode="fwd-memory", dtype="float16", batch=1,
                                 nheads=16, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128,
                                 causal=False, ms=None, tflops=None, peak_bytes=int(peak)))  # fmt: skip
             print(f"memory {provider:10s} s{seqlen:<6d} {peak / 2**20:12.1f} MiB", flush=True)
-            del q, k, v
-            cupy.get_default_memory_pool().free_all_blocks()
     return records
 
 

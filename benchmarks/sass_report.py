@@ -5,7 +5,7 @@ disassembles it with nvdisasm (``pip install nvidia-cuda-nvdisasm``, or a CUDA t
 main loop is the loop body with the most HMMA: the query-block loop of the backward, the
 key-tile loop of the forward.
 
-    python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128
+    python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128 [--dq-kernel]
     python benchmarks/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
 """
 
@@ -91,6 +91,8 @@ def main_loop(ops, labels):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--dq-kernel", action="store_true",
+                    help="with --backward: the separate dQ kernel (dq_separate=True)")
     ap.add_argument("--config", required=True,
                     help="backward: block_m,num_warps,stages; forward: "
                          "block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
@@ -104,8 +106,14 @@ def main():
         from numflash.kernels import backward
         from numflash.kernels.jit import tensor_core_backward_signature
 
-        kernel = backward.build(args.head_dim, args.dtype, *values)
-        signature = tensor_core_backward_signature()
+        if args.dq_kernel:
+            from numflash.kernels.jit import tensor_core_dq_signature
+
+            kernel = backward.build_dq(args.head_dim, args.dtype, *values)
+            signature = tensor_core_dq_signature()
+        else:
+            kernel = backward.build(args.head_dim, args.dtype, *values)
+            signature = tensor_core_backward_signature()
     else:
         from numflash.kernels import forward
         from numflash.kernels.jit import forward_signature

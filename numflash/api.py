@@ -21,6 +21,7 @@ from .kernels.jit import (
     backward_signatures,
     forward_signature,
     tensor_core_backward_signature,
+    tensor_core_dq_signature,
 )
 from .kernels.softmax import LOG2E
 
@@ -397,10 +398,10 @@ def _check_backward_config(config, p, deterministic):
         if p.dtype == "float32":
             raise TypeError("config: the tensor-core backward takes float16 or bfloat16, "
                             "not float32")  # fmt: skip
-        if deterministic:
+        if deterministic and not config.dq_separate:
             raise ValueError(
                 "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
-                "deterministic=True needs the portable backward (config=None)"
+                "deterministic=True needs dq_separate=True (or the portable backward)"
             )
         head_dim = configs.round_up(p.head_dim, 16)
         if not device.supports(TENSOR_CORE):
@@ -523,7 +524,8 @@ def _preprocess(p, dout, out, lse):
 
 
 def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
-    """D, then the tensor-core dK/dV kernel accumulating dQ in fp32; dQ scaled and rounded."""
+    """D, then the tensor-core dK/dV kernel; dQ either accumulated there in fp32 by atomics and
+    then scaled and rounded, or (``dq_separate``) written by the dQ kernel."""
     xp = arrays.array_module(q)
     dout, out = (arrays.as_kernel_input(x) for x in (dout, out))
     lse, delta = _preprocess(p, dout, out, lse)
@@ -532,28 +534,53 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
         q, k, v, dout = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v, dout))
     q, k, v, dout = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
     direct = head_dim == p.head_dim
-    dk_t, dv_t = (g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
-                  for g in (dk, dv))  # fmt: skip
-    dq_acc = xp.zeros(q.shape[:-1] + (head_dim,), dtype=xp.float32)
+    dq_t, dk_t, dv_t = (g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
+                        for g in (dq, dk, dv))  # fmt: skip
+    if cfg.dq_separate:
+        dq_acc = xp.zeros(1, dtype=xp.float32)  # the dK/dV kernel leaves dQ alone
+        dq_acc_strides = (0, 0, 0)
+    else:
+        dq_acc = xp.zeros(q.shape[:-1] + (head_dim,), dtype=xp.float32)
     views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dk_t, dv_t, dq_acc)]
     flats = [view[0] for view in views]
-    strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
-    key = ("backward", "tensor-core", head_dim, p.dtype, cfg.block_m, cfg.num_warps, cfg.stages)
-    launcher = _launchers.get(key)
-    if launcher is None:
-        launcher = Launcher(backward.build(head_dim, p.dtype, cfg.block_m, cfg.num_warps,
-                                           cfg.stages),
-                            tensor_core_backward_signature())  # fmt: skip
-        _launchers[key] = launcher
+    strides = [s for i, view in enumerate(views) if i not in (4, 5, 8) for s in view[1][:3]]
+    strides += dq_acc_strides if cfg.dq_separate else views[8][1][:3]
+    tail = (p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k, np.float32(p.scale),
+            p.window_left, p.window_right)  # fmt: skip
+    tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
+    stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
-    launcher(grid, cfg.threads, arrays.current_stream(), cfg.shared_memory_bytes(head_dim),
-             (*flats, *strides, p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k,
-              np.float32(p.scale), p.window_left, p.window_right))  # fmt: skip
-    rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
-    arrays.bits(dq)[...] = arrays.bits(rounded)
+    _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate)(
+        grid, cfg.threads, stream, smem, (*flats, *strides, *tail))
+    if cfg.dq_separate:
+        views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dq_t)]
+        strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
+        grid = ((p.seqlen_q + cfg.block_n - 1) // cfg.block_n, p.nheads, p.batch)
+        _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True)(
+            grid, cfg.threads, stream, smem, (*[view[0] for view in views], *strides, *tail))
+    else:
+        rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
+        arrays.bits(dq)[...] = arrays.bits(rounded)
     if not direct:
+        if cfg.dq_separate:
+            arrays.bits(dq)[...] = arrays.bits(dq_t)[..., : p.head_dim]
         arrays.bits(dk)[...] = arrays.bits(dk_t)[..., : p.head_dim]
         arrays.bits(dv)[...] = arrays.bits(dv_t)[..., : p.head_dim]
+
+
+def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate):
+    """The Launcher of the tensor-core backward's "dkdv" or "dq" kernel (built on first use)."""
+    key = ("backward", "tensor-core", kind, head_dim, dtype, tiles, dq_separate)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        if kind == "dkdv":
+            built = backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate)
+            launcher = Launcher(built, tensor_core_backward_signature())
+        else:
+            launcher = Launcher(backward.build_dq(head_dim, dtype, *tiles),
+                                tensor_core_dq_signature())  # fmt: skip
+        _launchers[key] = launcher
+    return launcher
 
 
 def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):

@@ -201,11 +201,16 @@ class TensorCoreBackwardConfig(_Config):
       are more warps than tiles: the split must come out even (see ``problems``).
     - ``stages``: shared-memory buffers for the Q and dO blocks: 2 loads the next block while
       the current one is computed; 1 waits for each block's loads (less shared memory).
+    - ``dq_separate``: dQ from a second kernel (one block per ``16 * num_warps`` query rows,
+      tiles of ``block_m`` keys, S and dP computed again) that sums each element in a fixed
+      order, instead of fp32 atomics from the dK/dV kernel. Deterministic; costs the
+      recomputation, saves the atomics.
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
     num_warps: int = knob(8, (1, 2, 4, 8))
     stages: int = knob(2, (1, 2))
+    dq_separate: bool = knob(False, (False, True))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
     MAX_HEAD_DIM: ClassVar[int] = 128
@@ -222,7 +227,8 @@ class TensorCoreBackwardConfig(_Config):
         """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
         from .kernels.backward import shared_memory_layout
 
-        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages)[-1]
+        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
+                                        with_ds=not self.dq_separate)[-1]
 
     def problems(self, head_dim, device):
         from .kernels.backward import dq_split
@@ -230,7 +236,7 @@ class TensorCoreBackwardConfig(_Config):
         out = _out_of_choices(self)
         if head_dim % 16 or not 16 <= head_dim <= self.MAX_HEAD_DIM:
             out.append(f"head_dim={head_dim} is not a multiple of 16 in [16, {self.MAX_HEAD_DIM}]")
-        elif dq_split(head_dim, self.block_m, self.num_warps) is None:
+        elif not self.dq_separate and dq_split(head_dim, self.block_m, self.num_warps) is None:
             out.append(f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
                        f"x {head_dim // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
         if not out:

@@ -30,6 +30,7 @@ from numflash.kernels.jit import (  # noqa: E402
     backward_signatures,
     forward_signature,
     tensor_core_backward_signature,
+    tensor_core_dq_signature,
 )
 
 TENSOR_CORE_TARGETS = [(8, 0), (8, 6), (8, 9), (9, 0, "a")]
@@ -87,7 +88,13 @@ def main(quick):
             entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
                            signature=tensor_core_backward_signature())  # fmt: skip
             results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
-                            "config": cfg.to_dict(), **entry})  # fmt: skip
+                            "kernel": "dkdv", "config": cfg.to_dict(), **entry})  # fmt: skip
+        kernel = backward.build_dq(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages)
+        for cc in TENSOR_CORE_TARGETS:
+            entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
+                           signature=tensor_core_dq_signature())  # fmt: skip
+            results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
+                            "kernel": "dq", "config": cfg.to_dict(), **entry})  # fmt: skip
     print(json.dumps(results))
 
 

@@ -112,6 +112,10 @@ TC_SIM_CASES = [
     ("float16", 16, 70, 80, 2, "causal", (64, 4)),  # several query blocks, two stages
     ("bfloat16", 32, 45, 40, 2, "none", (32, 4, 1)),  # dQ split by columns; one stage
     ("float16", 32, 50, 70, 1, "causal", (32, 4, 2)),  # dQ split by columns; two stages
+    # dQ from the separate kernel (deterministic): several key tiles, both stage counts
+    ("float16", 16, 40, 75, 2, "causal", (16, 2, 2, True)),
+    ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
+    ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
 ]
 
 
@@ -135,6 +139,9 @@ TC_GPU_CASES = [
         ("float16", 40, (300, 300), 2, "none", (64, 2)),
         ("bfloat16", 64, (300, 451), 1, "window", (32, 4, 1)),  # one stage, dQ split by columns
         ("float16", 128, (777, 777), 2, "causal", (64, 8, 1)),
+        ("bfloat16", 128, (1023, 517), 2, "causal", (64, 8, 2, True)),  # the dQ kernel
+        ("float16", 64, (300, 451), 1, "window", (128, 4, 2, True)),
+        ("float16", 96, (113, 203), 4, "none", (32, 2, 1, True)),
     ]
 ]  # fmt: skip
 
@@ -147,8 +154,16 @@ def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, m
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
 
 
+def test_tensor_core_backward_with_separate_dq_is_deterministic(fwd):
+    cfg = numflash.TensorCoreBackwardConfig(16, 1, dq_separate=True)
+    first = _call(fwd, config=cfg, deterministic=True)
+    for a, b in zip(first, _call(fwd, config=cfg, deterministic=True)):
+        assert bool((a.view(xp.uint16) == b.view(xp.uint16)).all())
+    assert_gradients_match(fwd["dout"], fwd["q"], fwd["k"], fwd["v"], *first)
+
+
 def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
-    with pytest.raises(ValueError, match="deterministic=True needs the portable backward"):
+    with pytest.raises(ValueError, match="deterministic=True needs dq_separate=True"):
         _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 1), deterministic=True)
     q32 = random_array((1, 5, 2, 8), "float32")
     k32, v32 = (random_array((1, 6, 1, 8), "float32") for _ in range(2))
@@ -198,13 +213,16 @@ def _poison_pool(nbytes=64 << 20):
 
 
 @pytest.mark.gpu
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("config", [None, numflash.TensorCoreBackwardConfig(dq_separate=True)],
+                         ids=["default", "tensor-core-dq-separate"])  # fmt: skip
+def test_backward_is_deterministic(config):
     q, k, v = random_qkv(2, 777, 777, 8, 2, 128, "bfloat16")
-    dout, *first = _run(q, k, v, dict(causal=True), deterministic=True)
+    dout, *first = _run(q, k, v, dict(causal=True), deterministic=True, config=config)
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+    assert_gradients_match(dout, q, k, v, *first, causal=True)
     for _ in range(20):
         again = numflash.attention_backward(dout, q, k, v, out, lse, causal=True,
-                                            deterministic=True)  # fmt: skip
+                                            deterministic=True, config=config)  # fmt: skip
         for a, b in zip(first, again):
             assert bool((a.view(xp.uint16) == b.view(xp.uint16)).all())
 

@@ -89,9 +89,16 @@ def test_portable_backward_kernels_compile_for_every_target(compiled):
 def test_tensor_core_backward_compiles_for_every_target(compiled):
     entries = _entries(compiled, "tensor-core-backward")
     assert {e["target"] for e in entries} == {"sm_80", "sm_86", "sm_89", "sm_90a"}
+    assert {e["kernel"] for e in entries} == {"dkdv", "dq"}
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]
         warps, block_m = cfg["num_warps"], cfg["block_m"]
+        if e["kernel"] == "dq":
+            # Per warp and key tile: S and dP ((hd/16) (block_m/8) each), dQ ((block_m/16) (hd/8))
+            per_tile = 2 * (hd // 16) * (block_m // 8) + (block_m // 16) * (hd // 8)
+            assert e["counts"]["mma.sync.aligned.m16n8k16"] == per_tile, e
+            assert e["counts"]["ex2.approx"] > 0
+            continue
         # Per warp and query block: S^T and dP^T ((hd/16) (block_m/8) each), dV and dK
         # ((block_m/16) (hd/8) each), dQ (its pieces per warp, each (16 warps / 16) k-steps of
         # its 8-column tiles).

@@ -18,20 +18,30 @@ Q, dO, LSE and D of the next query block load (cp.async; LSE and D into register
 current one is computed, with ``stages=2``. The warps share each block's dQ += dS K by 16-row
 tiles, split by columns when there are more warps than tiles.
 
-numflash.attention_backward takes it by default for fp16/bf16 (tested on the H200, in the
-simulator on CI). dQ's atomics make the sum order vary between runs; ``deterministic=True``
-takes the portable kernels instead.
+With ``dq_separate=True`` the dK/dV kernel leaves dQ alone and a second kernel computes it:
+one block per 16 * NUM_WARPS query rows (16 per warp) with Q and dO resident and tiles of
+BLOCK_M keys and values streaming, S = Q K^T and dP = dO V^T recomputed, dS = P (dP - D), and
+dQ += dS K summed in registers by one thread per element in key order: deterministic, no
+atomics, at the cost of computing S and dP twice.
+
+numflash.attention_backward takes the atomic version by default for fp16/bf16 (tested on the
+H200, in the simulator on CI). Its atomics make the sum order vary between runs;
+``deterministic=True`` takes the portable kernels unless a configuration with
+``dq_separate=True`` is passed (the dQ kernel has run in the simulator and compiled for
+sm_80-sm_90a, not yet on a GPU).
 
 Supports: float16 and bfloat16; head_dim a multiple of 16 up to 128 (the API zero-pads others);
 GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
 """
 
 import functools
+from typing import NamedTuple
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
+from .softmax import block_key_range, visible_keys
 from .jit import device_function, kernel
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
@@ -44,9 +54,11 @@ _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
 _TO_BITS = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
 
 
-def shared_memory_layout(head_dim, block_m, block_n, stages):
+def shared_memory_layout(head_dim, block_m, block_n, stages, with_ds=True):
     """(row pitch, offsets of K, V, the Q/dO stages, one stage's size, dS, dS row pitch, total),
-    in 16-bit elements. Stage s holds Q at Q_BASE + s * STAGE and dO at + block_m rows."""
+    in 16-bit elements. Stage s holds Q at Q_BASE + s * STAGE and dO at + block_m rows. The dQ
+    kernel uses the same layout with the roles swapped (Q, dO resident; K, V tiles streaming)
+    and no dS (``with_ds=False``, as the dK/dV kernel when it leaves dQ to it)."""
     row = head_dim + 8  # +16 bytes per row: the 8 rows an ldmatrix reads hit different banks
     ds_row = block_n + 8
     k_base = 0
@@ -54,7 +66,8 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
     q_base = v_base + block_n * row
     stage = 2 * block_m * row
     ds_base = q_base + stages * stage
-    return row, k_base, v_base, q_base, stage, ds_base, ds_row, ds_base + block_m * ds_row
+    return (row, k_base, v_base, q_base, stage, ds_base, ds_row,
+            ds_base + (block_m * ds_row if with_ds else 0))  # fmt: skip
 
 
 def dq_split(head_dim, block_m, num_warps):
@@ -68,11 +81,28 @@ def dq_split(head_dim, block_m, num_warps):
     return pieces, d_tiles // pieces, row_tiles * pieces // num_warps
 
 
+class Kernels(NamedTuple):
+    dkdv: object  # dK and dV; with dq_separate=False also dQ, by atomics
+    dq: object  # dQ alone, in a fixed order (dq_separate=True), else None
+
+
+def build(head_dim, dtype_name, block_m, num_warps, stages, dq_separate=False):
+    """The dK/dV kernel (accumulating dQ by atomics unless ``dq_separate``)."""
+    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate).dkdv
+
+
+def build_dq(head_dim, dtype_name, block_m, num_warps, stages):
+    """The separate dQ kernel: one block per 16 * num_warps query rows, block_m keys a tile."""
+    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, True).dq
+
+
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, num_warps, stages):
-    """The dK/dV (and dQ-accumulating) kernel for one key; all sizes are compile-time."""
+def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate):
+    """Both kernels of one configuration, sharing their device functions; all sizes are
+    compile-time. Numba compiles each only when it is first launched."""
     HEAD_DIM = head_dim  # a multiple of 16
     BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
+    DQ_ATOMIC = not dq_separate
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
     THREADS = 32 * NUM_WARPS
     Q_TILES = BLOCK_M // 8  # 8-query column tiles of S^T
@@ -80,9 +110,10 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
     D_TILES = HEAD_DIM // 8  # 8-column tiles of dK and dV
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     N_STEPS = BLOCK_N // 16  # k16 steps of dQ += dS K
-    DQ_PIECES, DQ_TILES, DQ_UNITS = dq_split(HEAD_DIM, BLOCK_M, NUM_WARPS)
+    # dQ's share of each warp in the dK/dV kernel (atomic dQ only)
+    DQ_PIECES, DQ_TILES, DQ_UNITS = dq_split(HEAD_DIM, BLOCK_M, NUM_WARPS) or (1, 2, 0)
     ROW, K_BASE, V_BASE, Q_BASE, STAGE, DS_BASE, DS_ROW, _ = shared_memory_layout(
-        head_dim, block_m, BLOCK_N, stages
+        head_dim, block_m, BLOCK_N, stages, with_ds=DQ_ATOMIC
     )
     DO_OFFSET = BLOCK_M * ROW  # dO after Q within a stage
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
@@ -138,11 +169,11 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                 d_tile[stage * BLOCK_M + r] = d_r[j]
 
     @device_function
-    def load_query_block(stage_addr, q, do, q_first, q_ss, do_first, do_ss, rows_left, tid):
-        """cp.async the Q and dO rows of one query block into a stage, as one commit group."""
-        load_rows(stage_addr, q, q_first, q_ss, rows_left, BLOCK_M, tid)
-        load_rows(stage_addr + uint32(DO_OFFSET * 2), do, do_first, do_ss, rows_left, BLOCK_M,
-                  tid)  # fmt: skip
+    def load_block_pair(stage_addr, a, b, a_first, a_ss, b_first, b_ss, rows_left, tid):
+        """cp.async BLOCK_M rows of two arrays (Q and dO, or K and V) into a stage, as one
+        commit group."""
+        load_rows(stage_addr, a, a_first, a_ss, rows_left, BLOCK_M, tid)
+        load_rows(stage_addr + uint32(DO_OFFSET * 2), b, b_first, b_ss, rows_left, BLOCK_M, tid)
         ptx.cp_async_commit()
 
     @device_function
@@ -254,11 +285,11 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                     cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h + 1])
 
     @device_function
-    def write_rows(out, acc, base, stride, row0, lane, seqlen_k, factor):
-        """acc * factor (16 key rows x HEAD_DIM) to ``out``'s rows row0.. that exist."""
+    def write_rows(out, acc, base, stride, row0, lane, rows, factor):
+        """acc * factor (16 rows x HEAD_DIM) to ``out``'s rows row0.. below ``rows``."""
         for h in range(2):
             row = row0 + (lane >> 2) + 8 * h
-            if row < seqlen_k:
+            if row < rows:
                 at = base + int64(row) * stride
                 for dt in range(D_TILES):
                     col = dt * 8 + (lane & 3) * 2
@@ -328,7 +359,7 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
             q_head = batch * q_sb + next_head * q_sh
             do_head = batch * do_sb + next_head * do_sh
-            load_query_block(smem_addr + uint32(Q_BASE * 2), q, do, q_head + int64(m_lo) * q_ss,
+            load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do, q_head + int64(m_lo) * q_ss,
                              q_ss, do_head + int64(m_lo) * do_ss, do_ss, seqlen_q - m_lo, tid)  # fmt: skip
             fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + next_head) * seqlen_q,
                             m_lo, seqlen_q, tid)  # fmt: skip
@@ -344,7 +375,7 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                 next_head += 1
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warp is done with the previous block
-                load_query_block(smem_addr + uint32(Q_BASE * 2), q, do,
+                load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do,
                                  batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
                                  batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
                                  seqlen_q - m0, tid)  # fmt: skip
@@ -357,7 +388,7 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()  # ... for every thread; and every warp is done with it - 1
                 if it + 1 < n_blocks:
-                    load_query_block(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), q, do,
+                    load_block_pair(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), q, do,
                                      batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
                                      q_ss, batch * do_sb + next_head * do_sh
                                      + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
@@ -376,17 +407,18 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
             # -- dV += P^T dO, dK += dS^T Q
             mma_accumulate(dv_acc, st, do_stage + a_lane)
             mma_accumulate(dk_acc, dpt, q_stage + a_lane)
-            # -- dQ += dS K through shared memory
-            store_ds(smem, dpt, warp, lane)
-            cuda.syncthreads()
-            dq_head = batch * dq_sb + head * dq_sh
-            for t in range(DQ_UNITS):
-                unit = warp * DQ_UNITS + t
-                tile = unit // DQ_PIECES
-                col0 = (unit - tile * DQ_PIECES) * DQ_TILES * 8
-                ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
-                accumulate_dq(dqa, ds_addr, k_trans, col0, dq_acc, dq_head, dq_ss,
-                              m0 + tile * 16, seqlen_q, lane)  # fmt: skip
+            # -- dQ += dS K through shared memory (unless the dQ kernel computes it)
+            if DQ_ATOMIC:
+                store_ds(smem, dpt, warp, lane)
+                cuda.syncthreads()
+                dq_head = batch * dq_sb + head * dq_sh
+                for t in range(DQ_UNITS):
+                    unit = warp * DQ_UNITS + t
+                    tile = unit // DQ_PIECES
+                    col0 = (unit - tile * DQ_PIECES) * DQ_TILES * 8
+                    ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
+                    accumulate_dq(dqa, ds_addr, k_trans, col0, dq_acc, dq_head, dq_ss,
+                                  m0 + tile * 16, seqlen_q, lane)  # fmt: skip
             if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
 
@@ -397,4 +429,127 @@ def build(head_dim, dtype_name, block_m, num_warps, stages):
         write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
                    float32(1.0))  # fmt: skip
 
-    return dkdv
+    @device_function
+    def row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):
+        """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
+        second, of every key tile), P = exp2(S * scale * log2(e) - lse); 0 where masked.
+        lo/hi: the visible keys relative to this lane's first column. Branch-free."""
+        for qt in range(Q_TILES):
+            for e in range(4):
+                i = qt * 4 + e
+                col = qt * 8 + (e & 1)
+                second = e >= 2
+                p = ptx.exp2(ptx.fma(s[i], scale_log2, -(lse_1 if second else lse_0)))
+                ds = p * (dp[i] - (d_1 if second else d_0))
+                lo = lo_1 if second else lo_0
+                hi = hi_1 if second else hi_0
+                dp[i] = ds if (lo <= col) & (col < hi) else float32(0.0)
+
+    @device_function
+    def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
+        """(log2-domain LSE, D, first and end visible key relative to ``first_col``) of query
+        ``row``; an empty range for a row past the end."""
+        if row < seqlen_q:
+            at = (row_base + row) & NON_NEGATIVE
+            lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
+            return (_row_log2_lse(lse[at]), delta[at], int32(lo - first_col),
+                    int32(hi - first_col))  # fmt: skip
+        return float32(0.0), float32(0.0), int32(0), int32(0)
+
+    @kernel(launch_bounds=THREADS)
+    def dq_kernel(
+        q, k, v, do, lse, delta, dq,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dq_sb, dq_ss, dq_sh, seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        """dQ = scale * sum over keys of dS K for 16 * NUM_WARPS query rows (16 per warp), each
+        element summed by one thread in key order: deterministic. The dK/dV kernel with the
+        roles swapped: Q and dO stay in shared memory (where K and V sit there), tiles of
+        BLOCK_M keys and values stream through the stages (where Q and dO stream there)."""
+        smem = cuda.shared.array(0, uint16)
+        s = cuda.local.array(S_REGS, float32)
+        dp = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        m0 = cuda.blockIdx.x * BLOCK_N
+        last_row = min(m0 + BLOCK_N, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
+        scale_log2 = scale * float32(1.4426950408889634)
+
+        # -- Q and dO of this block stay in shared memory for the whole kernel
+        smem_addr = ptx.shared_address(smem, 0)
+        load_rows(smem_addr + uint32(K_BASE * 2), q, batch * q_sb + head * q_sh + int64(m0) * q_ss,
+                  q_ss, seqlen_q - m0, BLOCK_N, tid)  # fmt: skip
+        load_rows(smem_addr + uint32(V_BASE * 2), do,
+                  batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss, seqlen_q - m0, BLOCK_N,
+                  tid)  # fmt: skip
+        ptx.cp_async_commit()
+
+        a_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        b_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
+        q_rows = smem_addr + uint32((K_BASE + warp * 16 * ROW) * 2) + a_lane
+        do_rows = smem_addr + uint32((V_BASE + warp * 16 * ROW) * 2) + a_lane
+
+        # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
+        row0 = m0 + warp * 16 + (lane >> 2)
+        row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
+        first_col = n_lo + (lane & 3) * 2
+        lse_0, d_0, lo_0, hi_0 = row_stats(lse, delta, row_base, row0, first_col, seqlen_q,
+                                           seqlen_k, window_left, window_right)  # fmt: skip
+        lse_1, d_1, lo_1, hi_1 = row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q,
+                                           seqlen_k, window_left, window_right)  # fmt: skip
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss
+        v_first = batch * v_sb + kv_head * v_sh + int64(n_lo) * v_ss
+        if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
+            load_block_pair(smem_addr + uint32(Q_BASE * 2), k, v, k_first, k_ss, v_first, v_ss,
+                            seqlen_k - n_lo, tid)  # fmt: skip
+        for it in range(n_tiles):
+            n0 = n_lo + it * BLOCK_M
+            stage = it % STAGES
+            if STAGES == 1:
+                cuda.syncthreads()  # every warp is done with the previous tile
+                load_block_pair(smem_addr + uint32(Q_BASE * 2), k, v, k_first, k_ss, v_first,
+                                v_ss, seqlen_k - n0, tid)  # fmt: skip
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()
+            else:
+                ptx.cp_async_wait(0)
+                cuda.syncthreads()  # tile `it` landed for all; every warp is done with it - 1
+                if it + 1 < n_tiles:
+                    load_block_pair(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), k, v,
+                                    k_first + int64(BLOCK_M) * k_ss, k_ss,
+                                    v_first + int64(BLOCK_M) * v_ss, v_ss,
+                                    seqlen_k - n0 - BLOCK_M, tid)  # fmt: skip
+            if STAGES > 1:
+                k_first += int64(BLOCK_M) * k_ss
+                v_first += int64(BLOCK_M) * v_ss
+            k_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
+            v_stage = k_stage + uint32(DO_OFFSET * 2)
+            # -- S = Q K^T and dP = dO V^T for this warp's 16 query rows
+            mma_rows_by_queries(s, q_rows, k_stage + b_lane)
+            mma_rows_by_queries(dp, do_rows, v_stage + b_lane)
+            # -- dS = P (dP - D), masked pairs 0; the columns are it * BLOCK_M further on
+            shift = int32(it * BLOCK_M)
+            row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0 - shift, hi_0 - shift, lo_1 - shift,
+                   hi_1 - shift, scale_log2)  # fmt: skip
+            # -- dQ += dS K (K read transposed)
+            mma_accumulate(acc, dp, k_stage + a_lane)
+            if STAGES == 1:
+                k_first += int64(BLOCK_M) * k_ss
+                v_first += int64(BLOCK_M) * v_ss
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
+        write_rows(dq, acc, batch * dq_sb + head * dq_sh, dq_ss, m0 + warp * 16, lane, seqlen_q,
+                   scale)  # fmt: skip
+
+    return Kernels(dkdv, dq_kernel if dq_separate else None)

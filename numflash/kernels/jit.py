@@ -105,6 +105,22 @@ def tensor_core_backward_signature():
             + (i32, i32, i32, types.float32, i32, i32))  # fmt: skip
 
 
+def tensor_core_dq_signature():
+    """Argument types of the tensor-core backward's separate dQ kernel: q, k, v, dO (uint16
+    bits), lse, D (float32), dQ (uint16 bits); the (batch, seqlen, head) element strides of q,
+    k, v, dO and dQ (int64); seqlen_q, seqlen_k, heads_per_kv (int32), softmax_scale (float32),
+    window_left, window_right (int32)."""
+    if SIMULATOR:
+        return None
+    from numba.cuda import types
+
+    bits = types.Array(types.uint16, 1, "C")
+    f32 = types.Array(types.float32, 1, "C")
+    i32 = types.int32
+    return ((bits,) * 4 + (f32, f32, bits) + (types.int64,) * 15
+            + (i32, i32, i32, types.float32, i32, i32))  # fmt: skip
+
+
 #: Shared memory a block gets without opting in to more (every CUDA GPU).
 DEFAULT_SHARED_LIMIT = 48 * 1024
 
