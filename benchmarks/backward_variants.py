@@ -36,8 +36,8 @@ def configs(head_dim, device):
     """Every feasible point of the tensor-core backward's knobs, the default first."""
     default = default_config(TensorCoreBackwardConfig.family, head_dim, device)[1]
     yield default
-    for bm, nw, st in itertools.product((32, 64, 128), (4, 8), (1, 2)):  # fewer warps: slower
-        cfg = TensorCoreBackwardConfig(bm, nw, st)
+    for bm, nw, st, sep in itertools.product((32, 64, 128), (4, 8), (1, 2), (False, True)):
+        cfg = TensorCoreBackwardConfig(bm, nw, st, sep)  # fewer warps were slower
         if cfg != default and not cfg.problems(head_dim, device):
             yield cfg
 
@@ -100,7 +100,7 @@ def main():
                        err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
             rows.append(row)
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
-                  f"st{cfg.stages}: "
+                  f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}: "
                   f"{t.median_ms:8.3f} ms {tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}"
                   f"  ratio {row['ratio'] or float('nan'):.3f}  err/bar {ratio_to_bar:.2f} "
                   f"{'ok' if ok else 'WRONG'}  [{time.time() - t0:.1f}s]", flush=True)  # fmt: skip

@@ -43,12 +43,16 @@ CASES = [
 ]
 
 
-#: The tensor-core backward, forced: two stages, one stage, dQ split by columns.
+#: The tensor-core backward, forced: two stages, one stage, dQ split by columns, dQ kernel.
 TC_BACKWARD = [
     ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True), TensorCoreBackwardConfig(64, 8, 2)),
     ("bfloat16", 2, 130, 77, 2, 2, 128, dict(), TensorCoreBackwardConfig(64, 8, 2)),
     ("float16", 1, 65, 65, 4, 2, 40, dict(window_size=(16, 8)), TensorCoreBackwardConfig(16, 1, 1)),
     ("bfloat16", 1, 200, 150, 2, 1, 96, dict(causal=True), TensorCoreBackwardConfig(32, 4, 2)),
+    ("float16", 2, 150, 201, 4, 2, 128, dict(causal=True),
+     TensorCoreBackwardConfig(64, 8, 2, dq_separate=True)),
+    ("bfloat16", 1, 90, 70, 2, 1, 64, dict(window_size=(9, 4)),
+     TensorCoreBackwardConfig(32, 2, 1, dq_separate=True)),
 ]
 
 
