@@ -41,8 +41,8 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
-from .softmax import block_key_range, visible_keys
 from .jit import device_function, kernel
+from .softmax import block_key_range, visible_keys
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
@@ -360,9 +360,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
             q_head = batch * q_sb + next_head * q_sh
             do_head = batch * do_sb + next_head * do_sh
             load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do, q_head + int64(m_lo) * q_ss,
-                             q_ss, do_head + int64(m_lo) * do_ss, do_ss, seqlen_q - m_lo, tid)  # fmt: skip
-            fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + next_head) * seqlen_q,
-                            m_lo, seqlen_q, tid)  # fmt: skip
+                            q_ss, do_head + int64(m_lo) * do_ss, do_ss, seqlen_q - m_lo, tid)  # fmt: skip
+            fetch_row_stats(lse_r, d_r, lse, delta,
+                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q, tid)  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
         for it in range(n_blocks):
@@ -376,9 +376,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warp is done with the previous block
                 load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do,
-                                 batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-                                 batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
-                                 seqlen_q - m0, tid)  # fmt: skip
+                                batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                                batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
+                                seqlen_q - m0, tid)  # fmt: skip
                 fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
                                 m0, seqlen_q, tid)  # fmt: skip
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
@@ -389,9 +389,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
                 cuda.syncthreads()  # ... for every thread; and every warp is done with it - 1
                 if it + 1 < n_blocks:
                     load_block_pair(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), q, do,
-                                     batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
-                                     q_ss, batch * do_sb + next_head * do_sh
-                                     + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
+                                    batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
+                                    q_ss, batch * do_sb + next_head * do_sh
+                                    + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
                     fetch_row_stats(lse_r, d_r, lse, delta,
                                     (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
                                     seqlen_q, tid)  # fmt: skip
@@ -464,8 +464,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
     ):  # fmt: skip
         """dQ = scale * sum over keys of dS K for 16 * NUM_WARPS query rows (16 per warp), each
         element summed by one thread in key order: deterministic. The dK/dV kernel with the
-        roles swapped: Q and dO stay in shared memory (where K and V sit there), tiles of
-        BLOCK_M keys and values stream through the stages (where Q and dO stream there)."""
+        roles swapped: Q and dO stay in the slots that hold K and V there, and tiles of BLOCK_M
+        keys and values stream through the stages that hold Q and dO there."""
         smem = cuda.shared.array(0, uint16)
         s = cuda.local.array(S_REGS, float32)
         dp = cuda.local.array(S_REGS, float32)
