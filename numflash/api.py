@@ -429,8 +429,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             recomputed from q, k and lse, never stored.
         causal, softmax_scale, window_size: as given to the forward call.
         deterministic: ask for bitwise reproducible gradients. The portable kernels sum in a
-            fixed order and always are; the tensor-core kernel is not (it adds dQ up with
-            atomics): with the flag it is never chosen, and a forced one is refused.
+            fixed order and always are; the tensor-core kernel adds dQ up with atomics and is
+            not, unless its ``dq_separate=True`` (a second kernel computes dQ in a fixed
+            order). With the flag and no ``config`` the portable kernels run; a forced
+            tensor-core configuration without ``dq_separate`` is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
             with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128).
             By default the tensor-core kernel runs for fp16/bf16 up to head_dim 128 on GPUs
@@ -445,7 +447,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         nothing; keys that no row sees get zero gradients.
 
     The portable kernels use fp32 math without tensor cores: correct everywhere, but two to
-    three orders of magnitude slower than the tensor-core kernel. Kernels run on CuPy's current stream; the call returns without synchronising.
+    three orders of magnitude slower than the tensor-core kernel. Kernels run on CuPy's
+    current stream; the call returns without synchronising.
     """
     q, k, v, p = _problem(q, k, v, causal, softmax_scale, window_size)
     dout = _check_like(dout, "dout", q, "q")
