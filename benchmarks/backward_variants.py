@@ -22,7 +22,6 @@ import numpy as np
 
 import numflash
 from numflash import reference
-from numflash.arrays import BFLOAT16
 from numflash.config import TensorCoreBackwardConfig, default_config
 from numflash.device import current_device
 from numflash.timing import attention_flops, time_gpu
@@ -58,23 +57,12 @@ def check(cfg, head_dim, dtype, causal, seed):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
-    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--dtypes", nargs="+", default=["float16"])
-    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
-    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
-    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    peers.add_problem_arguments(ap)
     ap.add_argument("--only-default", action="store_true")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     dev = current_device()
-    print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
     rows = []
-    for hd, dt, causal, seqlen in itertools.product(args.head_dims, args.dtypes, causals,
-                                                    args.seqlens):  # fmt: skip
-        dtype = cupy.float16 if dt == "float16" else BFLOAT16
-        batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
+    for hd, dt, dtype, causal, seqlen, batch, nheads in peers.problems(args):
         q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
         out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
         dout = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=2)[0]

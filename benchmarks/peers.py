@@ -5,6 +5,7 @@ returns a function that runs one forward pass. PyTorch's SDPA is fed the same me
 DLPack, transposed to its (batch, heads, seqlen, head_dim) layout without a copy.
 """
 
+import itertools
 import math
 
 import cupy
@@ -88,3 +89,30 @@ def sdpa_forward(q, k, v, causal, backend):
             )
 
     return run
+
+
+def add_problem_arguments(ap):
+    """The options the variants scripts share: which problems, at the benchmarks' shape."""
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--dtypes", nargs="+", default=["float16"])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--out", default=None)
+
+
+def problems(args):
+    """(head_dim, dtype name, dtype, causal, seqlen, batch, nheads) for every problem ``args``
+    asks for, batch x seqlen = --tokens and nheads x head_dim = --model-dim; first prints the
+    device."""
+    from numflash.arrays import BFLOAT16
+    from numflash.device import current_device
+
+    dev = current_device()
+    print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    for hd, dt, causal, seqlen in itertools.product(args.head_dims, args.dtypes, causals,
+                                                    args.seqlens):  # fmt: skip
+        dtype = cupy.float16 if dt == "float16" else BFLOAT16
+        yield hd, dt, dtype, causal, seqlen, max(1, args.tokens // seqlen), args.model_dim // hd

@@ -82,19 +82,16 @@ def main(quick):
                 results.append({"family": "portable-backward", "kernel": name, "head_dim": hd,
                                 "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
     cfg = TensorCoreBackwardConfig()
+    tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
     for hd, dtype in [(64, "float16"), (128, "bfloat16")]:
-        kernel = backward.build(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages)
-        for cc in TENSOR_CORE_TARGETS:
-            entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
-                           signature=tensor_core_backward_signature())  # fmt: skip
-            results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
-                            "kernel": "dkdv", "config": cfg.to_dict(), **entry})  # fmt: skip
-        kernel = backward.build_dq(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages)
-        for cc in TENSOR_CORE_TARGETS:
-            entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
-                           signature=tensor_core_dq_signature())  # fmt: skip
-            results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
-                            "kernel": "dq", "config": cfg.to_dict(), **entry})  # fmt: skip
+        kernels = {"dkdv": (backward.build(hd, dtype, *tiles), tensor_core_backward_signature()),
+                   "dq": (backward.build_dq(hd, dtype, *tiles), tensor_core_dq_signature())}  # fmt: skip
+        for name, (kernel, signature) in kernels.items():
+            for cc in TENSOR_CORE_TARGETS:
+                entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],
+                               signature=signature)  # fmt: skip
+                results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
+                                "kernel": name, "config": cfg.to_dict(), **entry})  # fmt: skip
     print(json.dumps(results))
 
 
