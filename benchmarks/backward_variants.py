@@ -31,12 +31,15 @@ import peers  # noqa: E402
 from bench_backward import sdpa_runs  # noqa: E402
 
 
-def configs(head_dim, device):
-    """Every feasible point of the tensor-core backward's knobs, the default first."""
+def configs(head_dim, device, args):
+    """The feasible points of the grid (block_m 32-128, 4 or 8 warps: fewer were slower; the
+    stages, dq_separate and head_split that ``args`` names), the default first."""
     default = default_config(TensorCoreBackwardConfig.family, head_dim, device)[1]
     yield default
-    for bm, nw, st, sep in itertools.product((32, 64, 128), (4, 8), (1, 2), (False, True)):
-        cfg = TensorCoreBackwardConfig(bm, nw, st, sep)  # fewer warps were slower
+    splits = [2] if head_dim > 128 else args.head_split
+    for bm, nw, st, sep, split in itertools.product((32, 64, 128), (4, 8), args.stages,
+                                                    args.dq_separate, splits):  # fmt: skip
+        cfg = TensorCoreBackwardConfig(bm, nw, st, bool(sep), split)
         if cfg != default and not cfg.problems(head_dim, device):
             yield cfg
 
@@ -59,6 +62,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peers.add_problem_arguments(ap)
     ap.add_argument("--only-default", action="store_true")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--dq-separate", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    ap.add_argument("--head-split", type=int, nargs="+", default=[1], choices=[1, 2],
+                    help="at head_dim <= 128 (above it, 2 is needed)")
     args = ap.parse_args()
     dev = current_device()
     rows = []
@@ -70,7 +77,7 @@ def main():
         peer = None
         if peers.torch_available():
             peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
-        cfgs = list(configs(hd, dev))
+        cfgs = list(configs(hd, dev, args))
         for i, cfg in enumerate(cfgs[:1] if args.only_default else cfgs):
             t0 = time.time()
             try:
@@ -88,7 +95,8 @@ def main():
                        err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
             rows.append(row)
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
-                  f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}: "
+                  f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
+                  f"{' split2' if cfg.head_split == 2 else ''}: "
                   f"{t.median_ms:8.3f} ms {tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}"
                   f"  ratio {row['ratio'] or float('nan'):.3f}  err/bar {ratio_to_bar:.2f} "
                   f"{'ok' if ok else 'WRONG'}  [{time.time() - t0:.1f}s]", flush=True)  # fmt: skip

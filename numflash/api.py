@@ -379,9 +379,9 @@ def _choose_backward(p, device, deterministic):
     cores (GPUs with mma.sync; the simulator takes it only when tuned). Else the portable
     kernels.
     """
-    head_dim = configs.round_up(p.head_dim, 16)
+    head_dim = configs.tensor_core_backward_head_dim(p.head_dim)
     if (not deterministic and p.dtype != "float32" and device.supports(TENSOR_CORE)
-            and head_dim <= configs.TensorCoreBackwardConfig.MAX_HEAD_DIM):  # fmt: skip
+            and head_dim <= configs.TensorCoreBackwardConfig.DEFAULT_MAX_HEAD_DIM):  # fmt: skip
         selection = configs.choose_config(TENSOR_CORE_BACKWARD, p, device)
         if selection.source != "heuristic" or device.preferred_family(p.dtype) == TENSOR_CORE:
             return selection
@@ -403,7 +403,7 @@ def _check_backward_config(config, p, deterministic):
                 "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
                 "deterministic=True needs dq_separate=True (or the portable backward)"
             )
-        head_dim = configs.round_up(p.head_dim, 16)
+        head_dim = configs.tensor_core_backward_head_dim(p.head_dim)
         if not device.supports(TENSOR_CORE):
             raise ValueError(f"config: {device.name} ({device.arch}) has no mma.sync "
                              "(compute capability 8.0 or newer needed)")  # fmt: skip
@@ -434,7 +434,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             order). With the flag and no ``config`` the portable kernels run; a forced
             tensor-core configuration without ``dq_separate`` is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
-            with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16, head_dim <= 128).
+            with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16; head_dim above 128
+            needs ``head_split=2``).
             By default the tensor-core kernel runs for fp16/bf16 up to head_dim 128 on GPUs
             with mma.sync (compute capability 8.0+), with its tiles from ``numflash autotune
             --family tensor-core-backward`` where tuned; the portable kernels run for float32,
@@ -491,8 +492,8 @@ def _warn_slow_backward(p, deterministic):
     backward runs (hundreds of times slower than the tensor-core one)."""
     reason = ("deterministic=True (the tensor-core backward adds dQ up with atomics)"
               if deterministic else
-              f"head_dim={p.head_dim} (the tensor-core backward takes head_dim <= "
-              f"{configs.TensorCoreBackwardConfig.MAX_HEAD_DIM})")  # fmt: skip
+              f"head_dim={p.head_dim} (the tensor-core backward runs by default up to head_dim "
+              f"{configs.TensorCoreBackwardConfig.DEFAULT_MAX_HEAD_DIM})")  # fmt: skip
     if reason not in _slow_backward_warned:
         _slow_backward_warned.add(reason)
         warnings.warn(f"numflash.attention_backward: {reason}, so the portable kernels run, "
@@ -532,7 +533,7 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     xp = arrays.array_module(q)
     dout, out = (arrays.as_kernel_input(x) for x in (dout, out))
     lse, delta = _preprocess(p, dout, out, lse)
-    head_dim = configs.round_up(p.head_dim, 16)
+    head_dim = configs.tensor_core_backward_head_dim(p.head_dim)
     if head_dim != p.head_dim:
         q, k, v, dout = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v, dout))
     q, k, v, dout = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
@@ -552,14 +553,16 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
             p.window_left, p.window_right)  # fmt: skip
     tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
-    grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
-    _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate)(
+    blocks = (p.seqlen_k + cfg.block_n - 1) // cfg.block_n * cfg.head_split
+    grid = (blocks, p.nheads_k, p.batch)
+    _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate, cfg.head_split)(
         grid, cfg.threads, stream, smem, (*flats, *strides, *tail))
     if cfg.dq_separate:
         views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dq_t)]
         strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
-        grid = ((p.seqlen_q + cfg.block_n - 1) // cfg.block_n, p.nheads, p.batch)
-        _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True)(
+        blocks = (p.seqlen_q + cfg.block_n - 1) // cfg.block_n * cfg.head_split
+        grid = (blocks, p.nheads, p.batch)
+        _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True, cfg.head_split)(
             grid, cfg.threads, stream, smem, (*[view[0] for view in views], *strides, *tail))
     else:
         rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
@@ -571,16 +574,17 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
         arrays.bits(dv)[...] = arrays.bits(dv_t)[..., : p.head_dim]
 
 
-def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate):
+def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate, head_split):
     """The Launcher of the tensor-core backward's "dkdv" or "dq" kernel (built on first use)."""
-    key = ("backward", "tensor-core", kind, head_dim, dtype, tiles, dq_separate)
+    key = ("backward", "tensor-core", kind, head_dim, dtype, tiles, dq_separate, head_split)
     launcher = _launchers.get(key)
     if launcher is None:
         if kind == "dkdv":
-            built = backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate)
+            built = backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate,
+                                   head_split=head_split)  # fmt: skip
             launcher = Launcher(built, tensor_core_backward_signature())
         else:
-            launcher = Launcher(backward.build_dq(head_dim, dtype, *tiles),
+            launcher = Launcher(backward.build_dq(head_dim, dtype, *tiles, head_split=head_split),
                                 tensor_core_dq_signature())  # fmt: skip
         _launchers[key] = launcher
     return launcher

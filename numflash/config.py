@@ -205,15 +205,23 @@ class TensorCoreBackwardConfig(_Config):
       tiles of ``block_m`` keys, S and dP computed again) that sums each element in a fixed
       order, instead of fp32 atomics from the dK/dV kernel. Deterministic; costs the
       recomputation, saves the atomics.
+    - ``head_split``: blocks that share each key (or query) block, each accumulating
+      ``head_dim / head_split`` output columns while computing the scores over all of
+      head_dim. 2 is needed above head_dim 128 (the accumulators must fit in registers); at
+      128 and below it trades the scores computed twice for half the accumulator registers.
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
     num_warps: int = knob(8, (1, 2, 4, 8))
     stages: int = knob(2, (1, 2))
     dq_separate: bool = knob(False, (False, True))
+    head_split: int = knob(1, (1, 2))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
-    MAX_HEAD_DIM: ClassVar[int] = 128
+    MAX_HEAD_DIM: ClassVar[int] = 256  # 128 output columns per block at most
+    #: Where attention_backward takes this kernel without being asked: validated on the H200
+    #: up to head_dim 128; above it (head_split=2) only in the simulator and compile checks.
+    DEFAULT_MAX_HEAD_DIM: ClassVar[int] = 128
 
     @property
     def block_n(self):
@@ -234,11 +242,14 @@ class TensorCoreBackwardConfig(_Config):
         from .kernels.backward import dq_split
 
         out = _out_of_choices(self)
-        if head_dim % 16 or not 16 <= head_dim <= self.MAX_HEAD_DIM:
-            out.append(f"head_dim={head_dim} is not a multiple of 16 in [16, {self.MAX_HEAD_DIM}]")
-        elif not self.dq_separate and dq_split(head_dim, self.block_m, self.num_warps) is None:
+        part = head_dim // self.head_split
+        if head_dim % (16 * self.head_split) or not 16 <= part <= 128:
+            out.append(f"head_dim={head_dim} with head_split={self.head_split}: each block's "
+                       f"{head_dim}/{self.head_split} columns must be a multiple of 16 in "
+                       "[16, 128]")  # fmt: skip
+        elif not self.dq_separate and dq_split(part, self.block_m, self.num_warps) is None:
             out.append(f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
-                       f"x {head_dim // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
+                       f"x {part // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
         if not out:
             smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
             if device is not None and smem > device.max_shared_per_block:
@@ -303,8 +314,18 @@ def default_tensor_core_config(head_dim, device):
     return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
 
 
+def tensor_core_backward_head_dim(head_dim):
+    """The head_dim the tensor-core backward runs at: zero-padded to a multiple of 16, or of 32
+    above 128 (where two blocks split the columns)."""
+    return round_up(head_dim, 16 if head_dim <= 128 else 32)
+
+
 def default_tensor_core_backward_config(head_dim):
-    """The tensor-core backward's heuristic (head_dim a multiple of 16, at most 128).
+    """The tensor-core backward's heuristic (head_dim as tensor_core_backward_head_dim gives).
+
+    Above head_dim 128: 32 query rows x 64 keys (4 warps), 2 stages, the columns split over
+    two blocks: the largest tiles whose K, V, Q and dO fit in shared memory at 256 (not yet
+    measured on a GPU).
 
     8 warps (128 keys per block) with 64-row query blocks in two stages where dQ's split comes
     out even (head_dim a multiple of 32), else 4 warps. On the H200 (2026-11-30, one-stage
@@ -312,6 +333,8 @@ def default_tensor_core_backward_config(head_dim):
     block (shared memory allows one or two blocks per SM): 8 warps were fastest at head_dim 64
     and 128, causal and not.
     """
+    if head_dim > 128:
+        return TensorCoreBackwardConfig(block_m=32, num_warps=4, stages=2, head_split=2)
     if head_dim % 32 == 0:
         return TensorCoreBackwardConfig(block_m=64, num_warps=8, stages=2)
     return TensorCoreBackwardConfig(block_m=64, num_warps=4, stages=2)
@@ -345,7 +368,7 @@ def default_config(family, head_dim, device):
     if family == PORTABLE_BACKWARD:
         return head_dim, default_portable_backward_config(head_dim)
     if family == TENSOR_CORE_BACKWARD:
-        head_dim = round_up(head_dim, 16)
+        head_dim = tensor_core_backward_head_dim(head_dim)
         return head_dim, default_tensor_core_backward_config(head_dim)
     if family != TENSOR_CORE:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")

@@ -14,11 +14,11 @@ import sys
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 from numflash.config import (  # noqa: E402
+    default_config,
     default_portable_backward_config,
     default_portable_config,
     default_tensor_core_config,
 )
-from numflash.config import TensorCoreBackwardConfig  # noqa: E402
 from numflash.kernels import (  # noqa: E402
     backward,
     backward_portable,
@@ -81,11 +81,13 @@ def main(quick):
                 entry = report(kernel, dtype, cc, resources=False, signature=signatures[name])
                 results.append({"family": "portable-backward", "kernel": name, "head_dim": hd,
                                 "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
-    cfg = TensorCoreBackwardConfig()
-    tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
-    for hd, dtype in [(64, "float16"), (128, "bfloat16")]:
-        kernels = {"dkdv": (backward.build(hd, dtype, *tiles), tensor_core_backward_signature()),
-                   "dq": (backward.build_dq(hd, dtype, *tiles), tensor_core_dq_signature())}  # fmt: skip
+    for hd, dtype in [(64, "float16"), (128, "bfloat16"), (256, "bfloat16")]:
+        cfg = default_config("tensor-core-backward", hd, None)[1]
+        tiles, split = (cfg.block_m, cfg.num_warps, cfg.stages), cfg.head_split
+        kernels = {"dkdv": (backward.build(hd, dtype, *tiles, head_split=split),
+                            tensor_core_backward_signature()),
+                   "dq": (backward.build_dq(hd, dtype, *tiles, head_split=split),
+                          tensor_core_dq_signature())}  # fmt: skip
         for name, (kernel, signature) in kernels.items():
             for cc in TENSOR_CORE_TARGETS:
                 entry = report(kernel, dtype, cc, resources=cc == TENSOR_CORE_TARGETS[-1],

@@ -116,6 +116,9 @@ TC_SIM_CASES = [
     ("float16", 16, 40, 75, 2, "causal", (16, 2, 2, True)),
     ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
     ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
+    # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
+    ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
+    ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),
 ]
 
 
@@ -142,6 +145,9 @@ TC_GPU_CASES = [
         ("bfloat16", 128, (1023, 517), 2, "causal", (64, 8, 2, True)),  # the dQ kernel
         ("float16", 64, (300, 451), 1, "window", (128, 4, 2, True)),
         ("float16", 96, (113, 203), 4, "none", (32, 2, 1, True)),
+        ("bfloat16", 256, (517, 1023), 2, "causal", (32, 4, 2, False, 2)),  # head_dim 256
+        ("float16", 200, (300, 300), 1, "window", (32, 4, 2, True, 2)),  # padded to 224
+        ("float16", 128, (777, 777), 2, "none", (64, 4, 2, False, 2)),
     ]
 ]  # fmt: skip
 
@@ -175,7 +181,8 @@ def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
     big = dict(q=random_array((1, 5, 2, 256), "float16"), dout=random_array((1, 5, 2, 256), "float16"),
                out=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256), "float16"),
                v=random_array((1, 6, 1, 256), "float16"))  # fmt: skip
-    with pytest.raises(ValueError, match="head_dim=256 is not a multiple of 16 in \\[16, 128\\]"):
+    with pytest.raises(ValueError, match="head_dim=256 with head_split=1: each block's 256/1 "
+                                         "columns must be a multiple of 16 in \\[16, 128\\]"):
         _call(fwd, **big, config=numflash.TensorCoreBackwardConfig(16, 1))
 
 
@@ -259,7 +266,7 @@ def test_portable_fallback_on_a_tensor_core_gpu_warns_once_per_reason(fwd, monke
         _call(fwd, deterministic=True)
     big = {name: random_array(x.shape[:-1] + (256,), "float16")
            for name, x in fwd.items() if name in ("dout", "q", "k", "v", "out")}  # fmt: skip
-    with pytest.warns(numflash.PerformanceWarning, match="head_dim=256 .* head_dim <= 128"):
+    with pytest.warns(numflash.PerformanceWarning, match="head_dim=256 .* up to head_dim 128"):
         _call(fwd, **big)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

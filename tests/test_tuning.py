@@ -265,7 +265,10 @@ def test_backward_families_have_defaults_and_spaces():
     assert TensorCoreBackwardConfig() in feasible
     assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible)
     assert TensorCoreBackwardConfig(128, 8, 2) not in feasible  # 244 KiB of shared memory
-    assert not space.feasible_points(TensorCoreBackwardConfig, 256, H200)
+    assert default_config("tensor-core-backward", 200, H200) == (
+        224, TensorCoreBackwardConfig(32, 4, 2, head_split=2))
+    wide = space.feasible_points(TensorCoreBackwardConfig, 256, H200)
+    assert wide and all(cfg.head_split == 2 for cfg in wide)  # 128 columns a block at most
 
 
 def test_cli_dry_run_plans_the_backward(tmp_path):

@@ -30,8 +30,13 @@ H200, in the simulator on CI). Its atomics make the sum order vary between runs;
 ``dq_separate=True`` is passed (the dQ kernel has run in the simulator and compiled for
 sm_80-sm_90a, not yet on a GPU).
 
-Supports: float16 and bfloat16; head_dim a multiple of 16 up to 128 (the API zero-pads others);
-GQA; causal and window masks bottom-right; any seqlen_q and seqlen_k.
+With ``head_split=2`` two blocks share each key block (and each query block of the dQ kernel),
+each accumulating half of the output columns; both compute the scores over the whole head_dim.
+That is how head_dim 256 fits: its dK and dV accumulators would need 256 registers a thread.
+
+Supports: float16 and bfloat16; head_dim a multiple of 16 * head_split up to 128 * head_split
+(the API zero-pads others); GQA; causal and window masks bottom-right; any seqlen_q and
+seqlen_k.
 """
 
 import functools
@@ -86,32 +91,40 @@ class Kernels(NamedTuple):
     dq: object  # dQ alone, in a fixed order (dq_separate=True), else None
 
 
-def build(head_dim, dtype_name, block_m, num_warps, stages, dq_separate=False):
+def build(head_dim, dtype_name, block_m, num_warps, stages, dq_separate=False, head_split=1):
     """The dK/dV kernel (accumulating dQ by atomics unless ``dq_separate``)."""
-    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate).dkdv
+    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
+                         head_split).dkdv  # fmt: skip
 
 
-def build_dq(head_dim, dtype_name, block_m, num_warps, stages):
+def build_dq(head_dim, dtype_name, block_m, num_warps, stages, head_split=1):
     """The separate dQ kernel: one block per 16 * num_warps query rows, block_m keys a tile."""
-    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, True).dq
+    return build_kernels(head_dim, dtype_name, block_m, num_warps, stages, True, head_split).dq
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate):
+def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1):
     """Both kernels of one configuration, sharing their device functions; all sizes are
-    compile-time. Numba compiles each only when it is first launched."""
-    HEAD_DIM = head_dim  # a multiple of 16
+    compile-time. Numba compiles each only when it is first launched.
+
+    ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
+    accumulating one slice of head_dim / head_split output columns; every one computes the
+    scores over the whole head_dim. That keeps the accumulators of head_dim 256 in registers
+    (and halves them at 128, for more warps per SM, at the price of the scores twice)."""
+    HEAD_DIM = head_dim  # a multiple of 16 * head_split
     BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
+    HEAD_SPLIT = head_split
+    PART = HEAD_DIM // HEAD_SPLIT  # output columns per block
     DQ_ATOMIC = not dq_separate
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
     THREADS = 32 * NUM_WARPS
     Q_TILES = BLOCK_M // 8  # 8-query column tiles of S^T
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
-    D_TILES = HEAD_DIM // 8  # 8-column tiles of dK and dV
+    D_TILES = PART // 8  # 8-column tiles of a block's dK and dV (or dQ)
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     N_STEPS = BLOCK_N // 16  # k16 steps of dQ += dS K
     # dQ's share of each warp in the dK/dV kernel (atomic dQ only)
-    DQ_PIECES, DQ_TILES, DQ_UNITS = dq_split(HEAD_DIM, BLOCK_M, NUM_WARPS) or (1, 2, 0)
+    DQ_PIECES, DQ_TILES, DQ_UNITS = dq_split(PART, BLOCK_M, NUM_WARPS) or (1, 2, 0)
     ROW, K_BASE, V_BASE, Q_BASE, STAGE, DS_BASE, DS_ROW, _ = shared_memory_layout(
         head_dim, block_m, BLOCK_N, stages, with_ds=DQ_ATOMIC
     )
@@ -198,8 +211,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
 
     @device_function
     def mma_accumulate(acc, frag, b_addr):
-        """acc (16 key rows x HEAD_DIM) += F (16 x BLOCK_M, in ``frag``'s accumulator layout)
-        times B (BLOCK_M x HEAD_DIM, rows of dO or Q, read transposed by ldmatrix)."""
+        """acc (16 key rows x PART) += F (16 x BLOCK_M, in ``frag``'s accumulator layout) times
+        B (BLOCK_M x PART, from rows of dO or Q, read transposed by ldmatrix; ``b_addr`` points
+        at the block's first column)."""
         for kk in range(M_STEPS):
             c = kk * 8  # accumulator tiles 2kk, 2kk+1 are the A fragment of k-step kk
             f0 = pack(frag[c], frag[c + 1])
@@ -286,7 +300,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
 
     @device_function
     def write_rows(out, acc, base, stride, row0, lane, rows, factor):
-        """acc * factor (16 rows x HEAD_DIM) to ``out``'s rows row0.. below ``rows``."""
+        """acc * factor (16 rows x PART) to ``out``'s rows row0.. below ``rows``, from element
+        ``base`` of each (the block's first column)."""
         for h in range(2):
             row = row0 + (lane >> 2) + 8 * h
             if row < rows:
@@ -321,7 +336,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
         warp = tid >> 5
         kv_head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        n0 = cuda.blockIdx.x * BLOCK_N
+        n0 = (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N
+        col_base = (cuda.blockIdx.x % HEAD_SPLIT) * PART  # this block's output columns
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
                                        window_right)  # fmt: skip
@@ -405,8 +421,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
             probabilities_and_ds(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane,
                                  seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
             # -- dV += P^T dO, dK += dS^T Q
-            mma_accumulate(dv_acc, st, do_stage + a_lane)
-            mma_accumulate(dk_acc, dpt, q_stage + a_lane)
+            mma_accumulate(dv_acc, st, do_stage + a_lane + uint32(col_base * 2))
+            mma_accumulate(dk_acc, dpt, q_stage + a_lane + uint32(col_base * 2))
             # -- dQ += dS K through shared memory (unless the dQ kernel computes it)
             if DQ_ATOMIC:
                 store_ds(smem, dpt, warp, lane)
@@ -415,7 +431,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
                 for t in range(DQ_UNITS):
                     unit = warp * DQ_UNITS + t
                     tile = unit // DQ_PIECES
-                    col0 = (unit - tile * DQ_PIECES) * DQ_TILES * 8
+                    col0 = col_base + (unit - tile * DQ_PIECES) * DQ_TILES * 8
                     ds_addr = smem_addr + uint32((DS_BASE + tile * 16 * DS_ROW) * 2) + ds_lane
                     accumulate_dq(dqa, ds_addr, k_trans, col0, dq_acc, dq_head, dq_ss,
                                   m0 + tile * 16, seqlen_q, lane)  # fmt: skip
@@ -424,10 +440,10 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
         row0 = n0 + warp * 16
-        write_rows(dk, dk_acc, batch * dk_sb + kv_head * dk_sh, dk_ss, row0, lane, seqlen_k,
-                   scale)  # fmt: skip
-        write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
-                   float32(1.0))  # fmt: skip
+        write_rows(dk, dk_acc, batch * dk_sb + kv_head * dk_sh + col_base, dk_ss, row0, lane,
+                   seqlen_k, scale)  # fmt: skip
+        write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh + col_base, dv_ss, row0, lane,
+                   seqlen_k, float32(1.0))  # fmt: skip
 
     @device_function
     def row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):
@@ -477,7 +493,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        m0 = cuda.blockIdx.x * BLOCK_N
+        m0 = (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N
+        col_base = (cuda.blockIdx.x % HEAD_SPLIT) * PART  # this block's dQ columns
         last_row = min(m0 + BLOCK_N, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
         n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
@@ -543,13 +560,13 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate)
             row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0 - shift, hi_0 - shift, lo_1 - shift,
                    hi_1 - shift, scale_log2)  # fmt: skip
             # -- dQ += dS K (K read transposed)
-            mma_accumulate(acc, dp, k_stage + a_lane)
+            mma_accumulate(acc, dp, k_stage + a_lane + uint32(col_base * 2))
             if STAGES == 1:
                 k_first += int64(BLOCK_M) * k_ss
                 v_first += int64(BLOCK_M) * v_ss
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
-        write_rows(dq, acc, batch * dq_sb + head * dq_sh, dq_ss, m0 + warp * 16, lane, seqlen_q,
-                   scale)  # fmt: skip
+        write_rows(dq, acc, batch * dq_sb + head * dq_sh + col_base, dq_ss, m0 + warp * 16, lane,
+                   seqlen_q, scale)  # fmt: skip
 
     return Kernels(dkdv, dq_kernel if dq_separate else None)
