@@ -13,7 +13,9 @@ import sys
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
+from numflash import cache  # noqa: E402
 from numflash.config import (  # noqa: E402
+    config_from_dict,
     default_config,
     default_portable_backward_config,
     default_portable_config,
@@ -49,6 +51,28 @@ def report(kernel, dtype, cc, resources, signature=None):
     return entry
 
 
+def shipped_configurations():
+    """Every distinct tuned tensor-core configuration in numflash/configs, compiled for the
+    targets of the architecture its file serves (sm_90.json: sm_90a), with ptxas' report."""
+    results = []
+    for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
+        major = int(path.stem[3:]) // 10
+        targets = [cc for cc in TENSOR_CORE_TARGETS if cc[0] == major]
+        seen = set()
+        for key, entry in cache.shipped_entries(path.stem).items():
+            cfg = config_from_dict(entry["config"])
+            if key.family != "tensor-core" or (key.head_dim, key.dtype, cfg) in seen:
+                continue
+            seen.add((key.head_dim, key.dtype, cfg))
+            kernel = forward.build(key.head_dim, key.dtype, cfg.block_m, cfg.block_n,
+                                   cfg.num_warps, cfg.stages, cfg.q_in_registers)  # fmt: skip
+            for cc in targets:
+                results.append({"family": "shipped", "file": path.name, "head_dim": key.head_dim,
+                                "dtype": key.dtype, "config": cfg.to_dict(),
+                                **report(kernel, key.dtype, cc, resources=True)})  # fmt: skip
+    return results
+
+
 def main(quick):
     results = []
     head_dims = [64, 128] if quick else [32, 64, 96, 128, 256]
@@ -63,6 +87,7 @@ def main(quick):
                 results.append({"family": "tensor-core", "head_dim": hd, "dtype": dtype,
                                 "config": cfg.to_dict(), **entry})  # fmt: skip
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    results += shipped_configurations()
     for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
         cfg = default_portable_config(hd)
         kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
