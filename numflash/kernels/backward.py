@@ -141,6 +141,15 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     to_bits = _TO_BITS[dtype_name]
 
     @device_function
+    def block_position():
+        """(thread, lane, warp, the first of the block's 16 * NUM_WARPS rows (keys in the
+        dK/dV kernel, queries in the dQ kernel), its first output column): grid.x counts
+        HEAD_SPLIT blocks per block of rows."""
+        tid = cuda.threadIdx.x
+        return (tid, tid & 31, tid >> 5, (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N,
+                (cuda.blockIdx.x % HEAD_SPLIT) * PART)  # fmt: skip
+
+    @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
         """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``) to
         shared address ``dst``; rows at or past ``rows_left`` are zero-filled, not read."""
@@ -331,13 +340,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         lse_r = cuda.local.array(STAT_LOADS, float32)
         d_r = cuda.local.array(STAT_LOADS, float32)
 
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
+        tid, lane, warp, n0, col_base = block_position()  # n0: the block's first key
         kv_head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        n0 = (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N
-        col_base = (cuda.blockIdx.x % HEAD_SPLIT) * PART  # this block's output columns
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
                                        window_right)  # fmt: skip
@@ -487,14 +492,10 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         dp = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
 
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
+        tid, lane, warp, m0, col_base = block_position()  # m0: the block's first query row
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        m0 = (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N
-        col_base = (cuda.blockIdx.x % HEAD_SPLIT) * PART  # this block's dQ columns
         last_row = min(m0 + BLOCK_N, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
         n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
