@@ -193,14 +193,17 @@ def _check_config(config, problem, device):
 _launchers = {}
 
 
-def _launcher(family, key):
-    launcher = _launchers.get((family, key))
+def _cached_launcher(key, make):
+    """The Launcher stored under ``key``; ``make()`` builds (and compiles) it on first use."""
+    launcher = _launchers.get(key)
     if launcher is None:
-        build = forward.build if family == TENSOR_CORE else forward_portable.build
-        dtype = key[1]
-        launcher = Launcher(build(*key), forward_signature(dtype))
-        _launchers[(family, key)] = launcher
+        launcher = _launchers[key] = make()
     return launcher
+
+
+def _launcher(family, key):
+    build = forward.build if family == TENSOR_CORE else forward_portable.build
+    return _cached_launcher((family, key), lambda: Launcher(build(*key), forward_signature(key[1])))
 
 
 def _launch_forward(cfg, p, q, k, v, out, lse):
@@ -502,14 +505,19 @@ def _warn_slow_backward(p, deterministic):
 
 
 def _backward_launcher(kind, head_dim, dtype, *tiles):
-    key = ("backward", kind, head_dim, dtype, tiles)
-    launcher = _launchers.get(key)
-    if launcher is None:
-        build = {"preprocess": backward_portable.build_preprocess,
-                 "dkdv": backward_portable.build_dkdv, "dq": backward_portable.build_dq}[kind]  # fmt: skip
-        launcher = Launcher(build(head_dim, dtype, *tiles), backward_signatures(dtype)[kind])
-        _launchers[key] = launcher
-    return launcher
+    build = {"preprocess": backward_portable.build_preprocess,
+             "dkdv": backward_portable.build_dkdv, "dq": backward_portable.build_dq}[kind]  # fmt: skip
+    return _cached_launcher(("backward", kind, head_dim, dtype, tiles), lambda: Launcher(
+        build(head_dim, dtype, *tiles), backward_signatures(dtype)[kind]))
+
+
+def _backward_args(views, p):
+    """A backward kernel's arguments from the (flat, strides) views of its arrays, in order:
+    every array flat, then the (batch, seqlen, head) strides of the 4-D ones (all but LSE and
+    D), then seqlen_q, seqlen_k, heads per kv head, softmax scale and the window."""
+    strides = [s for _, st in views if len(st) == 4 for s in st[:3]]
+    return (*(flat for flat, _ in views), *strides, p.seqlen_q, p.seqlen_k,
+            p.nheads // p.nheads_k, np.float32(p.scale), p.window_left, p.window_right)  # fmt: skip
 
 
 def _preprocess(p, dout, out, lse):
@@ -540,30 +548,21 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     direct = head_dim == p.head_dim
     dq_t, dk_t, dv_t = (g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
                         for g in (dq, dk, dv))  # fmt: skip
-    if cfg.dq_separate:
-        dq_acc = xp.zeros(1, dtype=xp.float32)  # the dK/dV kernel leaves dQ alone
-        dq_acc_strides = (0, 0, 0)
-    else:
-        dq_acc = xp.zeros(q.shape[:-1] + (head_dim,), dtype=xp.float32)
-    views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dk_t, dv_t, dq_acc)]
-    flats = [view[0] for view in views]
-    strides = [s for i, view in enumerate(views) if i not in (4, 5, 8) for s in view[1][:3]]
-    strides += dq_acc_strides if cfg.dq_separate else views[8][1][:3]
-    tail = (p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k, np.float32(p.scale),
-            p.window_left, p.window_right)  # fmt: skip
+    # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
+    acc_shape = (1, 1, 1, 1) if cfg.dq_separate else q.shape[:-1] + (head_dim,)
+    dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
+    inputs = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta)]
     tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     blocks = (p.seqlen_k + cfg.block_n - 1) // cfg.block_n * cfg.head_split
-    grid = (blocks, p.nheads_k, p.batch)
     _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate, cfg.head_split)(
-        grid, cfg.threads, stream, smem, (*flats, *strides, *tail))
+        (blocks, p.nheads_k, p.batch), cfg.threads, stream, smem,
+        _backward_args(inputs + [arrays.kernel_view(x) for x in (dk_t, dv_t, dq_acc)], p))
     if cfg.dq_separate:
-        views = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta, dq_t)]
-        strides = [s for i, view in enumerate(views) if i not in (4, 5) for s in view[1][:3]]
         blocks = (p.seqlen_q + cfg.block_n - 1) // cfg.block_n * cfg.head_split
-        grid = (blocks, p.nheads, p.batch)
         _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True, cfg.head_split)(
-            grid, cfg.threads, stream, smem, (*[view[0] for view in views], *strides, *tail))
+            (blocks, p.nheads, p.batch), cfg.threads, stream, smem,
+            _backward_args(inputs + [arrays.kernel_view(dq_t)], p))
     else:
         rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
         arrays.bits(dq)[...] = arrays.bits(rounded)
@@ -576,43 +575,29 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
 
 def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate, head_split):
     """The Launcher of the tensor-core backward's "dkdv" or "dq" kernel (built on first use)."""
-    key = ("backward", "tensor-core", kind, head_dim, dtype, tiles, dq_separate, head_split)
-    launcher = _launchers.get(key)
-    if launcher is None:
+    def make():
         if kind == "dkdv":
-            built = backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate,
-                                   head_split=head_split)  # fmt: skip
-            launcher = Launcher(built, tensor_core_backward_signature())
-        else:
-            launcher = Launcher(backward.build_dq(head_dim, dtype, *tiles, head_split=head_split),
-                                tensor_core_dq_signature())  # fmt: skip
-        _launchers[key] = launcher
-    return launcher
+            return Launcher(backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate,
+                                           head_split=head_split),
+                            tensor_core_backward_signature())  # fmt: skip
+        return Launcher(backward.build_dq(head_dim, dtype, *tiles, head_split=head_split),
+                        tensor_core_dq_signature())  # fmt: skip
+
+    key = ("backward", "tensor-core", kind, head_dim, dtype, tiles, dq_separate, head_split)
+    return _cached_launcher(key, make)
 
 
 def _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
     lse, delta = _preprocess(p, dout, out, lse)
-    views = {name: arrays.kernel_view(x) for name, x in
-             dict(q=q, k=k, v=v, do=dout, dq=dq, dk=dk, dv=dv).items()}  # fmt: skip
-    flat = {name: view[0] for name, view in views.items()}
-    strides = {name: view[1][:3] for name, view in views.items()}
-    lse_flat, delta_flat = arrays.kernel_view(lse)[0], arrays.kernel_view(delta)[0]
+    inputs = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta)]
     stream = arrays.current_stream()
     d, dtype = p.head_dim, p.dtype
-    tail = (p.seqlen_q, p.seqlen_k, p.nheads // p.nheads_k, np.float32(p.scale),
-            p.window_left, p.window_right)  # fmt: skip
 
     grid = ((p.seqlen_k + cfg.block_n - 1) // cfg.block_n, p.nheads_k, p.batch)
     _backward_launcher("dkdv", d, dtype, cfg.block_m, cfg.block_n)(
         grid, cfg.block_n, stream, 0,
-        (flat["q"], flat["k"], flat["v"], flat["do"], lse_flat, delta_flat, flat["dk"],
-         flat["dv"], *strides["q"], *strides["k"], *strides["v"], *strides["do"],
-         *strides["dk"], *strides["dv"], *tail),
-    )  # fmt: skip
+        _backward_args(inputs + [arrays.kernel_view(dk), arrays.kernel_view(dv)], p))
     grid = ((p.seqlen_q + cfg.block_m - 1) // cfg.block_m, p.nheads, p.batch)
     _backward_launcher("dq", d, dtype, cfg.block_m, cfg.block_n)(
-        grid, cfg.block_m, stream, 0,
-        (flat["q"], flat["k"], flat["v"], flat["do"], lse_flat, delta_flat, flat["dq"],
-         *strides["q"], *strides["k"], *strides["v"], *strides["do"], *strides["dq"], *tail),
-    )  # fmt: skip
+        grid, cfg.block_m, stream, 0, _backward_args(inputs + [arrays.kernel_view(dq)], p))
