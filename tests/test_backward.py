@@ -116,6 +116,7 @@ TC_SIM_CASES = [
     ("float16", 16, 40, 75, 2, "causal", (16, 2, 2, True)),
     ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
     ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
+    ("float16", 16, 20, 50, 1, "none", (16, 1, 1, True)),  # one stage over four key tiles
     # whole tiles that need no mask (all of them; those below the diagonal)
     ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1)),
     ("float16", 16, 64, 64, 2, "causal", (16, 1, 2)),

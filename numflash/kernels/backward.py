@@ -526,7 +526,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
 
-        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss
+        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
         v_first = batch * v_sb + kv_head * v_sh + int64(n_lo) * v_ss
         if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
             load_block_pair(smem_addr + uint32(Q_BASE * 2), k, v, k_first, k_ss, v_first, v_ss,
@@ -548,9 +548,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                                     k_first + int64(BLOCK_M) * k_ss, k_ss,
                                     v_first + int64(BLOCK_M) * v_ss, v_ss,
                                     seqlen_k - n0 - BLOCK_M, tid)  # fmt: skip
-            if STAGES > 1:
-                k_first += int64(BLOCK_M) * k_ss
-                v_first += int64(BLOCK_M) * v_ss
             k_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
             v_stage = k_stage + uint32(DO_OFFSET * 2)
             # -- S = Q K^T and dP = dO V^T for this warp's 16 query rows
@@ -562,9 +559,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                    hi_1 - shift, scale_log2)  # fmt: skip
             # -- dQ += dS K (K read transposed)
             mma_accumulate(acc, dp, k_stage + a_lane + uint32(col_base * 2))
-            if STAGES == 1:
-                k_first += int64(BLOCK_M) * k_ss
-                v_first += int64(BLOCK_M) * v_ss
+            k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
+            v_first += int64(BLOCK_M) * v_ss
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
         write_rows(dq, acc, batch * dq_sb + head * dq_sh + col_base, dq_ss, m0 + warp * 16, lane,
