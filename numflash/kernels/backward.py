@@ -24,11 +24,10 @@ BLOCK_M keys and values streaming, S = Q K^T and dP = dO V^T recomputed, dS = P 
 dQ += dS K summed in registers by one thread per element in key order: deterministic, no
 atomics, at the cost of computing S and dP twice.
 
-numflash.attention_backward takes the atomic version by default for fp16/bf16 (tested on the
-H200, in the simulator on CI). Its atomics make the sum order vary between runs;
-``deterministic=True`` takes the portable kernels unless a configuration with
-``dq_separate=True`` is passed (the dQ kernel has run in the simulator and compiled for
-sm_80-sm_90a, not yet on a GPU).
+numflash.attention_backward takes the separate dQ kernel by default for fp16/bf16: on the H200
+it was faster than the atomics (benchmarks/NOTES.md), and its gradients are bitwise
+reproducible. The atomic version (``dq_separate=False``) sums in an order that varies between
+runs, so ``deterministic=True`` refuses it.
 
 With ``head_split=2`` two blocks share each key block (and each query block of the dQ kernel),
 each accumulating half of the output columns; both compute the scores over the whole head_dim.
@@ -56,7 +55,6 @@ _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 #: arithmetic (the index is scaled past bit 63). Indices here are never negative.
 NON_NEGATIVE = (1 << 63) - 1
 _PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
-_TO_BITS = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16}
 
 
 def shared_memory_layout(head_dim, block_m, block_n, stages, with_ds=True):
@@ -138,7 +136,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     DQ_REGS = DQ_TILES * 4
     mma = _MMA[dtype_name]
     pack = _PACK[dtype_name]
-    to_bits = _TO_BITS[dtype_name]
 
     @device_function
     def block_position():
@@ -278,12 +275,17 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     @device_function
     def store_ds(smem, dpt, warp, lane):
         """dS^T of this warp's key rows into shared memory as dS: row = query, column = key.
-        One base index per lane; every store's offset from it is a compile-time constant."""
+        One base index per lane; every store's offset from it is a compile-time constant.
+        Each key row's two adjacent queries are rounded by one paired cvt (a bf16 rounding
+        of its own costs about eight integer instructions)."""
         base = uint32(DS_BASE + (lane & 3) * 2 * DS_ROW + warp * 16 + (lane >> 2))
         for qt in range(Q_TILES):
-            for e in range(4):
-                offset = (qt * 8 + (e & 1)) * DS_ROW + 8 * (e >> 1)
-                smem[base + uint32(offset)] = to_bits(dpt[qt * 4 + e])
+            for h in range(2):  # key rows key0 and key0 + 8
+                i = qt * 4 + 2 * h
+                pair = pack(dpt[i], dpt[i + 1])  # queries col, col + 1
+                offset = qt * 8 * DS_ROW + 8 * h
+                smem[base + uint32(offset)] = uint16(pair & uint32(0xFFFF))
+                smem[base + uint32(offset + DS_ROW)] = uint16(pair >> uint32(16))
 
     @device_function
     def accumulate_dq(dqa, ds_addr, k_addr, col0, dq_acc, dq_base, dq_ss, q_row0, seqlen_q,
