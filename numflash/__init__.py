@@ -1,7 +1,6 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
 from .api import (
-    PerformanceWarning,
     attention,
     attention_backward,
     selected_backward_config,
@@ -25,6 +24,5 @@ __all__ = [
     "PortableConfig",
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
-    "PerformanceWarning",
     "__version__",
 ]

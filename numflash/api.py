@@ -9,11 +9,10 @@ import contextlib
 import dataclasses
 import math
 import numbers
-import warnings
 
 import numpy as np
 
-from . import arrays, config as configs
+from . import arrays, cache, config as configs
 from .device import PORTABLE_BACKWARD, TENSOR_CORE, TENSOR_CORE_BACKWARD, current_device
 from .kernels import backward, backward_portable, forward, forward_portable
 from .kernels.jit import (
@@ -261,14 +260,12 @@ def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None)
     ``numflash autotune``) or "heuristic". Takes the same arguments and raises the same errors
     as :func:`attention`; launches nothing.
     """
-    from .cache import Selection
-
     q, k, v, p = _problem(q, k, v, causal, None, window_size)
     with _on_device(q):
         device = current_device()
         cfg = _check_config(config, p, device)
         if cfg is not None:
-            return Selection(cfg, "forced")
+            return cache.Selection(cfg, "forced")
         return configs.choose_config(device.preferred_family(p.dtype), p, device)
 
 
@@ -359,14 +356,12 @@ def selected_backward_config(q, k, v, *, causal=False, window_size=(-1, -1),
                              deterministic=False, config=None):  # fmt: skip
     """The configuration ``attention_backward`` would run with for these inputs, and where it
     comes from: ``(config, source)`` as :func:`selected_config` returns it. Launches nothing."""
-    from .cache import Selection
-
     q, k, v, p = _problem(q, k, v, causal, None, window_size)
     deterministic = _check_flag(deterministic, "deterministic")
     with _on_device(q):
         cfg = _check_backward_config(config, p, deterministic)
         if cfg is not None:
-            return Selection(cfg, "forced")
+            return cache.Selection(cfg, "forced")
         return _choose_backward(p, current_device(), deterministic)
 
 
@@ -377,16 +372,17 @@ _PREPROCESS_BLOCK = 128
 def _choose_backward(p, device, deterministic):
     """The backward configuration of a call without ``config=`` (a cache.Selection).
 
-    The tensor-core kernel for fp16/bf16 up to head_dim 128, unless deterministic gradients
-    are asked for: tuned, or its heuristic tiles where the forward too prefers the tensor
-    cores (GPUs with mma.sync; the simulator takes it only when tuned). Else the portable
-    kernels.
+    The tensor-core kernel for fp16/bf16: tuned, or its heuristic tiles where the forward too
+    prefers the tensor cores (GPUs with mma.sync; the simulator takes it only when tuned).
+    Else the portable kernels. With ``deterministic`` a tuned configuration that adds dQ up
+    with atomics gets the separate dQ kernel instead (same tiles).
     """
-    head_dim = configs.tensor_core_backward_head_dim(p.head_dim)
-    if (not deterministic and p.dtype != "float32" and device.supports(TENSOR_CORE)
-            and head_dim <= configs.TensorCoreBackwardConfig.DEFAULT_MAX_HEAD_DIM):  # fmt: skip
+    if p.dtype != "float32" and device.supports(TENSOR_CORE):
         selection = configs.choose_config(TENSOR_CORE_BACKWARD, p, device)
         if selection.source != "heuristic" or device.preferred_family(p.dtype) == TENSOR_CORE:
+            if deterministic and not selection.config.dq_separate:
+                return cache.Selection(dataclasses.replace(selection.config, dq_separate=True),
+                                       selection.source + ", dq_separate for deterministic=True")
             return selection
     return configs.choose_config(PORTABLE_BACKWARD, p, device)
 
@@ -431,19 +427,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
             recomputed from q, k and lse, never stored.
         causal, softmax_scale, window_size: as given to the forward call.
-        deterministic: ask for bitwise reproducible gradients. The portable kernels sum in a
-            fixed order and always are; the tensor-core kernel adds dQ up with atomics and is
-            not, unless its ``dq_separate=True`` (a second kernel computes dQ in a fixed
-            order). With the flag and no ``config`` the portable kernels run; a forced
-            tensor-core configuration without ``dq_separate`` is refused.
+        deterministic: ask for bitwise reproducible gradients. The portable kernels and the
+            tensor-core kernel with ``dq_separate=True`` (the default: a second kernel
+            computes dQ in a fixed order) always are; a tensor-core configuration with
+            ``dq_separate=False`` adds dQ up with atomics in no fixed order. With the flag, a
+            tuned configuration of that kind runs with ``dq_separate=True`` instead, and a
+            forced one is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, or the tensor-core kernel
             with a :class:`numflash.TensorCoreBackwardConfig` (fp16/bf16; head_dim above 128
             needs ``head_split=2``).
-            By default the tensor-core kernel runs for fp16/bf16 up to head_dim 128 on GPUs
-            with mma.sync (compute capability 8.0+), with its tiles from ``numflash autotune
-            --family tensor-core-backward`` where tuned; the portable kernels run for float32,
-            head_dim above 128, ``deterministic=True`` and older GPUs
-            (:func:`selected_backward_config` tells which).
+            By default the tensor-core kernel runs for fp16/bf16 on GPUs with mma.sync
+            (compute capability 8.0+), with its tiles from ``numflash autotune --family
+            tensor-core-backward`` where tuned; the portable kernels run for float32 and
+            older GPUs (:func:`selected_backward_config` tells which).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
@@ -466,9 +462,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         if cfg is None:
             device = current_device()
             cfg = _choose_backward(p, device, deterministic).config
-            if (isinstance(cfg, configs.PortableBackwardConfig)
-                    and device.preferred_family(p.dtype) == TENSOR_CORE):  # fmt: skip
-                _warn_slow_backward(p, deterministic)
         dq = xp.empty(q.shape, dtype=q.dtype)
         dk = xp.empty(k.shape, dtype=k.dtype)
         dv = xp.empty(v.shape, dtype=v.dtype)
@@ -480,28 +473,6 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         else:
             _backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
-
-
-class PerformanceWarning(UserWarning):
-    """A call runs correctly but on a much slower path than its inputs suggest; filter it with
-    ``warnings.filterwarnings("ignore", category=numflash.PerformanceWarning)``."""
-
-
-_slow_backward_warned = set()
-
-
-def _warn_slow_backward(p, deterministic):
-    """Once per reason and process: fp16/bf16 on a GPU with tensor cores, yet the portable
-    backward runs (hundreds of times slower than the tensor-core one)."""
-    reason = ("deterministic=True (the tensor-core backward adds dQ up with atomics)"
-              if deterministic else
-              f"head_dim={p.head_dim} (the tensor-core backward runs by default up to head_dim "
-              f"{configs.TensorCoreBackwardConfig.DEFAULT_MAX_HEAD_DIM})")  # fmt: skip
-    if reason not in _slow_backward_warned:
-        _slow_backward_warned.add(reason)
-        warnings.warn(f"numflash.attention_backward: {reason}, so the portable kernels run, "
-                      "without tensor cores: expect it to be several hundred times slower",
-                      PerformanceWarning, stacklevel=3)  # fmt: skip
 
 
 def _backward_launcher(kind, head_dim, dtype, *tiles):

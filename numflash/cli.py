@@ -35,7 +35,6 @@ def info(out=sys.stdout):
     """Print what numflash runs with and where; returns the exit status (always 0)."""
     import numflash
     from numflash.cache import cache_dir
-    from numflash.config import TensorCoreBackwardConfig
     from numflash.device import TENSOR_CORE, current_device, gpu_available
     from numflash.kernels.jit import SIMULATOR
 
@@ -68,9 +67,7 @@ def info(out=sys.stdout):
         )
         if dev.supports(TENSOR_CORE):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
-            backward = ("tensor-core (float16, bfloat16, head_dim <= "
-                        f"{TensorCoreBackwardConfig.DEFAULT_MAX_HEAD_DIM}); portable (float32, "
-                        "larger head_dim, deterministic=True)")  # fmt: skip
+            backward = "tensor-core (float16, bfloat16); portable (float32)"
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
             backward = "portable (every dtype)"

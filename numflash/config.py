@@ -204,7 +204,10 @@ class TensorCoreBackwardConfig(_Config):
     - ``dq_separate``: dQ from a second kernel (one block per ``16 * num_warps`` query rows,
       tiles of ``block_m`` keys, S and dP computed again) that sums each element in a fixed
       order, instead of fp32 atomics from the dK/dV kernel. Deterministic; costs the
-      recomputation, saves the atomics.
+      recomputation, saves the atomics and the dS round trip through shared memory. On the
+      H200 it was the faster of the two (2026-11-30, head_dim 128, seqlen 4096, fp16,
+      ``benchmarks/backward_variants.py``: 14.0 vs 14.9 ms non-causal, 8.1 vs 8.8 ms causal
+      at 64 x 128), so it is the default.
     - ``head_split``: blocks that share each key (or query) block, each accumulating
       ``head_dim / head_split`` output columns while computing the scores over all of
       head_dim. 2 is needed above head_dim 128 (the accumulators must fit in registers); at
@@ -214,14 +217,11 @@ class TensorCoreBackwardConfig(_Config):
     block_m: int = knob(64, (16, 32, 64, 128))
     num_warps: int = knob(8, (1, 2, 4, 8))
     stages: int = knob(2, (1, 2))
-    dq_separate: bool = knob(False, (False, True))
+    dq_separate: bool = knob(True, (True, False))
     head_split: int = knob(1, (1, 2))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
     MAX_HEAD_DIM: ClassVar[int] = 256  # 128 output columns per block at most
-    #: Where attention_backward takes this kernel without being asked: validated on the H200
-    #: up to head_dim 128; above it (head_split=2) only in the simulator and compile checks.
-    DEFAULT_MAX_HEAD_DIM: ClassVar[int] = 128
 
     @property
     def block_n(self):
@@ -320,24 +320,37 @@ def tensor_core_backward_head_dim(head_dim):
     return round_up(head_dim, 16 if head_dim <= 128 else 32)
 
 
-def default_tensor_core_backward_config(head_dim):
-    """The tensor-core backward's heuristic (head_dim as tensor_core_backward_head_dim gives).
+def default_tensor_core_backward_config(head_dim, device=None):
+    """The tensor-core backward's heuristic (head_dim as tensor_core_backward_head_dim gives):
+    the first of a short list that fits ``device`` (any device when None).
 
-    Above head_dim 128: 32 query rows x 64 keys (4 warps), 2 stages, the columns split over
-    two blocks: the largest tiles whose K, V, Q and dO fit in shared memory at 256 (not yet
-    measured on a GPU).
+    dQ from its own kernel (``dq_separate``) everywhere: faster than the atomics on the H200,
+    and deterministic.
 
-    8 warps (128 keys per block) with 64-row query blocks in two stages where dQ's split comes
-    out even (head_dim a multiple of 32), else 4 warps. On the H200 (2026-11-30, one-stage
-    kernel, benchmarks/backward_variants.py) time fell almost in proportion to the warps per
-    block (shared memory allows one or two blocks per SM): 8 warps were fastest at head_dim 64
-    and 128, causal and not.
+    Up to head_dim 128: 64 query rows x 128 keys (8 warps), two stages. On the H200
+    (2026-11-30, benchmarks/backward_variants.py, head_dim 128, seqlen 4096, fp16) 64 x 128
+    was the fastest tiling non-causal (14.0 ms; 64 x 64: 14.1, 32 x 64: 15.0, 128 x 128: 15.3)
+    and within 2% of the fastest causal (8.07 vs 7.90 ms at 64 x 64).
+
+    Above head_dim 128 the columns are split over two blocks (the accumulators must fit in
+    registers): 32 x 128 (8 warps), 2 stages. On the H200 (same day and script, head_dim
+    256, seqlen 4096, fp16) it took 24.6 ms non-causal and 13.3 causal, against 30.1 and
+    15.9 for 32 x 64 and 28.8 and 15.3 for 64 x 64.
+
+    The rest of each list is for GPUs with less shared memory per block (sm_80: 163 KiB,
+    sm_86/89: 99 KiB), not measured there: 32 x 64 in two stages, then one stage of 16 rows.
     """
     if head_dim > 128:
-        return TensorCoreBackwardConfig(block_m=32, num_warps=4, stages=2, head_split=2)
-    if head_dim % 32 == 0:
-        return TensorCoreBackwardConfig(block_m=64, num_warps=8, stages=2)
-    return TensorCoreBackwardConfig(block_m=64, num_warps=4, stages=2)
+        candidates = [TensorCoreBackwardConfig(32, 8, 2, head_split=2),
+                      TensorCoreBackwardConfig(32, 4, 2, head_split=2),
+                      TensorCoreBackwardConfig(16, 4, 1, head_split=2)]  # fmt: skip
+    else:
+        candidates = [TensorCoreBackwardConfig(64, 8, 2), TensorCoreBackwardConfig(32, 4, 2),
+                      TensorCoreBackwardConfig(16, 4, 1)]  # fmt: skip
+    for cfg in candidates:
+        if device is None or not cfg.problems(head_dim, device):
+            return cfg
+    return candidates[-1]
 
 
 _choices = {}
@@ -369,7 +382,7 @@ def default_config(family, head_dim, device):
         return head_dim, default_portable_backward_config(head_dim)
     if family == TENSOR_CORE_BACKWARD:
         head_dim = tensor_core_backward_head_dim(head_dim)
-        return head_dim, default_tensor_core_backward_config(head_dim)
+        return head_dim, default_tensor_core_backward_config(head_dim, device)
     if family != TENSOR_CORE:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     head_dim = round_up(head_dim, 8)

@@ -15,6 +15,7 @@ os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 from numflash import cache  # noqa: E402
 from numflash.config import (  # noqa: E402
+    TensorCoreBackwardConfig,
     config_from_dict,
     default_config,
     default_portable_backward_config,
@@ -106,10 +107,14 @@ def main(quick):
                 entry = report(kernel, dtype, cc, resources=False, signature=signatures[name])
                 results.append({"family": "portable-backward", "kernel": name, "head_dim": hd,
                                 "dtype": dtype, "config": cfg.to_dict(), **entry})  # fmt: skip
-    for hd, dtype in [(64, "float16"), (128, "bfloat16"), (256, "bfloat16")]:
-        cfg = default_config("tensor-core-backward", hd, None)[1]
+    # the defaults (dQ from its own kernel), and dQ by atomics from the dK/dV kernel
+    atomic = TensorCoreBackwardConfig(64, 8, 2, dq_separate=False)
+    for hd, dtype, cfg in [(64, "float16", None), (128, "bfloat16", None),
+                           (256, "bfloat16", None), (128, "float16", atomic)]:  # fmt: skip
+        cfg = cfg or default_config("tensor-core-backward", hd, None)[1]
         tiles, split = (cfg.block_m, cfg.num_warps, cfg.stages), cfg.head_split
-        kernels = {"dkdv": (backward.build(hd, dtype, *tiles, head_split=split),
+        kernels = {"dkdv": (backward.build(hd, dtype, *tiles, dq_separate=cfg.dq_separate,
+                                           head_split=split),
                             tensor_core_backward_signature()),
                    "dq": (backward.build_dq(hd, dtype, *tiles, head_split=split),
                           tensor_core_dq_signature())}  # fmt: skip

@@ -43,19 +43,22 @@ CASES = [
 ]
 
 
-#: The tensor-core backward, forced: two stages, one stage, dQ split by columns, dQ kernel,
-#: head_dim split over two blocks.
+#: The tensor-core backward, forced: atomic dQ (two stages, one stage, split by columns), the
+#: dQ kernel, head_dim split over two blocks.
 TC_BACKWARD = [
-    ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True), TensorCoreBackwardConfig(64, 8, 2)),
-    ("bfloat16", 2, 130, 77, 2, 2, 128, dict(), TensorCoreBackwardConfig(64, 8, 2)),
-    ("float16", 1, 65, 65, 4, 2, 40, dict(window_size=(16, 8)), TensorCoreBackwardConfig(16, 1, 1)),
-    ("bfloat16", 1, 200, 150, 2, 1, 96, dict(causal=True), TensorCoreBackwardConfig(32, 4, 2)),
+    ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True),
+     TensorCoreBackwardConfig(64, 8, 2, dq_separate=False)),
+    ("bfloat16", 2, 130, 77, 2, 2, 128, dict(), TensorCoreBackwardConfig(64, 8, 2, False)),
+    ("float16", 1, 65, 65, 4, 2, 40, dict(window_size=(16, 8)),
+     TensorCoreBackwardConfig(16, 1, 1, False)),
+    ("bfloat16", 1, 200, 150, 2, 1, 96, dict(causal=True),
+     TensorCoreBackwardConfig(32, 4, 2, False)),
     ("float16", 2, 150, 201, 4, 2, 128, dict(causal=True),
      TensorCoreBackwardConfig(64, 8, 2, dq_separate=True)),
     ("bfloat16", 1, 90, 70, 2, 1, 64, dict(window_size=(9, 4)),
      TensorCoreBackwardConfig(32, 2, 1, dq_separate=True)),
     ("bfloat16", 1, 100, 180, 2, 1, 256, dict(causal=True),
-     TensorCoreBackwardConfig(32, 4, 2, head_split=2)),
+     TensorCoreBackwardConfig(32, 4, 2, False, 2)),
     ("float16", 1, 70, 90, 2, 2, 160, dict(), TensorCoreBackwardConfig(32, 4, 2, True, 2)),
 ]
 

@@ -105,21 +105,21 @@ def test_strided_inputs_and_softmax_scale():
 # -- the tensor-core kernel --------------------------------------------------------------------------
 
 TC_SIM_CASES = [
-    ("float16", 16, 9, 21, 1, "none", (16, 1)),
-    ("bfloat16", 32, 20, 13, 2, "causal", (32, 2)),
-    ("float16", 24, 17, 17, 2, "window", (16, 1)),
-    ("bfloat16", 16, 33, 7, 2, "causal", (16, 1)),  # the first rows see no key
-    ("float16", 16, 70, 80, 2, "causal", (64, 4)),  # several query blocks, two stages
-    ("bfloat16", 32, 45, 40, 2, "none", (32, 4, 1)),  # dQ split by columns; one stage
-    ("float16", 32, 50, 70, 1, "causal", (32, 4, 2)),  # dQ split by columns; two stages
+    ("float16", 16, 9, 21, 1, "none", (16, 1, 2, False)),
+    ("bfloat16", 32, 20, 13, 2, "causal", (32, 2, 2, False)),
+    ("float16", 24, 17, 17, 2, "window", (16, 1, 2, False)),
+    ("bfloat16", 16, 33, 7, 2, "causal", (16, 1, 2, False)),  # the first rows see no key
+    ("float16", 16, 70, 80, 2, "causal", (64, 4, 2, False)),  # several query blocks, two stages
+    ("bfloat16", 32, 45, 40, 2, "none", (32, 4, 1, False)),  # dQ split by columns; one stage
+    ("float16", 32, 50, 70, 1, "causal", (32, 4, 2, False)),  # dQ split by columns; two stages
     # dQ from the separate kernel (deterministic): several key tiles, both stage counts
     ("float16", 16, 40, 75, 2, "causal", (16, 2, 2, True)),
     ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
     ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
     ("float16", 16, 20, 50, 1, "none", (16, 1, 1, True)),  # one stage over four key tiles
     # whole tiles that need no mask (all of them; those below the diagonal)
-    ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1)),
-    ("float16", 16, 64, 64, 2, "causal", (16, 1, 2)),
+    ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1, False)),
+    ("float16", 16, 64, 64, 2, "causal", (16, 1, 2, False)),
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
     ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
     ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),
@@ -139,13 +139,13 @@ TC_GPU_CASES = [
     pytest.param(dtype, hd, sq, sk, gqa, mask, tiles,
                  id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-" + "x".join(map(str, tiles)))
     for dtype, hd, (sq, sk), gqa, mask, tiles in [
-        ("float16", 64, (1023, 517), 1, "causal", (64, 4)),
-        ("bfloat16", 128, (256, 256), 2, "none", (64, 4)),
-        ("float16", 128, (113, 203), 4, "window", (32, 2)),
-        ("bfloat16", 96, (517, 1023), 1, "causal", (128, 8)),
-        ("float16", 40, (300, 300), 2, "none", (64, 2)),
-        ("bfloat16", 64, (300, 451), 1, "window", (32, 4, 1)),  # one stage, dQ split by columns
-        ("float16", 128, (777, 777), 2, "causal", (64, 8, 1)),
+        ("float16", 64, (1023, 517), 1, "causal", (64, 4, 2, False)),
+        ("bfloat16", 128, (256, 256), 2, "none", (64, 4, 2, False)),
+        ("float16", 128, (113, 203), 4, "window", (32, 2, 2, False)),
+        ("bfloat16", 96, (517, 1023), 1, "causal", (128, 8, 2, False)),
+        ("float16", 40, (300, 300), 2, "none", (64, 2, 2, False)),
+        ("bfloat16", 64, (300, 451), 1, "window", (32, 4, 1, False)),  # 1 stage, dQ split by cols
+        ("float16", 128, (777, 777), 2, "causal", (64, 8, 1, False)),
         ("bfloat16", 128, (1023, 517), 2, "causal", (64, 8, 2, True)),  # the dQ kernel
         ("float16", 64, (300, 451), 1, "window", (128, 4, 2, True)),
         ("float16", 96, (113, 203), 4, "none", (32, 2, 1, True)),
@@ -174,14 +174,15 @@ def test_tensor_core_backward_with_separate_dq_is_deterministic(fwd):
 
 def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
     with pytest.raises(ValueError, match="deterministic=True needs dq_separate=True"):
-        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 1), deterministic=True)
+        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False),
+              deterministic=True)
     q32 = random_array((1, 5, 2, 8), "float32")
     k32, v32 = (random_array((1, 6, 1, 8), "float32") for _ in range(2))
     with pytest.raises(TypeError, match="tensor-core backward takes float16 or bfloat16"):
         _call(fwd, q=q32, k=k32, v=v32, dout=q32, out=q32,
               config=numflash.TensorCoreBackwardConfig(16, 1))  # fmt: skip
     with pytest.raises(ValueError, match="2 warps cannot share dQ's 1 row tiles x 2 column"):
-        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 2))
+        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 2, dq_separate=False))
     big = dict(q=random_array((1, 5, 2, 256), "float16"), dout=random_array((1, 5, 2, 256), "float16"),
                out=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256), "float16"),
                v=random_array((1, 6, 1, 256), "float16"))  # fmt: skip
@@ -224,8 +225,8 @@ def _poison_pool(nbytes=64 << 20):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, numflash.TensorCoreBackwardConfig(dq_separate=True)],
-                         ids=["default", "tensor-core-dq-separate"])  # fmt: skip
+@pytest.mark.parametrize("config", [None, numflash.PortableBackwardConfig()],
+                         ids=["default-tensor-core", "portable"])  # fmt: skip
 def test_backward_is_deterministic(config):
     q, k, v = random_qkv(2, 777, 777, 8, 2, 128, "bfloat16")
     dout, *first = _run(q, k, v, dict(causal=True), deterministic=True, config=config)
@@ -256,27 +257,30 @@ def _call(fwd, **changes):
                                        args["out"], args["lse"], **kw)  # fmt: skip
 
 
-def test_portable_fallback_on_a_tensor_core_gpu_warns_once_per_reason(fwd, monkeypatch):
+def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, monkeypatch):
+    """fp16/bf16 on a GPU with mma.sync: the tensor-core backward at every head_dim and with
+    deterministic=True, where a tuned atomic configuration gets the dQ kernel instead."""
     import dataclasses
-    import warnings
 
-    from numflash import api
+    from numflash import api, cache
 
     gpu = dataclasses.replace(numflash.device.current_device(), compute_capability=(9, 0),
                               simulated=False)  # fmt: skip
     monkeypatch.setattr(api, "current_device", lambda: gpu)
-    monkeypatch.setattr(api, "_slow_backward_warned", set())
-    with pytest.warns(numflash.PerformanceWarning, match="deterministic=True .* portable kernels"):
-        _call(fwd, deterministic=True)
-    big = {name: random_array(x.shape[:-1] + (256,), "float16")
-           for name, x in fwd.items() if name in ("dout", "q", "k", "v", "out")}  # fmt: skip
-    with pytest.warns(numflash.PerformanceWarning, match="head_dim=256 .* up to head_dim 128"):
-        _call(fwd, **big)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _call(fwd, deterministic=True)  # each reason warns once per process
-        _call(fwd, **big)
-        _call(fwd, deterministic=True, config=numflash.PortableBackwardConfig())  # asked for
+    q, k, v = fwd["q"], fwd["k"], fwd["v"]
+    big = [random_array(x.shape[:-1] + (256,), "float16") for x in (q, k, v)]
+    for args, kw in [((q, k, v), {}), ((q, k, v), dict(deterministic=True)), (big, {})]:
+        cfg, source = numflash.selected_backward_config(*args, **kw)
+        assert isinstance(cfg, numflash.TensorCoreBackwardConfig) and cfg.dq_separate
+        assert source == "heuristic"
+    assert numflash.selected_backward_config(*big)[0].head_split == 2
+
+    tuned = cache.Selection(numflash.TensorCoreBackwardConfig(32, 4, dq_separate=False), "user X")
+    monkeypatch.setattr(api.configs, "choose_config", lambda family, p, device: tuned)
+    assert numflash.selected_backward_config(q, k, v) == tuned
+    cfg, source = numflash.selected_backward_config(q, k, v, deterministic=True)
+    assert cfg == numflash.TensorCoreBackwardConfig(32, 4, dq_separate=True)
+    assert source == "user X, dq_separate for deterministic=True"
 
 
 def test_dout_of_the_wrong_shape(fwd):

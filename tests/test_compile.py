@@ -101,14 +101,17 @@ def test_tensor_core_backward_compiles_for_every_target(compiled):
                 part // 8), e
             assert e["counts"]["ex2.approx"] > 0
             continue
-        # Per warp and query block: the scores, dV and dK ((block_m/16) (part/8) each), dQ (its
-        # pieces per warp, each (16 warps / 16) k-steps of its 8-column tiles).
+        # Per warp and query block: the scores, dV and dK ((block_m/16) (part/8) each), and
+        # with atomic dQ its pieces per warp, each (16 warps / 16) k-steps of its 8-column tiles.
         per_block = scores + 2 * (block_m // 16) * (part // 8)
-        _, tiles, units = dq_split(part, block_m, warps)
-        per_block += units * warps * tiles
+        if not cfg["dq_separate"]:
+            _, tiles, units = dq_split(part, block_m, warps)
+            per_block += units * warps * tiles
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == per_block, e
         assert e["counts"]["ldmatrix.sync.aligned"] > 0 and e["counts"]["ex2.approx"] > 0
-    # The default tiles fit in registers at head_dim 64, 128 and 256 (ptxas, sm_90a)
+    assert {e["config"]["dq_separate"] for e in entries} == {True, False}
+    # The default tiles (and the atomic 64 x 128) fit in registers at head_dim 64, 128 and 256
+    # (ptxas, sm_90a)
     for e in entries:
         if "resources" in e:
             assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e

@@ -1,6 +1,7 @@
 """The autotuner's CPU side: search spaces, the configuration cache, the CLI's plan, and one
 real study in the simulator whose winner the next call uses."""
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -256,17 +257,29 @@ def test_backward_families_have_defaults_and_spaces():
     assert default_config("portable-backward", 40, H200) == (40, PortableBackwardConfig(64, 64))
     from numflash.kernels.backward import dq_split
 
-    # head_dim 48: 6 column tiles of dQ cannot go to 8 warps in pairs, so 4 warps
+    # the dQ kernel (the default) has no dQ split to even out: 8 warps at head_dim 48 too
     assert default_config("tensor-core-backward", 40, H200) == (
-        48, TensorCoreBackwardConfig(64, 4, 2))
+        48, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
     assert default_config("tensor-core-backward", 128, H200) == (
-        128, TensorCoreBackwardConfig(64, 8, 2))
+        128, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
     feasible = space.feasible_points(TensorCoreBackwardConfig, 128, H200)
     assert TensorCoreBackwardConfig() in feasible
-    assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible)
-    assert TensorCoreBackwardConfig(128, 8, 2) not in feasible  # 244 KiB of shared memory
+    # head_dim 48's 6 column tiles of dQ cannot go to 8 warps in pairs: atomic dQ is pruned
+    assert TensorCoreBackwardConfig(64, 8, 2, dq_separate=False) not in (
+        space.feasible_points(TensorCoreBackwardConfig, 48, H200))
+    assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible
+               if not cfg.dq_separate)  # fmt: skip
+    # 244 KiB of shared memory with dS; 2 x 8 KiB less without it
+    assert TensorCoreBackwardConfig(128, 8, 2, dq_separate=False) not in feasible
     assert default_config("tensor-core-backward", 200, H200) == (
-        224, TensorCoreBackwardConfig(32, 4, 2, head_split=2))
+        224, TensorCoreBackwardConfig(32, 8, 2, dq_separate=True, head_split=2))
+    # less shared memory per block (sm_86/89: 99 KiB): smaller tiles that fit
+    small = dataclasses.replace(H200, max_shared_per_block=99 * 1024)
+    for hd in (64, 128, 256):
+        padded, cfg = default_config("tensor-core-backward", hd, small)
+        assert not cfg.problems(padded, small), (hd, cfg)
+    assert default_config("tensor-core-backward", 256, small)[1] == TensorCoreBackwardConfig(
+        16, 4, 1, head_split=2)
     wide = space.feasible_points(TensorCoreBackwardConfig, 256, H200)
     assert wide and all(cfg.head_split == 2 for cfg in wide)  # 128 columns a block at most
 
@@ -282,7 +295,7 @@ def test_cli_dry_run_plans_the_backward(tmp_path):
     assert "tensor-core-backward/bfloat16/hd48/full/s1024:" in proc.stdout
 
 
-def test_tuned_tensor_core_backward_is_chosen_unless_deterministic(cache_dirs):
+def test_tuned_tensor_core_backward_is_chosen_with_the_dq_kernel_if_deterministic(cache_dirs):
     from numflash.config import TensorCoreBackwardConfig
 
     device = numflash.device.current_device()
@@ -290,13 +303,14 @@ def test_tuned_tensor_core_backward_is_chosen_unless_deterministic(cache_dirs):
     expected = "tensor-core-backward" if device.preferred_family("float16") == "tensor-core" else (
         "portable-backward")
     assert numflash.selected_backward_config(q, k, v).config.family == expected
-    tuned = TensorCoreBackwardConfig(32, 2)
+    tuned = TensorCoreBackwardConfig(32, 2, dq_separate=False)
     key = cache.ProblemKey("tensor-core-backward", "float16", 64, "full", 128)
     cache.record(device, {key: entry(tuned)})
     chosen = numflash.selected_backward_config(q, k, v)
     assert chosen.config == tuned and chosen.source.startswith("user cache")
-    assert numflash.selected_backward_config(q, k, v, deterministic=True).config.family == (
-        "portable-backward")
+    chosen = numflash.selected_backward_config(q, k, v, deterministic=True)
+    assert chosen.config == TensorCoreBackwardConfig(32, 2, dq_separate=True)
+    assert chosen.source.endswith(", dq_separate for deterministic=True")
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
