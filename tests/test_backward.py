@@ -120,6 +120,9 @@ TC_SIM_CASES = [
     # whole tiles that need no mask (all of them; those below the diagonal)
     ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1, False)),
     ("float16", 16, 64, 64, 2, "causal", (16, 1, 2, False)),
+    # the same with the dQ kernel, two warps: some warps see their tile whole, others not
+    ("float16", 16, 64, 96, 2, "none", (32, 2, 2, True)),
+    ("bfloat16", 32, 64, 64, 1, "causal", (32, 2, 2, True)),
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
     ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
     ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),

@@ -46,7 +46,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
 from .jit import device_function, kernel
-from .softmax import block_key_range, visible_keys
+from .softmax import block_key_range, tile_needs_mask, visible_keys
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
@@ -242,35 +242,58 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         return int32(lo - first), int32(hi - first)
 
     @device_function
+    def all_visible(row_lo, row_hi, key_lo, key_hi, seqlen_q, seqlen_k, wl, wr):
+        """Whether every query row in [row_lo, row_hi) exists and sees every key in [key_lo,
+        key_hi) (which then all exist). The same for every lane of a warp given the warp's
+        rows and keys: a warp-uniform branch."""
+        return row_hi <= seqlen_q and not tile_needs_mask(row_lo, row_hi - 1, key_lo, key_hi,
+                                                          seqlen_q, seqlen_k, wl, wr)  # fmt: skip
+
+    @device_function
+    def p_and_ds(s, dp, neg_lse, d, scale_log2):
+        """(P, dS = P (dP - D)) of one element, P = exp2(S * scale * log2(e) - lse)."""
+        p = ptx.exp2(ptx.fma(s, scale_log2, neg_lse))
+        return p, p * (dp - d)
+
+    @device_function
     def probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
                              seqlen_k, scale_log2, wl, wr):  # fmt: skip
         """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and key0 + 8
         (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
 
-        Branch-free: every element is computed and masked ones are selected away, and each
-        query's LSE and D are read once for both key rows (``stats`` is the block's offset in
-        the shared tiles). Per element branches cost a reconvergence barrier and a serial
-        shared-load -> ex2 chain each."""
+        No branch per element: every element is computed and masked ones are selected away,
+        and each query's LSE and D are read once for both key rows (``stats`` is the block's
+        offset in the shared tiles). Per element branches cost a reconvergence barrier and a
+        serial shared-load -> ex2 chain each. A warp that sees every pair of the block (most
+        warps, in most blocks) takes a copy without the tests: one warp-uniform branch."""
         lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
         lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
-        for qt in range(Q_TILES):
-            for e in range(2):
-                col = qt * 8 + e
-                neg_lse = -lse_tile[first + uint32(col)]
-                d = d_tile[first + uint32(col)]
-                i = qt * 4 + e  # key row key0
-                p = ptx.exp2(ptx.fma(st[i], scale_log2, neg_lse))
-                seen = (lo0 <= col) & (col < hi0)
-                ds = p * (dpt[i] - d)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
-                i += 2  # key row key0 + 8
-                p = ptx.exp2(ptx.fma(st[i], scale_log2, neg_lse))
-                seen = (lo1 <= col) & (col < hi1)
-                ds = p * (dpt[i] - d)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
+        warp_key = key0 - (lane >> 2)
+        if all_visible(m0, m0 + BLOCK_M, warp_key, warp_key + 16, seqlen_q, seqlen_k, wl, wr):
+            for qt in range(Q_TILES):
+                for e in range(2):
+                    col = qt * 8 + e
+                    neg_lse = -lse_tile[first + uint32(col)]
+                    d = d_tile[first + uint32(col)]
+                    for i in (qt * 4 + e, qt * 4 + e + 2):  # key rows key0, key0 + 8
+                        st[i], dpt[i] = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+        else:
+            for qt in range(Q_TILES):
+                for e in range(2):
+                    col = qt * 8 + e
+                    neg_lse = -lse_tile[first + uint32(col)]
+                    d = d_tile[first + uint32(col)]
+                    i = qt * 4 + e  # key row key0
+                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
+                    st[i] = p if seen else float32(0.0)
+                    dpt[i] = ds if seen else float32(0.0)
+                    i += 2  # key row key0 + 8
+                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
+                    st[i] = p if seen else float32(0.0)
+                    dpt[i] = ds if seen else float32(0.0)
 
     @device_function
     def store_ds(smem, dpt, warp, lane):
@@ -455,18 +478,28 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     @device_function
     def row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):
         """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
-        second, of every key tile), P = exp2(S * scale * log2(e) - lse); 0 where masked.
-        lo/hi: the visible keys relative to this lane's first column. Branch-free."""
+        second, of every key tile); 0 where masked. lo/hi: the visible keys relative to this
+        lane's first column. No branch per element (see probabilities_and_ds)."""
         for qt in range(Q_TILES):
             for e in range(4):
                 i = qt * 4 + e
                 col = qt * 8 + (e & 1)
                 second = e >= 2
-                p = ptx.exp2(ptx.fma(s[i], scale_log2, -(lse_1 if second else lse_0)))
-                ds = p * (dp[i] - (d_1 if second else d_0))
+                _, ds = p_and_ds(s[i], dp[i], -(lse_1 if second else lse_0),
+                                 d_1 if second else d_0, scale_log2)  # fmt: skip
                 lo = lo_1 if second else lo_0
                 hi = hi_1 if second else hi_0
-                dp[i] = ds if (lo <= col) & (col < hi) else float32(0.0)
+                dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
+
+    @device_function
+    def row_ds_unmasked(dp, s, lse_0, lse_1, d_0, d_1, scale_log2):
+        """row_ds for a tile whose every element is visible: no mask tests."""
+        for qt in range(Q_TILES):
+            for e in range(4):
+                i = qt * 4 + e
+                second = e >= 2
+                _, dp[i] = p_and_ds(s[i], dp[i], -(lse_1 if second else lse_0),
+                                    d_1 if second else d_0, scale_log2)  # fmt: skip
 
     @device_function
     def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
@@ -555,10 +588,16 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
             # -- S = Q K^T and dP = dO V^T for this warp's 16 query rows
             mma_rows_by_queries(s, q_rows, k_stage + b_lane)
             mma_rows_by_queries(dp, do_rows, v_stage + b_lane)
-            # -- dS = P (dP - D), masked pairs 0; the columns are it * BLOCK_M further on
+            # -- dS = P (dP - D), masked pairs 0; the columns are it * BLOCK_M further on. A
+            # tile the warp's rows see whole (most of them) skips the mask tests.
             shift = int32(it * BLOCK_M)
-            row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0 - shift, hi_0 - shift, lo_1 - shift,
-                   hi_1 - shift, scale_log2)  # fmt: skip
+            warp_row = m0 + warp * 16
+            if all_visible(warp_row, warp_row + 16, n0, n0 + BLOCK_M, seqlen_q, seqlen_k,
+                           window_left, window_right):  # fmt: skip
+                row_ds_unmasked(dp, s, lse_0, lse_1, d_0, d_1, scale_log2)
+            else:
+                row_ds(dp, s, lse_0, lse_1, d_0, d_1, int32(lo_0 - shift), int32(hi_0 - shift),
+                       int32(lo_1 - shift), int32(hi_1 - shift), scale_log2)  # fmt: skip
             # -- dQ += dS K (K read transposed)
             mma_accumulate(acc, dp, k_stage + a_lane + uint32(col_base * 2))
             k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
