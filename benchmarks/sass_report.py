@@ -3,9 +3,11 @@
 Compiles the kernel to PTX (Numba), links it to a cubin for the target with nvJitLink, and
 disassembles it with nvdisasm (``pip install nvidia-cuda-nvdisasm``, or a CUDA toolkit). The
 main loop is the loop body with the most HMMA: the query-block loop of the backward, the
-key-tile loop of the forward.
+key-tile loop of the forward. Where the loop branches between versions of its softmax step
+(the backward's masked and unmasked tiles), the length of the path through each.
 
     python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128 [--dq-kernel]
+    python benchmarks/sass_report.py --backward --config 64,8,2,0   # dK/dV with atomic dQ
     python benchmarks/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
 """
 
@@ -88,14 +90,32 @@ def main_loop(ops, labels):
     return best
 
 
+def exp2_blocks(loop, labels):
+    """The straight-line blocks of the loop that hold ex2 (MUFU): more than one means the
+    loop branches between versions of the softmax step (masked, unmasked)."""
+    starts = set(labels.values())
+    blocks, current = [], []
+    for address, opcode, line in loop:
+        if address in starts and current:
+            blocks.append(current)
+            current = []
+        current.append(opcode)
+        if opcode in ("BRA", "EXIT"):
+            blocks.append(current)
+            current = []
+    blocks.append(current)
+    return [len(b) for b in blocks if "MUFU" in b]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--dq-kernel", action="store_true",
-                    help="with --backward: the separate dQ kernel (dq_separate=True)")
+                    help="with --backward: the dQ kernel instead of the dK/dV kernel")
     ap.add_argument("--config", required=True,
-                    help="backward: block_m,num_warps,stages; forward: "
-                         "block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
+                    help="backward: block_m,num_warps,stages[,dq_separate[,head_split]] "
+                         "(TensorCoreBackwardConfig's fields; dq_separate 0 or 1, default 1); "
+                         "forward: block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--arch", default="sm_90a")
@@ -103,16 +123,19 @@ def main():
     args = ap.parse_args()
     values = [int(x) for x in args.config.split(",")]
     if args.backward:
+        from numflash.config import TensorCoreBackwardConfig
         from numflash.kernels import backward
-        from numflash.kernels.jit import tensor_core_backward_signature
+        from numflash.kernels.jit import tensor_core_backward_signature, tensor_core_dq_signature
 
+        cfg = TensorCoreBackwardConfig(*values[:3], *(bool(x) for x in values[3:4]), *values[4:])
+        tiles = (args.head_dim, args.dtype, cfg.block_m, cfg.num_warps, cfg.stages)
         if args.dq_kernel:
-            from numflash.kernels.jit import tensor_core_dq_signature
-
-            kernel = backward.build_dq(args.head_dim, args.dtype, *values)
+            if not cfg.dq_separate:
+                ap.error("--dq-kernel: the configuration has dq_separate=0 (no dQ kernel)")
+            kernel = backward.build_dq(*tiles, head_split=cfg.head_split)
             signature = tensor_core_dq_signature()
         else:
-            kernel = backward.build(args.head_dim, args.dtype, *values)
+            kernel = backward.build(*tiles, dq_separate=cfg.dq_separate, head_split=cfg.head_split)
             signature = tensor_core_backward_signature()
     else:
         from numflash.kernels import forward
@@ -128,6 +151,10 @@ def main():
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
         print(f"{name}: {len(part)} instructions; HMMA {counts['HMMA']}, LDSM {counts['LDSM']}, "
               f"BRA {counts['BRA']}, ATOMG {counts['ATOMG']}; most common: {top}")  # fmt: skip
+    versions = exp2_blocks(loop, labels)
+    if len(versions) > 1:  # one path through the loop takes one version, skipping the rest
+        paths = ", ".join(str(len(loop) - sum(versions) + n) for n in versions)
+        print(f"main loop paths: {paths} instructions (ex2 blocks of {versions} instructions)")
 
 
 if __name__ == "__main__":
