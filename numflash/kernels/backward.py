@@ -266,8 +266,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         offset in the shared tiles). Per element branches cost a reconvergence barrier and a
         serial shared-load -> ex2 chain each. A warp that sees every pair of the block (most
         warps, in most blocks) takes a copy without the tests: one warp-uniform branch."""
-        lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
-        lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
         warp_key = key0 - (lane >> 2)
         if all_visible(m0, m0 + BLOCK_M, warp_key, warp_key + 16, seqlen_q, seqlen_k, wl, wr):
@@ -279,6 +277,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                     for i in (qt * 4 + e, qt * 4 + e + 2):  # key rows key0, key0 + 8
                         st[i], dpt[i] = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
         else:
+            lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
+            lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
             for qt in range(Q_TILES):
                 for e in range(2):
                     col = qt * 8 + e
