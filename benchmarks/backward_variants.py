@@ -7,13 +7,19 @@ ragged problem with GQA), then its backward is timed on the benchmark shape (bat
 on the same inputs. Used to choose the backward defaults and to study what limits the kernel.
 
     python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 --out rows.json
+
+``--kernel-variants`` times the default configuration also with the kernel builder's switch
+off (backward.build_kernels' ``heavy_first``). Every run also reports
+its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the launches.
 """
 
 import argparse
+import collections
 import functools
 import itertools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -21,9 +27,11 @@ import cupy
 import numpy as np
 
 import numflash
+import numflash.api
 from numflash import reference
 from numflash.config import TensorCoreBackwardConfig, default_config
 from numflash.device import current_device
+from numflash.kernels import backward
 from numflash.timing import attention_flops, time_gpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +52,55 @@ def configs(head_dim, device, args):
             yield cfg
 
 
+#: build_kernels' switch heavy_first: the library's setting, then off
+HEAVY_FIRST_SETTINGS = [True, False]
+_build_kernels = backward.build_kernels
+
+
+def use_kernel_variant(heavy_first):
+    """Make the API build its tensor-core backward kernels with this switch."""
+    backward.build_kernels = functools.partial(_build_kernels, heavy_first=heavy_first)
+    numflash.api._launchers.clear()
+
+
+def kernel_ms(fn, runs=10):
+    """{kernel: median ms} of the backward's kernels (preprocess, dkdv, dq) over ``runs`` calls
+    of fn, from CUDA events recorded on the stream around each launch."""
+    events = collections.defaultdict(list)
+    launchers = {name: getattr(numflash.api, name)
+                 for name in ("_tensor_core_launcher", "_backward_launcher")}  # fmt: skip
+
+    def timed(launcher_of):
+        def launcher(kind, *args):
+            launch = launcher_of(kind, *args)
+
+            def run(*largs):
+                stream = cupy.cuda.get_current_stream()  # the one the API launches on
+                start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                start.record(stream)
+                launch(*largs)
+                stop.record(stream)
+                events[kind].append((start, stop))
+
+            return run
+
+        return launcher
+
+    for name, launcher_of in launchers.items():
+        setattr(numflash.api, name, timed(launcher_of))
+    try:
+        fn()  # warm-up
+        events.clear()
+        for _ in range(runs):
+            fn()
+        cupy.cuda.get_current_stream().synchronize()
+    finally:
+        for name, launcher_of in launchers.items():
+            setattr(numflash.api, name, launcher_of)
+    return {kind: statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in pairs)
+            for kind, pairs in events.items()}  # fmt: skip
+
+
 def check(cfg, head_dim, dtype, causal, seed):
     """(worst error / bar over dq, dk, dv; NaN count) on a small GQA problem with ragged sizes."""
     rng = np.random.default_rng(seed)
@@ -62,6 +119,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peers.add_problem_arguments(ap)
     ap.add_argument("--only-default", action="store_true")
+    ap.add_argument("--kernel-variants", action="store_true",
+                    help="the default configuration, also with heavy_first off")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dq-separate", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     ap.add_argument("--head-split", type=int, nargs="+", default=[1], choices=[1, 2],
@@ -78,28 +137,40 @@ def main():
         if peers.torch_available():
             peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
         cfgs = list(configs(hd, dev, args))
-        for i, cfg in enumerate(cfgs[:1] if args.only_default else cfgs):
+        if args.kernel_variants:
+            runs = [(cfgs[0], variant) for variant in HEAVY_FIRST_SETTINGS]
+        else:
+            kept = cfgs[:1] if args.only_default else cfgs
+            runs = [(cfg, HEAVY_FIRST_SETTINGS[0]) for cfg in kept]
+        for i, (cfg, variant) in enumerate(runs):
             t0 = time.time()
+            use_kernel_variant(variant)
+            backward_call = functools.partial(numflash.attention_backward, dout, q, k, v, out,
+                                              lse, causal=causal, config=cfg)  # fmt: skip
             try:
                 ratio_to_bar, nans = check(cfg, hd, dtype, causal, seed=100 + i)
-                t = time_gpu(functools.partial(numflash.attention_backward, dout, q, k, v, out,
-                                               lse, causal=causal, config=cfg))  # fmt: skip
+                t = time_gpu(backward_call)
+                per_kernel = kernel_ms(backward_call)
             except Exception as exc:  # a variant that fails to build or launch is reported
-                print(f"  {cfg}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                print(f"  {cfg} {variant}: FAILED {type(exc).__name__}: {exc}", flush=True)
                 continue
             tf = t.tflops(flops)
             ok = ratio_to_bar <= 1 and nans == 0
             row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
-                       nheads=nheads, config=cfg.to_dict(), ms=t.median_ms, tflops=tf,
+                       nheads=nheads, config=cfg.to_dict(), heavy_first=variant,
+                       ms=t.median_ms, kernel_ms=per_kernel, tflops=tf,
                        sdpa_flash=peer, ratio=tf / peer if peer else None,
                        err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
             rows.append(row)
+            kernels = " ".join(f"{kind} {ms:.2f}" for kind, ms in per_kernel.items())
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
                   f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
-                  f"{' split2' if cfg.head_split == 2 else ''}: "
-                  f"{t.median_ms:8.3f} ms {tf:6.1f} TFLOP/s  sdpa-flash {peer or float('nan'):6.1f}"
-                  f"  ratio {row['ratio'] or float('nan'):.3f}  err/bar {ratio_to_bar:.2f} "
-                  f"{'ok' if ok else 'WRONG'}  [{time.time() - t0:.1f}s]", flush=True)  # fmt: skip
+                  f"{' split2' if cfg.head_split == 2 else ''}"
+                  f"{'' if variant else ' in-order'}: "
+                  f"{t.median_ms:8.3f} ms ({kernels}) {tf:6.1f} TFLOP/s  "
+                  f"sdpa-flash {peer or float('nan'):6.1f}  ratio {row['ratio'] or float('nan'):.3f}"
+                  f"  err/bar {ratio_to_bar:.2f} {'ok' if ok else 'WRONG'}  "
+                  f"[{time.time() - t0:.1f}s]", flush=True)  # fmt: skip
         del q, k, v, out, lse, dout
         cupy.get_default_memory_pool().free_all_blocks()
     if args.out:

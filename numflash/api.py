@@ -365,8 +365,8 @@ def selected_backward_config(q, k, v, *, causal=False, window_size=(-1, -1),
         return _choose_backward(p, current_device(), deterministic)
 
 
-#: Threads per block of the D = rowsum(dO * O) kernel.
-_PREPROCESS_BLOCK = 128
+#: Query rows (one warp each) per block of the D = rowsum(dO * O) kernel.
+_PREPROCESS_ROWS = 8
 
 
 def _choose_backward(p, device, deterministic):
@@ -497,9 +497,9 @@ def _preprocess(p, dout, out, lse):
     lse = xp.ascontiguousarray(lse)
     delta = xp.empty(lse.shape, dtype=xp.float32)
     (do_flat, do_strides), (o_flat, o_strides) = (arrays.kernel_view(x) for x in (dout, out))
-    grid = ((p.seqlen_q + _PREPROCESS_BLOCK - 1) // _PREPROCESS_BLOCK, p.nheads, p.batch)
-    _backward_launcher("preprocess", p.head_dim, p.dtype, _PREPROCESS_BLOCK)(
-        grid, _PREPROCESS_BLOCK, arrays.current_stream(), 0,
+    grid = ((p.seqlen_q + _PREPROCESS_ROWS - 1) // _PREPROCESS_ROWS, p.nheads, p.batch)
+    _backward_launcher("preprocess", p.head_dim, p.dtype, _PREPROCESS_ROWS)(
+        grid, 32 * _PREPROCESS_ROWS, arrays.current_stream(), 0,
         (do_flat, o_flat, arrays.kernel_view(delta)[0], *do_strides[:3], *o_strides[:3],
          p.seqlen_q),
     )  # fmt: skip

@@ -99,7 +99,7 @@ def main(quick):
     for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
         cfg = default_portable_backward_config(hd)
         signatures = backward_signatures(dtype)
-        kernels = {"preprocess": backward_portable.build_preprocess(hd, dtype, 128),
+        kernels = {"preprocess": backward_portable.build_preprocess(hd, dtype, 8),
                    "dkdv": backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
                    "dq": backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n)}  # fmt: skip
         for name, kernel in kernels.items():

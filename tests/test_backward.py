@@ -8,7 +8,8 @@ import numflash
 from numflash.arrays import to_float64
 from numflash.reference import attention_backward_reference, attention_reference
 
-MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(5, 3))}
+MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(5, 3)),
+         "left": dict(window_size=(20, -1))}  # a left window alone: the dK/dV blocks reversed
 
 
 def _run(q, k, v, mask, **kw):
@@ -117,12 +118,15 @@ TC_SIM_CASES = [
     ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
     ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
     ("float16", 16, 20, 50, 1, "none", (16, 1, 1, True)),  # one stage over four key tiles
-    # whole tiles that need no mask (all of them; those below the diagonal)
+    # tiles that need no mask (all of them; those below the diagonal)
     ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1, False)),
     ("float16", 16, 64, 64, 2, "causal", (16, 1, 2, False)),
-    # the same with the dQ kernel, two warps: some warps see their tile whole, others not
+    # the same with the dQ kernel, two warps: some warps see their whole tile, others not
     ("float16", 16, 64, 96, 2, "none", (32, 2, 2, True)),
     ("bfloat16", 32, 64, 64, 1, "causal", (32, 2, 2, True)),
+    # a left window alone (the dK/dV kernel's key blocks run last first), several key blocks
+    ("float16", 16, 50, 60, 1, "left", (16, 1, 2, True)),
+    ("bfloat16", 16, 40, 40, 2, "left", (16, 1, 1, False)),
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
     ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
     ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),

@@ -46,7 +46,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from . import ptx
 from .backward_portable import _row_log2_lse, block_query_range
 from .jit import device_function, kernel
-from .softmax import block_key_range, tile_needs_mask, visible_keys
+from .softmax import block_key_range, visible_keys
 
 _MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
@@ -101,9 +101,15 @@ def build_dq(head_dim, dtype_name, block_m, num_warps, stages, head_split=1):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1):
+def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1,
+                  *, heavy_first=True):  # fmt: skip
     """Both kernels of one configuration, sharing their device functions; all sizes are
     compile-time. Numba compiles each only when it is first launched.
+
+    ``heavy_first``: under a mask bounded on one side only, the blocks whose rows see the most
+    run first (the dQ kernel's last query rows under a causal mask; the dK/dV kernel's last
+    keys under a left window alone) and the short ones fill the tail. On in the library;
+    benchmarks/backward_variants.py turns it off to measure it.
 
     ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
     accumulating one slice of head_dim / head_split output columns; every one computes the
@@ -112,6 +118,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     HEAD_DIM = head_dim  # a multiple of 16 * head_split
     BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
     HEAD_SPLIT = head_split
+    HEAVY_FIRST = heavy_first
     PART = HEAD_DIM // HEAD_SPLIT  # output columns per block
     DQ_ATOMIC = not dq_separate
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
@@ -138,13 +145,15 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     pack = _PACK[dtype_name]
 
     @device_function
-    def block_position():
+    def block_position(reverse):
         """(thread, lane, warp, the first of the block's 16 * NUM_WARPS rows (keys in the
         dK/dV kernel, queries in the dQ kernel), its first output column): grid.x counts
-        HEAD_SPLIT blocks per block of rows."""
+        HEAD_SPLIT blocks per block of rows, from the last block of rows if ``reverse``."""
         tid = cuda.threadIdx.x
-        return (tid, tid & 31, tid >> 5, (cuda.blockIdx.x // HEAD_SPLIT) * BLOCK_N,
-                (cuda.blockIdx.x % HEAD_SPLIT) * PART)  # fmt: skip
+        rows = cuda.blockIdx.x // HEAD_SPLIT
+        if reverse:
+            rows = cuda.gridDim.x // HEAD_SPLIT - 1 - rows
+        return tid, tid & 31, tid >> 5, rows * BLOCK_N, (cuda.blockIdx.x % HEAD_SPLIT) * PART
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
@@ -242,14 +251,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         return int32(lo - first), int32(hi - first)
 
     @device_function
-    def all_visible(row_lo, row_hi, key_lo, key_hi, seqlen_q, seqlen_k, wl, wr):
-        """Whether every query row in [row_lo, row_hi) exists and sees every key in [key_lo,
-        key_hi) (which then all exist). The same for every lane of a warp given the warp's
-        rows and keys: a warp-uniform branch."""
-        return row_hi <= seqlen_q and not tile_needs_mask(row_lo, row_hi - 1, key_lo, key_hi,
-                                                          seqlen_q, seqlen_k, wl, wr)  # fmt: skip
-
-    @device_function
     def p_and_ds(s, dp, neg_lse, d, scale_log2):
         """(P, dS = P (dP - D)) of one element, P = exp2(S * scale * log2(e) - lse)."""
         p = ptx.exp2(ptx.fma(s, scale_log2, neg_lse))
@@ -264,36 +265,43 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         No branch per element: every element is computed and masked ones are selected away,
         and each query's LSE and D are read once for both key rows (``stats`` is the block's
         offset in the shared tiles). Per element branches cost a reconvergence barrier and a
-        serial shared-load -> ex2 chain each. A warp that sees every pair of the block (most
-        warps, in most blocks) takes a copy without the tests: one warp-uniform branch."""
+        serial shared-load -> ex2 chain each."""
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
-        warp_key = key0 - (lane >> 2)
-        if all_visible(m0, m0 + BLOCK_M, warp_key, warp_key + 16, seqlen_q, seqlen_k, wl, wr):
-            for qt in range(Q_TILES):
-                for e in range(2):
-                    col = qt * 8 + e
-                    neg_lse = -lse_tile[first + uint32(col)]
-                    d = d_tile[first + uint32(col)]
-                    for i in (qt * 4 + e, qt * 4 + e + 2):  # key rows key0, key0 + 8
-                        st[i], dpt[i] = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
-        else:
-            lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
-            lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
-            for qt in range(Q_TILES):
-                for e in range(2):
-                    col = qt * 8 + e
-                    neg_lse = -lse_tile[first + uint32(col)]
-                    d = d_tile[first + uint32(col)]
-                    i = qt * 4 + e  # key row key0
-                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
-                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
-                    st[i] = p if seen else float32(0.0)
-                    dpt[i] = ds if seen else float32(0.0)
-                    i += 2  # key row key0 + 8
-                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
-                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
-                    st[i] = p if seen else float32(0.0)
-                    dpt[i] = ds if seen else float32(0.0)
+        lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        for qt in range(Q_TILES):
+            for e in range(2):
+                col = qt * 8 + e
+                neg_lse = -lse_tile[first + uint32(col)]
+                d = d_tile[first + uint32(col)]
+                i = qt * 4 + e  # key row key0
+                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                seen = (lo0 <= int32(col)) & (int32(col) < hi0)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+                i += 2  # key row key0 + 8
+                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                seen = (lo1 <= int32(col)) & (int32(col) < hi1)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+
+    @device_function
+    def query_block_step(st, dpt, dk_acc, dv_acc, k_rows, v_rows, q_stage, do_stage, b_lane,
+                         out_lane, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k,
+                         scale_log2, wl, wr):  # fmt: skip
+        """One warp's work on one query block in the dK/dV kernel. Straight-line code, so
+        that the compiler overlaps the P/dS arithmetic with the mma on either side: copies
+        without the mask tests for tiles seen whole, behind a warp-uniform branch, measured
+        2-4% slower on the H200 although 11-13% shorter (benchmarks/NOTES.md)."""
+        # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
+        mma_rows_by_queries(st, k_rows, q_stage + b_lane)
+        mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
+        # -- P^T and dS^T, masked pairs 0
+        probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
+                             seqlen_k, scale_log2, wl, wr)  # fmt: skip
+        # -- dV += P^T dO, dK += dS^T Q
+        mma_accumulate(dv_acc, st, do_stage + out_lane)
+        mma_accumulate(dk_acc, dpt, q_stage + out_lane)
 
     @device_function
     def store_ds(smem, dpt, warp, lane):
@@ -365,7 +373,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         lse_r = cuda.local.array(STAT_LOADS, float32)
         d_r = cuda.local.array(STAT_LOADS, float32)
 
-        tid, lane, warp, n0, col_base = block_position()  # n0: the block's first key
+        # n0: the block's first key. Later keys are seen by more queries under a left window.
+        reverse = HEAVY_FIRST and window_right < 0 <= window_left
+        tid, lane, warp, n0, col_base = block_position(reverse)
         kv_head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
@@ -398,6 +408,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
             dk_acc[i] = float32(0.0)
             dv_acc[i] = float32(0.0)
         key0 = n0 + warp * 16 + (lane >> 2)  # this lane's key rows: key0 and key0 + 8
+        out_lane = a_lane + uint32(col_base * 2)  # .trans B fragments of the output columns
 
         # The block to load next: its query head and first row, and its stage.
         next_head = kv_head * heads_per_kv
@@ -444,15 +455,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
 
             q_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
             do_stage = q_stage + uint32(DO_OFFSET * 2)
-            # -- S^T = K Q^T and dP^T = V dO^T for this warp's 16 keys
-            mma_rows_by_queries(st, k_rows, q_stage + b_lane)
-            mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
-            # -- P^T and dS^T, masked pairs 0
-            probabilities_and_ds(st, dpt, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane,
-                                 seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
-            # -- dV += P^T dO, dK += dS^T Q
-            mma_accumulate(dv_acc, st, do_stage + a_lane + uint32(col_base * 2))
-            mma_accumulate(dk_acc, dpt, q_stage + a_lane + uint32(col_base * 2))
+            query_block_step(st, dpt, dk_acc, dv_acc, k_rows, v_rows, q_stage, do_stage, b_lane,
+                             out_lane, lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane,
+                             seqlen_q, seqlen_k, scale_log2, window_left, window_right)  # fmt: skip
             # -- dQ += dS K through shared memory (unless the dQ kernel computes it)
             if DQ_ATOMIC:
                 store_ds(smem, dpt, warp, lane)
@@ -492,14 +497,17 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                 dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
 
     @device_function
-    def row_ds_unmasked(dp, s, lse_0, lse_1, d_0, d_1, scale_log2):
-        """row_ds for a tile whose every element is visible: no mask tests."""
-        for qt in range(Q_TILES):
-            for e in range(4):
-                i = qt * 4 + e
-                second = e >= 2
-                _, dp[i] = p_and_ds(s[i], dp[i], -(lse_1 if second else lse_0),
-                                    d_1 if second else d_0, scale_log2)  # fmt: skip
+    def key_tile_step(s, dp, acc, q_rows, do_rows, k_stage, v_stage, b_lane, out_lane, lse_0,
+                      lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):  # fmt: skip
+        """One warp's work on one key tile in the dQ kernel (straight-line, as
+        query_block_step)."""
+        # -- S = Q K^T and dP = dO V^T for this warp's 16 query rows
+        mma_rows_by_queries(s, q_rows, k_stage + b_lane)
+        mma_rows_by_queries(dp, do_rows, v_stage + b_lane)
+        # -- dS = P (dP - D), masked pairs 0
+        row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2)
+        # -- dQ += dS K (K read transposed)
+        mma_accumulate(acc, dp, k_stage + out_lane)
 
     @device_function
     def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
@@ -527,7 +535,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         dp = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
 
-        tid, lane, warp, m0, col_base = block_position()  # m0: the block's first query row
+        # m0: the block's first query row. Later rows see more keys under a causal mask.
+        reverse = HEAVY_FIRST and window_left < 0 <= window_right
+        tid, lane, warp, m0, col_base = block_position(reverse)
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
@@ -549,9 +559,11 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         b_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
         q_rows = smem_addr + uint32((K_BASE + warp * 16 * ROW) * 2) + a_lane
         do_rows = smem_addr + uint32((V_BASE + warp * 16 * ROW) * 2) + a_lane
+        out_lane = a_lane + uint32(col_base * 2)  # .trans B fragments of the output columns
 
         # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
-        row0 = m0 + warp * 16 + (lane >> 2)
+        warp_row = m0 + warp * 16
+        row0 = warp_row + (lane >> 2)
         row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
         first_col = n_lo + (lane & 3) * 2
         lse_0, d_0, lo_0, hi_0 = row_stats(lse, delta, row_base, row0, first_col, seqlen_q,
@@ -585,26 +597,16 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                                     seqlen_k - n0 - BLOCK_M, tid)  # fmt: skip
             k_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
             v_stage = k_stage + uint32(DO_OFFSET * 2)
-            # -- S = Q K^T and dP = dO V^T for this warp's 16 query rows
-            mma_rows_by_queries(s, q_rows, k_stage + b_lane)
-            mma_rows_by_queries(dp, do_rows, v_stage + b_lane)
-            # -- dS = P (dP - D), masked pairs 0; the columns are it * BLOCK_M further on. A
-            # tile the warp's rows see whole (most of them) skips the mask tests.
+            # the lanes' visible keys are relative to the first tile's columns: shifted here
             shift = int32(it * BLOCK_M)
-            warp_row = m0 + warp * 16
-            if all_visible(warp_row, warp_row + 16, n0, n0 + BLOCK_M, seqlen_q, seqlen_k,
-                           window_left, window_right):  # fmt: skip
-                row_ds_unmasked(dp, s, lse_0, lse_1, d_0, d_1, scale_log2)
-            else:
-                row_ds(dp, s, lse_0, lse_1, d_0, d_1, int32(lo_0 - shift), int32(hi_0 - shift),
-                       int32(lo_1 - shift), int32(hi_1 - shift), scale_log2)  # fmt: skip
-            # -- dQ += dS K (K read transposed)
-            mma_accumulate(acc, dp, k_stage + a_lane + uint32(col_base * 2))
+            key_tile_step(s, dp, acc, q_rows, do_rows, k_stage, v_stage, b_lane, out_lane, lse_0,
+                          lse_1, d_0, d_1, int32(lo_0 - shift), int32(hi_0 - shift),
+                          int32(lo_1 - shift), int32(hi_1 - shift), scale_log2)  # fmt: skip
             k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
             v_first += int64(BLOCK_M) * v_ss
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
-        write_rows(dq, acc, batch * dq_sb + head * dq_sh + col_base, dq_ss, m0 + warp * 16, lane,
+        write_rows(dq, acc, batch * dq_sb + head * dq_sh + col_base, dq_ss, warp_row, lane,
                    seqlen_q, scale)  # fmt: skip
 
     return Kernels(dkdv, dq_kernel if dq_separate else None)

@@ -4,7 +4,7 @@ FlashAttention-2's backward (Dao, 2023) without warp-level instructions, so it r
 that numba-cuda supports and in the CUDA simulator. Attention is recomputed from q, k and the
 saved log-sum-exp; nothing of size seqlen_q x seqlen_k is stored. Three kernels:
 
-1. ``preprocess``: ``D_i = rowsum(dO_i * O_i)`` in fp32, one thread per query row.
+1. ``preprocess``: ``D_i = rowsum(dO_i * O_i)`` in fp32, one warp per query row.
 2. ``dkdv``: one thread block per (block of BLOCK_N keys, kv head, batch), one thread per key,
    holding that key's k, v and its dk, dv accumulators in fp32. Query rows stream through shared
    memory BLOCK_M at a time (q, dO, lse, D), for every query head of the GQA group in turn, so a
@@ -48,23 +48,34 @@ def block_query_range(first_key, last_key, seqlen_q, seqlen_k, window_left, wind
 
 
 @functools.lru_cache(maxsize=None)
-def build_preprocess(head_dim, dtype_name, block):
-    """D = rowsum(dO * O) in fp32: grid (ceil(seqlen_q / block), nheads, batch)."""
+def build_preprocess(head_dim, dtype_name, rows):
+    """D = rowsum(dO * O) in fp32: one warp per query row, ``rows`` rows (warps) a block; grid
+    (ceil(seqlen_q / rows), nheads, batch). The lanes read consecutive elements, so each load
+    of the warp is one contiguous run of the row (a thread per row, reading its own row, made
+    every load of the warp touch 32 rows: about 1 ms at 32k tokens x 2048 on the H200, 7% of
+    the backward), and sum their parts by shuffles in a fixed order."""
     HEAD_DIM = head_dim
+    PASSES = (head_dim + 31) // 32
     to_f32 = _TO_F32[dtype_name]
 
     @kernel
     def preprocess(do, o, delta, do_sb, do_ss, do_sh, o_sb, o_ss, o_sh, seqlen_q):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        row = cuda.blockIdx.x * block + cuda.threadIdx.x
-        if row < seqlen_q:
+        lane = cuda.threadIdx.x & 31
+        row = cuda.blockIdx.x * rows + (cuda.threadIdx.x >> 5)
+        if row < seqlen_q:  # the same for the whole warp, as the shuffles need
             do_base = batch * do_sb + head * do_sh + row * do_ss
             o_base = batch * o_sb + head * o_sh + row * o_ss
             acc = float32(0.0)
-            for d in range(HEAD_DIM):
-                acc += to_f32(do[do_base + d]) * to_f32(o[o_base + d])
-            delta[(batch * cuda.gridDim.y + head) * seqlen_q + row] = acc
+            for j in range(PASSES):
+                d = j * 32 + lane
+                if d < HEAD_DIM:
+                    acc += to_f32(do[do_base + d]) * to_f32(o[o_base + d])
+            for mask in (16, 8, 4, 2, 1):
+                acc += ptx.shfl_xor(acc, mask)
+            if lane == 0:
+                delta[(batch * cuda.gridDim.y + head) * seqlen_q + row] = acc
 
     return preprocess
 
