@@ -3,9 +3,9 @@
     python benchmarks/host_overhead.py [--json PATH]
 
 Measures, in one process:
-- ``attention()`` per call on a tiny problem (the GPU finishes each kernel in a few
-  microseconds, so calls back to back measure the host side): validation, configuration
-  lookup, array views, argument packing and the launch;
+- ``attention()`` and ``attention_backward()`` per call on a tiny problem (the GPU finishes
+  each kernel in a few microseconds, so calls back to back measure the host side):
+  validation, configuration lookup, array views, argument packing and the launches;
 - the launch alone (numflash's ``Launcher``);
 - the configuration lookup alone (``config.choose_config``, memoised);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
@@ -97,6 +97,13 @@ def main():
         q, k, v = random_qkv(1, 128, 1, 64, dtype)
         results[f"attention_us[{dtype}]"] = per_call_us(lambda: numflash.attention(q, k, v))
     q, k, v = random_qkv(1, 128, 1, 64, "float16")
+    out, lse = numflash.attention(q, k, v, return_lse=True)
+    dout = random_qkv(1, 128, 1, 64, "float16", seed=1)[0]
+
+    def backward():
+        return numflash.attention_backward(dout, q, k, v, out, lse)
+
+    results["attention_backward_us[float16]"] = per_call_us(backward, calls=500)
     ours, (p, device) = launch_part(q, k, v)
     results["launcher_us"] = per_call_us(ours)
     family = device.preferred_family(p.dtype)
@@ -141,6 +148,12 @@ def main():
         profile.enable()
         for _ in range(2000):
             numflash.attention(q, k, v)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(500):
+            backward()
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
     text = json.dumps(results, indent=1)

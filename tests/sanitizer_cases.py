@@ -44,7 +44,7 @@ CASES = [
 
 
 #: The tensor-core backward, forced: atomic dQ (two stages, one stage, split by columns), the
-#: dQ kernel, head_dim split over two blocks.
+#: dQ kernel, head_dim split over two blocks, the blocks' order reversed.
 TC_BACKWARD = [
     ("float16", 1, 77, 130, 2, 1, 64, dict(causal=True),
      TensorCoreBackwardConfig(64, 8, 2, dq_separate=False)),
@@ -60,6 +60,9 @@ TC_BACKWARD = [
     ("bfloat16", 1, 100, 180, 2, 1, 256, dict(causal=True),
      TensorCoreBackwardConfig(32, 4, 2, False, 2)),
     ("float16", 1, 70, 90, 2, 2, 160, dict(), TensorCoreBackwardConfig(32, 4, 2, True, 2)),
+    # a left window alone: the dK/dV kernel's key blocks run from the last
+    ("float16", 1, 90, 120, 2, 1, 64, dict(window_size=(20, -1)),
+     TensorCoreBackwardConfig(32, 2, 2, dq_separate=True)),
 ]
 
 
