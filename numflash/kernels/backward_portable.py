@@ -104,6 +104,19 @@ def _score_and_dp(head_dim):
     return score_and_dp
 
 
+def _row_pair_loader(head_dim, to_f32):
+    """A device function: one row of each of two tensors into fp32 registers (each from its
+    own offset), zeros where ``active`` is false (a thread past the last row)."""
+
+    @device_function
+    def load_row_pair(a, b, a_base, b_base, a_row, b_row, active):
+        for d in range(head_dim):
+            a_row[d] = to_f32(a[a_base + d]) if active else float32(0.0)
+            b_row[d] = to_f32(b[b_base + d]) if active else float32(0.0)
+
+    return load_row_pair
+
+
 @functools.lru_cache(maxsize=None)
 def build_dkdv(head_dim, dtype_name, block_m, block_n):
     """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads."""
@@ -115,6 +128,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
     from_f32 = _FROM_F32[dtype_name]
 
     load_q_do = tile_pair_loader(BLOCK_M, HEAD_DIM, BLOCK_N, to_f32)
+    load_k_v = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
 
     @device_function
@@ -161,9 +175,8 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
 
         k_base = batch * k_sb + kv_head * k_sh + key * k_ss
         v_base = batch * v_sb + kv_head * v_sh + key * v_ss
+        load_k_v(k, v, k_base, v_base, k_row, v_row, active)
         for d in range(HEAD_DIM):
-            k_row[d] = to_f32(k[k_base + d]) if active else float32(0.0)
-            v_row[d] = to_f32(v[v_base + d]) if active else float32(0.0)
             dk_acc[d] = float32(0.0)
             dv_acc[d] = float32(0.0)
 
@@ -211,6 +224,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
 
     # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
+    load_q_do = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
 
     @kernel
@@ -237,9 +251,8 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
 
         q_base = batch * q_sb + head * q_sh + row * q_ss
         do_base = batch * do_sb + head * do_sh + row * do_ss
+        load_q_do(q, do, q_base, do_base, q_row, do_row, active)
         for d in range(HEAD_DIM):
-            q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
-            do_row[d] = to_f32(do[do_base + d]) if active else float32(0.0)
             dq_acc[d] = float32(0.0)
         row_lse = -NEG_INF
         row_d = float32(0.0)
