@@ -4,7 +4,7 @@ Compiles the kernel to PTX (Numba), links it to a cubin for the target with nvJi
 disassembles it with nvdisasm (``pip install nvidia-cuda-nvdisasm``, or a CUDA toolkit). The
 main loop is the loop body with the most HMMA: the query-block loop of the backward, the
 key-tile loop of the forward. Where the loop branches between versions of its softmax step
-(the backward's masked and unmasked tiles), the length of the path through each.
+(as the backward's masked and unmasked copies once did), the length of the path through each.
 
     python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128 [--dq-kernel]
     python benchmarks/sass_report.py --backward --config 64,8,2,0   # dK/dV with atomic dQ
@@ -92,7 +92,7 @@ def main_loop(ops, labels):
 
 def exp2_blocks(loop, labels):
     """The straight-line blocks of the loop that hold ex2 (MUFU): more than one means the
-    loop branches between versions of the softmax step (masked, unmasked)."""
+    loop branches between versions of the softmax step (e.g. masked, unmasked)."""
     starts = set(labels.values())
     blocks, current = [], []
     for address, opcode, line in loop:
