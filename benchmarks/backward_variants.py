@@ -9,7 +9,8 @@ on the same inputs. Used to choose the backward defaults and to study what limit
     python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 --out rows.json
 
 ``--kernel-variants`` times the default configuration also with the kernel builder's switch
-off (backward.build_kernels' ``heavy_first``). Every run also reports
+off (backward.build_kernels' ``heavy_first``) and with the dQ kernel on a second stream beside
+the dK/dV kernel (numflash.api._DQ_BESIDE_DKDV). Every run also reports
 its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the launches.
 """
 
@@ -52,14 +53,16 @@ def configs(head_dim, device, args):
             yield cfg
 
 
-#: build_kernels' switch heavy_first: the library's setting, then off
-HEAVY_FIRST_SETTINGS = [True, False]
+#: (build_kernels' heavy_first, api._DQ_BESIDE_DKDV): the library's settings first
+KERNEL_VARIANTS = [(True, numflash.api._DQ_BESIDE_DKDV), (False, False), (True, True)]
 _build_kernels = backward.build_kernels
 
 
-def use_kernel_variant(heavy_first):
-    """Make the API build its tensor-core backward kernels with this switch."""
+def use_kernel_variant(heavy_first, dq_beside):
+    """Make the API build its tensor-core backward kernels with ``heavy_first`` and launch its
+    dQ kernel beside the dK/dV kernel if ``dq_beside``."""
     backward.build_kernels = functools.partial(_build_kernels, heavy_first=heavy_first)
+    numflash.api._DQ_BESIDE_DKDV = dq_beside
     numflash.api._launchers.clear()
 
 
@@ -75,7 +78,7 @@ def kernel_ms(fn, runs=10):
             launch = launcher_of(kind, *args)
 
             def run(*largs):
-                stream = cupy.cuda.get_current_stream()  # the one the API launches on
+                stream = cupy.cuda.ExternalStream(largs[2])  # the one the kernel runs on
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record(stream)
                 launch(*largs)
@@ -120,7 +123,7 @@ def main():
     peers.add_problem_arguments(ap)
     ap.add_argument("--only-default", action="store_true")
     ap.add_argument("--kernel-variants", action="store_true",
-                    help="the default configuration, also with heavy_first off")
+                    help="the default configuration, also with heavy_first off and dQ beside dK/dV")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dq-separate", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     ap.add_argument("--head-split", type=int, nargs="+", default=[1], choices=[1, 2],
@@ -138,13 +141,13 @@ def main():
             peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
         cfgs = list(configs(hd, dev, args))
         if args.kernel_variants:
-            runs = [(cfgs[0], variant) for variant in HEAVY_FIRST_SETTINGS]
+            runs = [(cfgs[0], variant) for variant in KERNEL_VARIANTS]
         else:
             kept = cfgs[:1] if args.only_default else cfgs
-            runs = [(cfg, HEAVY_FIRST_SETTINGS[0]) for cfg in kept]
+            runs = [(cfg, KERNEL_VARIANTS[0]) for cfg in kept]
         for i, (cfg, variant) in enumerate(runs):
             t0 = time.time()
-            use_kernel_variant(variant)
+            use_kernel_variant(*variant)
             backward_call = functools.partial(numflash.attention_backward, dout, q, k, v, out,
                                               lse, causal=causal, config=cfg)  # fmt: skip
             try:
@@ -157,7 +160,8 @@ def main():
             tf = t.tflops(flops)
             ok = ratio_to_bar <= 1 and nans == 0
             row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
-                       nheads=nheads, config=cfg.to_dict(), heavy_first=variant,
+                       nheads=nheads, config=cfg.to_dict(), heavy_first=variant[0],
+                       dq_beside_dkdv=variant[1],
                        ms=t.median_ms, kernel_ms=per_kernel, tflops=tf,
                        sdpa_flash=peer, ratio=tf / peer if peer else None,
                        err_over_bar=ratio_to_bar, nans=nans, ok=ok, default=i == 0)  # fmt: skip
@@ -166,7 +170,7 @@ def main():
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
                   f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
                   f"{' split2' if cfg.head_split == 2 else ''}"
-                  f"{'' if variant else ' in-order'}: "
+                  f"{'' if variant[0] else ' in-order'}{' dq-beside' if variant[1] else ''}: "
                   f"{t.median_ms:8.3f} ms ({kernels}) {tf:6.1f} TFLOP/s  "
                   f"sdpa-flash {peer or float('nan'):6.1f}  ratio {row['ratio'] or float('nan'):.3f}"
                   f"  err/bar {ratio_to_bar:.2f} {'ok' if ok else 'WRONG'}  "

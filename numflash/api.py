@@ -506,6 +506,14 @@ def _preprocess(p, dout, out, lse):
     return lse, delta
 
 
+#: Run the dQ kernel on a second stream beside the dK/dV kernel (neither reads what the other
+#: writes), so that each can fill the SMs that the other's last wave leaves idle: at 32k tokens
+#: x 2048 both kernels have 4096 equal blocks, one per SM at a time, which is 31.03 waves on
+#: the H200's 132 SMs, the last of them 4 blocks. Off until measured on a GPU:
+#: ``benchmarks/backward_variants.py --kernel-variants`` times it.
+_DQ_BESIDE_DKDV = False
+
+
 def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     """D, then the tensor-core dK/dV kernel; dQ either accumulated there in fp32 by atomics and
     then scaled and rounded, or (``dq_separate``) written by the dQ kernel."""
@@ -525,6 +533,9 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     inputs = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta)]
     tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
+    dq_stream, join = stream, None
+    if cfg.dq_separate and _DQ_BESIDE_DKDV:  # after D and the padded copies, before dK/dV
+        dq_stream, join = arrays.side_stream()
     blocks = (p.seqlen_k + cfg.block_n - 1) // cfg.block_n * cfg.head_split
     _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate, cfg.head_split)(
         (blocks, p.nheads_k, p.batch), cfg.threads, stream, smem,
@@ -532,8 +543,10 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     if cfg.dq_separate:
         blocks = (p.seqlen_q + cfg.block_n - 1) // cfg.block_n * cfg.head_split
         _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True, cfg.head_split)(
-            (blocks, p.nheads, p.batch), cfg.threads, stream, smem,
+            (blocks, p.nheads, p.batch), cfg.threads, dq_stream, smem,
             _backward_args(inputs + [arrays.kernel_view(dq_t)], p))
+        if join is not None:
+            join()
     else:
         rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
         arrays.bits(dq)[...] = arrays.bits(rounded)

@@ -176,3 +176,28 @@ def current_stream():
     if SIMULATOR:
         return 0
     return _cupy().cuda.get_current_stream().ptr
+
+
+_side_streams = {}  # device id -> a second stream of that device
+
+
+def side_stream():
+    """``(handle, join)``: a second stream of the current device (one per device, created on
+    first use) that first waits for everything queued on the current stream so far, so that
+    work queued on it runs beside what is queued on the current stream next; ``join()`` makes
+    the current stream wait for what was queued on the second one. In the simulator, which
+    runs every launch in order, the current stream and a no-op."""
+    if SIMULATOR:
+        return 0, lambda: None
+    cupy = _cupy()
+    current = cupy.cuda.get_current_stream()
+    device = cupy.cuda.runtime.getDevice()
+    side = _side_streams.get(device)
+    if side is None:
+        side = _side_streams[device] = cupy.cuda.Stream(non_blocking=True)
+    side.wait_event(current.record())
+
+    def join():
+        current.wait_event(side.record())
+
+    return side.ptr, join

@@ -1,11 +1,14 @@
 """numflash.attention_backward against float64 reference gradients, and its argument checks."""
 
+import contextlib
+
 import numpy as np
 import pytest
 from _support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
 
 import numflash
 from numflash.arrays import to_float64
+from numflash.kernels.jit import SIMULATOR
 from numflash.reference import attention_backward_reference, attention_reference
 
 MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(5, 3)),
@@ -169,6 +172,23 @@ def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, m
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
     dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+@pytest.mark.parametrize("head_dim", [16, 24])  # 24 is padded to 32: dQ copied after the join
+def test_dq_kernel_beside_dkdv_matches_reference(head_dim, monkeypatch):
+    """The dQ kernel on a second stream beside the dK/dV kernel (api._DQ_BESIDE_DKDV), the
+    caller on a stream of its own; in the simulator, the same calls in order."""
+    from numflash import api
+
+    monkeypatch.setattr(api, "_DQ_BESIDE_DKDV", True)
+    q, k, v = random_qkv(1, 40, 50, 2, 1, head_dim, "float16")
+    stream = contextlib.nullcontext() if SIMULATOR else xp.cuda.Stream(non_blocking=True)
+    with stream:
+        dout, dq, dk, dv = _run(q, k, v, MASKS["causal"],
+                                config=numflash.TensorCoreBackwardConfig(16, 1, 2, True))  # fmt: skip
+        if not SIMULATOR:
+            xp.cuda.get_current_stream().synchronize()
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS["causal"])
 
 
 def test_tensor_core_backward_with_separate_dq_is_deterministic(fwd):
