@@ -51,9 +51,10 @@ def block_query_range(first_key, last_key, seqlen_q, seqlen_k, window_left, wind
 def build_preprocess(head_dim, dtype_name, rows):
     """D = rowsum(dO * O) in fp32: one warp per query row, ``rows`` rows (warps) a block; grid
     (ceil(seqlen_q / rows), nheads, batch). The lanes read consecutive elements, so each load
-    of the warp is one contiguous run of the row (a thread per row, reading its own row, made
-    every load of the warp touch 32 rows: about 1 ms at 32k tokens x 2048 on the H200, 7% of
-    the backward), and sum their parts by shuffles in a fixed order."""
+    of the warp is one contiguous run of the row, and sum their parts by shuffles in a fixed
+    order. (With a thread per row, each reading its own, every load of a warp touched 32 rows:
+    the tensor-core backward took 14.20 ms against 13.59 ms now, fp16 head_dim 128 at 32k
+    tokens x 2048 on the H200; this kernel takes 0.14 ms of it.)"""
     HEAD_DIM = head_dim
     PASSES = (head_dim + 31) // 32
     to_f32 = _TO_F32[dtype_name]
