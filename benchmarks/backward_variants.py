@@ -8,9 +8,10 @@ on the same inputs. Used to choose the backward defaults and to study what limit
 
     python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 --out rows.json
 
-``--kernel-variants`` times the default configuration also with the kernel builder's switch
-off (backward.build_kernels' ``heavy_first``) and with the dQ kernel on a second stream beside
-the dK/dV kernel (numflash.api._DQ_BESIDE_DKDV). Every run also reports
+``--kernel-variants`` times the default configuration also with other block orders
+(backward.build_kernels' ``heavy_group``: 0, the grid's order; 8, heaviest rows first across
+groups of 8 (head, batch) pairs) and with the dQ kernel on a second stream beside the dK/dV
+kernel (numflash.api._DQ_BESIDE_DKDV). Every run also reports
 its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the launches.
 """
 
@@ -53,15 +54,15 @@ def configs(head_dim, device, args):
             yield cfg
 
 
-#: (build_kernels' heavy_first, api._DQ_BESIDE_DKDV): the library's settings first
-KERNEL_VARIANTS = [(True, numflash.api._DQ_BESIDE_DKDV), (False, False), (True, True)]
+#: (build_kernels' heavy_group, api._DQ_BESIDE_DKDV): the library's settings first
+KERNEL_VARIANTS = [(1, numflash.api._DQ_BESIDE_DKDV), (0, False), (8, False), (1, True), (8, True)]
 _build_kernels = backward.build_kernels
 
 
-def use_kernel_variant(heavy_first, dq_beside):
-    """Make the API build its tensor-core backward kernels with ``heavy_first`` and launch its
+def use_kernel_variant(heavy_group, dq_beside):
+    """Make the API build its tensor-core backward kernels with ``heavy_group`` and launch its
     dQ kernel beside the dK/dV kernel if ``dq_beside``."""
-    backward.build_kernels = functools.partial(_build_kernels, heavy_first=heavy_first)
+    backward.build_kernels = functools.partial(_build_kernels, heavy_group=heavy_group)
     numflash.api._DQ_BESIDE_DKDV = dq_beside
     numflash.api._launchers.clear()
 
@@ -123,7 +124,7 @@ def main():
     peers.add_problem_arguments(ap)
     ap.add_argument("--only-default", action="store_true")
     ap.add_argument("--kernel-variants", action="store_true",
-                    help="the default configuration, also with heavy_first off and dQ beside dK/dV")
+                    help="the default configuration, also in other block orders and with dQ beside dK/dV")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dq-separate", type=int, nargs="+", default=[0, 1], choices=[0, 1])
     ap.add_argument("--head-split", type=int, nargs="+", default=[1], choices=[1, 2],
@@ -160,7 +161,7 @@ def main():
             tf = t.tflops(flops)
             ok = ratio_to_bar <= 1 and nans == 0
             row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
-                       nheads=nheads, config=cfg.to_dict(), heavy_first=variant[0],
+                       nheads=nheads, config=cfg.to_dict(), heavy_group=variant[0],
                        dq_beside_dkdv=variant[1],
                        ms=t.median_ms, kernel_ms=per_kernel, tflops=tf,
                        sdpa_flash=peer, ratio=tf / peer if peer else None,
@@ -170,7 +171,7 @@ def main():
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
                   f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
                   f"{' split2' if cfg.head_split == 2 else ''}"
-                  f"{'' if variant[0] else ' in-order'}{' dq-beside' if variant[1] else ''}: "
+                  f" heavy-group {variant[0]}{' dq-beside' if variant[1] else ''}: "
                   f"{t.median_ms:8.3f} ms ({kernels}) {tf:6.1f} TFLOP/s  "
                   f"sdpa-flash {peer or float('nan'):6.1f}  ratio {row['ratio'] or float('nan'):.3f}"
                   f"  err/bar {ratio_to_bar:.2f} {'ok' if ok else 'WRONG'}  "

@@ -1,6 +1,7 @@
 """numflash.attention_backward against float64 reference gradients, and its argument checks."""
 
 import contextlib
+import functools
 
 import numpy as np
 import pytest
@@ -171,6 +172,26 @@ TC_GPU_CASES = [
 def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles):
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
     dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", ["causal", "left"])
+def test_blocks_in_heavy_group_order_match_reference(mask, monkeypatch):
+    """Blocks started in groups of (head, batch) pairs, heaviest rows first across a group
+    (backward.build_kernels' heavy_group; the library's is 1): 3 heads x 2 batches in groups
+    of 4, the second group partial, for both kernels."""
+    from numflash import api
+    from numflash.kernels import backward
+
+    monkeypatch.setattr(backward, "build_kernels",
+                        functools.partial(backward.build_kernels, heavy_group=4))  # fmt: skip
+    api._launchers.clear()  # launchers built with the library's order
+    try:
+        q, k, v = random_qkv(2, 40, 36, 3, 3, 16, "bfloat16")
+        dout, dq, dk, dv = _run(q, k, v, MASKS[mask],
+                                config=numflash.TensorCoreBackwardConfig(16, 1, 2, True))  # fmt: skip
+    finally:
+        api._launchers.clear()
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
 
 

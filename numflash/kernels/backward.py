@@ -102,14 +102,18 @@ def build_dq(head_dim, dtype_name, block_m, num_warps, stages, head_split=1):
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1,
-                  *, heavy_first=True):  # fmt: skip
+                  *, heavy_group=1):  # fmt: skip
     """Both kernels of one configuration, sharing their device functions; all sizes are
     compile-time. Numba compiles each only when it is first launched.
 
-    ``heavy_first``: under a mask bounded on one side only, the blocks whose rows see the most
-    run first (the dQ kernel's last query rows under a causal mask; the dK/dV kernel's last
-    keys under a left window alone) and the short ones fill the tail. On in the library;
-    benchmarks/backward_variants.py turns it off to measure it.
+    ``heavy_group``: under a mask bounded on one side only, where the blocks' work differs
+    (causal: the dK/dV kernel's first keys and the dQ kernel's last query rows see the most),
+    the blocks start heaviest first, so that short ones fill the last wave. With G > 0, groups
+    of G (head, batch) pairs run one after the other, and within a group the blocks of rows
+    run heaviest first across the group's pairs. G = 1, the library's, orders each pair's
+    rows. A larger G keeps the heaviest blocks further from the end, at the price of G pairs'
+    inputs in L2 at once. 0 keeps the grid's order. benchmarks/backward_variants.py times
+    them.
 
     ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
     accumulating one slice of head_dim / head_split output columns; every one computes the
@@ -118,7 +122,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     HEAD_DIM = head_dim  # a multiple of 16 * head_split
     BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
     HEAD_SPLIT = head_split
-    HEAVY_FIRST = heavy_first
+    HEAVY_GROUP = heavy_group
     PART = HEAD_DIM // HEAD_SPLIT  # output columns per block
     DQ_ATOMIC = not dq_separate
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
@@ -145,15 +149,37 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     pack = _PACK[dtype_name]
 
     @device_function
-    def block_position(reverse):
+    def block_position(one_sided, reverse):
         """(thread, lane, warp, the first of the block's 16 * NUM_WARPS rows (keys in the
-        dK/dV kernel, queries in the dQ kernel), its first output column): grid.x counts
-        HEAD_SPLIT blocks per block of rows, from the last block of rows if ``reverse``."""
+        dK/dV kernel, queries in the dQ kernel), its first output column, its head (kv head
+        in the dK/dV kernel), its batch).
+
+        The grid is (HEAD_SPLIT blocks per block of rows, heads, batch), and blocks start in
+        the order of their linear index, x fastest. Under a ``one_sided`` mask that index is
+        read in HEAVY_GROUP's order (build_kernels), the last rows taken as the heaviest if
+        ``reverse``, else the first."""
         tid = cuda.threadIdx.x
+        row_blocks = cuda.gridDim.x // HEAD_SPLIT
+        column_part = (cuda.blockIdx.x % HEAD_SPLIT) * PART
         rows = cuda.blockIdx.x // HEAD_SPLIT
-        if reverse:
-            rows = cuda.gridDim.x // HEAD_SPLIT - 1 - rows
-        return tid, tid & 31, tid >> 5, rows * BLOCK_N, (cuda.blockIdx.x % HEAD_SPLIT) * PART
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        if one_sided and HEAVY_GROUP == 1:  # the same as the general case, in fewer registers
+            if reverse:
+                rows = row_blocks - 1 - rows
+        elif one_sided and HEAVY_GROUP > 1:
+            linear = cuda.blockIdx.x + cuda.gridDim.x * (head + cuda.gridDim.y * batch)
+            index = linear // HEAD_SPLIT
+            group = index // (row_blocks * HEAVY_GROUP)
+            size = min(HEAVY_GROUP, cuda.gridDim.y * cuda.gridDim.z - group * HEAVY_GROUP)
+            local = index - group * row_blocks * HEAVY_GROUP
+            rows = local // size
+            pair = group * HEAVY_GROUP + local - rows * size
+            head = pair % cuda.gridDim.y
+            batch = pair // cuda.gridDim.y
+            if reverse:
+                rows = row_blocks - 1 - rows
+        return tid, tid & 31, tid >> 5, rows * BLOCK_N, column_part, head, batch
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
@@ -373,11 +399,10 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         lse_r = cuda.local.array(STAT_LOADS, float32)
         d_r = cuda.local.array(STAT_LOADS, float32)
 
-        # n0: the block's first key. Later keys are seen by more queries under a left window.
-        reverse = HEAVY_FIRST and window_right < 0 <= window_left
-        tid, lane, warp, n0, col_base = block_position(reverse)
-        kv_head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
+        # n0: the block's first key. The first keys are seen by the most queries under a causal
+        # mask, the last ones under a left window alone.
+        tid, lane, warp, n0, col_base, kv_head, batch = block_position(
+            (window_left < 0) != (window_right < 0), window_right < 0)
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
                                        window_right)  # fmt: skip
@@ -535,11 +560,10 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         dp = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
 
-        # m0: the block's first query row. Later rows see more keys under a causal mask.
-        reverse = HEAVY_FIRST and window_left < 0 <= window_right
-        tid, lane, warp, m0, col_base = block_position(reverse)
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
+        # m0: the block's first query row. The last rows see the most keys under a causal mask,
+        # the first ones under a left window alone.
+        tid, lane, warp, m0, col_base, head, batch = block_position(
+            (window_left < 0) != (window_right < 0), window_left < 0)
         kv_head = head // heads_per_kv
         last_row = min(m0 + BLOCK_N, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
