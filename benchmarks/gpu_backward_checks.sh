@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # The backward's checks and timings on a GPU: GPU tests, compute-sanitizer (racecheck,
 # memcheck) over the forced tensor-core cases, the tensor-core variants at head_dim 128, and the
-# benchmark beside SDPA. Each step has its own time limit and log under the folder given
+# benchmark beside SDPA; kvariants: the default's block orders and dQ stream (backward_variants
+# --kernel-variants). Each step has its own time limit and log under the folder given
 # (default: benchmarks/results/dev/gpu-backward-checks); a step that fails or runs out of time
-# does not stop the others. All steps take up to 16 minutes, more than one 10-minute device
+# does not stop the others. All steps take up to 20 minutes, more than one 10-minute device
 # call: name the steps to run a part.
 #
-#     bash benchmarks/gpu_backward_checks.sh "$OUT" pytest bench                 # <= 7.5 min
-#     bash benchmarks/gpu_backward_checks.sh "$OUT" racecheck memcheck variants   # <= 8.5 min
+#     bash benchmarks/gpu_backward_checks.sh "$OUT" kvariants pytest              # <= 9.4 min
+#     bash benchmarks/gpu_backward_checks.sh "$OUT" racecheck memcheck bench      # <= 7.7 min
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/dev/gpu-backward-checks}
 shift || true
-steps=${*:-pytest racecheck memcheck variants bench}
+steps=${*:-pytest racecheck memcheck variants kvariants bench}
 mkdir -p "$out"
 
 step() {  # step NAME SECONDS COMMAND...: run it if asked for, log to $out/NAME.log
@@ -31,4 +32,6 @@ for tool in racecheck memcheck; do
 done
 step variants 150 python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 \
     --stages 2 --dq-separate 0 1 --head-split 1 2 --out "$out/variants.json"
+step kvariants 240 python benchmarks/backward_variants.py --kernel-variants --head-dims 128 \
+    --dtypes float16 bfloat16 --seqlens 4096 16384 --out "$out/kernel-variants.json"
 step bench 120 python benchmarks/bench_backward.py --out-dir "$out"
