@@ -203,7 +203,8 @@ def test_dq_kernel_beside_dkdv_matches_reference(head_dim, monkeypatch):
 
     monkeypatch.setattr(api, "_DQ_BESIDE_DKDV", True)
     q, k, v = random_qkv(1, 40, 50, 2, 1, head_dim, "float16")
-    stream = contextlib.nullcontext() if SIMULATOR else xp.cuda.Stream(non_blocking=True)
+    # a blocking stream: it waits for the inputs made on the default one
+    stream = contextlib.nullcontext() if SIMULATOR else xp.cuda.Stream()
     with stream:
         dout, dq, dk, dv = _run(q, k, v, MASKS["causal"],
                                 config=numflash.TensorCoreBackwardConfig(16, 1, 2, True))  # fmt: skip
