@@ -164,10 +164,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         rows = cuda.blockIdx.x // HEAD_SPLIT
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
-        if one_sided and HEAVY_GROUP == 1:  # the same as the general case, in fewer registers
-            if reverse:
-                rows = row_blocks - 1 - rows
-        elif one_sided and HEAVY_GROUP > 1:
+        if one_sided and HEAVY_GROUP > 1:  # (with 1 group per pair, the grid's own order)
             linear = cuda.blockIdx.x + cuda.gridDim.x * (head + cuda.gridDim.y * batch)
             index = linear // HEAD_SPLIT
             group = index // (row_blocks * HEAVY_GROUP)
@@ -177,8 +174,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
             pair = group * HEAVY_GROUP + local - rows * size
             head = pair % cuda.gridDim.y
             batch = pair // cuda.gridDim.y
-            if reverse:
-                rows = row_blocks - 1 - rows
+        if one_sided and HEAVY_GROUP > 0 and reverse:
+            rows = row_blocks - 1 - rows
         return tid, tid & 31, tid >> 5, rows * BLOCK_N, column_part, head, batch
 
     @device_function
