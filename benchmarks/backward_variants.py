@@ -9,14 +9,21 @@ on the same inputs. Used to choose the backward defaults and to study what limit
     python benchmarks/backward_variants.py --head-dims 128 --seqlens 4096 --out rows.json
 
 ``--kernel-variants`` times the default configuration also with other block orders
-(backward.build_kernels' ``heavy_group``: 0, the grid's order; 8, heaviest rows first across
-groups of 8 (head, batch) pairs) and with the dQ kernel on a second stream beside the dK/dV
-kernel (numflash.api._DQ_BESIDE_DKDV). Every run also reports
-its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the launches.
+(backward.build_kernels' ``heavy_group``: 0, the grid's order; 1, each (head, batch) pair's
+heaviest rows first; 8, heaviest rows first across groups of 8 pairs) and with the dQ kernel on
+a second stream beside the dK/dV kernel (numflash.api._DQ_BESIDE_DKDV); ``--heavy-groups``
+and ``--dq-beside`` choose other variants, ``--tiles`` other configurations than the default
+(block_m x num_warps, e.g. 64x4), ``--dq-separate`` dQ by atomics (0) as well. Every run also
+reports its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the
+launches.
+
+    python benchmarks/backward_variants.py --kernel-variants --heavy-groups 8 16 --dq-beside 0 \
+        --tiles 64x8 64x4 --head-dims 128 --seqlens 4096 --causal yes
 """
 
 import argparse
 import collections
+import dataclasses
 import functools
 import itertools
 import json
@@ -47,16 +54,37 @@ def configs(head_dim, device, args):
     default = default_config(TensorCoreBackwardConfig.family, head_dim, device)[1]
     yield default
     splits = [2] if head_dim > 128 else args.head_split
+    separate = args.dq_separate or [0, 1]
     for bm, nw, st, sep, split in itertools.product((32, 64, 128), (4, 8), args.stages,
-                                                    args.dq_separate, splits):  # fmt: skip
+                                                    separate, splits):  # fmt: skip
         cfg = TensorCoreBackwardConfig(bm, nw, st, bool(sep), split)
         if cfg != default and not cfg.problems(head_dim, device):
             yield cfg
 
 
 #: (build_kernels' heavy_group, api._DQ_BESIDE_DKDV): the library's settings first
-KERNEL_VARIANTS = [(1, numflash.api._DQ_BESIDE_DKDV), (0, False), (8, False), (1, True), (8, True)]
+KERNEL_VARIANTS = [(8, numflash.api._DQ_BESIDE_DKDV), (0, False), (1, False), (8, True)]
 _build_kernels = backward.build_kernels
+
+
+def kernel_variants(args):
+    """The (heavy_group, dq_beside) pairs that --heavy-groups and --dq-beside name, else
+    KERNEL_VARIANTS."""
+    if args.heavy_groups is None and args.dq_beside is None:
+        return KERNEL_VARIANTS
+    groups = args.heavy_groups or [KERNEL_VARIANTS[0][0]]
+    beside = args.dq_beside or [int(KERNEL_VARIANTS[0][1])]
+    return [(g, bool(b)) for g in groups for b in beside]
+
+
+def variant_configs(default, tiles, dq_separate):
+    """The default configuration with each BMxNW of ``tiles`` (block_m x num_warps) and each
+    of ``dq_separate``, where given."""
+    shapes = [tuple(int(n) for n in t.lower().split("x")) for t in tiles or []]
+    shapes = shapes or [(default.block_m, default.num_warps)]
+    separate = [bool(s) for s in dq_separate or [default.dq_separate]]
+    return [dataclasses.replace(default, block_m=bm, num_warps=nw, dq_separate=sep)
+            for bm, nw in shapes for sep in separate]  # fmt: skip
 
 
 def use_kernel_variant(heavy_group, dq_beside):
@@ -125,8 +153,16 @@ def main():
     ap.add_argument("--only-default", action="store_true")
     ap.add_argument("--kernel-variants", action="store_true",
                     help="the default configuration, also in other block orders and with dQ beside dK/dV")
+    ap.add_argument("--heavy-groups", type=int, nargs="+",
+                    help="with --kernel-variants: these block orders (build_kernels' heavy_group)")
+    ap.add_argument("--dq-beside", type=int, nargs="+", choices=[0, 1],
+                    help="with --kernel-variants: the dQ kernel beside dK/dV (1) or after it (0)")
+    ap.add_argument("--tiles", nargs="+", metavar="BMxNW",
+                    help="with --kernel-variants: these block_m x num_warps, not the default's")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--dq-separate", type=int, nargs="+", default=[0, 1], choices=[0, 1])
+    ap.add_argument("--dq-separate", type=int, nargs="+", choices=[0, 1],
+                    help="dQ from its own kernel (1) or atomics (0); the grid's default: both, "
+                    "--kernel-variants': the default configuration's")
     ap.add_argument("--head-split", type=int, nargs="+", default=[1], choices=[1, 2],
                     help="at head_dim <= 128 (above it, 2 is needed)")
     args = ap.parse_args()
@@ -142,7 +178,12 @@ def main():
             peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
         cfgs = list(configs(hd, dev, args))
         if args.kernel_variants:
-            runs = [(cfgs[0], variant) for variant in KERNEL_VARIANTS]
+            tiled = variant_configs(cfgs[0], args.tiles, args.dq_separate)
+            for cfg in tiled:
+                if cfg.problems(hd, dev):
+                    print(f"  {cfg}: skipped, {'; '.join(cfg.problems(hd, dev))}", flush=True)
+            runs = [(cfg, variant) for cfg in tiled if not cfg.problems(hd, dev)
+                    for variant in kernel_variants(args)]  # fmt: skip
         else:
             kept = cfgs[:1] if args.only_default else cfgs
             runs = [(cfg, KERNEL_VARIANTS[0]) for cfg in kept]

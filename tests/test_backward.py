@@ -178,7 +178,7 @@ def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, m
 @pytest.mark.parametrize("mask", ["causal", "left"])
 def test_blocks_in_heavy_group_order_match_reference(mask, monkeypatch):
     """Blocks started in groups of (head, batch) pairs, heaviest rows first across a group
-    (backward.build_kernels' heavy_group; the library's is 1): 3 heads x 2 batches in groups
+    (backward.build_kernels' heavy_group; the library's is 8): 3 heads x 2 batches in groups
     of 4, the second group partial, for both kernels."""
     from numflash import api
     from numflash.kernels import backward

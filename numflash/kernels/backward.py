@@ -102,7 +102,7 @@ def build_dq(head_dim, dtype_name, block_m, num_warps, stages, head_split=1):
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1,
-                  *, heavy_group=1):  # fmt: skip
+                  *, heavy_group=8):  # fmt: skip
     """Both kernels of one configuration, sharing their device functions; all sizes are
     compile-time. Numba compiles each only when it is first launched.
 
@@ -110,10 +110,15 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     (causal: the dK/dV kernel's first keys and the dQ kernel's last query rows see the most),
     the blocks start heaviest first, so that short ones fill the last wave. With G > 0, groups
     of G (head, batch) pairs run one after the other, and within a group the blocks of rows
-    run heaviest first across the group's pairs. G = 1, the library's, orders each pair's
-    rows. A larger G keeps the heaviest blocks further from the end, at the price of G pairs'
-    inputs in L2 at once. 0 keeps the grid's order. benchmarks/backward_variants.py times
-    them.
+    run heaviest first across the group's pairs. G = 1 orders each pair's rows; a larger G
+    keeps the heaviest blocks further from the end, at the price of G pairs' inputs in L2 at
+    once; 0 keeps the grid's order. The library's G = 8 was the fastest or within noise of it
+    on the H200 (2026-11-30, ``benchmarks/backward_variants.py --kernel-variants``, head_dim
+    128, fp16 and bf16, 32k tokens x 2048): causal 4096, dK/dV 3.92 and dQ 2.98 ms against
+    4.01 and 3.13 at G = 1; causal 16384, dQ 10.86-11.10 against 11.15-11.22. G = 16 and 32
+    were no faster. Without a mask the order does not change, yet the G = 8 build ran 1-3%
+    faster there too (non-causal 4096: dK/dV 7.32-7.38 against 7.45 ms, dQ 5.65-5.69 against
+    5.84): the compiler's code differs, not the work.
 
     ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
     accumulating one slice of head_dim / head_split output columns; every one computes the
