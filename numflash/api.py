@@ -549,8 +549,7 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
         if join is not None:
             join()
     else:
-        rounded = arrays.from_float(dq_acc[..., : p.head_dim] * np.float32(p.scale), dq.dtype)
-        arrays.bits(dq)[...] = arrays.bits(rounded)
+        arrays.round_scaled_into(dq, dq_acc[..., : p.head_dim], p.scale)
     if not direct:
         if cfg.dq_separate:
             arrays.bits(dq)[...] = arrays.bits(dq_t)[..., : p.head_dim]

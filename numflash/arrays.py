@@ -171,6 +171,39 @@ def from_float(x, dtype):
     return x.astype(dtype)
 
 
+_ROUND_SCALED = {}  # dtype name -> the CuPy kernel of round_scaled_into
+
+#: dst = round(src * scale) in one pass: fp16 through CuPy's float16 (to nearest even), bf16
+#: by the same integer rounding as from_float (to nearest even, NaN kept quiet).
+_ROUND_SCALED_CODE = {
+    "float16": "y = float16(x * s);",
+    "bfloat16": """
+        float v = x * s;
+        unsigned int b = __float_as_uint(v);
+        unsigned int even = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+        y = (unsigned short)(isnan(v) ? ((b >> 16) | 0x40u) : even);
+    """,
+}
+
+
+def round_scaled_into(dst, src, scale):
+    """``dst[...] = round(src * scale)`` for a float32 ``src`` and a 16-bit float ``dst`` of
+    the same shape, bitwise as ``from_float(src * float32(scale), dst.dtype)``: on the GPU in
+    one elementwise kernel (CuPy's multiply, then from_float's passes, read and wrote the array
+    five to ten times: 4.4 ms for bf16 dQ at 32k tokens x 2048 on the H200)."""
+    name = dtype_name(dst.dtype)
+    if array_module(src) is np:
+        bits(dst)[...] = bits(from_float(src * np.float32(scale), dst.dtype))
+        return
+    kernel = _ROUND_SCALED.get(name)
+    if kernel is None:
+        out = "float16 y" if name == "float16" else "uint16 y"
+        kernel = _ROUND_SCALED[name] = _cupy().ElementwiseKernel(
+            "float32 x, float32 s", out, _ROUND_SCALED_CODE[name], f"numflash_round_scaled_{name}"
+        )
+    kernel(src, np.float32(scale), dst if name == "float16" else dst.view(np.uint16))
+
+
 def current_stream():
     """The handle (``CUstream`` as an int) of CuPy's current stream; 0 in the simulator."""
     if SIMULATOR:

@@ -375,3 +375,24 @@ def test_backward_config_is_checked(fwd):
               dout=random_array((1, 5, 2, 256), "float16"),
               out=random_array((1, 5, 2, 256), "float16"),
               config=numflash.PortableBackwardConfig(128, 128))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_round_scaled_into_matches_from_float_bitwise(dtype):
+    """The atomic path's final pass over dQ (arrays.round_scaled_into: one CuPy kernel on the
+    GPU) rounds exactly as from_float does: ties, overflow, subnormals, infinities, NaN, and a
+    strided source like dQ's padded accumulator."""
+    from numflash import arrays
+
+    rng = np.random.default_rng(7)
+    src = rng.standard_normal((3, 50, 2, 40)).astype(np.float32) * np.float32(1e3)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-8, -3e-39,
+                        1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.4e38], dtype=np.float32)  # fmt: skip
+    src.reshape(-1)[: special.size] = special
+    padded = xp.asarray(np.concatenate([src, np.zeros_like(src[..., :8])], axis=-1))[..., :40]
+    dst = xp.empty(src.shape, dtype=arrays.BFLOAT16 if dtype == "bfloat16" else np.float16)
+    arrays.bits(dst)[...] = 0x5555  # poison
+    arrays.round_scaled_into(dst, padded, 0.125)
+    expected = arrays.from_float(xp.asarray(src) * np.float32(0.125), dst.dtype)
+    np.testing.assert_array_equal(to_numpy(arrays.bits(dst)), to_numpy(arrays.bits(expected)))
