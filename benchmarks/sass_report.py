@@ -117,6 +117,8 @@ def main():
                          "(TensorCoreBackwardConfig's fields; dq_separate 0 or 1, default 1); "
                          "forward: block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--heavy-group", type=int, default=None,
+                    help="with --backward: build_kernels' heavy_group (default: the library's)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--nvdisasm", default=None)
@@ -127,6 +129,11 @@ def main():
         from numflash.kernels import backward
         from numflash.kernels.jit import tensor_core_backward_signature, tensor_core_dq_signature
 
+        if args.heavy_group is not None:
+            import functools
+
+            backward.build_kernels = functools.partial(backward.build_kernels,
+                                                       heavy_group=args.heavy_group)  # fmt: skip
         cfg = TensorCoreBackwardConfig(*values[:3], *(bool(x) for x in values[3:4]), *values[4:])
         tiles = (args.head_dim, args.dtype, cfg.block_m, cfg.num_warps, cfg.stages)
         if args.dq_kernel:

@@ -116,9 +116,10 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     on the H200 (2026-11-30, ``benchmarks/backward_variants.py --kernel-variants``, head_dim
     128, fp16 and bf16, 32k tokens x 2048): causal 4096, dK/dV 3.92 and dQ 2.98 ms against
     4.01 and 3.13 at G = 1; causal 16384, dQ 10.86-11.10 against 11.15-11.22. G = 16 and 32
-    were no faster. Without a mask the order does not change, yet the G = 8 build ran 1-3%
-    faster there too (non-causal 4096: dK/dV 7.32-7.38 against 7.45 ms, dQ 5.65-5.69 against
-    5.84): the compiler's code differs, not the work.
+    were no faster. Without a mask the order does not change, yet the G = 8 build measured
+    1-3% faster there too (non-causal 4096: dK/dV 7.32-7.38 against 7.45 ms, dQ 5.65-5.69
+    against 5.84), unexplained: the dQ kernel's loop is the same length at G = 1 and 8
+    (benchmarks/NOTES.md).
 
     ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
     accumulating one slice of head_dim / head_split output columns; every one computes the
