@@ -62,8 +62,9 @@ def configs(head_dim, device, args):
             yield cfg
 
 
-#: (build_kernels' heavy_group, api._DQ_BESIDE_DKDV): the library's settings first
-KERNEL_VARIANTS = [(8, numflash.api._DQ_BESIDE_DKDV), (0, False), (1, False), (8, True)]
+#: (build_kernels' heavy_group, api._DQ_BESIDE_DKDV): the library's settings first (None: its
+#: heavy_group, 8 with the dQ kernel, 1 with atomic dQ)
+KERNEL_VARIANTS = [(None, numflash.api._DQ_BESIDE_DKDV), (0, False), (1, False), (8, True)]
 _build_kernels = backward.build_kernels
 
 
@@ -212,7 +213,8 @@ def main():
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
                   f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
                   f"{' split2' if cfg.head_split == 2 else ''}"
-                  f" heavy-group {variant[0]}{' dq-beside' if variant[1] else ''}: "
+                  f" heavy-group {'default' if variant[0] is None else variant[0]}"
+                  f"{' dq-beside' if variant[1] else ''}: "
                   f"{t.median_ms:8.3f} ms ({kernels}) {tf:6.1f} TFLOP/s  "
                   f"sdpa-flash {peer or float('nan'):6.1f}  ratio {row['ratio'] or float('nan'):.3f}"
                   f"  err/bar {ratio_to_bar:.2f} {'ok' if ok else 'WRONG'}  "

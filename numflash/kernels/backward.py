@@ -102,7 +102,7 @@ def build_dq(head_dim, dtype_name, block_m, num_warps, stages, head_split=1):
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1,
-                  *, heavy_group=8):  # fmt: skip
+                  *, heavy_group=None):  # fmt: skip
     """Both kernels of one configuration, sharing their device functions; all sizes are
     compile-time. Numba compiles each only when it is first launched.
 
@@ -119,7 +119,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     were no faster. Without a mask the order does not change, yet the G = 8 build measured
     1-3% faster there too (non-causal 4096: dK/dV 7.32-7.38 against 7.45 ms, dQ 5.65-5.69
     against 5.84), unexplained: the dQ kernel's loop is the same length at G = 1 and 8
-    (benchmarks/NOTES.md).
+    (benchmarks/NOTES.md). None, the default, is 8 with ``dq_separate`` and 1 without: the
+    dK/dV kernel with atomic dQ spills 60 bytes at G = 8 (64 x 128 tiles, head_dim 128, 255
+    registers; none at G = 1) and ran 1.6% slower (13.62 against 13.40 ms, non-causal 4096).
 
     ``head_split`` blocks share each key block (dK/dV kernel) or query block (dQ kernel), each
     accumulating one slice of head_dim / head_split output columns; every one computes the
@@ -128,7 +130,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     HEAD_DIM = head_dim  # a multiple of 16 * head_split
     BLOCK_M, NUM_WARPS, STAGES = block_m, num_warps, stages
     HEAD_SPLIT = head_split
-    HEAVY_GROUP = heavy_group
+    HEAVY_GROUP = heavy_group if heavy_group is not None else (8 if dq_separate else 1)
     PART = HEAD_DIM // HEAD_SPLIT  # output columns per block
     DQ_ATOMIC = not dq_separate
     BLOCK_N = 16 * NUM_WARPS  # one 16-row tile of keys per warp
