@@ -39,7 +39,8 @@ from numflash.kernels.jit import (  # noqa: E402
 TENSOR_CORE_TARGETS = [(8, 0), (8, 6), (8, 9), (9, 0, "a")]
 PORTABLE_TARGETS = [(7, 5), (9, 0, "a")]
 INSTRUCTIONS = ["mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned", "cp.async.cg.shared.global",
-                "cp.async.wait_group", "ex2.approx", "shfl.sync.bfly"]  # fmt: skip
+                "cp.async.wait_group", "ex2.approx", "shfl.sync.bfly", "wgmma.mma_async",
+                "wgmma.fence", "wgmma.wait_group", "fence.proxy.async"]  # fmt: skip
 
 
 def report(kernel, dtype, cc, resources, signature=None):
@@ -124,6 +125,13 @@ def main(quick):
                                signature=signature)  # fmt: skip
                 results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
                                 "kernel": name, "config": cfg.to_dict(), **entry})  # fmt: skip
+    # wgmma (sm_90a only): the one-tile GEMM of tests/wgmma_gemm.py, assembled by ptxas
+    import wgmma_gemm
+
+    for dtype in ["float16", "bfloat16"]:
+        entry = report(wgmma_gemm.build(dtype), dtype, (9, 0, "a"), resources=True,
+                       signature=wgmma_gemm.signature())  # fmt: skip
+        results.append({"family": "wgmma", "dtype": dtype, **entry})
     print(json.dumps(results))
 
 

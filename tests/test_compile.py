@@ -132,3 +132,17 @@ def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
             assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"  # fmt: skip
         assert e["resources"]["spill_stores"] <= 8, e
 
+
+
+def test_wgmma_tile_assembles_for_sm90a(compiled):
+    """The wgmma groundwork (numflash/kernels/ptx_sm90.py) through ptxas for sm_90a: the
+    descriptor-operand wgmma, its fences and wait, in a kernel that fits in registers. Whether
+    it computes the right tile is tests/test_wgmma.py's, on a GPU."""
+    entries = _entries(compiled, "wgmma")
+    assert {e["dtype"] for e in entries} == {"float16", "bfloat16"}
+    for e in entries:
+        assert e["target"] == "sm_90a"
+        for instruction in ("wgmma.mma_async", "wgmma.fence", "wgmma.wait_group",
+                            "fence.proxy.async"):
+            assert e["counts"][instruction] == 1, e
+        assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
