@@ -9,6 +9,7 @@ report (registers, stack frame, spills).
 
 import json
 import os
+import re
 import sys
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -48,7 +49,10 @@ def report(kernel, dtype, cc, resources, signature=None):
     entry = {"target": offline.arch_name(cc), "counts": {i: ptx.count(i) for i in INSTRUCTIONS}}
     if resources:
         usage = offline.resource_usage(ptx, cc)
-        usage.pop("log")
+        # ptxas' numbered remarks (e.g. "(C7511) ... wgmma.mma_async instructions are
+        # serialized") and warnings
+        usage["remarks"] = [line for line in usage.pop("log").splitlines()
+                            if re.search(r"\(C\d{4}\)", line) or "arning" in line]  # fmt: skip
         entry["resources"] = usage
     return entry
 
@@ -125,13 +129,14 @@ def main(quick):
                                signature=signature)  # fmt: skip
                 results.append({"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype,
                                 "kernel": name, "config": cfg.to_dict(), **entry})  # fmt: skip
-    # wgmma (sm_90a only): the one-tile GEMM of tests/wgmma_gemm.py, assembled by ptxas
+    # wgmma (sm_90a only): the tiles of tests/wgmma_gemm.py, assembled by ptxas
     import wgmma_gemm
 
     for dtype in ["float16", "bfloat16"]:
-        entry = report(wgmma_gemm.build(dtype), dtype, (9, 0, "a"), resources=True,
-                       signature=wgmma_gemm.signature())  # fmt: skip
-        results.append({"family": "wgmma", "dtype": dtype, **entry})
+        for variant in wgmma_gemm.VARIANTS:
+            entry = report(wgmma_gemm.build(dtype, variant), dtype, (9, 0, "a"), resources=True,
+                           signature=wgmma_gemm.signature())  # fmt: skip
+            results.append({"family": "wgmma", "dtype": dtype, "variant": variant, **entry})
     print(json.dumps(results))
 
 

@@ -134,15 +134,23 @@ def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
 
 
 
-def test_wgmma_tile_assembles_for_sm90a(compiled):
-    """The wgmma groundwork (numflash/kernels/ptx_sm90.py) through ptxas for sm_90a: the
-    descriptor-operand wgmma, its fences and wait, in a kernel that fits in registers. Whether
-    it computes the right tile is tests/test_wgmma.py's, on a GPU."""
+def test_wgmma_tiles_assemble_for_sm90a(compiled):
+    """The wgmma groundwork (numflash/kernels/ptx_sm90.py) through ptxas for sm_90a: one wgmma
+    per k16 step (A from shared memory or from registers), its fences and wait, in kernels
+    that fit in registers. Whether they compute the right tiles is tests/test_wgmma.py's, on
+    a GPU."""
+    import wgmma_gemm
+
     entries = _entries(compiled, "wgmma")
-    assert {e["dtype"] for e in entries} == {"float16", "bfloat16"}
+    assert {(e["dtype"], e["variant"]) for e in entries} == {
+        (dtype, variant) for dtype in ("float16", "bfloat16") for variant in wgmma_gemm.VARIANTS}
     for e in entries:
         assert e["target"] == "sm_90a"
-        for instruction in ("wgmma.mma_async", "wgmma.fence", "wgmma.wait_group",
-                            "fence.proxy.async"):
+        assert e["counts"]["wgmma.mma_async"] == wgmma_gemm.VARIANTS[e["variant"]] // 16, e
+        for instruction in ("wgmma.fence", "wgmma.wait_group", "fence.proxy.async"):
             assert e["counts"][instruction] == 1, e
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
+        # ptxas serialises the wgmma pipeline, or waits for it, when the accumulators are
+        # touched between the products (remarks C7511, C7517); one tile's steps must chain
+        remarks = e["resources"]["remarks"]
+        assert not [r for r in remarks if "serialized" in r or "injected" in r], remarks

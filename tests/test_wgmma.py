@@ -1,5 +1,5 @@
-"""wgmma on the GPU (numflash/kernels/ptx_sm90.py, groundwork for the next backward): one
-64 x 64 x 16 tile against NumPy. Needs compute capability 9.0 (sm_90a); CI compiles the same
+"""wgmma on the GPU (numflash/kernels/ptx_sm90.py, groundwork for the next backward): tiles of
+tests/wgmma_gemm.py against NumPy. Needs compute capability 9.0 (sm_90a); CI compiles the same
 kernel for sm_90a through ptxas instead (tests/test_compile.py)."""
 
 import numpy as np
@@ -10,21 +10,23 @@ from numflash.arrays import bits, to_float64
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["plain", "swizzled", "registers"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_wgmma_tile_matches_numpy(dtype):
+def test_wgmma_tile_matches_numpy(dtype, variant):
     from numflash.device import current_device
 
     if current_device().compute_capability[0] != 9:
         pytest.skip("wgmma needs compute capability 9.x (sm_90a)")
     import wgmma_gemm
 
-    a = random_array((wgmma_gemm.M, wgmma_gemm.K), dtype)
-    b = random_array((wgmma_gemm.N, wgmma_gemm.K), dtype)
+    k = wgmma_gemm.VARIANTS[variant]
+    a = random_array((wgmma_gemm.M, k), dtype)
+    b = random_array((wgmma_gemm.N, k), dtype)
     c = xp.full((wgmma_gemm.M, wgmma_gemm.N), np.nan, dtype=np.float32)  # poisoned
-    kernel = wgmma_gemm.build(dtype)
-    kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.SHARED_BYTES](
+    kernel = wgmma_gemm.build(dtype, variant)
+    kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.shared_bytes(variant)](
         bits(a).ravel(), bits(b).ravel(), c.ravel())  # fmt: skip
     xp.cuda.get_current_stream().synchronize()
     expected = to_numpy(to_float64(a)) @ to_numpy(to_float64(b)).T
-    # fp32 accumulation of 16 products of values ~N(0, 1): far inside 1e-4
+    # fp32 accumulation of up to 64 exact products of values ~N(0, 1): far inside 1e-4
     np.testing.assert_allclose(to_numpy(c), expected, rtol=1e-4, atol=1e-4)

@@ -1,24 +1,26 @@
-"""One 64 x 64 x 16 tile multiplied with wgmma (numflash/kernels/ptx_sm90.py): C = A @ B^T for
-A (64 x 16) and B (64 x 16) in fp16 or bf16, both copied to shared memory in the no-swizzle
-K-major layout, C in fp32. The smallest kernel that exercises the descriptor, the fences and
-the accumulator layout: compiled for sm_90a by tests/compile_targets.py, run on a GPU by
-tests/test_wgmma.py.
+"""Tiles multiplied with wgmma (numflash/kernels/ptx_sm90.py): C = A @ B^T for A (64 x K) and
+B (64 x K) in fp16 or bf16, C (64 x 64) in fp32, by one warpgroup. Three variants, each the
+smallest kernel that exercises one way the backward would feed wgmma:
+
+- ``plain``: K = 16, both operands in shared memory without swizzle (core matrices of 8 rows
+  x 16 bytes, 128 bytes apart in K and 256 bytes apart in rows);
+- ``swizzled``: K = 64, both operands in shared memory with the 128-byte swizzle (rows of 128
+  bytes, 8-row groups 1024 bytes apart, 16-byte chunk c of row r at c ^ (r & 7)), four k16
+  steps, each 32 bytes further into the rows;
+- ``registers``: as ``swizzled``, but A from registers in mma.sync's A fragment layout.
+
+Compiled for sm_90a by tests/compile_targets.py, run on a GPU by tests/test_wgmma.py.
 """
 
 import functools
 
-from numba import cuda, float32, types, uint16
+from numba import cuda, float32, types, uint16, uint32
 
 from numflash.kernels import ptx, ptx_sm90
 
 M = N = 64
-K = 16
-#: no swizzle, K-major: core matrix (8 rows x 8 values, 128 bytes) (r, k) of an operand at byte
-#: r * STRIDE_BYTES + k * LEADING_BYTES, each of its rows 16 bytes
-LEADING_BYTES, STRIDE_BYTES = 128, 256
-B_OFFSET_BYTES = M * K * 2  # B after A in shared memory
-SHARED_BYTES = B_OFFSET_BYTES + N * K * 2
 THREADS = 128  # one warpgroup
+VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64}  # variant -> K
 
 
 def signature():
@@ -26,44 +28,74 @@ def signature():
     return types.void(vector, vector, types.Array(types.float32, 1, "C"))
 
 
-def core_offset(row, col):
-    """Element offset of (row, col) of a 64 x 16 operand in the layout above."""
-    return ((row >> 3) * STRIDE_BYTES + (col >> 3) * LEADING_BYTES) // 2 + (row & 7) * 8 + (col & 7)
+def shared_bytes(variant):
+    """Dynamic shared memory: A and B, and 1024 bytes to align the swizzled operands."""
+    return 2 * 64 * VARIANTS[variant] * 2 + 1024
+
+
+def plain_offset(row, col):
+    """Element offset of (row, col) of a 64 x 16 operand without swizzle."""
+    return ((row >> 3) * 256 + (col >> 3) * 128) // 2 + (row & 7) * 8 + (col & 7)
+
+
+def swizzled_offset(row, col):
+    """Element offset of (row, col) of a 64 x 64 operand with the 128-byte swizzle."""
+    chunk = (col >> 3) ^ (row & 7)
+    return ((row >> 3) * 1024 + (row & 7) * 128 + chunk * 16) // 2 + (col & 7)
 
 
 @functools.lru_cache(maxsize=None)
-def build(dtype_name):
-    wgmma = {"float16": ptx_sm90.wgmma_m64n64k16_f16,
-             "bfloat16": ptx_sm90.wgmma_m64n64k16_bf16}[dtype_name]  # fmt: skip
-    offset = cuda.jit(device=True, forceinline=True)(core_offset)
+def build(dtype_name, variant):
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
+    K = VARIANTS[variant]
+    SWIZZLED = variant != "plain"
+    REGISTER_A = variant == "registers"
+    mma = ptx_sm90.wgmma(ab, N, a_in_registers=REGISTER_A)
+    offset = cuda.jit(device=True, forceinline=True)(swizzled_offset if SWIZZLED else plain_offset)
+    OPERAND = 64 * K  # values per operand
+    LEADING, STRIDE = (16, 1024) if SWIZZLED else (128, 256)  # bytes; 16 = unused
+    SWIZZLE = ptx_sm90.SWIZZLE_128B if SWIZZLED else ptx_sm90.SWIZZLE_NONE
 
     @cuda.jit
     def gemm(a, b, c):
-        """a, b: the bits of 64 x 16 row-major operands (1024 each); c: 64 x 64 fp32 out."""
+        """a, b: the bits of 64 x K row-major operands; c: 64 x 64 fp32 out."""
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        for i in range(2 * M * K // THREADS):  # A's values, then B's
+        raw = ptx.shared_address(smem, 0)
+        first = (((raw + uint32(1023)) & uint32(0xFFFFFC00)) - raw) >> 1  # 1024-byte aligned
+        for i in range(2 * OPERAND // THREADS):  # A's values, then B's
             e = tid + i * THREADS
-            row, col = (e & (M * K - 1)) >> 4, e & 15
-            if e < M * K:
-                smem[offset(row, col)] = a[e]
+            row, col = (e & (OPERAND - 1)) // K, e & (K - 1)
+            if e < OPERAND:
+                smem[first + offset(row, col)] = a[e]
             else:
-                smem[B_OFFSET_BYTES // 2 + offset(row, col)] = b[e - M * K]
+                smem[first + OPERAND + offset(row, col)] = b[e - OPERAND]
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
-        base = ptx.shared_address(smem, 0)
-        desc_a = ptx_sm90.matrix_descriptor(base, LEADING_BYTES, STRIDE_BYTES, 0)
-        desc_b = ptx_sm90.matrix_descriptor(base + B_OFFSET_BYTES, LEADING_BYTES,
-                                            STRIDE_BYTES, 0)  # fmt: skip
-        z = float32(0)
-        acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z,
-               z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)  # fmt: skip
-        ptx_sm90.wgmma_fence()
-        acc = wgmma(acc, desc_a, desc_b)
-        ptx_sm90.wgmma_commit()
-        ptx_sm90.wgmma_wait(0)
+        base = raw + (first << 1)
         warp, lane = tid >> 5, tid & 31
         g, t = lane >> 2, lane & 3
+        z = float32(0)
+        sixteen = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+        acc = sixteen + sixteen  # (a 32-value literal trips Numba's bytecode peephole here)
+        ptx_sm90.wgmma_fence()
+        for s in range(K // 16):
+            step = s * 32  # bytes into each swizzled row (the plain operand has one step)
+            desc_b = ptx_sm90.matrix_descriptor(base + 2 * OPERAND + step, LEADING, STRIDE,
+                                                SWIZZLE)  # fmt: skip
+            if REGISTER_A:
+                row = 16 * warp + g
+                at = row * K + 16 * s + 2 * t
+                frag = (uint32(a[at]) | (uint32(a[at + 1]) << 16),
+                        uint32(a[at + 8 * K]) | (uint32(a[at + 8 * K + 1]) << 16),
+                        uint32(a[at + 8]) | (uint32(a[at + 9]) << 16),
+                        uint32(a[at + 8 * K + 8]) | (uint32(a[at + 8 * K + 9]) << 16))  # fmt: skip
+                acc = mma(acc, frag, desc_b)
+            else:
+                desc_a = ptx_sm90.matrix_descriptor(base + step, LEADING, STRIDE, SWIZZLE)
+                acc = mma(acc, desc_a, desc_b)
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
         for i in range(N // 8):
             for r in range(4):
                 row = 16 * warp + g + 8 * (r >> 1)

@@ -3,8 +3,9 @@
 Groundwork for the backward's next design (benchmarks/NOTES.md, "Where that leaves issue 5"):
 wgmma reads both operands from shared memory through 64-bit descriptors and accumulates
 asynchronously, which frees the fragment registers that limit the mma.sync kernels. Nothing in
-the library calls it yet; ``tests/wgmma_gemm.py`` multiplies one tile with it, compiled for
-sm_90a on CI (tests/test_compile.py) and checked against NumPy on a GPU (tests/test_wgmma.py).
+the library calls it yet; ``tests/wgmma_gemm.py`` multiplies tiles with it (both operands from
+shared memory, without and with the 128-byte swizzle; A from registers), compiled for sm_90a
+on CI (tests/test_compile.py) and checked against NumPy on a GPU (tests/test_wgmma.py).
 
 It lives beside ptx.py rather than in it because ptx.py is part of the tuned forward's kernel
 hash (numflash/cache.py): editing it would set aside the shipped tuned configurations until
@@ -20,6 +21,12 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
   offset (0 for the layouts used here), 62-63 the swizzle (0 none, 1 128 B, 2 64 B, 3 32 B).
 - A core matrix, without swizzle, is 8 rows of 16 bytes (8 fp16/bf16 values of K) stored as
   128 contiguous bytes.
+- With the 128-byte swizzle (K-major), rows are 128 bytes (64 values of K) and groups of 8
+  rows 1024 bytes apart (the stride offset; the leading offset is unused), the group's base
+  1024-byte aligned; the 16-byte chunk c of row r is stored at chunk c ^ (r & 7). Each k16
+  step starts 32 bytes further into the row: the hardware applies the swizzle to the
+  address.
+- A may instead come from registers: warp w's 16 rows as mma.sync's A fragment.
 - The fp32 accumulator of ``m64nNk16`` (N / 2 values per thread): warp w of the group holds
   rows 16w..16w+15 laid out as mma.sync's C fragment, repeated for each 8 columns: value
   4i + r of lane (g = lane >> 2, t = lane & 3) is row 16w + g + 8 (r >> 1), column
@@ -33,6 +40,8 @@ In Numba's CUDA simulator these names raise NotImplementedError: wgmma kernels n
 GPU.
 """
 
+import functools
+
 from numba import uint64
 
 from .jit import SIMULATOR, device_function
@@ -43,8 +52,7 @@ __all__ = [
     "wgmma_commit",
     "wgmma_wait",
     "fence_proxy_async",
-    "wgmma_m64n64k16_f16",
-    "wgmma_m64n64k16_bf16",
+    "wgmma",
 ]
 
 #: swizzle field values of the descriptor
@@ -64,13 +72,21 @@ def matrix_descriptor(address, leading_bytes, stride_bytes, swizzle):
     )
 
 
+def _check_shape(ab, n):
+    if ab not in ("f16", "bf16") or n % 8 or not 8 <= n <= 256:
+        raise ValueError(f"wgmma: no m64n{n}k16 for {ab!r} (f16 or bf16, n = 8, 16, ..., 256)")
+
+
 if SIMULATOR:
 
     def _needs_gpu(*args):
         raise NotImplementedError("wgmma needs an sm_90a GPU; the CUDA simulator cannot run it")
 
     wgmma_fence = wgmma_commit = wgmma_wait = fence_proxy_async = _needs_gpu
-    wgmma_m64n64k16_f16 = wgmma_m64n64k16_bf16 = _needs_gpu
+
+    def wgmma(ab, n, a_in_registers=False):
+        _check_shape(ab, n)
+        return _needs_gpu
 
 else:
     from llvmlite import ir
@@ -117,38 +133,53 @@ else:
 
         return sig, codegen
 
-    def _make_wgmma_m64n64k16(ab):
-        # D (64 x 64 f32, 32 values per thread) += A (64 x 16, K-major, descriptor $32) @
-        # B (16 x 64, stored N x K K-major, descriptor $33); both operands unscaled, not
-        # transposed. The accumulators come in as inputs tied to the outputs.
-        values = 32
+    @functools.lru_cache(maxsize=None)
+    def wgmma(ab, n, a_in_registers=False):
+        """The intrinsic ``acc = wgmma(acc, a, desc_b)`` for D (64 x n fp32, n / 2 values per
+        thread, a UniTuple) += A (64 x 16) @ B (16 x n, stored n x 16 K-major, descriptor
+        ``desc_b``), ``ab`` "f16" or "bf16", n a multiple of 8 up to 256.
+
+        A is a descriptor (uint64) of a K-major 64 x 16 operand, or with ``a_in_registers``
+        four uint32 per thread: warp w's rows 16w..16w+15 as mma.sync's A fragment (ptx.py).
+        Neither operand is scaled or transposed. The accumulators go in tied to the outputs.
+        """
+        _check_shape(ab, n)
+        values = n // 2
         regs = ", ".join(f"${i}" for i in range(values))
+        a_count = 4 if a_in_registers else 1
+        a_ops = list(range(values, values + a_count))
+        b_op, scale_op = values + a_count, values + a_count + 1
+        a_text = ", ".join(f"${i}" for i in a_ops)
+        a_text = f"{{{a_text}}}" if a_in_registers else a_text
+        # scale-a, scale-b 1; A (from shared memory only) and B not transposed
+        immediates = "1, 1, 0" if a_in_registers else "1, 1, 0, 0"
         asm = (
-            "{ .reg .pred p; setp.ne.b32 p, $34, 0; "
-            f"wgmma.mma_async.sync.aligned.m64n64k16.f32.{ab}.{ab} "
-            f"{{{regs}}}, $32, $33, p, 1, 1, 0, 0; }}"
+            f"{{ .reg .pred p; setp.ne.b32 p, ${scale_op}, 0; "
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} "
+            f"{{{regs}}}, {a_text}, ${b_op}, p, {immediates}; }}"
         )
-        constraints = ",".join(["=f"] * values + ["l", "l", "r"] + [str(i) for i in range(values)])
+        constraints = ",".join(["=f"] * values + ["r" if a_in_registers else "l"] * a_count
+                               + ["l", "r"] + [str(i) for i in range(values)] + ["~{memory}"])
+        rtype = types.UniTuple(types.float32, values)
+        a_type = types.UniTuple(types.uint32, 4) if a_in_registers else types.uint64
 
         @intrinsic
-        def wgmma(typingctx, acc, desc_a, desc_b):
-            rtype = types.UniTuple(types.float32, values)
+        def mma_async(typingctx, acc, a, desc_b):
             if acc != rtype:
                 return None
-            sig = rtype(rtype, types.uint64, types.uint64)
+            sig = rtype(rtype, a_type, types.uint64)
 
             def codegen(context, builder, sig, args):
                 acc_in = [builder.extract_value(args[0], i) for i in range(values)]
-                operands = [args[1], args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
-                ret = ir.LiteralStructType([_F32] * values)
-                fnty = ir.FunctionType(ret, [a.type for a in operands])
-                res = builder.asm(fnty, asm, constraints + ",~{memory}", operands, True)
+                a_in = ([builder.extract_value(args[1], i) for i in range(4)] if a_in_registers
+                        else [args[1]])  # fmt: skip
+                operands = a_in + [args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
+                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * values),
+                                       [x.type for x in operands])  # fmt: skip
+                res = builder.asm(fnty, asm, constraints, operands, True)
                 out = [builder.extract_value(res, i) for i in range(values)]
                 return context.make_tuple(builder, rtype, out)
 
             return sig, codegen
 
-        return wgmma
-
-    wgmma_m64n64k16_f16 = _make_wgmma_m64n64k16("f16")
-    wgmma_m64n64k16_bf16 = _make_wgmma_m64n64k16("bf16")
+        return mma_async
