@@ -1,32 +1,35 @@
-"""wgmma on the GPU (numflash/kernels/ptx_sm90.py, groundwork for the next backward): tiles of
-tests/wgmma_gemm.py against NumPy. Needs compute capability 9.0 (sm_90a); CI compiles the same
-kernel for sm_90a through ptxas instead (tests/test_compile.py)."""
+"""wgmma (numflash/kernels/ptx_sm90.py, groundwork for the next backward): the tiles of
+tests/wgmma_gemm.py against NumPy. On a GPU of compute capability 9.x this checks the
+hardware; in the simulator, the kernels' layouts against ptx_sm90's reading of them (CI also
+compiles the kernels for sm_90a through ptxas: tests/test_compile.py)."""
 
 import numpy as np
 import pytest
 from _support import random_array, to_numpy, xp
 
 from numflash.arrays import bits, to_float64
+from numflash.kernels.jit import SIMULATOR
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["plain", "swizzled", "registers"])
+@pytest.mark.parametrize("variant", ["plain", "swizzled", "registers", "transposed"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma_tile_matches_numpy(dtype, variant):
     from numflash.device import current_device
 
-    if current_device().compute_capability[0] != 9:
+    if not SIMULATOR and current_device().compute_capability[0] != 9:
         pytest.skip("wgmma needs compute capability 9.x (sm_90a)")
     import wgmma_gemm
 
     k = wgmma_gemm.VARIANTS[variant]
     a = random_array((wgmma_gemm.M, k), dtype)
-    b = random_array((wgmma_gemm.N, k), dtype)
+    b = random_array((k, wgmma_gemm.N) if variant == "transposed" else (wgmma_gemm.N, k), dtype)
     c = xp.full((wgmma_gemm.M, wgmma_gemm.N), np.nan, dtype=np.float32)  # poisoned
     kernel = wgmma_gemm.build(dtype, variant)
     kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.shared_bytes(variant)](
         bits(a).ravel(), bits(b).ravel(), c.ravel())  # fmt: skip
-    xp.cuda.get_current_stream().synchronize()
-    expected = to_numpy(to_float64(a)) @ to_numpy(to_float64(b)).T
+    if not SIMULATOR:
+        xp.cuda.get_current_stream().synchronize()
+    b64 = to_numpy(to_float64(b))
+    expected = to_numpy(to_float64(a)) @ (b64 if variant == "transposed" else b64.T)
     # fp32 accumulation of up to 64 exact products of values ~N(0, 1): far inside 1e-4
     np.testing.assert_allclose(to_numpy(c), expected, rtol=1e-4, atol=1e-4)

@@ -7,9 +7,12 @@ smallest kernel that exercises one way the backward would feed wgmma:
 - ``swizzled``: K = 64, both operands in shared memory with the 128-byte swizzle (rows of 128
   bytes, 8-row groups 1024 bytes apart, 16-byte chunk c of row r at c ^ (r & 7)), four k16
   steps, each 32 bytes further into the rows;
-- ``registers``: as ``swizzled``, but A from registers in mma.sync's A fragment layout.
+- ``registers``: as ``swizzled``, but A from registers in mma.sync's A fragment layout;
+- ``transposed``: as ``swizzled``, but C = A @ B for B stored K x 64 (N contiguous,
+  "MN-major"), 128-byte swizzled by K-row, each k16 step 16 rows (2048 bytes) further.
 
-Compiled for sm_90a by tests/compile_targets.py, run on a GPU by tests/test_wgmma.py.
+Compiled for sm_90a by tests/compile_targets.py; run by tests/test_wgmma.py on a GPU and in the
+simulator (where ptx_sm90's Python wgmma reads the same layouts).
 """
 
 import functools
@@ -17,10 +20,11 @@ import functools
 from numba import cuda, float32, types, uint16, uint32
 
 from numflash.kernels import ptx, ptx_sm90
+from numflash.kernels.jit import device_function
 
 M = N = 64
 THREADS = 128  # one warpgroup
-VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64}  # variant -> K
+VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64, "transposed": 64}  # variant -> K
 
 
 def signature():
@@ -39,7 +43,8 @@ def plain_offset(row, col):
 
 
 def swizzled_offset(row, col):
-    """Element offset of (row, col) of a 64 x 64 operand with the 128-byte swizzle."""
+    """Element offset of (row, col) of a 64 x 64 operand with the 128-byte swizzle, rows of
+    128 bytes (64 values of K for K-major operands, of N for MN-major ones)."""
     chunk = (col >> 3) ^ (row & 7)
     return ((row >> 3) * 1024 + (row & 7) * 128 + chunk * 16) // 2 + (col & 7)
 
@@ -50,19 +55,23 @@ def build(dtype_name, variant):
     K = VARIANTS[variant]
     SWIZZLED = variant != "plain"
     REGISTER_A = variant == "registers"
-    mma = ptx_sm90.wgmma(ab, N, a_in_registers=REGISTER_A)
-    offset = cuda.jit(device=True, forceinline=True)(swizzled_offset if SWIZZLED else plain_offset)
+    B_TRANSPOSED = variant == "transposed"
+    mma = ptx_sm90.wgmma(ab, N, a_in_registers=REGISTER_A, b_transposed=B_TRANSPOSED)
+    offset = device_function(swizzled_offset if SWIZZLED else plain_offset)
     OPERAND = 64 * K  # values per operand
     LEADING, STRIDE = (16, 1024) if SWIZZLED else (128, 256)  # bytes; 16 = unused
+    # MN-major B, one 64-wide atom of N: the offset between 8-row groups of K in both fields
+    B_LEADING = 1024 if B_TRANSPOSED else LEADING
+    B_STEP = 2048 if B_TRANSPOSED else 32  # bytes per k16 step
     SWIZZLE = ptx_sm90.SWIZZLE_128B if SWIZZLED else ptx_sm90.SWIZZLE_NONE
 
     @cuda.jit
     def gemm(a, b, c):
-        """a, b: the bits of 64 x K row-major operands; c: 64 x 64 fp32 out."""
+        """a, b: the bits of 64 x K row-major operands (b K x 64 when transposed); c: 64 x 64
+        fp32 out, A B^T (A B when transposed)."""
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
-        raw = ptx.shared_address(smem, 0)
-        first = (((raw + uint32(1023)) & uint32(0xFFFFFC00)) - raw) >> 1  # 1024-byte aligned
+        first = ptx_sm90.aligned_index(smem, 1024)
         for i in range(2 * OPERAND // THREADS):  # A's values, then B's
             e = tid + i * THREADS
             row, col = (e & (OPERAND - 1)) // K, e & (K - 1)
@@ -72,7 +81,7 @@ def build(dtype_name, variant):
                 smem[first + OPERAND + offset(row, col)] = b[e - OPERAND]
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
-        base = raw + (first << 1)
+        base = ptx.shared_address(smem, first)
         warp, lane = tid >> 5, tid & 31
         g, t = lane >> 2, lane & 3
         z = float32(0)
@@ -81,8 +90,8 @@ def build(dtype_name, variant):
         ptx_sm90.wgmma_fence()
         for s in range(K // 16):
             step = s * 32  # bytes into each swizzled row (the plain operand has one step)
-            desc_b = ptx_sm90.matrix_descriptor(base + 2 * OPERAND + step, LEADING, STRIDE,
-                                                SWIZZLE)  # fmt: skip
+            desc_b = ptx_sm90.matrix_descriptor(base + 2 * OPERAND + s * B_STEP, B_LEADING,
+                                                STRIDE, SWIZZLE)  # fmt: skip
             if REGISTER_A:
                 row = 16 * warp + g
                 at = row * K + 16 * s + 2 * t

@@ -27,6 +27,11 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
   step starts 32 bytes further into the row: the hardware applies the swizzle to the
   address.
 - A may instead come from registers: warp w's 16 rows as mma.sync's A fragment.
+- B (or A) may be MN-major ("transposed", fp16/bf16 only): stored K x N with N contiguous.
+  With the 128-byte swizzle its rows are 64 values of N, groups of 8 K-rows 1024 bytes apart,
+  chunk c of K-row k at c ^ (k & 7); a k16 step is 16 rows further (2048 bytes). Which of
+  the two offsets steps between 8-row groups and which between 64-wide atoms of N is not
+  pinned yet: tests/wgmma_gemm.py sets both to 1024 at N = 64, where only one is used.
 - The fp32 accumulator of ``m64nNk16`` (N / 2 values per thread): warp w of the group holds
   rows 16w..16w+15 laid out as mma.sync's C fragment, repeated for each 8 columns: value
   4i + r of lane (g = lane >> 2, t = lane & 3) is row 16w + g + 8 (r >> 1), column
@@ -36,17 +41,24 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
   ``wgmma.fence`` orders the accumulator registers before the first wgmma of a group;
   ``commit_group`` / ``wait_group N`` wait for the products to land in the registers.
 
-In Numba's CUDA simulator these names raise NotImplementedError: wgmma kernels need an sm_90a
-GPU.
+In Numba's CUDA simulator each name is a Python function with the semantics above, as in
+ptx.py: the 128 threads of a warpgroup meet at a barrier, and the product is computed once
+from the shared array the descriptors point into (read through the same layout rules,
+swizzle included) and the threads' registers. The simulator follows this module's reading of
+the PTX ISA; only a GPU can confirm that reading (tests/test_wgmma.py runs on both).
 """
 
 import functools
+import threading
 
-from numba import uint64
+import numpy as np
+from numba import uint32, uint64
 
+from . import ptx
 from .jit import SIMULATOR, device_function
 
 __all__ = [
+    "aligned_index",
     "matrix_descriptor",
     "wgmma_fence",
     "wgmma_commit",
@@ -59,34 +71,129 @@ __all__ = [
 SWIZZLE_NONE, SWIZZLE_128B, SWIZZLE_64B, SWIZZLE_32B = 0, 1, 2, 3
 
 
-@device_function
-def matrix_descriptor(address, leading_bytes, stride_bytes, swizzle):
-    """The 64-bit shared-memory matrix descriptor of the operand at shared byte ``address``
-    (a multiple of 16), core matrices ``leading_bytes`` apart in K and ``stride_bytes`` apart
-    in M or N."""
-    return (
-        uint64((address >> 4) & 0x3FFF)
-        | (uint64((leading_bytes >> 4) & 0x3FFF) << uint64(16))
-        | (uint64((stride_bytes >> 4) & 0x3FFF) << uint64(32))
-        | (uint64(swizzle & 3) << uint64(62))
-    )
-
-
 def _check_shape(ab, n):
     if ab not in ("f16", "bf16") or n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma: no m64n{n}k16 for {ab!r} (f16 or bf16, n = 8, 16, ..., 256)")
 
 
 if SIMULATOR:
+    _lock = threading.Lock()
 
-    def _needs_gpu(*args):
-        raise NotImplementedError("wgmma needs an sm_90a GPU; the CUDA simulator cannot run it")
+    class _Descriptor:
+        """The simulator's descriptor: the operand's address (ptx's _SharedAddress, its array's
+        first element taken as 1024-byte aligned) and the layout fields."""
 
-    wgmma_fence = wgmma_commit = wgmma_wait = fence_proxy_async = _needs_gpu
+        def __init__(self, address, leading_bytes, stride_bytes, swizzle):
+            self.address = address
+            self.leading = int(leading_bytes)
+            self.stride = int(stride_bytes)
+            self.swizzle = int(swizzle)
 
-    def wgmma(ab, n, a_in_registers=False):
+        def read(self, rows, cols, mn_major):
+            """The operand as a (rows x cols) uint16 array: rows = M or N and cols = K for a
+            K-major operand; rows = K and cols = N for an MN-major one."""
+            base = self.address.index * 2  # byte address in the shared window
+            r = np.arange(rows)[:, None]
+            c = np.arange(cols)[None, :]
+            if self.swizzle == SWIZZLE_NONE:
+                if mn_major:
+                    raise NotImplementedError("MN-major operands without swizzle")
+                byte = base + (r >> 3) * self.stride + (c >> 3) * self.leading + (r & 7) * 16
+                byte = byte + (c & 7) * 2
+            elif self.swizzle == SWIZZLE_128B:
+                if cols > 64:
+                    raise NotImplementedError("more than one 128-byte atom along a row")
+                # 8-row groups: stride apart (K-major: groups of M/N rows; MN-major: of K rows)
+                byte = base + (r >> 3) * self.stride + (r & 7) * 128 + c * 2
+                byte = byte ^ (((byte >> 7) & 7) << 4)
+            else:
+                raise NotImplementedError(f"swizzle mode {self.swizzle}")
+            assert (byte % 2 == 0).all()
+            return self.address.array[byte // 2]
+
+    def matrix_descriptor(address, leading_bytes, stride_bytes, swizzle):
+        return _Descriptor(address, leading_bytes, stride_bytes, swizzle)
+
+    def aligned_index(smem, alignment):
+        return 0  # the simulator's shared arrays start aligned
+
+    def _nothing(*args):
+        pass
+
+    wgmma_fence = wgmma_commit = wgmma_wait = fence_proxy_async = _nothing
+
+    class _GroupExchange:
+        """A warpgroup's barrier (ptx.py's warp exchange, for 128 threads)."""
+
+        def __init__(self):
+            self.inputs = [None] * 128
+            self.results = None
+            self.collective = None
+            self.barrier = threading.Barrier(128, action=self._run, timeout=600)
+
+        def _run(self):
+            self.results = self.collective(self.inputs)
+
+    def _group_collective(collective, value):
+        thread = threading.current_thread()
+        key = (tuple(thread.blockIdx), thread.thread_id >> 7)
+        with _lock:
+            table = thread._manager.__dict__.setdefault("_numflash_warpgroups", {})
+            exchange = table.get(key)
+            if exchange is None:
+                exchange = table[key] = _GroupExchange()
+        index = thread.thread_id & 127
+        exchange.inputs[index] = value
+        exchange.collective = collective
+        exchange.barrier.wait()
+        return exchange.results[index]
+
+    _FLOATS = {"f16": np.float16, "bf16": ptx._BF16}
+
+    def _as_float(bits, ab):
+        return np.asarray(bits, dtype=np.uint16).view(_FLOATS[ab]).astype(np.float64)
+
+    def _register_a(inputs, ab):
+        """A (64 x 16) from each warp's mma.sync A fragments."""
+        a = np.zeros((64, 16))
+        for thread, (_, frag, _) in enumerate(inputs):
+            w, g, t = thread >> 5, (thread & 31) >> 2, thread & 3
+            for reg, (row, col) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                word = int(frag[reg])
+                for half in range(2):
+                    bits = (word >> 16 * half) & 0xFFFF
+                    a[16 * w + g + row, col + 2 * t + half] = _as_float(bits, ab)
+        return a
+
+    def wgmma(ab, n, a_in_registers=False, b_transposed=False):
         _check_shape(ab, n)
-        return _needs_gpu
+        values = n // 2
+        thread = np.arange(128)
+        w, g, t = thread >> 5, (thread & 31) >> 2, thread & 3
+
+        def collective(inputs):
+            if a_in_registers:
+                a = _register_a(inputs, ab)
+            else:
+                a = _as_float(inputs[0][1].read(64, 16, mn_major=False), ab)
+            desc_b = inputs[0][2]
+            if b_transposed:
+                b = _as_float(desc_b.read(16, n, mn_major=True), ab)  # K x N
+            else:
+                b = _as_float(desc_b.read(n, 16, mn_major=False), ab).T
+            d = a @ b  # products of 16-bit floats are exact; one rounding to fp32 below
+            acc = np.array([x[0] for x in inputs], dtype=np.float64)  # (128, values)
+            i, r = np.arange(values) >> 2, np.arange(values) & 3
+            rows = (16 * w + g)[:, None] + 8 * (r >> 1)[None, :]
+            cols = 8 * i[None, :] + (2 * t)[:, None] + (r & 1)[None, :]
+            out = (acc + d[rows, cols]).astype(np.float32)
+            return [tuple(row) for row in out]
+
+        def mma_async(acc, a, desc_b):
+            return _group_collective(collective, (acc, a, desc_b))
+
+        return mma_async
+
 
 else:
     from llvmlite import ir
@@ -94,6 +201,27 @@ else:
     from numba.cuda.extending import intrinsic
 
     _F32 = ir.FloatType()
+
+    @device_function
+    def matrix_descriptor(address, leading_bytes, stride_bytes, swizzle):
+        """The 64-bit shared-memory matrix descriptor of the operand at shared byte ``address``
+        (a multiple of 16), core matrices ``leading_bytes`` apart in K and ``stride_bytes``
+        apart in M or N (for the swizzled layouts: module docstring)."""
+        return (
+            uint64((address >> 4) & 0x3FFF)
+            | (uint64((leading_bytes >> 4) & 0x3FFF) << uint64(16))
+            | (uint64((stride_bytes >> 4) & 0x3FFF) << uint64(32))
+            | (uint64(swizzle & 3) << uint64(62))
+        )
+
+    @device_function
+    def aligned_index(smem, alignment):
+        """The index of the first element of the shared array ``smem`` (uint16) whose address
+        is a multiple of ``alignment`` bytes (a power of two; 1024 for the 128-byte swizzle)."""
+        raw = ptx.shared_address(smem, 0)
+        aligned = (raw + uint32(alignment - 1)) & ~uint32(alignment - 1)
+        return (aligned - raw) >> uint32(1)
+
 
     def _statement(asm):
         """An intrinsic without operands that emits ``asm`` with a memory clobber."""
@@ -134,14 +262,15 @@ else:
         return sig, codegen
 
     @functools.lru_cache(maxsize=None)
-    def wgmma(ab, n, a_in_registers=False):
+    def wgmma(ab, n, a_in_registers=False, b_transposed=False):
         """The intrinsic ``acc = wgmma(acc, a, desc_b)`` for D (64 x n fp32, n / 2 values per
-        thread, a UniTuple) += A (64 x 16) @ B (16 x n, stored n x 16 K-major, descriptor
-        ``desc_b``), ``ab`` "f16" or "bf16", n a multiple of 8 up to 256.
+        thread, a UniTuple) += A (64 x 16) @ B (16 x n, descriptor ``desc_b``), ``ab`` "f16"
+        or "bf16", n a multiple of 8 up to 256.
 
         A is a descriptor (uint64) of a K-major 64 x 16 operand, or with ``a_in_registers``
         four uint32 per thread: warp w's rows 16w..16w+15 as mma.sync's A fragment (ptx.py).
-        Neither operand is scaled or transposed. The accumulators go in tied to the outputs.
+        B is stored n x 16 K-major, or with ``b_transposed`` 16 x n MN-major (n contiguous).
+        Neither operand is scaled. The accumulators go in tied to the outputs.
         """
         _check_shape(ab, n)
         values = n // 2
@@ -151,8 +280,9 @@ else:
         b_op, scale_op = values + a_count, values + a_count + 1
         a_text = ", ".join(f"${i}" for i in a_ops)
         a_text = f"{{{a_text}}}" if a_in_registers else a_text
-        # scale-a, scale-b 1; A (from shared memory only) and B not transposed
-        immediates = "1, 1, 0" if a_in_registers else "1, 1, 0, 0"
+        # scale-a, scale-b 1; A (from shared memory only) not transposed; B as asked
+        tnsp_b = int(b_transposed)
+        immediates = f"1, 1, {tnsp_b}" if a_in_registers else f"1, 1, 0, {tnsp_b}"
         asm = (
             f"{{ .reg .pred p; setp.ne.b32 p, ${scale_op}, 0; "
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} "
