@@ -23,6 +23,7 @@ launches.
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -96,42 +97,54 @@ def use_kernel_variant(heavy_group, dq_beside):
     numflash.api._launchers.clear()
 
 
-def kernel_ms(fn, runs=10):
-    """{kernel: median ms} of the backward's kernels (preprocess, dkdv, dq) over ``runs`` calls
-    of fn, from CUDA events recorded on the stream around each launch."""
-    events = collections.defaultdict(list)
-    launchers = {name: getattr(numflash.api, name)
+@contextlib.contextmanager
+def recorded_launches():
+    """Within it, every launch of the backward's kernels appends (kind, the host's
+    perf_counter at the launch, start event, stop event) to the list it yields, the events
+    recorded around the launch on the kernel's stream."""
+    launched = []
+    originals = {name: getattr(numflash.api, name)
                  for name in ("_tensor_core_launcher", "_backward_launcher")}  # fmt: skip
 
-    def timed(launcher_of):
+    def traced(launcher_of):
         def launcher(kind, *args):
             launch = launcher_of(kind, *args)
 
             def run(*largs):
                 stream = cupy.cuda.ExternalStream(largs[2])  # the one the kernel runs on
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+                host = time.perf_counter()
                 start.record(stream)
                 launch(*largs)
                 stop.record(stream)
-                events[kind].append((start, stop))
+                launched.append((kind, host, start, stop))
 
             return run
 
         return launcher
 
-    for name, launcher_of in launchers.items():
-        setattr(numflash.api, name, timed(launcher_of))
+    for name, launcher_of in originals.items():
+        setattr(numflash.api, name, traced(launcher_of))
     try:
+        yield launched
+    finally:
+        for name, launcher_of in originals.items():
+            setattr(numflash.api, name, launcher_of)
+
+
+def kernel_ms(fn, runs=10):
+    """{kernel: median ms} of the backward's kernels (preprocess, dkdv, dq) over ``runs`` calls
+    of fn, from CUDA events recorded on the stream around each launch."""
+    with recorded_launches() as launched:
         fn()  # warm-up
-        events.clear()
+        launched.clear()
         for _ in range(runs):
             fn()
         cupy.cuda.get_current_stream().synchronize()
-    finally:
-        for name, launcher_of in launchers.items():
-            setattr(numflash.api, name, launcher_of)
-    return {kind: statistics.median(cupy.cuda.get_elapsed_time(a, b) for a, b in pairs)
-            for kind, pairs in events.items()}  # fmt: skip
+    events = collections.defaultdict(list)
+    for kind, _, start, stop in launched:
+        events[kind].append(cupy.cuda.get_elapsed_time(start, stop))
+    return {kind: statistics.median(times) for kind, times in events.items()}
 
 
 def check(cfg, head_dim, dtype, causal, seed):

@@ -25,11 +25,11 @@ import time
 import cupy
 import numpy as np
 
-import numflash.api
 from numflash import timing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
+from backward_variants import recorded_launches  # noqa: E402
 from bench_backward import numflash_runs, sdpa_runs  # noqa: E402
 
 
@@ -49,32 +49,9 @@ def one_run(fn, stream):
 def launch_gaps(fn, stream, runs):
     """{kernel: (median host ms from the call's start to its launch, median GPU idle ms before
     it)} over ``runs`` flushed calls of fn, and the median idle time after the last kernel."""
-    launched = []
-    originals = {name: getattr(numflash.api, name)
-                 for name in ("_tensor_core_launcher", "_backward_launcher")}  # fmt: skip
-
-    def traced(launcher_of):
-        def launcher(kind, *args):
-            launch = launcher_of(kind, *args)
-
-            def run(*largs):
-                begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-                host = time.perf_counter()
-                begin.record(stream)
-                launch(*largs)
-                end.record(stream)
-                launched.append((kind, host, begin, end))
-
-            return run
-
-        return launcher
-
     host_at, idle_before = collections.defaultdict(list), collections.defaultdict(list)
     idle_after = []
-    for name, launcher_of in originals.items():
-        setattr(numflash.api, name, traced(launcher_of))
-    numflash.api._launchers.clear()
-    try:
+    with recorded_launches() as launched:
         for _ in range(runs):
             launched.clear()
             timing._flush_l2(cupy)
@@ -90,10 +67,6 @@ def launch_gaps(fn, stream, runs):
                 idle_before[kind].append(cupy.cuda.get_elapsed_time(previous, begin))
                 previous = end
             idle_after.append(cupy.cuda.get_elapsed_time(previous, stop))
-    finally:
-        for name, launcher_of in originals.items():
-            setattr(numflash.api, name, launcher_of)
-        numflash.api._launchers.clear()
     gaps = {kind: (statistics.median(host_at[kind]), statistics.median(idle_before[kind]))
             for kind in host_at}  # fmt: skip
     return gaps, statistics.median(idle_after)

@@ -122,26 +122,21 @@ if SIMULATOR:
 
     wgmma_fence = wgmma_commit = wgmma_wait = fence_proxy_async = _nothing
 
-    class _GroupExchange:
-        """A warpgroup's barrier (ptx.py's warp exchange, for 128 threads)."""
+    class _GroupExchange(ptx._WarpExchange):
+        """ptx.py's warp exchange, for the 128 threads of a warpgroup."""
 
         def __init__(self):
             self.inputs = [None] * 128
-            self.results = None
-            self.collective = None
+            self.results = self.collective = None
             self.barrier = threading.Barrier(128, action=self._run, timeout=600)
 
-        def _run(self):
-            self.results = self.collective(self.inputs)
-
     def _group_collective(collective, value):
+        """Run ``collective`` (128 thread inputs -> 128 results) as one warpgroup-wide step."""
         thread = threading.current_thread()
         key = (tuple(thread.blockIdx), thread.thread_id >> 7)
-        with _lock:
-            table = thread._manager.__dict__.setdefault("_numflash_warpgroups", {})
-            exchange = table.get(key)
-            if exchange is None:
-                exchange = table[key] = _GroupExchange()
+        with _lock:  # one exchange per warpgroup and launch
+            groups = thread._manager.__dict__.setdefault("_numflash_warpgroups", {})
+            exchange = groups.get(key) or groups.setdefault(key, _GroupExchange())
         index = thread.thread_id & 127
         exchange.inputs[index] = value
         exchange.collective = collective
