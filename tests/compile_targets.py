@@ -137,6 +137,9 @@ def main(quick):
             entry = report(wgmma_gemm.build(dtype, variant), dtype, (9, 0, "a"), resources=True,
                            signature=wgmma_gemm.signature())  # fmt: skip
             results.append({"family": "wgmma", "dtype": dtype, "variant": variant, **entry})
+        entry = report(wgmma_gemm.build_chain(dtype), dtype, (9, 0, "a"), resources=True,
+                       signature=wgmma_gemm.chain_signature())  # fmt: skip
+        results.append({"family": "wgmma", "dtype": dtype, "variant": "chain", **entry})
     print(json.dumps(results))
 
 

@@ -142,13 +142,17 @@ def test_wgmma_tiles_assemble_for_sm90a(compiled):
     import wgmma_gemm
 
     entries = _entries(compiled, "wgmma")
+    steps = {**{v: k // 16 for v, k in wgmma_gemm.VARIANTS.items()},
+             "chain": wgmma_gemm.CHAIN_K // 16 + 4}  # fmt: skip
     assert {(e["dtype"], e["variant"]) for e in entries} == {
-        (dtype, variant) for dtype in ("float16", "bfloat16") for variant in wgmma_gemm.VARIANTS}
+        (dtype, variant) for dtype in ("float16", "bfloat16") for variant in steps}
     for e in entries:
         assert e["target"] == "sm_90a"
-        assert e["counts"]["wgmma.mma_async"] == wgmma_gemm.VARIANTS[e["variant"]] // 16, e
-        for instruction in ("wgmma.fence", "wgmma.wait_group", "fence.proxy.async"):
-            assert e["counts"][instruction] == 1, e
+        assert e["counts"]["wgmma.mma_async"] == steps[e["variant"]], e
+        products = 2 if e["variant"] == "chain" else 1
+        for instruction in ("wgmma.fence", "wgmma.wait_group"):
+            assert e["counts"][instruction] == products, e
+        assert e["counts"]["fence.proxy.async"] == 1, e
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
         # ptxas serialises the wgmma pipeline, or waits for it, when the accumulators are
         # touched between the products (remarks C7511, C7517); one tile's steps must chain

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from _support import random_array, to_numpy, xp
 
-from numflash.arrays import bits, to_float64
+from numflash.arrays import bits, from_float, to_float64
 from numflash.kernels.jit import SIMULATOR
 
 
@@ -33,3 +33,32 @@ def test_wgmma_tile_matches_numpy(dtype, variant):
     expected = to_numpy(to_float64(a)) @ (b64 if variant == "transposed" else b64.T)
     # fp32 accumulation of up to 64 exact products of values ~N(0, 1): far inside 1e-4
     np.testing.assert_allclose(to_numpy(c), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_chained_products_match_numpy(dtype):
+    """S = A B^T over head_dim 128 (two swizzle blocks of K), rounded to 16 bits in registers
+    and multiplied by D as the register A operand: the backward's dV += P^T dO, with its loads
+    by cp.async into swizzled shared memory."""
+    from numflash.device import current_device
+
+    if not SIMULATOR and current_device().compute_capability[0] != 9:
+        pytest.skip("wgmma needs compute capability 9.x (sm_90a)")
+    import wgmma_gemm
+
+    a, b = (random_array((64, wgmma_gemm.CHAIN_K), dtype) for _ in range(2))
+    d = random_array((64, 64), dtype)
+    c = xp.full((64, 64), np.nan, dtype=np.float32)  # poisoned
+    kernel = wgmma_gemm.build_chain(dtype)
+    kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.chain_shared_bytes()](
+        bits(a).ravel(), bits(b).ravel(), bits(d).ravel(), c.ravel())  # fmt: skip
+    if not SIMULATOR:
+        xp.cuda.get_current_stream().synchronize()
+    s = to_numpy(to_float64(a)) @ to_numpy(to_float64(b)).T
+    rounded = to_numpy(to_float64(from_float(xp.asarray(s.astype(np.float32)), a.dtype)))
+    d64 = to_numpy(to_float64(d))
+    expected = rounded @ d64
+    # S accumulates in fp32 on the GPU, in fp64 here: a value of S near a rounding boundary may
+    # round the other way, moving the output by one 16-bit step of S times a value of D.
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(s).max())) - (10 if dtype == "float16" else 7))
+    np.testing.assert_allclose(to_numpy(c), expected, rtol=0, atol=4 * ulp * np.abs(d64).max())

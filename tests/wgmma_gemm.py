@@ -112,3 +112,90 @@ def build(dtype_name, variant):
                 c[row * N + col] = acc[4 * i + r]
 
     return gemm
+
+
+# -- two products chained, as the backward's dV += P^T dO would run -----------------------------
+
+CHAIN_K = 128  # head_dim: two 64-value (128-byte) swizzle blocks along K
+CHAIN_BLOCK_BYTES = 64 * 128  # one 64-row block of 128-byte rows
+CHAIN_A, CHAIN_B, CHAIN_D = 0, 2 * CHAIN_BLOCK_BYTES, 4 * CHAIN_BLOCK_BYTES  # byte offsets
+
+
+def chain_shared_bytes():
+    return 5 * CHAIN_BLOCK_BYTES + 1024
+
+
+def swizzled_chunk(row, chunk):
+    """Byte offset of 16-byte chunk ``chunk`` (any along a row of 64-value blocks) of ``row``,
+    in 128-byte swizzled blocks of 64 rows."""
+    block, c = chunk >> 3, chunk & 7
+    return block * CHAIN_BLOCK_BYTES + (row >> 3) * 1024 + (row & 7) * 128 + ((c ^ (row & 7)) << 4)
+
+
+@functools.lru_cache(maxsize=None)
+def build_chain(dtype_name):
+    """C (64 x 64 fp32) = round(A B^T) D for A, B (64 x 128) and D (64 x 64, row-major), all
+    16-bit: A, B and D loaded by cp.async into 128-byte swizzled shared memory; S = A B^T by
+    eight k16 steps across the two 64-value blocks of K; S rounded to 16 bits in registers and
+    used as the register A operand of the second product, D the MN-major B operand."""
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
+    scores = ptx_sm90.wgmma(ab, N)
+    product = ptx_sm90.wgmma(ab, N, a_in_registers=True, b_transposed=True)
+    pack = ptx.pack_f16x2 if ab == "f16" else ptx.pack_bf16x2
+    chunk_at = device_function(swizzled_chunk)
+    SW = ptx_sm90.SWIZZLE_128B
+
+    @cuda.jit
+    def chain(a, b, d, c):
+        smem = cuda.shared.array(0, uint16)
+        tid = cuda.threadIdx.x
+        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, 1024))
+        for i in range(2 * 64 * 16 // THREADS):  # A's and B's 16-byte chunks, 16 a row
+            e = tid + i * THREADS
+            row, chunk = (e & 1023) >> 4, e & 15
+            src = row * 128 + chunk * 8
+            if e < 1024:
+                ptx.cp_async_16(base + uint32(CHAIN_A + chunk_at(row, chunk)), a, src, uint32(16))
+            else:
+                ptx.cp_async_16(base + uint32(CHAIN_B + chunk_at(row, chunk)), b, src, uint32(16))
+        for i in range(64 * 8 // THREADS):  # D's chunks, 8 a row
+            e = tid + i * THREADS
+            row, chunk = e >> 3, e & 7
+            src = row * 64 + chunk * 8
+            ptx.cp_async_16(base + uint32(CHAIN_D + chunk_at(row, chunk)), d, src, uint32(16))
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        ptx_sm90.fence_proxy_async()
+        cuda.syncthreads()
+        z = float32(0)
+        sixteen = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+        s = sixteen + sixteen
+        ptx_sm90.wgmma_fence()
+        for step in range(CHAIN_K // 16):
+            at = (step >> 2) * CHAIN_BLOCK_BYTES + (step & 3) * 32
+            desc_a = ptx_sm90.matrix_descriptor(base + CHAIN_A + at, 16, 1024, SW)
+            desc_b = ptx_sm90.matrix_descriptor(base + CHAIN_B + at, 16, 1024, SW)
+            s = scores(s, desc_a, desc_b)
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        out = sixteen + sixteen
+        ptx_sm90.wgmma_fence()  # the A fragments below are written by ordinary instructions
+        for j in range(4):  # S's columns 16j..16j+15 are the k16 step j of the second product
+            frag = (pack(s[8 * j], s[8 * j + 1]), pack(s[8 * j + 2], s[8 * j + 3]),
+                    pack(s[8 * j + 4], s[8 * j + 5]), pack(s[8 * j + 6], s[8 * j + 7]))  # fmt: skip
+            desc_d = ptx_sm90.matrix_descriptor(base + CHAIN_D + j * 2048, 1024, 1024, SW)
+            out = product(out, frag, desc_d)
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        warp, lane = tid >> 5, tid & 31
+        g, t = lane >> 2, lane & 3
+        for i in range(N // 8):
+            for r in range(4):
+                c[(16 * warp + g + 8 * (r >> 1)) * N + 8 * i + 2 * t + (r & 1)] = out[4 * i + r]
+
+    return chain
+
+
+def chain_signature():
+    vector = types.Array(types.uint16, 1, "C")
+    return types.void(vector, vector, vector, types.Array(types.float32, 1, "C"))
