@@ -2,18 +2,19 @@
 # The backward's checks and timings on a GPU: GPU tests, compute-sanitizer (racecheck,
 # memcheck) over the forced tensor-core cases, the tensor-core variants at head_dim 128, and the
 # benchmark beside SDPA; kvariants: the default's block orders and dQ stream (backward_variants
-# --kernel-variants). Each step has its own time limit and log under the folder given
-# (default: benchmarks/results/dev/gpu-backward-checks); a step that fails or runs out of time
-# does not stop the others. All steps take up to 20 minutes, more than one 10-minute device
+# --kernel-variants); wgmma: the wgmma groundwork's tiles (tests/test_wgmma.py) on the device.
+# Each step has its own time limit and log under the folder given (default:
+# benchmarks/results/dev/gpu-backward-checks); a step that fails or runs out of time does not
+# stop the others. All steps take up to 22 minutes, more than one 10-minute device
 # call: name the steps to run a part.
 #
-#     bash benchmarks/gpu_backward_checks.sh "$OUT" kvariants pytest              # <= 9.4 min
+#     bash benchmarks/gpu_backward_checks.sh "$OUT" wgmma pytest                  # <= 6.8 min
 #     bash benchmarks/gpu_backward_checks.sh "$OUT" racecheck memcheck bench      # <= 7.7 min
 set -u
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/dev/gpu-backward-checks}
 shift || true
-steps=${*:-pytest racecheck memcheck variants kvariants bench}
+steps=${*:-wgmma pytest racecheck memcheck variants kvariants bench}
 mkdir -p "$out"
 
 step() {  # step NAME SECONDS COMMAND...: run it if asked for, log to $out/NAME.log
@@ -25,6 +26,7 @@ step() {  # step NAME SECONDS COMMAND...: run it if asked for, log to $out/NAME.
     echo "$name: exit $? after $((SECONDS - start)) s" | tee -a "$out/steps.txt"
 }
 
+step wgmma 90 python -m pytest -q tests/test_wgmma.py
 step pytest 320 python -m pytest -q -m gpu tests/test_backward.py
 for tool in racecheck memcheck; do
     step "$tool" 170 env NUMFLASH_LINEINFO=1 compute-sanitizer --tool "$tool" \
