@@ -192,12 +192,13 @@ def main():
             peer = time_gpu(sdpa_runs(q, k, v, causal, "flash")[0]).tflops(flops)
         cfgs = list(configs(hd, dev, args))
         if args.kernel_variants:
-            tiled = variant_configs(cfgs[0], args.tiles, args.dq_separate)
-            for cfg in tiled:
-                if cfg.problems(hd, dev):
-                    print(f"  {cfg}: skipped, {'; '.join(cfg.problems(hd, dev))}", flush=True)
-            runs = [(cfg, variant) for cfg in tiled if not cfg.problems(hd, dev)
-                    for variant in kernel_variants(args)]  # fmt: skip
+            runs = []
+            for cfg in variant_configs(cfgs[0], args.tiles, args.dq_separate):
+                problems = cfg.problems(hd, dev)
+                if problems:
+                    print(f"  {cfg}: skipped, {'; '.join(problems)}", flush=True)
+                else:
+                    runs += [(cfg, variant) for variant in kernel_variants(args)]
         else:
             kept = cfgs[:1] if args.only_default else cfgs
             runs = [(cfg, KERNEL_VARIANTS[0]) for cfg in kept]

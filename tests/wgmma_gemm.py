@@ -25,6 +25,7 @@ from numflash.kernels.jit import device_function
 M = N = 64
 THREADS = 128  # one warpgroup
 VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64, "transposed": 64}  # variant -> K
+BLOCK_BYTES = 64 * 128  # a swizzled block: 64 rows of 128 bytes
 
 
 def signature():
@@ -37,16 +38,43 @@ def shared_bytes(variant):
     return 2 * 64 * VARIANTS[variant] * 2 + 1024
 
 
+@device_function
 def plain_offset(row, col):
     """Element offset of (row, col) of a 64 x 16 operand without swizzle."""
     return ((row >> 3) * 256 + (col >> 3) * 128) // 2 + (row & 7) * 8 + (col & 7)
 
 
+@device_function
+def swizzled_chunk(row, chunk):
+    """Byte offset of 16-byte chunk ``chunk`` (any along a row of 64-value blocks) of ``row``,
+    in 128-byte swizzled blocks of 64 rows (rows of 64 values of K for K-major operands, of N
+    for MN-major ones)."""
+    block, c = chunk >> 3, chunk & 7
+    return block * BLOCK_BYTES + (row >> 3) * 1024 + (row & 7) * 128 + ((c ^ (row & 7)) << 4)
+
+
+@device_function
 def swizzled_offset(row, col):
-    """Element offset of (row, col) of a 64 x 64 operand with the 128-byte swizzle, rows of
-    128 bytes (64 values of K for K-major operands, of N for MN-major ones)."""
-    chunk = (col >> 3) ^ (row & 7)
-    return ((row >> 3) * 1024 + (row & 7) * 128 + chunk * 16) // 2 + (col & 7)
+    """Element offset of (row, col) of a 64-row operand with the 128-byte swizzle."""
+    return swizzled_chunk(row, col >> 3) // 2 + (col & 7)
+
+
+@device_function
+def zero_accumulators():
+    """The 32 fp32 accumulators of a 64 x 64 tile per thread, zero."""
+    z = float32(0)
+    sixteen = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
+    return sixteen + sixteen  # (a 32-value literal trips Numba's bytecode peephole)
+
+
+@device_function
+def store_tile(c, acc, tid):
+    """A 64 x 64 fp32 accumulator tile (wgmma's layout) into ``c``, row-major."""
+    warp, lane = tid >> 5, tid & 31
+    g, t = lane >> 2, lane & 3
+    for i in range(N // 8):
+        for r in range(4):
+            c[(16 * warp + g + 8 * (r >> 1)) * N + 8 * i + 2 * t + (r & 1)] = acc[4 * i + r]
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,7 +85,7 @@ def build(dtype_name, variant):
     REGISTER_A = variant == "registers"
     B_TRANSPOSED = variant == "transposed"
     mma = ptx_sm90.wgmma(ab, N, a_in_registers=REGISTER_A, b_transposed=B_TRANSPOSED)
-    offset = device_function(swizzled_offset if SWIZZLED else plain_offset)
+    offset = swizzled_offset if SWIZZLED else plain_offset
     OPERAND = 64 * K  # values per operand
     LEADING, STRIDE = (16, 1024) if SWIZZLED else (128, 256)  # bytes; 16 = unused
     # MN-major B, one 64-wide atom of N: the offset between 8-row groups of K in both fields
@@ -82,19 +110,15 @@ def build(dtype_name, variant):
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
         base = ptx.shared_address(smem, first)
-        warp, lane = tid >> 5, tid & 31
-        g, t = lane >> 2, lane & 3
-        z = float32(0)
-        sixteen = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
-        acc = sixteen + sixteen  # (a 32-value literal trips Numba's bytecode peephole here)
+        acc = zero_accumulators()
         ptx_sm90.wgmma_fence()
         for s in range(K // 16):
             step = s * 32  # bytes into each swizzled row (the plain operand has one step)
             desc_b = ptx_sm90.matrix_descriptor(base + 2 * OPERAND + s * B_STEP, B_LEADING,
                                                 STRIDE, SWIZZLE)  # fmt: skip
-            if REGISTER_A:
-                row = 16 * warp + g
-                at = row * K + 16 * s + 2 * t
+            if REGISTER_A:  # warp w's rows 16w.. as mma.sync's A fragment
+                lane = tid & 31
+                at = (16 * (tid >> 5) + (lane >> 2)) * K + 16 * s + 2 * (lane & 3)
                 frag = (uint32(a[at]) | (uint32(a[at + 1]) << 16),
                         uint32(a[at + 8 * K]) | (uint32(a[at + 8 * K + 1]) << 16),
                         uint32(a[at + 8]) | (uint32(a[at + 9]) << 16),
@@ -105,11 +129,7 @@ def build(dtype_name, variant):
                 acc = mma(acc, desc_a, desc_b)
         ptx_sm90.wgmma_commit()
         ptx_sm90.wgmma_wait(0)
-        for i in range(N // 8):
-            for r in range(4):
-                row = 16 * warp + g + 8 * (r >> 1)
-                col = 8 * i + 2 * t + (r & 1)
-                c[row * N + col] = acc[4 * i + r]
+        store_tile(c, acc, tid)
 
     return gemm
 
@@ -117,19 +137,11 @@ def build(dtype_name, variant):
 # -- two products chained, as the backward's dV += P^T dO would run -----------------------------
 
 CHAIN_K = 128  # head_dim: two 64-value (128-byte) swizzle blocks along K
-CHAIN_BLOCK_BYTES = 64 * 128  # one 64-row block of 128-byte rows
-CHAIN_A, CHAIN_B, CHAIN_D = 0, 2 * CHAIN_BLOCK_BYTES, 4 * CHAIN_BLOCK_BYTES  # byte offsets
+CHAIN_A, CHAIN_B, CHAIN_D = 0, 2 * BLOCK_BYTES, 4 * BLOCK_BYTES  # byte offsets
 
 
 def chain_shared_bytes():
-    return 5 * CHAIN_BLOCK_BYTES + 1024
-
-
-def swizzled_chunk(row, chunk):
-    """Byte offset of 16-byte chunk ``chunk`` (any along a row of 64-value blocks) of ``row``,
-    in 128-byte swizzled blocks of 64 rows."""
-    block, c = chunk >> 3, chunk & 7
-    return block * CHAIN_BLOCK_BYTES + (row >> 3) * 1024 + (row & 7) * 128 + ((c ^ (row & 7)) << 4)
+    return 5 * BLOCK_BYTES + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +154,6 @@ def build_chain(dtype_name):
     scores = ptx_sm90.wgmma(ab, N)
     product = ptx_sm90.wgmma(ab, N, a_in_registers=True, b_transposed=True)
     pack = ptx.pack_f16x2 if ab == "f16" else ptx.pack_bf16x2
-    chunk_at = device_function(swizzled_chunk)
     SW = ptx_sm90.SWIZZLE_128B
 
     @cuda.jit
@@ -154,31 +165,30 @@ def build_chain(dtype_name):
             e = tid + i * THREADS
             row, chunk = (e & 1023) >> 4, e & 15
             src = row * 128 + chunk * 8
+            at = swizzled_chunk(row, chunk)
             if e < 1024:
-                ptx.cp_async_16(base + uint32(CHAIN_A + chunk_at(row, chunk)), a, src, uint32(16))
+                ptx.cp_async_16(base + uint32(CHAIN_A + at), a, src, uint32(16))
             else:
-                ptx.cp_async_16(base + uint32(CHAIN_B + chunk_at(row, chunk)), b, src, uint32(16))
+                ptx.cp_async_16(base + uint32(CHAIN_B + at), b, src, uint32(16))
         for i in range(64 * 8 // THREADS):  # D's chunks, 8 a row
             e = tid + i * THREADS
             row, chunk = e >> 3, e & 7
             src = row * 64 + chunk * 8
-            ptx.cp_async_16(base + uint32(CHAIN_D + chunk_at(row, chunk)), d, src, uint32(16))
+            ptx.cp_async_16(base + uint32(CHAIN_D + swizzled_chunk(row, chunk)), d, src, uint32(16))
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
-        z = float32(0)
-        sixteen = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)
-        s = sixteen + sixteen
+        s = zero_accumulators()
         ptx_sm90.wgmma_fence()
         for step in range(CHAIN_K // 16):
-            at = (step >> 2) * CHAIN_BLOCK_BYTES + (step & 3) * 32
+            at = (step >> 2) * BLOCK_BYTES + (step & 3) * 32
             desc_a = ptx_sm90.matrix_descriptor(base + CHAIN_A + at, 16, 1024, SW)
             desc_b = ptx_sm90.matrix_descriptor(base + CHAIN_B + at, 16, 1024, SW)
             s = scores(s, desc_a, desc_b)
         ptx_sm90.wgmma_commit()
         ptx_sm90.wgmma_wait(0)
-        out = sixteen + sixteen
+        out = zero_accumulators()
         ptx_sm90.wgmma_fence()  # the A fragments below are written by ordinary instructions
         for j in range(4):  # S's columns 16j..16j+15 are the k16 step j of the second product
             frag = (pack(s[8 * j], s[8 * j + 1]), pack(s[8 * j + 2], s[8 * j + 3]),
@@ -187,11 +197,7 @@ def build_chain(dtype_name):
             out = product(out, frag, desc_d)
         ptx_sm90.wgmma_commit()
         ptx_sm90.wgmma_wait(0)
-        warp, lane = tid >> 5, tid & 31
-        g, t = lane >> 2, lane & 3
-        for i in range(N // 8):
-            for r in range(4):
-                c[(16 * warp + g + 8 * (r >> 1)) * N + 8 * i + 2 * t + (r & 1)] = out[4 * i + r]
+        store_tile(c, out, tid)
 
     return chain
 
