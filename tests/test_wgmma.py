@@ -11,7 +11,7 @@ from numflash.arrays import bits, from_float, to_float64
 from numflash.kernels.jit import SIMULATOR
 
 
-@pytest.mark.parametrize("variant", ["plain", "swizzled", "registers", "transposed"])
+@pytest.mark.parametrize("variant", ["plain", "swizzled", "registers", "transposed", "wide"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_wgmma_tile_matches_numpy(dtype, variant):
     from numflash.device import current_device
@@ -21,16 +21,18 @@ def test_wgmma_tile_matches_numpy(dtype, variant):
     import wgmma_gemm
 
     k = wgmma_gemm.VARIANTS[variant]
+    n = wgmma_gemm.WIDTH.get(variant, wgmma_gemm.N)
+    transposed = variant in wgmma_gemm.MN_MAJOR
     a = random_array((wgmma_gemm.M, k), dtype)
-    b = random_array((k, wgmma_gemm.N) if variant == "transposed" else (wgmma_gemm.N, k), dtype)
-    c = xp.full((wgmma_gemm.M, wgmma_gemm.N), np.nan, dtype=np.float32)  # poisoned
+    b = random_array((k, n) if transposed else (n, k), dtype)
+    c = xp.full((wgmma_gemm.M, n), np.nan, dtype=np.float32)  # poisoned
     kernel = wgmma_gemm.build(dtype, variant)
     kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.shared_bytes(variant)](
         bits(a).ravel(), bits(b).ravel(), c.ravel())  # fmt: skip
     if not SIMULATOR:
         xp.cuda.get_current_stream().synchronize()
     b64 = to_numpy(to_float64(b))
-    expected = to_numpy(to_float64(a)) @ (b64 if variant == "transposed" else b64.T)
+    expected = to_numpy(to_float64(a)) @ (b64 if transposed else b64.T)
     # fp32 accumulation of up to 64 exact products of values ~N(0, 1): far inside 1e-4
     np.testing.assert_allclose(to_numpy(c), expected, rtol=1e-4, atol=1e-4)
 

@@ -9,7 +9,9 @@ smallest kernel that exercises one way the backward would feed wgmma:
   steps, each 32 bytes further into the rows;
 - ``registers``: as ``swizzled``, but A from registers in mma.sync's A fragment layout;
 - ``transposed``: as ``swizzled``, but C = A @ B for B stored K x 64 (N contiguous,
-  "MN-major"), 128-byte swizzled by K-row, each k16 step 16 rows (2048 bytes) further.
+  "MN-major"), 128-byte swizzled by K-row, each k16 step 16 rows (2048 bytes) further;
+- ``wide``: as ``transposed`` with N = 128: B's two 64-wide atoms of N in two swizzled blocks
+  8192 bytes apart (the leading offset), C 64 x 128.
 
 Compiled for sm_90a by tests/compile_targets.py; run by tests/test_wgmma.py on a GPU and in the
 simulator (where ptx_sm90's Python wgmma reads the same layouts).
@@ -24,7 +26,9 @@ from numflash.kernels.jit import device_function
 
 M = N = 64
 THREADS = 128  # one warpgroup
-VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64, "transposed": 64}  # variant -> K
+VARIANTS = {"plain": 16, "swizzled": 64, "registers": 64, "transposed": 64, "wide": 64}  # -> K
+WIDTH = {"wide": 128}  # N of the variants where it is not 64
+MN_MAJOR = ("transposed", "wide")  # B stored K x N
 BLOCK_BYTES = 64 * 128  # a swizzled block: 64 rows of 128 bytes
 
 
@@ -35,7 +39,7 @@ def signature():
 
 def shared_bytes(variant):
     """Dynamic shared memory: A and B, and 1024 bytes to align the swizzled operands."""
-    return 2 * 64 * VARIANTS[variant] * 2 + 1024
+    return (64 + WIDTH.get(variant, N)) * VARIANTS[variant] * 2 + 1024
 
 
 @device_function
@@ -69,12 +73,14 @@ def zero_accumulators():
 
 @device_function
 def store_tile(c, acc, tid):
-    """A 64 x 64 fp32 accumulator tile (wgmma's layout) into ``c``, row-major."""
+    """A 64 x N fp32 accumulator tile (wgmma's layout, N / 2 values a thread) into ``c``,
+    row-major."""
     warp, lane = tid >> 5, tid & 31
     g, t = lane >> 2, lane & 3
-    for i in range(N // 8):
+    width = 2 * len(acc)
+    for i in range(width // 8):
         for r in range(4):
-            c[(16 * warp + g + 8 * (r >> 1)) * N + 8 * i + 2 * t + (r & 1)] = acc[4 * i + r]
+            c[(16 * warp + g + 8 * (r >> 1)) * width + 8 * i + 2 * t + (r & 1)] = acc[4 * i + r]
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,34 +89,37 @@ def build(dtype_name, variant):
     K = VARIANTS[variant]
     SWIZZLED = variant != "plain"
     REGISTER_A = variant == "registers"
-    B_TRANSPOSED = variant == "transposed"
-    mma = ptx_sm90.wgmma(ab, N, a_in_registers=REGISTER_A, b_transposed=B_TRANSPOSED)
+    B_TRANSPOSED = variant in MN_MAJOR
+    WIDE = variant == "wide"
+    B_ROWS, B_COLS = (K, WIDTH.get(variant, N)) if B_TRANSPOSED else (N, K)
+    mma = ptx_sm90.wgmma(ab, B_COLS if B_TRANSPOSED else N, a_in_registers=REGISTER_A,
+                         b_transposed=B_TRANSPOSED)  # fmt: skip
     offset = swizzled_offset if SWIZZLED else plain_offset
-    OPERAND = 64 * K  # values per operand
+    OPERAND = 64 * K  # values of A
     LEADING, STRIDE = (16, 1024) if SWIZZLED else (128, 256)  # bytes; 16 = unused
-    # MN-major B, one 64-wide atom of N: the offset between 8-row groups of K in both fields
-    B_LEADING = 1024 if B_TRANSPOSED else LEADING
+    # MN-major B: 8-row groups of K a stride apart, 64-wide atoms of N a leading offset apart
+    # (at N = 64 there is one atom and the field is unused)
+    B_LEADING = BLOCK_BYTES if B_TRANSPOSED else LEADING
     B_STEP = 2048 if B_TRANSPOSED else 32  # bytes per k16 step
     SWIZZLE = ptx_sm90.SWIZZLE_128B if SWIZZLED else ptx_sm90.SWIZZLE_NONE
 
     @cuda.jit
     def gemm(a, b, c):
-        """a, b: the bits of 64 x K row-major operands (b K x 64 when transposed); c: 64 x 64
-        fp32 out, A B^T (A B when transposed)."""
+        """a, b: the bits of 64 x K row-major operands (b K x N when MN-major); c: 64 x N
+        fp32 out, A B^T (A B when MN-major)."""
         smem = cuda.shared.array(0, uint16)
         tid = cuda.threadIdx.x
         first = ptx_sm90.aligned_index(smem, 1024)
-        for i in range(2 * OPERAND // THREADS):  # A's values, then B's
+        for i in range(OPERAND // THREADS):  # A's values
             e = tid + i * THREADS
-            row, col = (e & (OPERAND - 1)) // K, e & (K - 1)
-            if e < OPERAND:
-                smem[first + offset(row, col)] = a[e]
-            else:
-                smem[first + OPERAND + offset(row, col)] = b[e - OPERAND]
+            smem[first + offset(e // K, e & (K - 1))] = a[e]
+        for i in range(B_ROWS * B_COLS // THREADS):  # B's
+            e = tid + i * THREADS
+            smem[first + OPERAND + offset(e // B_COLS, e & (B_COLS - 1))] = b[e]
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
         base = ptx.shared_address(smem, first)
-        acc = zero_accumulators()
+        acc = zero_accumulators() + zero_accumulators() if WIDE else zero_accumulators()
         ptx_sm90.wgmma_fence()
         for s in range(K // 16):
             step = s * 32  # bytes into each swizzled row (the plain operand has one step)

@@ -29,9 +29,10 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 - A may instead come from registers: warp w's 16 rows as mma.sync's A fragment.
 - B (or A) may be MN-major ("transposed", fp16/bf16 only): stored K x N with N contiguous.
   With the 128-byte swizzle its rows are 64 values of N, groups of 8 K-rows 1024 bytes apart,
-  chunk c of K-row k at c ^ (k & 7); a k16 step is 16 rows further (2048 bytes). Which of
-  the two offsets steps between 8-row groups and which between 64-wide atoms of N is not
-  pinned yet: tests/wgmma_gemm.py sets both to 1024 at N = 64, where only one is used.
+  chunk c of K-row k at c ^ (k & 7); a k16 step is 16 rows further (2048 bytes). The stride
+  offset steps between 8-row groups of K, the leading offset between 64-wide atoms of N (the
+  canonical MN-major layouts of CUTLASS's descriptor comments; tests/wgmma_gemm.py's
+  ``wide`` variant checks it at N = 128).
 - The fp32 accumulator of ``m64nNk16`` (N / 2 values per thread): warp w of the group holds
   rows 16w..16w+15 laid out as mma.sync's C fragment, repeated for each 8 columns: value
   4i + r of lane (g = lane >> 2, t = lane & 3) is row 16w + g + 8 (r >> 1), column
@@ -101,10 +102,12 @@ if SIMULATOR:
                 byte = base + (r >> 3) * self.stride + (c >> 3) * self.leading + (r & 7) * 16
                 byte = byte + (c & 7) * 2
             elif self.swizzle == SWIZZLE_128B:
-                if cols > 64:
-                    raise NotImplementedError("more than one 128-byte atom along a row")
-                # 8-row groups: stride apart (K-major: groups of M/N rows; MN-major: of K rows)
-                byte = base + (r >> 3) * self.stride + (r & 7) * 128 + c * 2
+                if cols > 64 and not mn_major:
+                    raise NotImplementedError("K-major rows wider than one 128-byte atom")
+                # 8-row groups: stride apart (K-major: groups of M/N rows; MN-major: of K rows);
+                # MN-major 64-wide atoms of N: leading apart
+                byte = base + (r >> 3) * self.stride + (r & 7) * 128 + (c & 63) * 2
+                byte = byte + (c >> 6) * self.leading
                 byte = byte ^ (((byte >> 7) & 7) << 4)
             else:
                 raise NotImplementedError(f"swizzle mode {self.swizzle}")
