@@ -84,6 +84,103 @@ def dq_split(head_dim, block_m, num_warps):
     return pieces, d_tiles // pieces, row_tiles * pieces // num_warps
 
 
+@device_function
+def visible_queries(key, m0, lane, seqlen_q, seqlen_k, wl, wr):
+    """The query columns [lo, hi) of the block that key row ``key`` sees, relative to this
+    lane's first column (so each element's test compares with a constant); empty for a
+    padding row past the last key."""
+    lo, hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
+    if key >= seqlen_k:
+        hi = lo
+    first = m0 + (lane & 3) * 2
+    return int32(lo - first), int32(hi - first)
+
+
+@device_function
+def p_and_ds(s, dp, neg_lse, d, scale_log2):
+    """(P, dS = P (dP - D)) of one element, P = exp2(S * scale * log2(e) - lse)."""
+    p = ptx.exp2(ptx.fma(s, scale_log2, neg_lse))
+    return p, p * (dp - d)
+
+
+@functools.lru_cache(maxsize=None)
+def probabilities_function(q_tiles):
+    """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
+    the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share."""
+    Q_TILES = q_tiles
+
+    @device_function
+    def probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
+                             seqlen_k, scale_log2, wl, wr):  # fmt: skip
+        """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and
+        key0 + 8 (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
+
+        No branch per element: every element is computed and masked ones are selected away,
+        and each query's LSE and D are read once for both key rows (``stats`` is the block's
+        offset in the shared tiles). Per element branches cost a reconvergence barrier and a
+        serial shared-load -> ex2 chain each."""
+        first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
+        lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        for qt in range(Q_TILES):
+            for e in range(2):
+                col = qt * 8 + e
+                neg_lse = -lse_tile[first + uint32(col)]
+                d = d_tile[first + uint32(col)]
+                i = qt * 4 + e  # key row key0
+                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                seen = (lo0 <= int32(col)) & (int32(col) < hi0)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+                i += 2  # key row key0 + 8
+                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                seen = (lo1 <= int32(col)) & (int32(col) < hi1)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+
+    return probabilities_and_ds
+
+
+@functools.lru_cache(maxsize=None)
+def block_position_function(block_n, head_split, part, heavy_group):
+    """The device function ``block_position`` of kernels whose blocks own ``block_n`` rows
+    (keys or queries) and ``part`` output columns, ``head_split`` blocks per block of rows,
+    in ``heavy_group``'s order under one-sided masks (build_kernels)."""
+    BLOCK_N, HEAD_SPLIT, PART, HEAVY_GROUP = block_n, head_split, part, heavy_group
+
+    @device_function
+    def block_position(one_sided, reverse):
+        """(thread, lane, warp, the first of the block's BLOCK_N rows (keys in the dK/dV
+        kernel, queries in the dQ kernel), its first output column, its head (kv head in the
+        dK/dV kernel), its batch).
+
+        The grid is (HEAD_SPLIT blocks per block of rows, heads, batch), and blocks start in
+        the order of their linear index, x fastest. Under a ``one_sided`` mask that index is
+        read in HEAVY_GROUP's order (build_kernels), the last rows taken as the heaviest if
+        ``reverse``, else the first."""
+        tid = cuda.threadIdx.x
+        row_blocks = cuda.gridDim.x // HEAD_SPLIT
+        column_part = (cuda.blockIdx.x % HEAD_SPLIT) * PART
+        rows = cuda.blockIdx.x // HEAD_SPLIT
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        if one_sided and HEAVY_GROUP > 1:  # (with 1 group per pair, the grid's own order)
+            linear = cuda.blockIdx.x + cuda.gridDim.x * (head + cuda.gridDim.y * batch)
+            index = linear // HEAD_SPLIT
+            group = index // (row_blocks * HEAVY_GROUP)
+            size = min(HEAVY_GROUP, cuda.gridDim.y * cuda.gridDim.z - group * HEAVY_GROUP)
+            local = index - group * row_blocks * HEAVY_GROUP
+            rows = local // size
+            pair = group * HEAVY_GROUP + local - rows * size
+            head = pair % cuda.gridDim.y
+            batch = pair // cuda.gridDim.y
+        if one_sided and HEAVY_GROUP > 0 and reverse:
+            rows = row_blocks - 1 - rows
+        return tid, tid & 31, tid >> 5, rows * BLOCK_N, column_part, head, batch
+
+    return block_position
+
+
 class Kernels(NamedTuple):
     dkdv: object  # dK and dV; with dq_separate=False also dQ, by atomics
     dq: object  # dQ alone, in a fixed order (dq_separate=True), else None
@@ -155,36 +252,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     DQ_REGS = DQ_TILES * 4
     mma = _MMA[dtype_name]
     pack = _PACK[dtype_name]
-
-    @device_function
-    def block_position(one_sided, reverse):
-        """(thread, lane, warp, the first of the block's 16 * NUM_WARPS rows (keys in the
-        dK/dV kernel, queries in the dQ kernel), its first output column, its head (kv head
-        in the dK/dV kernel), its batch).
-
-        The grid is (HEAD_SPLIT blocks per block of rows, heads, batch), and blocks start in
-        the order of their linear index, x fastest. Under a ``one_sided`` mask that index is
-        read in HEAVY_GROUP's order (build_kernels), the last rows taken as the heaviest if
-        ``reverse``, else the first."""
-        tid = cuda.threadIdx.x
-        row_blocks = cuda.gridDim.x // HEAD_SPLIT
-        column_part = (cuda.blockIdx.x % HEAD_SPLIT) * PART
-        rows = cuda.blockIdx.x // HEAD_SPLIT
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        if one_sided and HEAVY_GROUP > 1:  # (with 1 group per pair, the grid's own order)
-            linear = cuda.blockIdx.x + cuda.gridDim.x * (head + cuda.gridDim.y * batch)
-            index = linear // HEAD_SPLIT
-            group = index // (row_blocks * HEAVY_GROUP)
-            size = min(HEAVY_GROUP, cuda.gridDim.y * cuda.gridDim.z - group * HEAVY_GROUP)
-            local = index - group * row_blocks * HEAVY_GROUP
-            rows = local // size
-            pair = group * HEAVY_GROUP + local - rows * size
-            head = pair % cuda.gridDim.y
-            batch = pair // cuda.gridDim.y
-        if one_sided and HEAVY_GROUP > 0 and reverse:
-            rows = row_blocks - 1 - rows
-        return tid, tid & 31, tid >> 5, rows * BLOCK_N, column_part, head, batch
+    block_position = block_position_function(BLOCK_N, HEAD_SPLIT, PART, HEAVY_GROUP)
+    probabilities_and_ds = probabilities_function(Q_TILES)
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
@@ -269,52 +338,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
             for dp in range(D_TILES // 2):
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(b_addr, (kk * 16 * ROW + dp * 16) * 2)
                 mma_pair(acc, dp * 8, f0, f1, f2, f3, b0, b1, b2, b3)
-
-    @device_function
-    def visible_queries(key, m0, lane, seqlen_q, seqlen_k, wl, wr):
-        """The query columns [lo, hi) of the block that key row ``key`` sees, relative to this
-        lane's first column (so each element's test compares with a constant); empty for a
-        padding row past the last key."""
-        lo, hi = block_query_range(key, key, seqlen_q, seqlen_k, wl, wr)
-        if key >= seqlen_k:
-            hi = lo
-        first = m0 + (lane & 3) * 2
-        return int32(lo - first), int32(hi - first)
-
-    @device_function
-    def p_and_ds(s, dp, neg_lse, d, scale_log2):
-        """(P, dS = P (dP - D)) of one element, P = exp2(S * scale * log2(e) - lse)."""
-        p = ptx.exp2(ptx.fma(s, scale_log2, neg_lse))
-        return p, p * (dp - d)
-
-    @device_function
-    def probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
-                             seqlen_k, scale_log2, wl, wr):  # fmt: skip
-        """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and key0 + 8
-        (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
-
-        No branch per element: every element is computed and masked ones are selected away,
-        and each query's LSE and D are read once for both key rows (``stats`` is the block's
-        offset in the shared tiles). Per element branches cost a reconvergence barrier and a
-        serial shared-load -> ex2 chain each."""
-        first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
-        lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
-        lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
-        for qt in range(Q_TILES):
-            for e in range(2):
-                col = qt * 8 + e
-                neg_lse = -lse_tile[first + uint32(col)]
-                d = d_tile[first + uint32(col)]
-                i = qt * 4 + e  # key row key0
-                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
-                seen = (lo0 <= int32(col)) & (int32(col) < hi0)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
-                i += 2  # key row key0 + 8
-                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
-                seen = (lo1 <= int32(col)) & (int32(col) < hi1)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
 
     @device_function
     def query_block_step(st, dpt, dk_acc, dv_acc, k_rows, v_rows, q_stage, do_stage, b_lane,
