@@ -181,6 +181,69 @@ def block_position_function(block_n, head_split, part, heavy_group):
     return block_position
 
 
+def stat_loads(block_m, threads):
+    """LSE and D values each thread fetches per query block."""
+    return (block_m + threads - 1) // threads
+
+
+@functools.lru_cache(maxsize=None)
+def row_stats_functions(block_m, threads):
+    """(fetch_row_stats, store_row_stats): the LSE and D of ``block_m`` query rows, fetched by
+    ``threads`` threads into registers (STAT_LOADS a thread) and stored into shared tiles."""
+    BLOCK_M, THREADS = block_m, threads
+    STAT_LOADS = stat_loads(block_m, threads)
+
+    @device_function
+    def fetch_row_stats(lse_r, d_r, lse, delta, row_base, m0, seqlen_q, tid):
+        """Start loading the raw LSE and D of query rows m0.. into registers (0 past the end).
+        Nothing here uses the values, so the loads stay in flight while the block computes."""
+        for j in range(STAT_LOADS):
+            row = m0 + tid + j * THREADS
+            if tid + j * THREADS < BLOCK_M and row < seqlen_q:
+                at = (row_base + row) & NON_NEGATIVE
+                lse_r[j] = lse[at]
+                d_r[j] = delta[at]
+            else:  # past the end: every pair with this row is masked
+                lse_r[j] = float32(0.0)
+                d_r[j] = float32(0.0)
+
+    @device_function
+    def store_row_stats(lse_tile, d_tile, lse_r, d_r, stage, tid):
+        """The fetched LSE (in the log2 domain) and D into shared stage ``stage``."""
+        for j in range(STAT_LOADS):
+            r = tid + j * THREADS
+            if r < BLOCK_M:
+                lse_tile[stage * BLOCK_M + r] = _row_log2_lse(lse_r[j])
+                d_tile[stage * BLOCK_M + r] = d_r[j]
+
+    return fetch_row_stats, store_row_stats
+
+
+@functools.lru_cache(maxsize=None)
+def row_writer(part, dtype_name):
+    """The device function ``write_rows`` of 16-row accumulator tiles ``part`` columns wide
+    (mma.sync's C layout, which wgmma's m64 accumulators repeat per warp)."""
+    D_TILES = part // 8
+    pack = _PACK[dtype_name]
+
+    @device_function
+    def write_rows(out, acc, base, stride, row0, lane, rows, factor):
+        """acc * factor (16 rows x ``part``) to ``out``'s rows row0.. below ``rows``, from element
+        ``base`` of each (the block's first column)."""
+        for h in range(2):
+            row = row0 + (lane >> 2) + 8 * h
+            if row < rows:
+                at = base + int64(row) * stride
+                for dt in range(D_TILES):
+                    col = dt * 8 + (lane & 3) * 2
+                    i = dt * 4 + 2 * h
+                    pair = pack(acc[i] * factor, acc[i + 1] * factor)
+                    out[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
+                    out[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
+
+    return write_rows
+
+
 class Kernels(NamedTuple):
     dkdv: object  # dK and dV; with dq_separate=False also dQ, by atomics
     dq: object  # dQ alone, in a fixed order (dq_separate=True), else None
@@ -245,7 +308,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     DO_OFFSET = BLOCK_M * ROW  # dO after Q within a stage
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     ROWS_PER_PASS = THREADS // CHUNKS
-    STAT_LOADS = (BLOCK_M + THREADS - 1) // THREADS  # LSE and D values per thread per block
+    STAT_LOADS = stat_loads(BLOCK_M, THREADS)  # LSE and D values per thread per block
     STAT_TILE = STAGES * BLOCK_M  # LSE and D of every stage
     S_REGS = Q_TILES * 4
     ACC_REGS = D_TILES * 4
@@ -254,6 +317,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     pack = _PACK[dtype_name]
     block_position = block_position_function(BLOCK_N, HEAD_SPLIT, PART, HEAVY_GROUP)
     probabilities_and_ds = probabilities_function(Q_TILES)
+    fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
+    write_rows = row_writer(PART, dtype_name)
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
@@ -272,29 +337,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                                     offset if valid else first,
                                     uint32(16) if valid else uint32(0))  # fmt: skip
                 offset += ROWS_PER_PASS * stride
-
-    @device_function
-    def fetch_row_stats(lse_r, d_r, lse, delta, row_base, m0, seqlen_q, tid):
-        """Start loading the raw LSE and D of query rows m0.. into registers (0 past the end).
-        Nothing here uses the values, so the loads stay in flight while the block computes."""
-        for j in range(STAT_LOADS):
-            row = m0 + tid + j * THREADS
-            if tid + j * THREADS < BLOCK_M and row < seqlen_q:
-                at = (row_base + row) & NON_NEGATIVE
-                lse_r[j] = lse[at]
-                d_r[j] = delta[at]
-            else:  # past the end: every pair with this row is masked
-                lse_r[j] = float32(0.0)
-                d_r[j] = float32(0.0)
-
-    @device_function
-    def store_row_stats(lse_tile, d_tile, lse_r, d_r, stage, tid):
-        """The fetched LSE (in the log2 domain) and D into shared stage ``stage``."""
-        for j in range(STAT_LOADS):
-            r = tid + j * THREADS
-            if r < BLOCK_M:
-                lse_tile[stage * BLOCK_M + r] = _row_log2_lse(lse_r[j])
-                d_tile[stage * BLOCK_M + r] = d_r[j]
 
     @device_function
     def load_block_pair(stage_addr, a, b, a_first, a_ss, b_first, b_ss, rows_left, tid):
@@ -393,21 +435,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                     cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h])
                     at = (base + dt * 8 + 1) & NON_NEGATIVE
                     cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h + 1])
-
-    @device_function
-    def write_rows(out, acc, base, stride, row0, lane, rows, factor):
-        """acc * factor (16 rows x PART) to ``out``'s rows row0.. below ``rows``, from element
-        ``base`` of each (the block's first column)."""
-        for h in range(2):
-            row = row0 + (lane >> 2) + 8 * h
-            if row < rows:
-                at = base + int64(row) * stride
-                for dt in range(D_TILES):
-                    col = dt * 8 + (lane & 3) * 2
-                    i = dt * 4 + 2 * h
-                    pair = pack(acc[i] * factor, acc[i + 1] * factor)
-                    out[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
-                    out[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
 
     @kernel(launch_bounds=THREADS)
     def dkdv(

@@ -66,6 +66,8 @@ __all__ = [
     "wgmma_wait",
     "fence_proxy_async",
     "wgmma",
+    "wgmma_update",
+    "fence_operands",
 ]
 
 #: swizzle field values of the descriptor
@@ -192,6 +194,17 @@ if SIMULATOR:
 
         return mma_async
 
+    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False):
+        mma = wgmma(ab, n, a_in_registers, b_transposed)
+
+        def mma_async(acc, a, desc_b):
+            acc[:] = mma(tuple(acc), a, desc_b)
+
+        return mma_async
+
+    def fence_operands(acc, count):
+        pass
+
 
 else:
     from llvmlite import ir
@@ -259,17 +272,10 @@ else:
 
         return sig, codegen
 
-    @functools.lru_cache(maxsize=None)
-    def wgmma(ab, n, a_in_registers=False, b_transposed=False):
-        """The intrinsic ``acc = wgmma(acc, a, desc_b)`` for D (64 x n fp32, n / 2 values per
-        thread, a UniTuple) += A (64 x 16) @ B (16 x n, descriptor ``desc_b``), ``ab`` "f16"
-        or "bf16", n a multiple of 8 up to 256.
-
-        A is a descriptor (uint64) of a K-major 64 x 16 operand, or with ``a_in_registers``
-        four uint32 per thread: warp w's rows 16w..16w+15 as mma.sync's A fragment (ptx.py).
-        B is stored n x 16 K-major, or with ``b_transposed`` 16 x n MN-major (n contiguous).
-        Neither operand is scaled. The accumulators go in tied to the outputs.
-        """
+    def _wgmma_asm(ab, n, a_in_registers, b_transposed):
+        """(asm, constraints) of one m64nNk16: operands the n / 2 accumulators (outputs), A
+        (four registers or a descriptor), B's descriptor, the scale-d flag, then the
+        accumulators again as inputs tied to the outputs."""
         _check_shape(ab, n)
         values = n // 2
         regs = ", ".join(f"${i}" for i in range(values))
@@ -288,6 +294,90 @@ else:
         )
         constraints = ",".join(["=f"] * values + ["r" if a_in_registers else "l"] * a_count
                                + ["l", "r"] + [str(i) for i in range(values)] + ["~{memory}"])
+        return asm, constraints
+
+    def _wgmma_operands(builder, a_in_registers, args, acc_in):
+        a_in = ([builder.extract_value(args[1], i) for i in range(4)] if a_in_registers
+                else [args[1]])  # fmt: skip
+        return a_in + [args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
+
+    def _emit(builder, asm, constraints, operands, count):
+        """The inline asm with ``count`` fp32 outputs; their values."""
+        fnty = ir.FunctionType(ir.LiteralStructType([_F32] * count), [x.type for x in operands])
+        res = builder.asm(fnty, asm, constraints, operands, True)
+        return [builder.extract_value(res, i) for i in range(count)]
+
+    def _array_pointers(context, builder, array_type, array, count):
+        """Pointers to elements 0..count-1 of a 1-D array."""
+        index = [context.get_constant(types.intp, i) for i in range(count)]
+        return [ptx._element_pointer(context, builder, array_type, array, i) for i in index]
+
+    def _is_f32_vector(acc):
+        return isinstance(acc, types.Array) and acc.ndim == 1 and acc.dtype == types.float32
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False):
+        """``mma(acc, a, desc_b)``: as :func:`wgmma`, the accumulators in ``acc``, a float32
+        local array of n / 2 values updated in place (indexed by constants only, so that
+        they live in registers)."""
+        asm, constraints = _wgmma_asm(ab, n, a_in_registers, b_transposed)
+        values = n // 2
+        a_type = types.UniTuple(types.uint32, 4) if a_in_registers else types.uint64
+
+        @intrinsic
+        def mma_async(typingctx, acc, a, desc_b):
+            if not _is_f32_vector(acc):
+                return None
+            sig = types.void(acc, a_type, types.uint64)
+
+            def codegen(context, builder, sig, args):
+                pointers = _array_pointers(context, builder, sig.args[0], args[0], values)
+                acc_in = [builder.load(p) for p in pointers]
+                operands = _wgmma_operands(builder, a_in_registers, args, acc_in)
+                for p, value in zip(pointers, _emit(builder, asm, constraints, operands, values)):
+                    builder.store(value, p)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return mma_async
+
+    @intrinsic
+    def fence_operands(typingctx, acc, count):
+        """An empty asm statement that reads and writes the first ``count`` (a compile-time
+        constant) values of the float32 array ``acc``: ordinary code that uses the
+        accumulators of wgmma stays after the ``wgmma_wait`` before it, and code that sets them
+        before the ``wgmma_fence`` after it (the compiler may not move them across)."""
+        from numba.cuda.types import IntegerLiteral
+
+        if not _is_f32_vector(acc) or not isinstance(count, IntegerLiteral):
+            return None
+        sig = types.void(acc, count)
+        count = count.literal_value
+
+        def codegen(context, builder, sig, args):
+            pointers = _array_pointers(context, builder, sig.args[0], args[0], count)
+            constraints = ",".join(["=f"] * count + [str(i) for i in range(count)])
+            values = _emit(builder, "", constraints, [builder.load(p) for p in pointers], count)
+            for p, value in zip(pointers, values):
+                builder.store(value, p)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma(ab, n, a_in_registers=False, b_transposed=False):
+        """The intrinsic ``acc = wgmma(acc, a, desc_b)`` for D (64 x n fp32, n / 2 values per
+        thread, a UniTuple) += A (64 x 16) @ B (16 x n, descriptor ``desc_b``), ``ab`` "f16"
+        or "bf16", n a multiple of 8 up to 256.
+
+        A is a descriptor (uint64) of a K-major 64 x 16 operand, or with ``a_in_registers``
+        four uint32 per thread: warp w's rows 16w..16w+15 as mma.sync's A fragment (ptx.py).
+        B is stored n x 16 K-major, or with ``b_transposed`` 16 x n MN-major (n contiguous).
+        Neither operand is scaled. The accumulators go in tied to the outputs.
+        """
+        asm, constraints = _wgmma_asm(ab, n, a_in_registers, b_transposed)
+        values = n // 2
         rtype = types.UniTuple(types.float32, values)
         a_type = types.UniTuple(types.uint32, 4) if a_in_registers else types.uint64
 
@@ -299,13 +389,8 @@ else:
 
             def codegen(context, builder, sig, args):
                 acc_in = [builder.extract_value(args[0], i) for i in range(values)]
-                a_in = ([builder.extract_value(args[1], i) for i in range(4)] if a_in_registers
-                        else [args[1]])  # fmt: skip
-                operands = a_in + [args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
-                fnty = ir.FunctionType(ir.LiteralStructType([_F32] * values),
-                                       [x.type for x in operands])  # fmt: skip
-                res = builder.asm(fnty, asm, constraints, operands, True)
-                out = [builder.extract_value(res, i) for i in range(values)]
+                operands = _wgmma_operands(builder, a_in_registers, args, acc_in)
+                out = _emit(builder, asm, constraints, operands, values)
                 return context.make_tuple(builder, rtype, out)
 
             return sig, codegen
