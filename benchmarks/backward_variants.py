@@ -13,7 +13,8 @@ on the same inputs. Used to choose the backward defaults and to study what limit
 heaviest rows first; 8, heaviest rows first across groups of 8 pairs) and with the dQ kernel on
 a second stream beside the dK/dV kernel (numflash.api._DQ_BESIDE_DKDV); ``--heavy-groups``
 and ``--dq-beside`` choose other variants, ``--tiles`` other configurations than the default
-(block_m x num_warps, e.g. 64x4), ``--dq-separate`` dQ by atomics (0) as well. Every run also
+(block_m x num_warps, e.g. 64x4), ``--dq-separate`` dQ by atomics (0) as well, ``--wgmma``
+the Hopper dK/dV kernel (1; kernels/backward_sm90.py) or the mma.sync one (0). Every run also
 reports its time per kernel (D = rowsum(dO * O), dK/dV, dQ), from CUDA events around the
 launches.
 
@@ -79,14 +80,15 @@ def kernel_variants(args):
     return [(g, bool(b)) for g in groups for b in beside]
 
 
-def variant_configs(default, tiles, dq_separate):
-    """The default configuration with each BMxNW of ``tiles`` (block_m x num_warps) and each
-    of ``dq_separate``, where given."""
+def variant_configs(default, tiles, dq_separate, wgmma=None):
+    """The default configuration with each BMxNW of ``tiles`` (block_m x num_warps), each of
+    ``dq_separate`` and each of ``wgmma``, where given."""
     shapes = [tuple(int(n) for n in t.lower().split("x")) for t in tiles or []]
     shapes = shapes or [(default.block_m, default.num_warps)]
     separate = [bool(s) for s in dq_separate or [default.dq_separate]]
-    return [dataclasses.replace(default, block_m=bm, num_warps=nw, dq_separate=sep)
-            for bm, nw in shapes for sep in separate]  # fmt: skip
+    kernels = [bool(w) for w in wgmma or [default.wgmma]]
+    return [dataclasses.replace(default, block_m=bm, num_warps=nw, dq_separate=sep, wgmma=w)
+            for bm, nw in shapes for sep in separate for w in kernels]  # fmt: skip
 
 
 def use_kernel_variant(heavy_group, dq_beside):
@@ -173,6 +175,9 @@ def main():
                     help="with --kernel-variants: the dQ kernel beside dK/dV (1) or after it (0)")
     ap.add_argument("--tiles", nargs="+", metavar="BMxNW",
                     help="with --kernel-variants: these block_m x num_warps, not the default's")
+    ap.add_argument("--wgmma", type=int, nargs="+", choices=[0, 1],
+                    help="with --kernel-variants: dK/dV from the mma.sync kernel (0) or the "
+                    "Hopper wgmma kernel (1); default: the default configuration's")
     ap.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--dq-separate", type=int, nargs="+", choices=[0, 1],
                     help="dQ from its own kernel (1) or atomics (0); the grid's default: both, "
@@ -193,7 +198,7 @@ def main():
         cfgs = list(configs(hd, dev, args))
         if args.kernel_variants:
             runs = []
-            for cfg in variant_configs(cfgs[0], args.tiles, args.dq_separate):
+            for cfg in variant_configs(cfgs[0], args.tiles, args.dq_separate, args.wgmma):
                 problems = cfg.problems(hd, dev)
                 if problems:
                     print(f"  {cfg}: skipped, {'; '.join(problems)}", flush=True)
@@ -226,7 +231,7 @@ def main():
             kernels = " ".join(f"{kind} {ms:.2f}" for kind, ms in per_kernel.items())
             print(f"hd{hd} {dt} causal={int(causal)} s{seqlen} bm{cfg.block_m} w{cfg.num_warps} "
                   f"st{cfg.stages}{' dq-kernel' if cfg.dq_separate else ''}"
-                  f"{' split2' if cfg.head_split == 2 else ''}"
+                  f"{' split2' if cfg.head_split == 2 else ''}{' wgmma' if cfg.wgmma else ''}"
                   f" heavy-group {'default' if variant[0] is None else variant[0]}"
                   f"{' dq-beside' if variant[1] else ''}: "
                   f"{t.median_ms:8.3f} ms ({kernels}) {tf:6.1f} TFLOP/s  "

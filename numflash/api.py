@@ -14,7 +14,7 @@ import numpy as np
 
 from . import arrays, cache, config as configs
 from .device import PORTABLE_BACKWARD, TENSOR_CORE, TENSOR_CORE_BACKWARD, current_device
-from .kernels import backward, backward_portable, forward, forward_portable
+from .kernels import backward, backward_portable, backward_sm90, forward, forward_portable
 from .kernels.jit import (
     Launcher,
     backward_signatures,
@@ -538,8 +538,11 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     if cfg.dq_separate and _DQ_BESIDE_DKDV:  # after D and the padded copies, before dK/dV
         dq_stream, join = arrays.side_stream()
     blocks = (p.seqlen_k + cfg.block_n - 1) // cfg.block_n * cfg.head_split
-    _tensor_core_launcher("dkdv", head_dim, p.dtype, tiles, cfg.dq_separate, cfg.head_split)(
-        (blocks, p.nheads_k, p.batch), cfg.threads, stream, smem,
+    dkdv_smem = (backward_sm90.shared_memory_layout(head_dim, cfg.num_warps, cfg.stages)[-1]
+                 if cfg.wgmma else smem)  # fmt: skip
+    _tensor_core_launcher("dkdv-wgmma" if cfg.wgmma else "dkdv", head_dim, p.dtype, tiles,
+                          cfg.dq_separate, cfg.head_split)(
+        (blocks, p.nheads_k, p.batch), cfg.threads, stream, dkdv_smem,
         _backward_args(inputs + [arrays.kernel_view(x) for x in (dk_t, dv_t, dq_acc)], p))
     if cfg.dq_separate:
         blocks = (p.seqlen_q + cfg.block_n - 1) // cfg.block_n * cfg.head_split
@@ -558,8 +561,13 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
 
 
 def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate, head_split):
-    """The Launcher of the tensor-core backward's "dkdv" or "dq" kernel (built on first use)."""
+    """The Launcher of the tensor-core backward's "dkdv", "dkdv-wgmma" or "dq" kernel (built
+    on first use)."""
     def make():
+        if kind == "dkdv-wgmma":
+            block_m, num_warps, stages = tiles
+            return Launcher(backward_sm90.build_dkdv(head_dim, dtype, num_warps, stages),
+                            tensor_core_backward_signature())  # fmt: skip
         if kind == "dkdv":
             return Launcher(backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate,
                                            head_split=head_split),

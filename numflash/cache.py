@@ -56,7 +56,8 @@ FAMILY_SOURCES = {
     "tensor-core": ("forward.py", "ptx.py", "softmax.py"),
     "portable": ("forward_portable.py", "softmax.py", "ptx.py"),
     "portable-backward": ("backward_portable.py", "forward_portable.py", "softmax.py", "ptx.py"),
-    "tensor-core-backward": ("backward.py", "backward_portable.py", "softmax.py", "ptx.py"),
+    "tensor-core-backward": ("backward.py", "backward_sm90.py", "backward_portable.py",
+                             "softmax.py", "ptx.py", "ptx_sm90.py"),
 }
 
 

@@ -212,6 +212,11 @@ class TensorCoreBackwardConfig(_Config):
       ``head_dim / head_split`` output columns while computing the scores over all of
       head_dim. 2 is needed above head_dim 128 (the accumulators must fit in registers); at
       128 and below it trades the scores computed twice for half the accumulator registers.
+    - ``wgmma``: dK and dV from the Hopper kernel (:mod:`numflash.kernels.backward_sm90`):
+      warpgroup MMAs, 64 keys per warpgroup (``num_warps`` 4 or 8), query blocks of
+      ``block_m`` = 64 rows in ``stages`` buffers. Compute capability 9.x, head_dim 64 or 128
+      (as padded), with ``dq_separate`` (dQ from the mma.sync dQ kernel, same tiles) and
+      ``head_split`` 1.
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
@@ -219,6 +224,7 @@ class TensorCoreBackwardConfig(_Config):
     stages: int = knob(2, (1, 2))
     dq_separate: bool = knob(True, (True, False))
     head_split: int = knob(1, (1, 2))
+    wgmma: bool = knob(False, (False, True))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
     MAX_HEAD_DIM: ClassVar[int] = 256  # 128 output columns per block at most
@@ -233,10 +239,32 @@ class TensorCoreBackwardConfig(_Config):
 
     def shared_memory_bytes(self, head_dim):
         """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
+        from .kernels import backward_sm90
         from .kernels.backward import shared_memory_layout
 
-        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
-                                        with_ds=not self.dq_separate)[-1]
+        smem = 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
+                                        with_ds=not self.dq_separate)[-1]  # fmt: skip
+        if self.wgmma and head_dim in backward_sm90.HEAD_DIMS:
+            wgmma = backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)
+            smem = max(smem, wgmma[-1])
+        return smem
+
+    def wgmma_problems(self, head_dim, device):
+        """Why the wgmma dK/dV kernel cannot run this configuration (``problems``)."""
+        from .kernels import backward_sm90
+
+        out = []
+        if device is not None and not device.has_wgmma:
+            out.append(f"wgmma=True needs compute capability 9.x; {device.name} is "
+                       f"{device.arch}")  # fmt: skip
+        if head_dim not in backward_sm90.HEAD_DIMS:
+            dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
+            out.append(f"wgmma=True takes head_dim {dims} (as padded), not {head_dim}")
+        if self.block_m != backward_sm90.BLOCK_M or self.num_warps not in backward_sm90.NUM_WARPS:
+            out.append(f"wgmma=True takes block_m={backward_sm90.BLOCK_M} and num_warps 4 or 8")
+        if not self.dq_separate or self.head_split != 1:
+            out.append("wgmma=True takes dq_separate=True and head_split=1")
+        return out
 
     def problems(self, head_dim, device):
         from .kernels.backward import dq_split
@@ -250,6 +278,8 @@ class TensorCoreBackwardConfig(_Config):
         elif not self.dq_separate and dq_split(part, self.block_m, self.num_warps) is None:
             out.append(f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
                        f"x {part // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
+        if self.wgmma:
+            out += self.wgmma_problems(head_dim, device)
         if not out:
             smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
             if device is not None and smem > device.max_shared_per_block:

@@ -41,6 +41,12 @@ class DeviceInfo:
             return True
         return self.compute_capability >= TENSOR_CORE_MIN_CC
 
+    @property
+    def has_wgmma(self):
+        """Whether the Hopper wgmma kernels can run here: compute capability 9.x (sm_90a; its
+        instructions are not in later architectures), or the simulator."""
+        return self.simulated or self.compute_capability[0] == 9
+
     def preferred_family(self, dtype_name):
         """The family a call takes when no configuration is forced.
 

@@ -9,6 +9,7 @@ from _support import assert_gradients_match, random_array, random_qkv, to_numpy,
 
 import numflash
 from numflash.arrays import to_float64
+from numflash.device import current_device
 from numflash.kernels.jit import SIMULATOR
 from numflash.reference import attention_backward_reference, attention_reference
 
@@ -163,6 +164,13 @@ TC_GPU_CASES = [
         ("bfloat16", 256, (517, 1023), 2, "causal", (32, 4, 2, False, 2)),  # head_dim 256
         ("float16", 200, (300, 300), 1, "window", (32, 4, 2, True, 2)),  # padded to 224
         ("float16", 128, (777, 777), 2, "none", (64, 4, 2, False, 2)),
+        # dK/dV from the Hopper wgmma kernel (compute capability 9.x only)
+        ("float16", 128, (1023, 517), 2, "causal", (64, 8, 2, True, 1, True)),
+        ("bfloat16", 128, (777, 777), 1, "none", (64, 8, 1, True, 1, True)),
+        ("bfloat16", 120, (113, 203), 4, "window", (64, 8, 2, True, 1, True)),  # padded to 128
+        ("float16", 64, (300, 451), 2, "window", (64, 4, 2, True, 1, True)),
+        ("bfloat16", 64, (517, 1023), 1, "left", (64, 8, 2, True, 1, True)),
+        ("float16", 128, (2048, 2048), 1, "causal", (64, 4, 2, True, 1, True)),
     ]
 ]  # fmt: skip
 
@@ -170,7 +178,29 @@ TC_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_GPU_CASES)
 def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles):
+    if numflash.TensorCoreBackwardConfig(*tiles).wgmma and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+
+
+WGMMA_SIM_CASES = [  # (block_m, num_warps, stages, dq_separate, head_split, wgmma)
+    ("float16", 64, 70, 80, 2, "causal", (64, 8, 2, True, 1, True)),  # two query blocks
+    ("bfloat16", 64, 40, 150, 1, "window", (64, 4, 1, True, 1, True)),  # three key blocks
+    ("bfloat16", 128, 65, 33, 1, "none", (64, 4, 2, True, 1, True)),  # two head_dim atoms
+    ("float16", 64, 50, 60, 2, "left", (64, 4, 2, True, 1, True)),  # key blocks last first
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", WGMMA_SIM_CASES)
+def test_wgmma_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask,
+                                          tiles):  # fmt: skip
+    """The Hopper dK/dV kernel (kernels/backward_sm90.py) in the simulator, where ptx_sm90's
+    Python wgmma reads the kernel's swizzled tiles (on CI); tests below run it on a GPU."""
+    if not SIMULATOR and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
+    q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
     dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
 

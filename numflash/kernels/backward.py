@@ -141,12 +141,19 @@ def probabilities_function(q_tiles):
     return probabilities_and_ds
 
 
+@device_function
+def _floor_quotient(a, b):
+    return a // b
+
+
 @functools.lru_cache(maxsize=None)
-def block_position_function(block_n, head_split, part, heavy_group):
+def block_position_function(block_n, head_split, part, heavy_group, quotient=None):
     """The device function ``block_position`` of kernels whose blocks own ``block_n`` rows
     (keys or queries) and ``part`` output columns, ``head_split`` blocks per block of rows,
-    in ``heavy_group``'s order under one-sided masks (build_kernels)."""
+    in ``heavy_group``'s order under one-sided masks (build_kernels). ``quotient(a, b)``
+    divides by the grid's sizes (None: Python's ``//`` on Numba's 64-bit integers)."""
     BLOCK_N, HEAD_SPLIT, PART, HEAVY_GROUP = block_n, head_split, part, heavy_group
+    divide = quotient or _floor_quotient
 
     @device_function
     def block_position(one_sided, reverse):
@@ -167,13 +174,13 @@ def block_position_function(block_n, head_split, part, heavy_group):
         if one_sided and HEAVY_GROUP > 1:  # (with 1 group per pair, the grid's own order)
             linear = cuda.blockIdx.x + cuda.gridDim.x * (head + cuda.gridDim.y * batch)
             index = linear // HEAD_SPLIT
-            group = index // (row_blocks * HEAVY_GROUP)
+            group = divide(index, row_blocks * HEAVY_GROUP)
             size = min(HEAVY_GROUP, cuda.gridDim.y * cuda.gridDim.z - group * HEAVY_GROUP)
             local = index - group * row_blocks * HEAVY_GROUP
-            rows = local // size
+            rows = divide(local, size)
             pair = group * HEAVY_GROUP + local - rows * size
-            head = pair % cuda.gridDim.y
-            batch = pair // cuda.gridDim.y
+            batch = divide(pair, cuda.gridDim.y)
+            head = pair - batch * cuda.gridDim.y
         if one_sided and HEAVY_GROUP > 0 and reverse:
             rows = row_blocks - 1 - rows
         return tid, tid & 31, tid >> 5, rows * BLOCK_N, column_part, head, batch

@@ -26,10 +26,12 @@ def device_function(fn):
 
     Inlining is forced because callers hand over ``cuda.local.array`` fragments indexed by
     unrolled constants: only inside one function can they stay in registers instead of local
-    memory. In the simulator it is plain Python.
+    memory. In the simulator it is the simulator's device function, which points the names
+    bound to ``numba.cuda`` in its module at the running kernel's simulated module while it
+    runs (a kernel may call device functions of other modules).
     """
     if SIMULATOR:
-        return fn
+        return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "wgmma",
     "wgmma_update",
     "fence_operands",
+    "quotient32",
 ]
 
 #: swizzle field values of the descriptor
@@ -91,6 +92,11 @@ if SIMULATOR:
             self.leading = int(leading_bytes)
             self.stride = int(stride_bytes)
             self.swizzle = int(swizzle)
+
+        def __add__(self, units):
+            """The descriptor moved by ``units`` x 16 bytes (the address field's unit)."""
+            return _Descriptor(self.address + 16 * int(units), self.leading, self.stride,
+                               self.swizzle)  # fmt: skip
 
         def read(self, rows, cols, mn_major):
             """The operand as a (rows x cols) uint16 array: rows = M or N and cols = K for a
@@ -205,6 +211,9 @@ if SIMULATOR:
     def fence_operands(acc, count):
         pass
 
+    def quotient32(a, b):
+        return int(a) // int(b)
+
 
 else:
     from llvmlite import ir
@@ -314,6 +323,25 @@ else:
 
     def _is_f32_vector(acc):
         return isinstance(acc, types.Array) and acc.ndim == 1 and acc.dtype == types.float32
+
+    @intrinsic
+    def quotient32(typingctx, a, b):
+        """a // b for non-negative integers below 2^31, as one 32-bit unsigned division.
+
+        Numba computes in 64 bits, and a 64-bit division by a value known only at run time
+        is a call to a helper routine: ptxas then serialises every wgmma of the kernel
+        (remark C7509, "presence of Extern calls")."""
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+        sig = types.int64(a, b)
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            x, y = (builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32)
+                    if v.type.width < 32 else v for v in args)  # fmt: skip
+            return builder.zext(builder.udiv(x, y), ir.IntType(64))
+
+        return sig, codegen
 
     @functools.lru_cache(maxsize=None)
     def wgmma_update(ab, n, a_in_registers=False, b_transposed=False):

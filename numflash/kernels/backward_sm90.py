@@ -1,0 +1,300 @@
+"""Hopper dK/dV kernel (sm_90a): backward.py's dK/dV algorithm with its products on wgmma.
+
+One thread block per (block of 64 * GROUPS keys, kv head, batch), GROUPS warpgroups of 128
+threads; warpgroup w owns keys 64w..64w+63 and keeps their dK and dV (fp32) in registers while
+blocks of BLOCK_M = 64 query rows (Q, dO, their LSE and D) stream through shared memory, for
+every query head of the GQA group in turn. Per query block and warpgroup:
+
+    S^T  = K Q^T,  dP^T = V dO^T      m64n64k16 x head_dim / 16 each, both operands read
+                                      K-major from shared memory by descriptor
+    P^T, dS^T                         as backward.py (same device function: wgmma's m64
+                                      accumulators repeat mma.sync's C layout per warp)
+    dV  += P^T dO, dK += dS^T Q       m64n{head_dim}k16 x 4 each: A = P^T or dS^T rounded to
+                                      16 bits in registers (mma.sync's A layout), B = dO or Q
+                                      read MN-major from the same shared tiles
+
+dQ comes from backward.py's dQ kernel (``dq_separate``); this kernel leaves it alone.
+
+What wgmma changes against mma.sync: the operands come from shared memory without ldmatrix
+(no fragment registers for B, no ldmatrix instructions), and the four warps of a warpgroup
+issue one instruction for a 64 x N tile, asynchronously, which leaves the registers to the
+accumulators: 2 x head_dim / 2 for dK and dV plus 2 x 32 for S^T and dP^T a thread.
+
+Shared memory: every 64-column slice of a row-major tile (K, V: BLOCK_N rows; Q, dO: BLOCK_M
+rows) is one "atom" of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at
+c ^ (r & 7), 8-row groups 1024 bytes apart, ptx_sm90's docstring), atoms of a tile one after
+the other. The same bytes are a K-major operand (rows x head_dim: S^T, dP^T) and an MN-major
+one (queries x head_dim with head_dim as N: dV, dK; the leading offset steps between atoms).
+Loads are cp.async, 16 bytes a thread, rows past the end zero-filled.
+
+Supports: float16 and bfloat16; head_dim 64 or 128; GQA; causal and window masks bottom-right;
+any seqlen_q and seqlen_k. Compute capability 9.0 (sm_90a) only.
+"""
+
+import functools
+
+from numba import cuda, float32, int64, uint16, uint32, uint64
+
+from . import ptx, ptx_sm90
+from .backward import (
+    _PACK,
+    block_position_function,
+    probabilities_function,
+    row_stats_functions,
+    row_writer,
+    stat_loads,
+)
+from .backward_portable import block_query_range
+from .jit import device_function, kernel
+
+#: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
+BLOCK_M = 64
+#: Bytes of one swizzled row (64 16-bit values) and of one 8-row group of it.
+ROW_BYTES, GROUP_BYTES = 128, 1024
+#: Head dims the kernel takes (whole 64-column atoms; 128 is the most that fits in registers).
+HEAD_DIMS = (64, 128)
+#: Warps per block: one or two warpgroups (two need 255 registers a thread, 1 block per SM).
+NUM_WARPS = (4, 8)
+
+
+def shared_memory_layout(head_dim, num_warps, stages):
+    """(K, V, the first stage, one stage, dO within a stage, total) in bytes from the block's
+    1024-byte aligned base; the total includes 1024 bytes to align that base."""
+    atoms = head_dim // 64
+    block_n = 16 * num_warps
+    kv = block_n * ROW_BYTES * atoms
+    tile = BLOCK_M * ROW_BYTES * atoms
+    stage = 2 * tile  # Q, then dO
+    return 0, kv, 2 * kv, stage, tile, 2 * kv + stages * stage + GROUP_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
+    """The wgmma dK/dV kernel; its arguments are backward.py's dK/dV kernel's (tensor-core
+    backward signature; ``dq_acc`` is not touched). ``heavy_group``: as backward.build_kernels."""
+    if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
+        raise ValueError(f"wgmma dK/dV: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
+                         f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)")  # fmt: skip
+    HEAD_DIM, STAGES = head_dim, stages
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
+    BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
+    THREADS = 32 * num_warps
+    KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
+    TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO
+    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, _ = shared_memory_layout(head_dim, num_warps, stages)
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
+    K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
+    M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
+    S_REGS = BLOCK_M // 2  # a 64 x BLOCK_M fp32 tile over 128 threads
+    ACC_REGS = HEAD_DIM // 2
+    STAT_LOADS = stat_loads(BLOCK_M, THREADS)
+    STAT_TILE = STAGES * BLOCK_M
+    SW = ptx_sm90.SWIZZLE_128B
+    scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
+    update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
+    pack = _PACK[dtype_name]
+    block_position = block_position_function(BLOCK_N, 1, HEAD_DIM, heavy_group,
+                                             ptx_sm90.quotient32)  # fmt: skip
+    probabilities_and_ds = probabilities_function(BLOCK_M // 8)
+    fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
+    write_rows = row_writer(HEAD_DIM, dtype_name)
+
+    @device_function
+    def swizzled(row, chunk, atom_bytes):
+        """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
+        ``atom_bytes`` apart."""
+        c = chunk & 7
+        return (chunk >> 3) * atom_bytes + (row >> 3) * GROUP_BYTES + (row & 7) * ROW_BYTES + (
+            (c ^ (row & 7)) << 4)
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``)
+        into the swizzled tile at shared address ``dst``; rows at or past ``rows_left`` are
+        zero-filled, not read. Consecutive threads take consecutive chunks of a row."""
+        for p in range(nrows * CHUNKS // THREADS):
+            e = tid + p * THREADS
+            row = e // CHUNKS
+            chunk = e & (CHUNKS - 1)
+            valid = row < rows_left
+            at = first + int64(row) * stride + chunk * 8
+            ptx.cp_async_16(dst + uint32(swizzled(row, chunk, atom_bytes)), src,
+                            at if valid else first, uint32(16) if valid else uint32(0))  # fmt: skip
+
+    @device_function
+    def descriptor(address, leading):
+        """The descriptor of the swizzled operand at ``address``: 8-row groups GROUP_BYTES apart
+        and (MN-major) atoms ``leading`` bytes apart. Adding (bytes >> 4) to it moves it by
+        ``bytes``: shared addresses stay below 2^18, inside the 14-bit field."""
+        return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, SW)
+
+    @device_function
+    def rows_by_queries(acc, a_desc, b_desc):
+        """acc (64 rows x BLOCK_M queries) += A (the warpgroup's 64 rows of K or V) B^T (the
+        stage's Q or dO), over head_dim: k16 step kk is 32 bytes into atom kk // 4."""
+        for kk in range(K_STEPS):
+            a_step = (kk >> 2) * KV_ATOM + (kk & 3) * 32
+            b_step = (kk >> 2) * TILE_ATOM + (kk & 3) * 32
+            scores(acc, a_desc + uint64(a_step >> 4), b_desc + uint64(b_step >> 4))
+
+    @device_function
+    def accumulate(acc, frag, b_desc):
+        """acc (64 rows x head_dim) += F (64 x BLOCK_M, ``frag`` in the accumulator layout,
+        rounded to 16 bits here) B (BLOCK_M x head_dim, MN-major: k16 step j is 16 rows, 2048
+        bytes, further)."""
+        for j in range(M_STEPS):
+            c = 8 * j  # accumulator tiles 2j and 2j + 1: the A fragment of k16 step j
+            a = (pack(frag[c], frag[c + 1]), pack(frag[c + 2], frag[c + 3]),
+                 pack(frag[c + 4], frag[c + 5]), pack(frag[c + 6], frag[c + 7]))  # fmt: skip
+            update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
+
+    @device_function
+    def query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc, stage_addr, lse_tile,
+                         d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl,
+                         wr):  # fmt: skip
+        """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
+        q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
+        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+        for i in range(S_REGS):
+            st[i] = float32(0.0)
+            dpt[i] = float32(0.0)
+        ptx_sm90.fence_operands(st, S_REGS)
+        ptx_sm90.fence_operands(dpt, S_REGS)
+        ptx_sm90.wgmma_fence()
+        rows_by_queries(st, k_desc, descriptor(q_addr, 16))
+        rows_by_queries(dpt, v_desc, descriptor(do_addr, 16))
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(st, S_REGS)
+        ptx_sm90.fence_operands(dpt, S_REGS)
+        # -- P^T and dS^T, masked pairs 0
+        probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
+                             seqlen_k, scale_log2, wl, wr)  # fmt: skip
+        # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
+        ptx_sm90.fence_operands(dv_acc, ACC_REGS)
+        ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+        ptx_sm90.wgmma_fence()
+        accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
+        accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
+        ptx_sm90.wgmma_commit()
+        # the stage and the A fragments are read until the products land
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(dv_acc, ACC_REGS)
+        ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+
+    @device_function
+    def load_query_block(stage_addr, q, do, q_first, q_ss, do_first, do_ss, rows_left, tid):
+        """cp.async BLOCK_M rows of Q and of dO into a stage, as one commit group."""
+        load_rows(stage_addr, q, q_first, q_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
+        load_rows(stage_addr + uint32(DO_OFF), do, do_first, do_ss, rows_left, BLOCK_M,
+                  TILE_ATOM, tid)  # fmt: skip
+        ptx.cp_async_commit()
+
+    @device_function
+    def landed():
+        """Wait for this thread's cp.async groups, make them visible to wgmma (the async
+        proxy), then for every thread."""
+        ptx.cp_async_wait(0)
+        ptx_sm90.fence_proxy_async()
+        cuda.syncthreads()
+
+    @kernel(launch_bounds=THREADS)
+    def dkdv(
+        q, k, v, do, lse, delta, dk, dv, dq_acc,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh, dq_sb, dq_ss, dq_sh,
+        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        smem = cuda.shared.array(0, uint16)
+        lse_tile = cuda.shared.array(STAT_TILE, float32)
+        d_tile = cuda.shared.array(STAT_TILE, float32)
+        st = cuda.local.array(S_REGS, float32)
+        dpt = cuda.local.array(S_REGS, float32)
+        dk_acc = cuda.local.array(ACC_REGS, float32)
+        dv_acc = cuda.local.array(ACC_REGS, float32)
+        lse_r = cuda.local.array(STAT_LOADS, float32)
+        d_r = cuda.local.array(STAT_LOADS, float32)
+
+        # n0: the block's first key (the first keys are the heaviest under a causal mask)
+        tid, lane, warp, n0, _, kv_head, batch = block_position(
+            (window_left < 0) != (window_right < 0), window_right < 0)
+        group = warp >> 2
+        last_key = min(n0 + BLOCK_N, seqlen_k) - 1
+        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
+                                       window_right)  # fmt: skip
+        scale_log2 = scale * float32(1.4426950408889634)
+        blocks_per_head = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M if m_hi > m_lo else 0
+        n_blocks = heads_per_kv * blocks_per_head
+        nheads = cuda.gridDim.y * heads_per_kv
+
+        # -- K and V of this block stay in shared memory for the whole kernel
+        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
+        load_rows(base + uint32(K_OFF), k, batch * k_sb + kv_head * k_sh + int64(n0) * k_ss,
+                  k_ss, seqlen_k - n0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
+        load_rows(base + uint32(V_OFF), v, batch * v_sb + kv_head * v_sh + int64(n0) * v_ss,
+                  v_ss, seqlen_k - n0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
+        ptx.cp_async_commit()
+        # this warpgroup's 64 rows of K and V: 64 rows into each atom
+        k_desc = descriptor(base + uint32(K_OFF + group * 64 * ROW_BYTES), 16)
+        v_desc = descriptor(base + uint32(V_OFF + group * 64 * ROW_BYTES), 16)
+
+        for i in range(ACC_REGS):
+            dk_acc[i] = float32(0.0)
+            dv_acc[i] = float32(0.0)
+        key0 = n0 + warp * 16 + (lane >> 2)  # this lane's key rows: key0 and key0 + 8
+
+        next_head = kv_head * heads_per_kv
+        next_m0 = m_lo
+        if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
+            load_query_block(base + uint32(STAGE0), q, do,
+                             batch * q_sb + next_head * q_sh + int64(m_lo) * q_ss, q_ss,
+                             batch * do_sb + next_head * do_sh + int64(m_lo) * do_ss, do_ss,
+                             seqlen_q - m_lo, tid)  # fmt: skip
+            fetch_row_stats(lse_r, d_r, lse, delta,
+                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q, tid)  # fmt: skip
+            store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
+
+        for it in range(n_blocks):
+            head = next_head
+            m0 = next_m0
+            stage = it % STAGES
+            next_m0 += BLOCK_M
+            if next_m0 >= m_hi:
+                next_m0 = m_lo
+                next_head += 1
+            if STAGES == 1:  # load this block, then wait for it
+                cuda.syncthreads()  # every warpgroup is done with the previous block
+                load_query_block(base + uint32(STAGE0), q, do,
+                                 batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                                 batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
+                                 seqlen_q - m0, tid)  # fmt: skip
+                fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
+                                m0, seqlen_q, tid)  # fmt: skip
+                store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
+                landed()
+            else:  # this block has landed; start the next one's loads into the other stage
+                landed()  # ... and every warpgroup is done with block it - 1 (waited below)
+                if it + 1 < n_blocks:
+                    load_query_block(base + uint32(STAGE0 + (1 - stage) * STAGE), q, do,
+                                     batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
+                                     q_ss, batch * do_sb + next_head * do_sh
+                                     + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
+                    fetch_row_stats(lse_r, d_r, lse, delta,
+                                    (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
+                                    seqlen_q, tid)  # fmt: skip
+
+            query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc,
+                             base + uint32(STAGE0 + stage * STAGE), lse_tile, d_tile,
+                             stage * BLOCK_M, key0, m0, lane, seqlen_q, seqlen_k, scale_log2,
+                             window_left, window_right)  # fmt: skip
+            if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
+                store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
+        row0 = n0 + warp * 16
+        write_rows(dk, dk_acc, batch * dk_sb + kv_head * dk_sh, dk_ss, row0, lane, seqlen_k,
+                   scale)  # fmt: skip
+        write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
+                   float32(1.0))  # fmt: skip
+
+    return dkdv
