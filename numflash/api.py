@@ -533,20 +533,22 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
     inputs = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta)]
     tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
-    stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
+    stream = arrays.current_stream()
+    # the wgmma kernels share one layout (kernels/backward_sm90.py), the mma.sync ones another
+    smem = (backward_sm90.shared_memory_layout(head_dim, cfg.num_warps, cfg.stages)[-1]
+            if cfg.wgmma else cfg.shared_memory_bytes(head_dim))  # fmt: skip
     dq_stream, join = stream, None
     if cfg.dq_separate and _DQ_BESIDE_DKDV:  # after D and the padded copies, before dK/dV
         dq_stream, join = arrays.side_stream()
     blocks = (p.seqlen_k + cfg.block_n - 1) // cfg.block_n * cfg.head_split
-    dkdv_smem = (backward_sm90.shared_memory_layout(head_dim, cfg.num_warps, cfg.stages)[-1]
-                 if cfg.wgmma else smem)  # fmt: skip
     _tensor_core_launcher("dkdv-wgmma" if cfg.wgmma else "dkdv", head_dim, p.dtype, tiles,
                           cfg.dq_separate, cfg.head_split)(
-        (blocks, p.nheads_k, p.batch), cfg.threads, stream, dkdv_smem,
+        (blocks, p.nheads_k, p.batch), cfg.threads, stream, smem,
         _backward_args(inputs + [arrays.kernel_view(x) for x in (dk_t, dv_t, dq_acc)], p))
     if cfg.dq_separate:
         blocks = (p.seqlen_q + cfg.block_n - 1) // cfg.block_n * cfg.head_split
-        _tensor_core_launcher("dq", head_dim, p.dtype, tiles, True, cfg.head_split)(
+        _tensor_core_launcher("dq-wgmma" if cfg.wgmma else "dq", head_dim, p.dtype, tiles, True,
+                              cfg.head_split)(
             (blocks, p.nheads, p.batch), cfg.threads, dq_stream, smem,
             _backward_args(inputs + [arrays.kernel_view(dq_t)], p))
         if join is not None:
@@ -561,13 +563,15 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
 
 
 def _tensor_core_launcher(kind, head_dim, dtype, tiles, dq_separate, head_split):
-    """The Launcher of the tensor-core backward's "dkdv", "dkdv-wgmma" or "dq" kernel (built
-    on first use)."""
+    """The Launcher of the tensor-core backward's "dkdv" or "dq" kernel, or of their Hopper
+    versions "dkdv-wgmma" and "dq-wgmma" (built on first use)."""
     def make():
-        if kind == "dkdv-wgmma":
-            block_m, num_warps, stages = tiles
-            return Launcher(backward_sm90.build_dkdv(head_dim, dtype, num_warps, stages),
-                            tensor_core_backward_signature())  # fmt: skip
+        if kind in ("dkdv-wgmma", "dq-wgmma"):
+            _, num_warps, stages = tiles
+            kernels = backward_sm90.build_kernels(head_dim, dtype, num_warps, stages)
+            if kind == "dkdv-wgmma":
+                return Launcher(kernels.dkdv, tensor_core_backward_signature())
+            return Launcher(kernels.dq, tensor_core_dq_signature())
         if kind == "dkdv":
             return Launcher(backward.build(head_dim, dtype, *tiles, dq_separate=dq_separate,
                                            head_split=head_split),

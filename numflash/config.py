@@ -212,11 +212,11 @@ class TensorCoreBackwardConfig(_Config):
       ``head_dim / head_split`` output columns while computing the scores over all of
       head_dim. 2 is needed above head_dim 128 (the accumulators must fit in registers); at
       128 and below it trades the scores computed twice for half the accumulator registers.
-    - ``wgmma``: dK and dV from the Hopper kernel (:mod:`numflash.kernels.backward_sm90`):
-      warpgroup MMAs, 64 keys per warpgroup (``num_warps`` 4 or 8), query blocks of
-      ``block_m`` = 64 rows in ``stages`` buffers. Compute capability 9.x, head_dim 64 or 128
-      (as padded), with ``dq_separate`` (dQ from the mma.sync dQ kernel, same tiles) and
-      ``head_split`` 1.
+    - ``wgmma``: the Hopper kernels (:mod:`numflash.kernels.backward_sm90`) instead of the
+      mma.sync ones: warpgroup MMAs, 64 keys (dK/dV kernel) or query rows (dQ kernel) per
+      warpgroup (``num_warps`` 4 or 8), tiles of ``block_m`` = 64 streaming through
+      ``stages`` buffers. Compute capability 9.x, head_dim 64 or 128 (as padded),
+      ``dq_separate`` and ``head_split`` 1.
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
@@ -238,16 +238,15 @@ class TensorCoreBackwardConfig(_Config):
         return 32 * self.num_warps
 
     def shared_memory_bytes(self, head_dim):
-        """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
+        """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS; with ``wgmma``,
+        the Hopper kernels' swizzled tiles (kernels/backward_sm90.py)."""
         from .kernels import backward_sm90
         from .kernels.backward import shared_memory_layout
 
-        smem = 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
-                                        with_ds=not self.dq_separate)[-1]  # fmt: skip
         if self.wgmma and head_dim in backward_sm90.HEAD_DIMS:
-            wgmma = backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)
-            smem = max(smem, wgmma[-1])
-        return smem
+            return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
+        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
+                                        with_ds=not self.dq_separate)[-1]  # fmt: skip
 
     def wgmma_problems(self, head_dim, device):
         """Why the wgmma dK/dV kernel cannot run this configuration (``problems``)."""

@@ -251,6 +251,43 @@ def row_writer(part, dtype_name):
     return write_rows
 
 
+@device_function
+def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
+    """(log2-domain LSE, D, first and end visible key relative to ``first_col``) of query
+    ``row``; an empty range for a row past the end."""
+    if row < seqlen_q:
+        at = (row_base + row) & NON_NEGATIVE
+        lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
+        return (_row_log2_lse(lse[at]), delta[at], int32(lo - first_col),
+                int32(hi - first_col))  # fmt: skip
+    return float32(0.0), float32(0.0), int32(0), int32(0)
+
+
+@functools.lru_cache(maxsize=None)
+def row_ds_function(key_tiles):
+    """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
+    accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share)."""
+    Q_TILES = key_tiles
+
+    @device_function
+    def row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):
+        """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
+        second, of every key tile); 0 where masked. lo/hi: the visible keys relative to this
+        lane's first column. No branch per element (see probabilities_and_ds)."""
+        for qt in range(Q_TILES):
+            for e in range(4):
+                i = qt * 4 + e
+                col = qt * 8 + (e & 1)
+                second = e >= 2
+                _, ds = p_and_ds(s[i], dp[i], -(lse_1 if second else lse_0),
+                                 d_1 if second else d_0, scale_log2)  # fmt: skip
+                lo = lo_1 if second else lo_0
+                hi = hi_1 if second else hi_0
+                dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
+
+    return row_ds
+
+
 class Kernels(NamedTuple):
     dkdv: object  # dK and dV; with dq_separate=False also dQ, by atomics
     dq: object  # dQ alone, in a fixed order (dq_separate=True), else None
@@ -326,6 +363,7 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
     probabilities_and_ds = probabilities_function(Q_TILES)
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     write_rows = row_writer(PART, dtype_name)
+    row_ds = row_ds_function(Q_TILES)
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, tid):
@@ -568,22 +606,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                    seqlen_k, float32(1.0))  # fmt: skip
 
     @device_function
-    def row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):
-        """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
-        second, of every key tile); 0 where masked. lo/hi: the visible keys relative to this
-        lane's first column. No branch per element (see probabilities_and_ds)."""
-        for qt in range(Q_TILES):
-            for e in range(4):
-                i = qt * 4 + e
-                col = qt * 8 + (e & 1)
-                second = e >= 2
-                _, ds = p_and_ds(s[i], dp[i], -(lse_1 if second else lse_0),
-                                 d_1 if second else d_0, scale_log2)  # fmt: skip
-                lo = lo_1 if second else lo_0
-                hi = hi_1 if second else hi_0
-                dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
-
-    @device_function
     def key_tile_step(s, dp, acc, q_rows, do_rows, k_stage, v_stage, b_lane, out_lane, lse_0,
                       lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2):  # fmt: skip
         """One warp's work on one key tile in the dQ kernel (straight-line, as
@@ -595,17 +617,6 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2)
         # -- dQ += dS K (K read transposed)
         mma_accumulate(acc, dp, k_stage + out_lane)
-
-    @device_function
-    def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
-        """(log2-domain LSE, D, first and end visible key relative to ``first_col``) of query
-        ``row``; an empty range for a row past the end."""
-        if row < seqlen_q:
-            at = (row_base + row) & NON_NEGATIVE
-            lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
-            return (_row_log2_lse(lse[at]), delta[at], int32(lo - first_col),
-                    int32(hi - first_col))  # fmt: skip
-        return float32(0.0), float32(0.0), int32(0), int32(0)
 
     @kernel(launch_bounds=THREADS)
     def dq_kernel(

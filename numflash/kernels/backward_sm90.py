@@ -1,4 +1,5 @@
-"""Hopper dK/dV kernel (sm_90a): backward.py's dK/dV algorithm with its products on wgmma.
+"""Hopper backward kernels (sm_90a): backward.py's dK/dV and dQ kernels with their products on
+wgmma.
 
 One thread block per (block of 64 * GROUPS keys, kv head, batch), GROUPS warpgroups of 128
 threads; warpgroup w owns keys 64w..64w+63 and keeps their dK and dV (fp32) in registers while
@@ -13,7 +14,11 @@ every query head of the GQA group in turn. Per query block and warpgroup:
                                       16 bits in registers (mma.sync's A layout), B = dO or Q
                                       read MN-major from the same shared tiles
 
-dQ comes from backward.py's dQ kernel (``dq_separate``); this kernel leaves it alone.
+The dQ kernel is the same with the roles swapped, as in backward.py: one block per 64 * GROUPS
+query rows, warpgroup w's 64 rows of Q and dO resident in the slots that hold K and V above,
+tiles of BLOCK_M keys and values streaming through the stages; S = Q K^T and dP = dO V^T
+(m64n64k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K tile read
+MN-major), each element summed by one thread in key order: deterministic.
 
 What wgmma changes against mma.sync: the operands come from shared memory without ldmatrix
 (no fragment registers for B, no ldmatrix instructions), and the four warps of a warpgroup
@@ -33,19 +38,23 @@ any seqlen_q and seqlen_k. Compute capability 9.0 (sm_90a) only.
 
 import functools
 
-from numba import cuda, float32, int64, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import ptx, ptx_sm90
 from .backward import (
     _PACK,
+    Kernels,
     block_position_function,
     probabilities_function,
+    row_ds_function,
+    row_stats,
     row_stats_functions,
     row_writer,
     stat_loads,
 )
 from .backward_portable import block_query_range
 from .jit import device_function, kernel
+from .softmax import block_key_range
 
 #: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
 BLOCK_M = 64
@@ -68,10 +77,22 @@ def shared_memory_layout(head_dim, num_warps, stages):
     return 0, kv, 2 * kv, stage, tile, 2 * kv + stages * stage + GROUP_BYTES
 
 
-@functools.lru_cache(maxsize=None)
-def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
+def build_dkdv(head_dim, dtype_name, num_warps, stages):
     """The wgmma dK/dV kernel; its arguments are backward.py's dK/dV kernel's (tensor-core
-    backward signature; ``dq_acc`` is not touched). ``heavy_group``: as backward.build_kernels."""
+    backward signature; ``dq_acc`` is not touched)."""
+    return build_kernels(head_dim, dtype_name, num_warps, stages).dkdv
+
+
+def build_dq(head_dim, dtype_name, num_warps, stages):
+    """The wgmma dQ kernel; its arguments are backward.py's dQ kernel's."""
+    return build_kernels(head_dim, dtype_name, num_warps, stages).dq
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
+    """Both kernels of one configuration (backward.Kernels), sharing their device functions;
+    Numba compiles each on its first launch. ``heavy_group``: as backward.build_kernels (8
+    there with the dQ kernel)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(f"wgmma dK/dV: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
                          f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)")  # fmt: skip
@@ -96,6 +117,7 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     block_position = block_position_function(BLOCK_N, 1, HEAD_DIM, heavy_group,
                                              ptx_sm90.quotient32)  # fmt: skip
     probabilities_and_ds = probabilities_function(BLOCK_M // 8)
+    row_ds = row_ds_function(BLOCK_M // 8)
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     write_rows = row_writer(HEAD_DIM, dtype_name)
 
@@ -183,11 +205,12 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
 
     @device_function
-    def load_query_block(stage_addr, q, do, q_first, q_ss, do_first, do_ss, rows_left, tid):
-        """cp.async BLOCK_M rows of Q and of dO into a stage, as one commit group."""
-        load_rows(stage_addr, q, q_first, q_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
-        load_rows(stage_addr + uint32(DO_OFF), do, do_first, do_ss, rows_left, BLOCK_M,
-                  TILE_ATOM, tid)  # fmt: skip
+    def load_pair(stage_addr, a, b, a_first, a_ss, b_first, b_ss, rows_left, tid):
+        """cp.async BLOCK_M rows of two arrays (Q and dO, or K and V) into a stage, as one
+        commit group."""
+        load_rows(stage_addr, a, a_first, a_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
+        load_rows(stage_addr + uint32(DO_OFF), b, b_first, b_ss, rows_left, BLOCK_M, TILE_ATOM,
+                  tid)  # fmt: skip
         ptx.cp_async_commit()
 
     @device_function
@@ -246,12 +269,13 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         next_head = kv_head * heads_per_kv
         next_m0 = m_lo
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
-            load_query_block(base + uint32(STAGE0), q, do,
-                             batch * q_sb + next_head * q_sh + int64(m_lo) * q_ss, q_ss,
-                             batch * do_sb + next_head * do_sh + int64(m_lo) * do_ss, do_ss,
-                             seqlen_q - m_lo, tid)  # fmt: skip
+            load_pair(base + uint32(STAGE0), q, do,
+                      batch * q_sb + next_head * q_sh + int64(m_lo) * q_ss, q_ss,
+                      batch * do_sb + next_head * do_sh + int64(m_lo) * do_ss, do_ss,
+                      seqlen_q - m_lo, tid)  # fmt: skip
             fetch_row_stats(lse_r, d_r, lse, delta,
-                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q, tid)  # fmt: skip
+                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q,
+                            tid)  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
         for it in range(n_blocks):
@@ -264,10 +288,10 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
                 next_head += 1
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warpgroup is done with the previous block
-                load_query_block(base + uint32(STAGE0), q, do,
-                                 batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-                                 batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
-                                 seqlen_q - m0, tid)  # fmt: skip
+                load_pair(base + uint32(STAGE0), q, do,
+                          batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                          batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
+                          seqlen_q - m0, tid)  # fmt: skip
                 fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
                                 m0, seqlen_q, tid)  # fmt: skip
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
@@ -275,10 +299,10 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
             else:  # this block has landed; start the next one's loads into the other stage
                 landed()  # ... and every warpgroup is done with block it - 1 (waited below)
                 if it + 1 < n_blocks:
-                    load_query_block(base + uint32(STAGE0 + (1 - stage) * STAGE), q, do,
-                                     batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
-                                     q_ss, batch * do_sb + next_head * do_sh
-                                     + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
+                    load_pair(base + uint32(STAGE0 + (1 - stage) * STAGE), q, do,
+                              batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss, q_ss,
+                              batch * do_sb + next_head * do_sh + int64(next_m0) * do_ss, do_ss,
+                              seqlen_q - next_m0, tid)  # fmt: skip
                     fetch_row_stats(lse_r, d_r, lse, delta,
                                     (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
                                     seqlen_q, tid)  # fmt: skip
@@ -297,4 +321,109 @@ def build_dkdv(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
                    float32(1.0))  # fmt: skip
 
-    return dkdv
+    @device_function
+    def key_tile_step(s, dp, acc, q_desc, do_desc, stage_addr, lse_0, lse_1, d_0, d_1, lo_0,
+                      hi_0, lo_1, hi_1, scale_log2):  # fmt: skip
+        """One warpgroup's work on one key tile (the stage at ``stage_addr``) in the dQ
+        kernel."""
+        k_addr, v_addr = stage_addr, stage_addr + uint32(DO_OFF)
+        # -- S = Q K^T and dP = dO V^T for this warpgroup's 64 query rows
+        for i in range(S_REGS):
+            s[i] = float32(0.0)
+            dp[i] = float32(0.0)
+        ptx_sm90.fence_operands(s, S_REGS)
+        ptx_sm90.fence_operands(dp, S_REGS)
+        ptx_sm90.wgmma_fence()
+        rows_by_queries(s, q_desc, descriptor(k_addr, 16))
+        rows_by_queries(dp, do_desc, descriptor(v_addr, 16))
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(s, S_REGS)
+        ptx_sm90.fence_operands(dp, S_REGS)
+        # -- dS = P (dP - D), masked pairs 0
+        row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2)
+        # -- dQ += dS K
+        ptx_sm90.fence_operands(acc, ACC_REGS)
+        ptx_sm90.wgmma_fence()
+        accumulate(acc, dp, descriptor(k_addr, TILE_ATOM))
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(acc, ACC_REGS)
+
+    @kernel(launch_bounds=THREADS)
+    def dq_kernel(
+        q, k, v, do, lse, delta, dq,
+        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
+        dq_sb, dq_ss, dq_sh, seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+    ):  # fmt: skip
+        """dQ = scale * sum over keys of dS K for 64 * GROUPS query rows, each element summed
+        by one thread in key order."""
+        smem = cuda.shared.array(0, uint16)
+        s = cuda.local.array(S_REGS, float32)
+        dp = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+
+        # m0: the block's first query row (the last rows are the heaviest under a causal mask)
+        tid, lane, warp, m0, _, head, batch = block_position(
+            (window_left < 0) != (window_right < 0), window_left < 0)
+        group = warp >> 2
+        kv_head = ptx_sm90.quotient32(head, heads_per_kv)
+        last_row = min(m0 + BLOCK_N, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
+        scale_log2 = scale * float32(1.4426950408889634)
+
+        # -- Q and dO of this block stay in shared memory (in the slots of K and V above)
+        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
+        load_rows(base + uint32(K_OFF), q, batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                  seqlen_q - m0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
+        load_rows(base + uint32(V_OFF), do, batch * do_sb + head * do_sh + int64(m0) * do_ss,
+                  do_ss, seqlen_q - m0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
+        ptx.cp_async_commit()
+        q_desc = descriptor(base + uint32(K_OFF + group * 64 * ROW_BYTES), 16)
+        do_desc = descriptor(base + uint32(V_OFF + group * 64 * ROW_BYTES), 16)
+
+        # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
+        warp_row = m0 + warp * 16
+        row0 = warp_row + (lane >> 2)
+        row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
+        first_col = n_lo + (lane & 3) * 2
+        lse_0, d_0, lo_0, hi_0 = row_stats(lse, delta, row_base, row0, first_col, seqlen_q,
+                                           seqlen_k, window_left, window_right)  # fmt: skip
+        lse_1, d_1, lo_1, hi_1 = row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q,
+                                           seqlen_k, window_left, window_right)  # fmt: skip
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
+        v_first = batch * v_sb + kv_head * v_sh + int64(n_lo) * v_ss
+        if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
+            load_pair(base + uint32(STAGE0), k, v, k_first, k_ss, v_first, v_ss, seqlen_k - n_lo,
+                      tid)  # fmt: skip
+        for it in range(n_tiles):
+            n0 = n_lo + it * BLOCK_M
+            stage = it % STAGES
+            if STAGES == 1:
+                cuda.syncthreads()  # every warpgroup is done with the previous tile
+                load_pair(base + uint32(STAGE0), k, v, k_first, k_ss, v_first, v_ss,
+                          seqlen_k - n0, tid)  # fmt: skip
+                landed()
+            else:
+                landed()  # tile `it` landed for all; every warpgroup is done with it - 1
+                if it + 1 < n_tiles:
+                    load_pair(base + uint32(STAGE0 + (1 - stage) * STAGE), k, v,
+                              k_first + int64(BLOCK_M) * k_ss, k_ss,
+                              v_first + int64(BLOCK_M) * v_ss, v_ss, seqlen_k - n0 - BLOCK_M,
+                              tid)  # fmt: skip
+            # the lanes' visible keys are relative to the first tile's columns: shifted here
+            shift = int32(it * BLOCK_M)
+            key_tile_step(s, dp, acc, q_desc, do_desc, base + uint32(STAGE0 + stage * STAGE),
+                          lse_0, lse_1, d_0, d_1, int32(lo_0 - shift), int32(hi_0 - shift),
+                          int32(lo_1 - shift), int32(hi_1 - shift), scale_log2)  # fmt: skip
+            k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
+            v_first += int64(BLOCK_M) * v_ss
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
+        write_rows(dq, acc, batch * dq_sb + head * dq_sh, dq_ss, warp_row, lane, seqlen_q, scale)
+
+    return Kernels(dkdv, dq_kernel)
