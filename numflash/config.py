@@ -368,6 +368,15 @@ def default_tensor_core_backward_config(head_dim, device=None):
 
     The rest of each list is for GPUs with less shared memory per block (sm_80: 163 KiB,
     sm_86/89: 99 KiB), not measured there: 32 x 64 in two stages, then one stage of 16 rows.
+
+    On Hopper (compute capability 9.x) at head_dim 64 and 128, the wgmma kernels
+    (kernels/backward_sm90.py) with two warpgroups and two stages come first. On the H200
+    (2026-11-30, ``benchmarks/backward_variants.py --kernel-variants --wgmma 0 1``, 32k tokens
+    x 2048, fp16 and bf16, seqlen 4096 and 16384, causal and not) they took 0.62-0.69x the
+    time of the mma.sync kernels at head_dim 128 (fp16 non-causal 4096: 8.76 against 13.24
+    ms) and 0.68-0.70x at 64; one warpgroup (64 x 4) was 3% slower non-causal, 1% faster
+    causal (head_dim 128, fp16, 4096). Not on a device of another kind, nor in the simulator
+    (whose tensor-core defaults are not used untuned).
     """
     if head_dim > 128:
         candidates = [TensorCoreBackwardConfig(32, 8, 2, head_split=2),
@@ -376,6 +385,8 @@ def default_tensor_core_backward_config(head_dim, device=None):
     else:
         candidates = [TensorCoreBackwardConfig(64, 8, 2), TensorCoreBackwardConfig(32, 4, 2),
                       TensorCoreBackwardConfig(16, 4, 1)]  # fmt: skip
+        if device is not None and device.has_wgmma and not device.simulated:
+            candidates.insert(0, TensorCoreBackwardConfig(64, 8, 2, wgmma=True))
     for cfg in candidates:
         if device is None or not cfg.problems(head_dim, device):
             return cfg

@@ -26,6 +26,7 @@ from numflash.config import (  # noqa: E402
 from numflash.kernels import (  # noqa: E402
     backward,
     backward_portable,
+    backward_sm90,
     forward,
     forward_portable,
     offline,
@@ -140,6 +141,15 @@ def main(quick):
         entry = report(wgmma_gemm.build_chain(dtype), dtype, (9, 0, "a"), resources=True,
                        signature=wgmma_gemm.chain_signature())  # fmt: skip
         results.append({"family": "wgmma", "dtype": dtype, "variant": "chain", **entry})
+    # the Hopper backward kernels (sm_90a only): two warpgroups at head_dim 128, the library's
+    # default there; one warpgroup and one stage at 64
+    for hd, dtype, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:
+        kernels = backward_sm90.build_kernels(hd, dtype, warps, stages)
+        for name, kernel, signature in [("dkdv", kernels.dkdv, tensor_core_backward_signature()),
+                                        ("dq", kernels.dq, tensor_core_dq_signature())]:  # fmt: skip
+            entry = report(kernel, dtype, (9, 0, "a"), resources=True, signature=signature)
+            results.append({"family": "wgmma-backward", "head_dim": hd, "dtype": dtype,
+                            "kernel": name, "num_warps": warps, **entry})  # fmt: skip
     print(json.dumps(results))
 
 

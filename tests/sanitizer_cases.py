@@ -21,6 +21,7 @@ from numflash.config import (  # noqa: E402
     TensorCoreBackwardConfig,
     TensorCoreConfig,
 )
+from numflash.device import current_device  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _support import (  # noqa: E402
@@ -63,6 +64,14 @@ TC_BACKWARD = [
     # a left window alone: the dK/dV kernel's key blocks run from the last
     ("float16", 1, 90, 120, 2, 1, 64, dict(window_size=(20, -1)),
      TensorCoreBackwardConfig(32, 2, 2, dq_separate=True)),
+    # the Hopper wgmma kernels (compute capability 9.x only): two warpgroups and one, both
+    # stage counts, head_dim 128 and 64, a left window alone
+    ("float16", 2, 150, 201, 4, 2, 128, dict(causal=True),
+     TensorCoreBackwardConfig(64, 8, 2, wgmma=True)),
+    ("bfloat16", 1, 90, 70, 2, 1, 64, dict(window_size=(9, 4)),
+     TensorCoreBackwardConfig(64, 4, 1, wgmma=True)),
+    ("float16", 1, 90, 200, 2, 1, 128, dict(window_size=(20, -1)),
+     TensorCoreBackwardConfig(64, 8, 1, wgmma=True)),
 ]
 
 
@@ -79,6 +88,9 @@ def main(cases=CASES):
         assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask)
         print(f"ok {dtype} b{b} q{sq} k{sk} h{h}/{hk} d{d} {mask} {cfg}", flush=True)
     for dtype, b, sq, sk, h, hk, d, mask, cfg in TC_BACKWARD:
+        if cfg.wgmma and not current_device().has_wgmma:
+            print(f"skipped (no wgmma here) {cfg}", flush=True)
+            continue
         q, k, v = random_qkv(b, sq, sk, h, hk, d, dtype)
         out, lse = numflash.attention(q, k, v, return_lse=True, **mask)
         dout = random_array(q.shape, dtype)

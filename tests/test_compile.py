@@ -158,3 +158,22 @@ def test_wgmma_tiles_assemble_for_sm90a(compiled):
         # touched between the products (remarks C7511, C7517); one tile's steps must chain
         remarks = e["resources"]["remarks"]
         assert not [r for r in remarks if "serialized" in r or "injected" in r], remarks
+
+
+def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
+    """The Hopper backward kernels (numflash/kernels/backward_sm90.py) through ptxas for sm_90a:
+    their products on wgmma (S^T and dP^T, or S and dP: head_dim / 16 steps each; dV and dK,
+    or dQ: 4 steps each), nothing spilled, and no remark that ptxas serialised the wgmma
+    pipeline or waited inside it (a 64-bit division by a run-time value did that once: a call
+    to a helper routine, remark C7509)."""
+    entries = _entries(compiled, "wgmma-backward")
+    assert {(e["head_dim"], e["kernel"]) for e in entries} == {
+        (hd, kernel) for hd in (64, 128) for kernel in ("dkdv", "dq")}
+    for e in entries:
+        assert e["target"] == "sm_90a"
+        products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}
+        assert e["counts"]["wgmma.mma_async"] == products[e["kernel"]], e
+        assert e["counts"]["fence.proxy.async"] >= 1, e
+        assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
+        remarks = e["resources"]["remarks"]
+        assert not [r for r in remarks if "wgmma" in r], remarks

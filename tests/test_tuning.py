@@ -22,6 +22,7 @@ from numflash.kernels.jit import SIMULATOR
 from tuning import space
 
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 1024)
+A100 = DeviceInfo("NVIDIA A100", (8, 0), 108, 166912, 1024)
 KEY = cache.ProblemKey("tensor-core", "float16", 128, "causal", 4096)
 CFG = TensorCoreConfig(128, 64, 4, 3, False)
 
@@ -260,8 +261,21 @@ def test_backward_families_have_defaults_and_spaces():
     # the dQ kernel (the default) has no dQ split to even out: 8 warps at head_dim 48 too
     assert default_config("tensor-core-backward", 40, H200) == (
         48, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
-    assert default_config("tensor-core-backward", 128, H200) == (
-        128, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
+    # Hopper at head_dim 64 and 128: the wgmma kernels; elsewhere, and on other GPUs, mma.sync
+    for hd in (64, 128):
+        assert default_config("tensor-core-backward", hd, H200) == (
+            hd, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True, wgmma=True))
+        assert default_config("tensor-core-backward", hd, A100) == (
+            hd, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
+    assert default_config("tensor-core-backward", 96, H200) == (
+        96, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
+    wgmma = TensorCoreBackwardConfig(64, 8, 2, wgmma=True)
+    assert any("compute capability 9.x" in r for r in wgmma.problems(128, A100))
+    assert any("head_dim 64 or 128" in r for r in wgmma.problems(96, H200))
+    assert any("block_m=64" in r for r in TensorCoreBackwardConfig(32, 8, wgmma=True).problems(
+        128, H200))
+    assert any("dq_separate=True" in r for r in TensorCoreBackwardConfig(
+        64, 8, 2, dq_separate=False, wgmma=True).problems(128, H200))
     feasible = space.feasible_points(TensorCoreBackwardConfig, 128, H200)
     assert TensorCoreBackwardConfig() in feasible
     # head_dim 48's 6 column tiles of dQ cannot go to 8 warps in pairs: atomic dQ is pruned
