@@ -2,7 +2,7 @@
 # The backward's checks and timings on a GPU: GPU tests, compute-sanitizer (racecheck,
 # memcheck) over the forced tensor-core cases, the tensor-core variants at head_dim 128, and the
 # benchmark beside SDPA; kvariants: the default's block orders and dQ stream (backward_variants
-# --kernel-variants); wgmma: the wgmma groundwork's tiles (tests/test_wgmma.py) on the device.
+# --kernel-variants); wgmma: the wgmma tiles (tests/test_wgmma.py) on the device.
 # Each step has its own time limit and log under the folder given (default:
 # benchmarks/results/dev/gpu-backward-checks); a step that fails or runs out of time does not
 # stop the others. All steps take up to 22 minutes, more than one 10-minute device

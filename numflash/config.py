@@ -372,9 +372,9 @@ def default_tensor_core_backward_config(head_dim, device=None):
     On Hopper (compute capability 9.x) at head_dim 64 and 128, the wgmma kernels
     (kernels/backward_sm90.py) with two warpgroups and two stages come first. On the H200
     (2026-11-30, ``benchmarks/backward_variants.py --kernel-variants --wgmma 0 1``, 32k tokens
-    x 2048, fp16 and bf16, seqlen 4096 and 16384, causal and not) they took 0.62-0.69x the
+    x 2048, fp16 and bf16, seqlen 4096 and 16384, causal and not) they took 0.60-0.66x the
     time of the mma.sync kernels at head_dim 128 (fp16 non-causal 4096: 8.76 against 13.24
-    ms) and 0.68-0.70x at 64; one warpgroup (64 x 4) was 3% slower non-causal, 1% faster
+    ms) and 0.67-0.70x at 64; one warpgroup (64 x 4) was 3% slower non-causal, 1% faster
     causal (head_dim 128, fp16, 4096). Not on a device of another kind, nor in the simulator
     (whose tensor-core defaults are not used untuned).
     """

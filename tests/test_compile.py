@@ -135,7 +135,7 @@ def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
 
 
 def test_wgmma_tiles_assemble_for_sm90a(compiled):
-    """The wgmma groundwork (numflash/kernels/ptx_sm90.py) through ptxas for sm_90a: one wgmma
+    """The wgmma tiles (numflash/kernels/ptx_sm90.py) through ptxas for sm_90a: one wgmma
     per k16 step (A from shared memory or from registers), its fences and wait, in kernels
     that fit in registers. Whether they compute the right tiles is tests/test_wgmma.py's, on
     a GPU."""

@@ -1,4 +1,4 @@
-"""wgmma (numflash/kernels/ptx_sm90.py, groundwork for the next backward): the tiles of
+"""wgmma (numflash/kernels/ptx_sm90.py, under the Hopper backward): the tiles of
 tests/wgmma_gemm.py against NumPy. On a GPU of compute capability 9.x this checks the
 hardware; in the simulator, the kernels' layouts against ptx_sm90's reading of them (CI also
 compiles the kernels for sm_90a through ptxas: tests/test_compile.py)."""

@@ -1,10 +1,10 @@
 """Hopper-only inline PTX (sm_90a): warpgroup matrix multiply (wgmma) and its fences.
 
-Groundwork for the backward's next design (benchmarks/NOTES.md, "Where that leaves issue 5"):
-wgmma reads both operands from shared memory through 64-bit descriptors and accumulates
-asynchronously, which frees the fragment registers that limit the mma.sync kernels. Nothing in
-the library calls it yet; ``tests/wgmma_gemm.py`` multiplies tiles with it (both operands from
-shared memory, without and with the 128-byte swizzle; A from registers), compiled for sm_90a
+The Hopper backward (kernels/backward_sm90.py) is built on it: wgmma reads its operands from
+shared memory through 64-bit descriptors and accumulates asynchronously, which frees the
+fragment registers that limit the mma.sync kernels. ``tests/wgmma_gemm.py`` multiplies small
+tiles with each way of feeding it (both operands from shared memory, without and with the
+128-byte swizzle; A from registers; B MN-major, one and two atoms wide), compiled for sm_90a
 on CI (tests/test_compile.py) and checked against NumPy on a GPU (tests/test_wgmma.py).
 
 It lives beside ptx.py rather than in it because ptx.py is part of the tuned forward's kernel
