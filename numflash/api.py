@@ -533,10 +533,7 @@ def _backward_tensor_core(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
     inputs = [arrays.kernel_view(x) for x in (q, k, v, dout, lse, delta)]
     tiles = (cfg.block_m, cfg.num_warps, cfg.stages)
-    stream = arrays.current_stream()
-    # the wgmma kernels share one layout (kernels/backward_sm90.py), the mma.sync ones another
-    smem = (backward_sm90.shared_memory_layout(head_dim, cfg.num_warps, cfg.stages)[-1]
-            if cfg.wgmma else cfg.shared_memory_bytes(head_dim))  # fmt: skip
+    stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     dq_stream, join = stream, None
     if cfg.dq_separate and _DQ_BESIDE_DKDV:  # after D and the padded copies, before dK/dV
         dq_stream, join = arrays.side_stream()
