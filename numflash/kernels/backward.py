@@ -263,6 +263,18 @@ def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
     return float32(0.0), float32(0.0), int32(0), int32(0)
 
 
+@device_function
+def lane_row_stats(lse, delta, batch, head, warp_row, lane, n_lo, seqlen_q, seqlen_k, wl, wr):
+    """row_stats of this lane's two query rows, warp_row + lane // 4 and 8 rows below, their
+    visible keys relative to the lane's first column of a key range starting at ``n_lo``:
+    (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1)."""
+    row0 = warp_row + (lane >> 2)
+    row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
+    first_col = n_lo + (lane & 3) * 2
+    return (row_stats(lse, delta, row_base, row0, first_col, seqlen_q, seqlen_k, wl, wr)
+            + row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q, seqlen_k, wl, wr))
+
+
 @functools.lru_cache(maxsize=None)
 def row_ds_function(key_tiles):
     """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
@@ -286,6 +298,34 @@ def row_ds_function(key_tiles):
                 dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
 
     return row_ds
+
+
+def query_block_loader(load_pair, fetch_row_stats):
+    """The dK/dV kernels' device function ``load_query_block``, from their own ``load_pair``
+    (cp.async of BLOCK_M rows of two arrays into a stage, one commit group) and
+    ``fetch_row_stats``."""
+
+    @device_function
+    def load_query_block(stage_addr, q, do, lse, delta, lse_r, d_r, batch, head, m0, q_sb, q_ss,
+                         q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q, tid):  # fmt: skip
+        """Start loading query rows m0.. of query head ``head``: their Q and dO into the stage
+        at ``stage_addr``, their LSE and D into registers (lse_r, d_r)."""
+        load_pair(stage_addr, q, do, batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+                  batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss, seqlen_q - m0, tid)
+        fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q, m0,
+                        seqlen_q, tid)  # fmt: skip
+
+    return load_query_block
+
+
+@device_function
+def next_query_block(head, m0, m_lo, m_hi, block_m):
+    """The (query head, first row) of the query block after rows m0.. of ``head``: the next
+    block of rows in [m_lo, m_hi), else the first of the next head of the GQA group."""
+    m0 += block_m
+    if m0 >= m_hi:
+        return head + 1, m_lo
+    return head, m0
 
 
 class Kernels(NamedTuple):
@@ -390,6 +430,8 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         load_rows(stage_addr, a, a_first, a_ss, rows_left, BLOCK_M, tid)
         load_rows(stage_addr + uint32(DO_OFFSET * 2), b, b_first, b_ss, rows_left, BLOCK_M, tid)
         ptx.cp_async_commit()
+
+    load_query_block = query_block_loader(load_block_pair, fetch_row_stats)
 
     @device_function
     def mma_pair(acc, c, a0, a1, a2, a3, b0, b1, b2, b3):
@@ -538,31 +580,23 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
         # The block to load next: its query head and first row, and its stage.
         next_head = kv_head * heads_per_kv
         next_m0 = m_lo
+        first_stage = smem_addr + uint32(Q_BASE * 2)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
-            q_head = batch * q_sb + next_head * q_sh
-            do_head = batch * do_sb + next_head * do_sh
-            load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do, q_head + int64(m_lo) * q_ss,
-                            q_ss, do_head + int64(m_lo) * do_ss, do_ss, seqlen_q - m_lo, tid)  # fmt: skip
-            fetch_row_stats(lse_r, d_r, lse, delta,
-                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q, tid)  # fmt: skip
+            load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, next_head, m_lo,
+                             q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
+                             tid)  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
         for it in range(n_blocks):
             head = next_head
             m0 = next_m0
             stage = it % STAGES
-            next_m0 += BLOCK_M
-            if next_m0 >= m_hi:
-                next_m0 = m_lo
-                next_head += 1
+            next_head, next_m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warp is done with the previous block
-                load_block_pair(smem_addr + uint32(Q_BASE * 2), q, do,
-                                batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-                                batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
-                                seqlen_q - m0, tid)  # fmt: skip
-                fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
-                                m0, seqlen_q, tid)  # fmt: skip
+                load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, head, m0,
+                                 q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
+                                 tid)  # fmt: skip
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()
@@ -570,13 +604,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
                 ptx.cp_async_wait(0)
                 cuda.syncthreads()  # ... for every thread; and every warp is done with it - 1
                 if it + 1 < n_blocks:
-                    load_block_pair(smem_addr + uint32((Q_BASE + (1 - stage) * STAGE) * 2), q, do,
-                                    batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss,
-                                    q_ss, batch * do_sb + next_head * do_sh
-                                    + int64(next_m0) * do_ss, do_ss, seqlen_q - next_m0, tid)  # fmt: skip
-                    fetch_row_stats(lse_r, d_r, lse, delta,
-                                    (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
-                                    seqlen_q, tid)  # fmt: skip
+                    load_query_block(first_stage + uint32((1 - stage) * STAGE * 2), q, do, lse,
+                                     delta, lse_r, d_r, batch, next_head, next_m0, q_sb, q_ss,
+                                     q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q, tid)  # fmt: skip
 
             q_stage = smem_addr + uint32((Q_BASE + stage * STAGE) * 2)
             do_stage = q_stage + uint32(DO_OFFSET * 2)
@@ -660,13 +690,9 @@ def build_kernels(head_dim, dtype_name, block_m, num_warps, stages, dq_separate,
 
         # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
         warp_row = m0 + warp * 16
-        row0 = warp_row + (lane >> 2)
-        row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
-        first_col = n_lo + (lane & 3) * 2
-        lse_0, d_0, lo_0, hi_0 = row_stats(lse, delta, row_base, row0, first_col, seqlen_q,
-                                           seqlen_k, window_left, window_right)  # fmt: skip
-        lse_1, d_1, lo_1, hi_1 = row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q,
-                                           seqlen_k, window_left, window_right)  # fmt: skip
+        lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = lane_row_stats(
+            lse, delta, batch, head, warp_row, lane, n_lo, seqlen_q, seqlen_k, window_left,
+            window_right)
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
 

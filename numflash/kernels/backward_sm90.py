@@ -45,9 +45,11 @@ from .backward import (
     _PACK,
     Kernels,
     block_position_function,
+    lane_row_stats,
+    next_query_block,
     probabilities_function,
+    query_block_loader,
     row_ds_function,
-    row_stats,
     row_stats_functions,
     row_writer,
     stat_loads,
@@ -171,24 +173,30 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
             update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
 
     @device_function
+    def score_pair(acc0, acc1, a0_desc, b0_desc, a1_desc, b1_desc):
+        """acc0 = A0 B0^T and acc1 = A1 B1^T (rows_by_queries, from zero), landed in the
+        registers: S^T and dP^T (dK/dV kernel) or S and dP (dQ kernel)."""
+        for i in range(S_REGS):
+            acc0[i] = float32(0.0)
+            acc1[i] = float32(0.0)
+        ptx_sm90.fence_operands(acc0, S_REGS)
+        ptx_sm90.fence_operands(acc1, S_REGS)
+        ptx_sm90.wgmma_fence()
+        rows_by_queries(acc0, a0_desc, b0_desc)
+        rows_by_queries(acc1, a1_desc, b1_desc)
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(acc0, S_REGS)
+        ptx_sm90.fence_operands(acc1, S_REGS)
+
+    @device_function
     def query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc, stage_addr, lse_tile,
                          d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl,
                          wr):  # fmt: skip
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
         q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
         # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
-        for i in range(S_REGS):
-            st[i] = float32(0.0)
-            dpt[i] = float32(0.0)
-        ptx_sm90.fence_operands(st, S_REGS)
-        ptx_sm90.fence_operands(dpt, S_REGS)
-        ptx_sm90.wgmma_fence()
-        rows_by_queries(st, k_desc, descriptor(q_addr, 16))
-        rows_by_queries(dpt, v_desc, descriptor(do_addr, 16))
-        ptx_sm90.wgmma_commit()
-        ptx_sm90.wgmma_wait(0)
-        ptx_sm90.fence_operands(st, S_REGS)
-        ptx_sm90.fence_operands(dpt, S_REGS)
+        score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
         # -- P^T and dS^T, masked pairs 0
         probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
                              seqlen_k, scale_log2, wl, wr)  # fmt: skip
@@ -212,6 +220,8 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         load_rows(stage_addr + uint32(DO_OFF), b, b_first, b_ss, rows_left, BLOCK_M, TILE_ATOM,
                   tid)  # fmt: skip
         ptx.cp_async_commit()
+
+    load_query_block = query_block_loader(load_pair, fetch_row_stats)
 
     @device_function
     def landed():
@@ -268,44 +278,31 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
 
         next_head = kv_head * heads_per_kv
         next_m0 = m_lo
+        first_stage = base + uint32(STAGE0)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
-            load_pair(base + uint32(STAGE0), q, do,
-                      batch * q_sb + next_head * q_sh + int64(m_lo) * q_ss, q_ss,
-                      batch * do_sb + next_head * do_sh + int64(m_lo) * do_ss, do_ss,
-                      seqlen_q - m_lo, tid)  # fmt: skip
-            fetch_row_stats(lse_r, d_r, lse, delta,
-                            (int64(batch) * nheads + next_head) * seqlen_q, m_lo, seqlen_q,
-                            tid)  # fmt: skip
+            load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, next_head, m_lo,
+                             q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
+                             tid)  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
         for it in range(n_blocks):
             head = next_head
             m0 = next_m0
             stage = it % STAGES
-            next_m0 += BLOCK_M
-            if next_m0 >= m_hi:
-                next_m0 = m_lo
-                next_head += 1
+            next_head, next_m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warpgroup is done with the previous block
-                load_pair(base + uint32(STAGE0), q, do,
-                          batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-                          batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss,
-                          seqlen_q - m0, tid)  # fmt: skip
-                fetch_row_stats(lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q,
-                                m0, seqlen_q, tid)  # fmt: skip
+                load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, head, m0,
+                                 q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
+                                 tid)  # fmt: skip
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
                 landed()
             else:  # this block has landed; start the next one's loads into the other stage
                 landed()  # ... and every warpgroup is done with block it - 1 (waited below)
                 if it + 1 < n_blocks:
-                    load_pair(base + uint32(STAGE0 + (1 - stage) * STAGE), q, do,
-                              batch * q_sb + next_head * q_sh + int64(next_m0) * q_ss, q_ss,
-                              batch * do_sb + next_head * do_sh + int64(next_m0) * do_ss, do_ss,
-                              seqlen_q - next_m0, tid)  # fmt: skip
-                    fetch_row_stats(lse_r, d_r, lse, delta,
-                                    (int64(batch) * nheads + next_head) * seqlen_q, next_m0,
-                                    seqlen_q, tid)  # fmt: skip
+                    load_query_block(first_stage + uint32((1 - stage) * STAGE), q, do, lse, delta,
+                                     lse_r, d_r, batch, next_head, next_m0, q_sb, q_ss, q_sh,
+                                     do_sb, do_ss, do_sh, nheads, seqlen_q, tid)  # fmt: skip
 
             query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc,
                              base + uint32(STAGE0 + stage * STAGE), lse_tile, d_tile,
@@ -328,18 +325,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         kernel."""
         k_addr, v_addr = stage_addr, stage_addr + uint32(DO_OFF)
         # -- S = Q K^T and dP = dO V^T for this warpgroup's 64 query rows
-        for i in range(S_REGS):
-            s[i] = float32(0.0)
-            dp[i] = float32(0.0)
-        ptx_sm90.fence_operands(s, S_REGS)
-        ptx_sm90.fence_operands(dp, S_REGS)
-        ptx_sm90.wgmma_fence()
-        rows_by_queries(s, q_desc, descriptor(k_addr, 16))
-        rows_by_queries(dp, do_desc, descriptor(v_addr, 16))
-        ptx_sm90.wgmma_commit()
-        ptx_sm90.wgmma_wait(0)
-        ptx_sm90.fence_operands(s, S_REGS)
-        ptx_sm90.fence_operands(dp, S_REGS)
+        score_pair(s, dp, q_desc, descriptor(k_addr, 16), do_desc, descriptor(v_addr, 16))
         # -- dS = P (dP - D), masked pairs 0
         row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2)
         # -- dQ += dS K
@@ -385,13 +371,9 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
 
         # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
         warp_row = m0 + warp * 16
-        row0 = warp_row + (lane >> 2)
-        row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
-        first_col = n_lo + (lane & 3) * 2
-        lse_0, d_0, lo_0, hi_0 = row_stats(lse, delta, row_base, row0, first_col, seqlen_q,
-                                           seqlen_k, window_left, window_right)  # fmt: skip
-        lse_1, d_1, lo_1, hi_1 = row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q,
-                                           seqlen_k, window_left, window_right)  # fmt: skip
+        lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = lane_row_stats(
+            lse, delta, batch, head, warp_row, lane, n_lo, seqlen_q, seqlen_k, window_left,
+            window_right)
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
 
