@@ -33,7 +33,9 @@ one (queries x head_dim with head_dim as N: dV, dK; the leading offset steps bet
 Loads are cp.async, 16 bytes a thread, rows past the end zero-filled.
 
 Supports: float16 and bfloat16; head_dim 64 or 128; GQA; causal and window masks bottom-right;
-any seqlen_q and seqlen_k. Compute capability 9.0 (sm_90a) only.
+any seqlen_q and seqlen_k. Compute capability 9.x (sm_90a) only. Each warpgroup waits for
+its products before using them (no overlap of a warpgroup's own products with its softmax
+step; the two warpgroups of a block overlap each other): benchmarks/NOTES.md, session six.
 """
 
 import functools
@@ -96,7 +98,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     Numba compiles each on its first launch. ``heavy_group``: as backward.build_kernels (8
     there with the dQ kernel)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
-        raise ValueError(f"wgmma dK/dV: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
+        raise ValueError(f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
                          f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)")  # fmt: skip
     HEAD_DIM, STAGES = head_dim, stages
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
