@@ -8,6 +8,7 @@ key-tile loop of the forward. Where the loop branches between versions of its so
 
     python benchmarks/sass_report.py --backward --config 64,8,2 --head-dim 128 [--dq-kernel]
     python benchmarks/sass_report.py --backward --config 64,8,2,0   # dK/dV with atomic dQ
+    python benchmarks/sass_report.py --backward --config 64,8,2,1,1,1   # the Hopper wgmma kernels
     python benchmarks/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
 """
 
@@ -46,8 +47,8 @@ def sass(kernel, signature, arch, nvdisasm):
 
     from numflash.kernels import offline
 
-    ptx = offline.compile_ptx(kernel, signature, (9, 0) if arch.startswith("sm_90") else
-                              (int(arch[3]), int(arch[4])))  # fmt: skip
+    cc = (int(arch[3]), int(arch[4])) + (("a",) if arch.endswith("a") else ())
+    ptx = offline.compile_ptx(kernel, signature, cc)
     cubin = Linker(ObjectCode.from_ptx(ptx.encode()), options=LinkerOptions(arch=arch)).link("cubin")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin.code)
@@ -75,16 +76,19 @@ def parse(text):
     return ops, labels
 
 
+_MMA = ("HMMA", "HGMMA")  # mma.sync and wgmma
+
+
 def main_loop(ops, labels):
-    """The loop with the most HMMA (then the longest): from a backward branch's target to the
-    branch."""
+    """The loop with the most HMMA or HGMMA (then the longest): from a backward branch's
+    target to the branch."""
     best, best_key = [], (-1, -1)
     for address, opcode, line in ops:
         target = _TARGET.search(line) if opcode == "BRA" else None
         if target and labels.get(target.group(1), address) < address:
             start = labels[target.group(1)]
             body = [op for op in ops if start <= op[0] <= address]
-            key = (sum(op[1] == "HMMA" for op in body), len(body))
+            key = (sum(op[1] in _MMA for op in body), len(body))
             if key > best_key:
                 best, best_key = body, key
     return best
@@ -113,8 +117,9 @@ def main():
     ap.add_argument("--dq-kernel", action="store_true",
                     help="with --backward: the dQ kernel instead of the dK/dV kernel")
     ap.add_argument("--config", required=True,
-                    help="backward: block_m,num_warps,stages[,dq_separate[,head_split]] "
-                         "(TensorCoreBackwardConfig's fields; dq_separate 0 or 1, default 1); "
+                    help="backward: block_m,num_warps,stages[,dq_separate[,head_split[,wgmma]]] "
+                         "(TensorCoreBackwardConfig's fields; dq_separate and wgmma 0 or 1, "
+                         "defaults 1 and 0); "
                          "forward: block_m,block_n,num_warps,stages,q_in_registers")  # fmt: skip
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--heavy-group", type=int, default=None,
@@ -134,9 +139,20 @@ def main():
 
             backward.build_kernels = functools.partial(backward.build_kernels,
                                                        heavy_group=args.heavy_group)  # fmt: skip
-        cfg = TensorCoreBackwardConfig(*values[:3], *(bool(x) for x in values[3:4]), *values[4:])
+        cfg = TensorCoreBackwardConfig(*values[:3], *(bool(x) for x in values[3:4]),
+                                       *values[4:5], *(bool(x) for x in values[5:6]))  # fmt: skip
         tiles = (args.head_dim, args.dtype, cfg.block_m, cfg.num_warps, cfg.stages)
-        if args.dq_kernel:
+        if cfg.wgmma:
+            from numflash.kernels import backward_sm90
+
+            problems = cfg.wgmma_problems(args.head_dim, None)
+            if problems:
+                ap.error("; ".join(problems))
+            kernels = backward_sm90.build_kernels(args.head_dim, args.dtype, cfg.num_warps,
+                                                  cfg.stages)  # fmt: skip
+            kernel, signature = ((kernels.dq, tensor_core_dq_signature()) if args.dq_kernel
+                                 else (kernels.dkdv, tensor_core_backward_signature()))  # fmt: skip
+        elif args.dq_kernel:
             if not cfg.dq_separate:
                 ap.error("--dq-kernel: the configuration has dq_separate=0 (no dQ kernel)")
             kernel = backward.build_dq(*tiles, head_split=cfg.head_split)
@@ -156,8 +172,9 @@ def main():
     for name, part in (("kernel", ops), ("main loop", loop)):
         counts = collections.Counter(op for _, op, _ in part)
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
-        print(f"{name}: {len(part)} instructions; HMMA {counts['HMMA']}, LDSM {counts['LDSM']}, "
-              f"BRA {counts['BRA']}, ATOMG {counts['ATOMG']}; most common: {top}")  # fmt: skip
+        print(f"{name}: {len(part)} instructions; HMMA {counts['HMMA']}, HGMMA "
+              f"{counts['HGMMA']}, LDSM {counts['LDSM']}, BRA {counts['BRA']}, ATOMG "
+              f"{counts['ATOMG']}; most common: {top}")  # fmt: skip
     versions = exp2_blocks(loop, labels)
     if len(versions) > 1:  # one path through the loop takes one version, skipping the rest
         paths = ", ".join(str(len(loop) - sum(versions) + n) for n in versions)
