@@ -249,7 +249,7 @@ class TensorCoreBackwardConfig(_Config):
                                         with_ds=not self.dq_separate)[-1]  # fmt: skip
 
     def wgmma_problems(self, head_dim, device):
-        """Why the wgmma dK/dV kernel cannot run this configuration (``problems``)."""
+        """Why the wgmma kernels cannot run this configuration (part of ``problems``)."""
         from .kernels import backward_sm90
 
         out = []
