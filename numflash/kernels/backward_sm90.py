@@ -226,6 +226,18 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     load_query_block = query_block_loader(load_pair, fetch_row_stats)
 
     @device_function
+    def load_resident(base, a, b, a_first, a_ss, b_first, b_ss, rows_left, group, tid):
+        """cp.async the block's BLOCK_N rows of two arrays (K and V, or Q and dO) into the
+        slots that hold them for the whole kernel, as one commit group; the descriptors of
+        this warpgroup's 64 rows of each (64 rows into every atom)."""
+        load_rows(base + uint32(K_OFF), a, a_first, a_ss, rows_left, BLOCK_N, KV_ATOM, tid)
+        load_rows(base + uint32(V_OFF), b, b_first, b_ss, rows_left, BLOCK_N, KV_ATOM, tid)
+        ptx.cp_async_commit()
+        rows = group * 64 * ROW_BYTES
+        return (descriptor(base + uint32(K_OFF + rows), 16),
+                descriptor(base + uint32(V_OFF + rows), 16))
+
+    @device_function
     def landed():
         """Wait for this thread's cp.async groups, make them visible to wgmma (the async
         proxy), then for every thread."""
@@ -264,14 +276,9 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
 
         # -- K and V of this block stay in shared memory for the whole kernel
         base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
-        load_rows(base + uint32(K_OFF), k, batch * k_sb + kv_head * k_sh + int64(n0) * k_ss,
-                  k_ss, seqlen_k - n0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
-        load_rows(base + uint32(V_OFF), v, batch * v_sb + kv_head * v_sh + int64(n0) * v_ss,
-                  v_ss, seqlen_k - n0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
-        ptx.cp_async_commit()
-        # this warpgroup's 64 rows of K and V: 64 rows into each atom
-        k_desc = descriptor(base + uint32(K_OFF + group * 64 * ROW_BYTES), 16)
-        v_desc = descriptor(base + uint32(V_OFF + group * 64 * ROW_BYTES), 16)
+        k_desc, v_desc = load_resident(
+            base, k, v, batch * k_sb + kv_head * k_sh + int64(n0) * k_ss, k_ss,
+            batch * v_sb + kv_head * v_sh + int64(n0) * v_ss, v_ss, seqlen_k - n0, group, tid)
 
         for i in range(ACC_REGS):
             dk_acc[i] = float32(0.0)
@@ -363,13 +370,9 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
 
         # -- Q and dO of this block stay in shared memory (in the slots of K and V above)
         base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
-        load_rows(base + uint32(K_OFF), q, batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-                  seqlen_q - m0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
-        load_rows(base + uint32(V_OFF), do, batch * do_sb + head * do_sh + int64(m0) * do_ss,
-                  do_ss, seqlen_q - m0, BLOCK_N, KV_ATOM, tid)  # fmt: skip
-        ptx.cp_async_commit()
-        q_desc = descriptor(base + uint32(K_OFF + group * 64 * ROW_BYTES), 16)
-        do_desc = descriptor(base + uint32(V_OFF + group * 64 * ROW_BYTES), 16)
+        q_desc, do_desc = load_resident(
+            base, q, do, batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
+            batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss, seqlen_q - m0, group, tid)
 
         # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
         warp_row = m0 + warp * 16
