@@ -135,15 +135,31 @@ TC_SIM_CASES = [
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
     ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
     ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),
+    # the Hopper wgmma kernels (kernels/backward_sm90.py; in the simulator ptx_sm90's Python
+    # wgmma reads their swizzled tiles)
+    ("float16", 64, 70, 80, 2, "causal", (64, 8, 2, True, 1, True)),  # two query blocks
+    ("bfloat16", 64, 40, 150, 1, "window", (64, 4, 1, True, 1, True)),  # three key blocks
+    ("bfloat16", 128, 65, 33, 1, "none", (64, 4, 2, True, 1, True)),  # two head_dim atoms
+    ("float16", 64, 50, 60, 2, "left", (64, 4, 2, True, 1, True)),  # key blocks last first
 ]
+
+
+def _tensor_core_backward_config(tiles):
+    """The configuration of a test case; a skip where it asks for wgmma and the GPU has none."""
+    cfg = numflash.TensorCoreBackwardConfig(*tiles)
+    if cfg.wgmma and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
+    return cfg
 
 
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_SIM_CASES)
 def test_tensor_core_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask,
                                                 tiles):  # fmt: skip
-    """The mma.sync kernel's own source, in the simulator on CI and on the GPU."""
+    """The tensor-core kernels' own source (mma.sync, and wgmma where asked), in the simulator
+    on CI and on the GPU."""
+    cfg = _tensor_core_backward_config(tiles)
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
-    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=cfg)
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
 
 
@@ -178,30 +194,9 @@ TC_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_GPU_CASES)
 def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles):
-    if numflash.TensorCoreBackwardConfig(*tiles).wgmma and not current_device().has_wgmma:
-        pytest.skip("wgmma needs compute capability 9.x")
+    cfg = _tensor_core_backward_config(tiles)
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
-    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
-
-
-WGMMA_SIM_CASES = [  # (block_m, num_warps, stages, dq_separate, head_split, wgmma)
-    ("float16", 64, 70, 80, 2, "causal", (64, 8, 2, True, 1, True)),  # two query blocks
-    ("bfloat16", 64, 40, 150, 1, "window", (64, 4, 1, True, 1, True)),  # three key blocks
-    ("bfloat16", 128, 65, 33, 1, "none", (64, 4, 2, True, 1, True)),  # two head_dim atoms
-    ("float16", 64, 50, 60, 2, "left", (64, 4, 2, True, 1, True)),  # key blocks last first
-]
-
-
-@pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", WGMMA_SIM_CASES)
-def test_wgmma_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask,
-                                          tiles):  # fmt: skip
-    """The Hopper dK/dV kernel (kernels/backward_sm90.py) in the simulator, where ptx_sm90's
-    Python wgmma reads the kernel's swizzled tiles (on CI); tests below run it on a GPU."""
-    if not SIMULATOR and not current_device().has_wgmma:
-        pytest.skip("wgmma needs compute capability 9.x")
-    q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
-    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=numflash.TensorCoreBackwardConfig(*tiles))
+    dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=cfg)
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
 
 
