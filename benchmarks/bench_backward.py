@@ -6,7 +6,7 @@ same record format with "mode": "bwd" (the gradients from saved forward outputs)
 runs exactly its backward kernels.
 
     python benchmarks/bench_backward.py [--seqlens 4096 16384] [--head-dims 128]
-                                        [--numflash-kernel default|portable|tensor-core]
+                                        [--numflash-kernel default|portable|tensor-core|wgmma]
 
 ``--numflash-kernel`` forces numflash's backward kernels (default: what attention_backward
 chooses); each record names the configuration that ran.
@@ -34,8 +34,12 @@ from bench_forward import DTYPES  # noqa: E402
 PROVIDERS = ["numflash", "sdpa-flash", "sdpa-cudnn"]
 
 
-KERNELS = {"default": None, "portable": numflash.PortableBackwardConfig,
-           "tensor-core": numflash.TensorCoreBackwardConfig}  # fmt: skip
+KERNELS = {
+    "default": None,
+    "portable": numflash.PortableBackwardConfig,
+    "tensor-core": numflash.TensorCoreBackwardConfig,
+    "wgmma": numflash.WgmmaBackwardConfig,
+}
 
 
 def numflash_runs(q, k, v, causal, kernel):
@@ -44,7 +48,7 @@ def numflash_runs(q, k, v, causal, kernel):
     dout = peers.random_qkv(*q.shape[:2], q.shape[2], q.shape[3], q.dtype, seed=5)[0]
     config = KERNELS[kernel]
     if config is not None:  # the family's heuristic tiles for this head_dim
-        from numflash.config import default_config
+        from numflash.selection import default_config
 
         config = default_config(config.family, q.shape[-1], current_device())[1]
     chosen = numflash.selected_backward_config(q, k, v, causal=causal, config=config).config
@@ -53,8 +57,8 @@ def numflash_runs(q, k, v, causal, kernel):
         return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, config=config)
 
     def fwd_bwd():
-        o, l = numflash.attention(q, k, v, causal=causal, return_lse=True)
-        return numflash.attention_backward(dout, q, k, v, o, l, causal=causal, config=config)
+        o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        return numflash.attention_backward(dout, q, k, v, o, lse, causal=causal, config=config)
 
     return bwd, fwd_bwd, chosen.to_dict()
 
@@ -85,8 +89,9 @@ def sdpa_runs(q, k, v, causal, backend):
 def bench(args):
     records = []
     providers = [p for p in PROVIDERS if not p.startswith("sdpa") or peers.torch_available()]
-    for dtype, hd, causal, seqlen in itertools.product(args.dtypes, args.head_dims,
-                                                       [False, True], args.seqlens):  # fmt: skip
+    for dtype, hd, causal, seqlen in itertools.product(
+        args.dtypes, args.head_dims, [False, True], args.seqlens
+    ):
         batch, nheads = max(1, args.tokens // seqlen), args.model_dim // hd
         q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, DTYPES[dtype])
         for provider in providers:
@@ -97,17 +102,32 @@ def bench(args):
                 runs = sdpa_runs(q, k, v, causal, provider.split("-")[1])
             for mode, run in zip(("bwd", "fwd+bwd"), runs):
                 slow = config is not None and config["family"] == "portable-backward"
-                t = time_gpu(run, warmup=1 if slow else 3, runs=3 if slow else 20,
-                             max_total_ms=args.max_ms)  # fmt: skip
+                t = time_gpu(
+                    run, warmup=1 if slow else 3, runs=3 if slow else 20, max_total_ms=args.max_ms
+                )
                 flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
-                rec = dict(provider=provider, mode=mode, dtype=dtype, batch=batch, nheads=nheads,
-                           seqlen_q=seqlen, seqlen_k=seqlen, head_dim=hd, causal=causal,
-                           ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=None,
-                           config=config)  # fmt: skip
+                rec = dict(
+                    provider=provider,
+                    mode=mode,
+                    dtype=dtype,
+                    batch=batch,
+                    nheads=nheads,
+                    seqlen_q=seqlen,
+                    seqlen_k=seqlen,
+                    head_dim=hd,
+                    causal=causal,
+                    ms=t.median_ms,
+                    tflops=t.tflops(flops),
+                    peak_bytes=None,
+                    config=config,
+                )
                 records.append(rec)
-                print(f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
-                      f"s{seqlen:<6d} b{batch:<3d} {t.median_ms:10.3f} ms "
-                      f"{rec['tflops']:7.1f} TFLOP/s", flush=True)  # fmt: skip
+                print(
+                    f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
+                    f"s{seqlen:<6d} b{batch:<3d} {t.median_ms:10.3f} ms "
+                    f"{rec['tflops']:7.1f} TFLOP/s",
+                    flush=True,
+                )
         del q, k, v
         cupy.get_default_memory_pool().free_all_blocks()
     return records
@@ -126,14 +146,20 @@ def markdown(records, device):
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (mode, dtype, hd, causal, seqlen), row in sorted(rows.items()):
+
         def cell(p):
             return f"{row[p]:.1f}" if p in row else "-"
 
-        ratio = (f"{row['numflash'] / row['sdpa-flash']:.3f}x"
-                 if "numflash" in row and "sdpa-flash" in row else "-")  # fmt: skip
-        lines.append(f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | "
-                     f"{cell('numflash')} | {cell('sdpa-flash')} | {cell('sdpa-cudnn')} | "
-                     f"{ratio} |")  # fmt: skip
+        ratio = (
+            f"{row['numflash'] / row['sdpa-flash']:.3f}x"
+            if "numflash" in row and "sdpa-flash" in row
+            else "-"
+        )
+        lines.append(
+            f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | "
+            f"{cell('numflash')} | {cell('sdpa-flash')} | {cell('sdpa-cudnn')} | "
+            f"{ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -145,8 +171,12 @@ def main():
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
-    ap.add_argument("--max-ms", type=float, default=20000,
-                    help="GPU time a timing may spend before it stops early (at least 3 runs)")
+    ap.add_argument(
+        "--max-ms",
+        type=float,
+        default=20000,
+        help="GPU time a timing may spend before it stops early (at least 3 runs)",
+    )
     ap.add_argument("--numflash-kernel", choices=list(KERNELS), default="default")
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
@@ -154,9 +184,14 @@ def main():
     dev = current_device()
     records = bench(args)
     versions = peers.versions()
-    result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
-              "date": datetime.date.today().isoformat(), "versions": versions,
-              "command": "python " + " ".join(sys.argv), "records": records}  # fmt: skip
+    result = {
+        "device": dev.name,
+        "compute_capability": list(dev.compute_capability),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions,
+        "command": "python " + " ".join(sys.argv),
+        "records": records,
+    }
     with open(os.path.join(args.out_dir, "backward.json"), "w") as f:
         json.dump(result, f, indent=1)
     table = markdown(records, dev.name)

@@ -95,8 +95,9 @@ def bench(args, memory):
             run = runner(provider, q, k, v, causal)
             naive = provider == "cupy-naive"
             try:
-                t = time_gpu(run, warmup=1 if naive else 3, runs=5 if naive else 20,
-                             max_total_ms=3000)  # fmt: skip
+                t = time_gpu(
+                    run, warmup=1 if naive else 3, runs=5 if naive else 20, max_total_ms=3000
+                )
                 peak = torch_peak(run) if provider.startswith("sdpa") else memory.measure(run)
             except Exception as exc:
                 if not is_oom(exc):
@@ -104,12 +105,26 @@ def bench(args, memory):
                 print(f"  {provider} {dtype} hd{hd} s{seqlen}: out of memory", flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
                 continue
-            rec = dict(provider=provider, mode="fwd", dtype=dtype, batch=batch, nheads=nheads,
-                       seqlen_q=seqlen, seqlen_k=seqlen, head_dim=hd, causal=causal,
-                       ms=t.median_ms, tflops=t.tflops(flops), peak_bytes=int(peak))  # fmt: skip
+            rec = dict(
+                provider=provider,
+                mode="fwd",
+                dtype=dtype,
+                batch=batch,
+                nheads=nheads,
+                seqlen_q=seqlen,
+                seqlen_k=seqlen,
+                head_dim=hd,
+                causal=causal,
+                ms=t.median_ms,
+                tflops=t.tflops(flops),
+                peak_bytes=int(peak),
+            )
             records.append(rec)
-            print(f"{provider:11s} {dtype:8s} hd{hd:<4d} causal={int(causal)} s{seqlen:<6d} "
-                  f"b{batch:<3d} {t.median_ms:9.3f} ms {rec['tflops']:7.1f} TFLOP/s", flush=True)  # fmt: skip
+            print(
+                f"{provider:11s} {dtype:8s} hd{hd:<4d} causal={int(causal)} s{seqlen:<6d} "
+                f"b{batch:<3d} {t.median_ms:9.3f} ms {rec['tflops']:7.1f} TFLOP/s",
+                flush=True,
+            )
         del q, k, v
         cupy.get_default_memory_pool().free_all_blocks()
         with open(os.path.join(args.out_dir, "partial.json"), "w") as f:
@@ -136,9 +151,22 @@ def memory_sweep(args, memory):
             cupy.get_default_memory_pool().free_all_blocks()
             if peak is None:
                 break
-            records.append(dict(provider=provider, mode="fwd-memory", dtype="float16", batch=1,
-                                nheads=16, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=128,
-                                causal=False, ms=None, tflops=None, peak_bytes=int(peak)))  # fmt: skip
+            records.append(
+                dict(
+                    provider=provider,
+                    mode="fwd-memory",
+                    dtype="float16",
+                    batch=1,
+                    nheads=16,
+                    seqlen_q=seqlen,
+                    seqlen_k=seqlen,
+                    head_dim=128,
+                    causal=False,
+                    ms=None,
+                    tflops=None,
+                    peak_bytes=int(peak),
+                )
+            )
             print(f"memory {provider:10s} s{seqlen:<6d} {peak / 2**20:12.1f} MiB", flush=True)
     return records
 
@@ -158,6 +186,7 @@ def markdown(records, device):
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (dtype, hd, causal, seqlen), row in sorted(by_key.items()):
+
         def cell(p):
             return f"{row[p]:.0f}" if p in row else "-"
 
@@ -171,13 +200,21 @@ def markdown(records, device):
         )
     mem = [r for r in records if r["mode"] == "fwd-memory"]
     if mem:
-        lines += ["", "Peak extra device memory of one forward call (batch 1, 16 heads, "
-                  "head_dim 128, fp16), MiB:", "", "| seqlen | numflash | naive CuPy |", "|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "Peak extra device memory of one forward call (batch 1, 16 heads, "
+            "head_dim 128, fp16), MiB:",
+            "",
+            "| seqlen | numflash | naive CuPy |",
+            "|---|---|---|",
+        ]
         seqlens = sorted({r["seqlen_q"] for r in mem})
         for s in seqlens:
             row = {r["provider"]: r["peak_bytes"] / 2**20 for r in mem if r["seqlen_q"] == s}
-            lines.append(f"| {s} | {row.get('numflash', float('nan')):.0f} | "
-                         + (f"{row['cupy-naive']:.0f} |" if "cupy-naive" in row else "out of memory |"))  # fmt: skip
+            lines.append(
+                f"| {s} | {row.get('numflash', float('nan')):.0f} | "
+                + (f"{row['cupy-naive']:.0f} |" if "cupy-naive" in row else "out of memory |")
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -195,12 +232,16 @@ def plots(records, out_dir):
     cols = min(4, len(panels))
     rows = (len(panels) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.3 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (dtype, hd, causal) in zip(axes.flat, panels):
         for provider in PROVIDERS:
-            pts = sorted((r["seqlen_q"], r["tflops"]) for r in fwd if r["provider"] == provider
-                         and (r["dtype"], r["head_dim"], r["causal"]) == (dtype, hd, causal))  # fmt: skip
+            pts = sorted(
+                (r["seqlen_q"], r["tflops"])
+                for r in fwd
+                if r["provider"] == provider
+                and (r["dtype"], r["head_dim"], r["causal"]) == (dtype, hd, causal)
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=provider)
         ax.set_xscale("log", base=2)
@@ -218,8 +259,9 @@ def plots(records, out_dir):
     if mem:
         fig, ax = plt.subplots(figsize=(5, 3.6))
         for provider in ("numflash", "cupy-naive"):
-            pts = sorted((r["seqlen_q"], r["peak_bytes"] / 2**30) for r in mem
-                         if r["provider"] == provider)  # fmt: skip
+            pts = sorted(
+                (r["seqlen_q"], r["peak_bytes"] / 2**30) for r in mem if r["provider"] == provider
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=provider)
         ax.set_xscale("log", base=2)
@@ -236,18 +278,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seqlens", type=int, nargs="+",
-                    default=[512, 1024, 2048, 4096, 8192, 16384])  # fmt: skip
-    ap.add_argument("--memory-seqlens", type=int, nargs="+",
-                    default=[1024, 4096, 8192, 16384, 32768, 65536])  # fmt: skip
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument(
+        "--memory-seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536]
+    )
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--plot-only", metavar="JSON", default=None,
-                    help="redraw the plots of a results file into --out-dir; no GPU needed")
-    ap.add_argument("--merge", default=None,
-                    help="records (JSON list) of an earlier run on this device to include; each "
-                         "table row still comes from one process")  # fmt: skip
+    ap.add_argument(
+        "--plot-only",
+        metavar="JSON",
+        default=None,
+        help="redraw the plots of a results file into --out-dir; no GPU needed",
+    )
+    ap.add_argument(
+        "--merge",
+        default=None,
+        help="records (JSON list) of an earlier run on this device to include; each "
+        "table row still comes from one process",
+    )
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
     if args.quick:
@@ -265,10 +314,15 @@ def main():
         with open(args.merge) as f:
             records = json.load(f) + records
     versions = peers.versions()
-    result = {"device": dev.name, "compute_capability": list(dev.compute_capability),
-              "date": datetime.date.today().isoformat(), "versions": versions,
-              "command": "python " + " ".join(sys.argv), "merged_from": args.merge,
-              "records": records}  # fmt: skip
+    result = {
+        "device": dev.name,
+        "compute_capability": list(dev.compute_capability),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions,
+        "command": "python " + " ".join(sys.argv),
+        "merged_from": args.merge,
+        "records": records,
+    }
     with open(os.path.join(args.out_dir, "latest.json"), "w") as f:
         json.dump(result, f, indent=1)
     table = markdown(records, dev.name)

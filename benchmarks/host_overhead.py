@@ -6,8 +6,7 @@ Measures, in one process:
 - ``attention()`` and ``attention_backward()`` per call on a tiny problem (the GPU finishes
   each kernel in a few microseconds, so calls back to back measure the host side):
   validation, configuration lookup, array views, argument packing and the launches;
-- the launch alone (numflash's ``Launcher``);
-- the configuration lookup alone (``config.choose_config``, memoised);
+- the configuration lookup alone (``numflash.selected_config``);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
   runs for milliseconds, beside the kernel's time;
 - with ``--profile``, cProfile's view of where a call's host time goes.
@@ -15,16 +14,20 @@ Measures, in one process:
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import cupy
 import numpy as np
 
 import numflash
-from numflash import api, arrays, config
+from numflash import arrays
 from numflash.device import current_device
-from peers import random_qkv
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import random_qkv  # noqa: E402
 
 
 def per_call_us(fn, calls=2000, repeats=5):
@@ -39,35 +42,6 @@ def per_call_us(fn, calls=2000, repeats=5):
         means.append((time.perf_counter() - start) / calls * 1e6)
         cupy.cuda.get_current_stream().synchronize()
     return statistics.median(means)
-
-
-def launch_part(q, k, v):
-    """numflash's launch alone of the kernel ``attention(q, k, v)`` runs."""
-    p = api._problem(q, k, v, False, None, (-1, -1))[3]
-    device = current_device()
-    cfg = config.choose_config(device.preferred_family(p.dtype), p, device).config
-    out = cupy.empty_like(q)
-    lse = cupy.empty((p.batch, p.nheads, p.seqlen_q), dtype=cupy.float32)
-    captured = {}
-    real = api.Launcher.__call__
-
-    def capture(self, grid, block, stream, shared, args):
-        captured.update(launcher=self, grid=grid, block=block, stream=stream, shared=shared,
-                        args=args)  # fmt: skip
-        return real(self, grid, block, stream, shared, args)
-
-    api.Launcher.__call__ = capture
-    try:
-        api._launch_forward(cfg, p, q, k, v, out, lse)
-    finally:
-        api.Launcher.__call__ = real
-    c = captured
-    launcher = c["launcher"]
-
-    def ours():
-        launcher(c["grid"], c["block"], c["stream"], c["shared"], c["args"])
-
-    return ours, (p, device)
 
 
 def blocking(seqlen=32768):
@@ -104,38 +78,30 @@ def main():
         return numflash.attention_backward(dout, q, k, v, out, lse)
 
     results["attention_backward_us[float16]"] = per_call_us(backward, calls=500)
-    ours, (p, device) = launch_part(q, k, v)
-    results["launcher_us"] = per_call_us(ours)
-    family = device.preferred_family(p.dtype)
-    results["choose_config_us"] = per_call_us(lambda: config.choose_config(family, p, device),
-                                              calls=20000)  # fmt: skip
-    # The steps of attention() one by one (its body, api.attention, in order).
-    results["step_problem_us"] = per_call_us(lambda: api._problem(q, k, v, False, None, (-1, -1)))
-    results["step_current_device_us"] = per_call_us(current_device)
-
-    def enter_device():
-        with q.device:
-            pass
-
-    results["step_enter_device_us"] = per_call_us(enter_device)
-    out = cupy.empty_like(q)
-    lse = cupy.empty((p.batch, p.nheads, p.seqlen_q), dtype=cupy.float32)
-    results["step_forward_us"] = per_call_us(lambda: api._forward(p, q, k, v, out, lse, None,
-                                                                  device))  # fmt: skip
+    results["selected_config_us"] = per_call_us(
+        lambda: numflash.selected_config(q, k, v), calls=20000
+    )
+    results["current_device_us"] = per_call_us(current_device)
     views = [q, k, v]
     results["kernel_view_x4_us"] = per_call_us(
-        lambda: [arrays.kernel_view(x) for x in views + [q]], calls=5000)
+        lambda: [arrays.kernel_view(x) for x in views + [q]], calls=5000
+    )
     results["empty_out_and_lse_us"] = per_call_us(
-        lambda: (cupy.empty(q.shape, q.dtype), cupy.empty((1, 1, 128), np.float32)), calls=5000)
+        lambda: (cupy.empty(q.shape, q.dtype), cupy.empty((1, 1, 128), np.float32)), calls=5000
+    )
     host_ms, kernel_ms, done = blocking()
-    results["long_call"] = {"host_return_ms": host_ms, "kernel_ms": kernel_ms,
-                            "finished_when_call_returned": done}  # fmt: skip
+    results["long_call"] = {
+        "host_return_ms": host_ms,
+        "kernel_ms": kernel_ms,
+        "finished_when_call_returned": done,
+    }
     try:
         import torch
         import torch.nn.functional as F
 
-        qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in random_qkv(1, 128, 1, 64,
-                                                                                "float16"))
+        qt, kt, vt = (
+            torch.from_dlpack(x).transpose(1, 2) for x in random_qkv(1, 128, 1, 64, "float16")
+        )
         results["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
     except ImportError:
         pass

@@ -112,7 +112,8 @@ def problems(args):
     dev = current_device()
     print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
-    for hd, dt, causal, seqlen in itertools.product(args.head_dims, args.dtypes, causals,
-                                                    args.seqlens):  # fmt: skip
+    for hd, dt, causal, seqlen in itertools.product(
+        args.head_dims, args.dtypes, causals, args.seqlens
+    ):
         dtype = cupy.float16 if dt == "float16" else BFLOAT16
         yield hd, dt, dtype, causal, seqlen, max(1, args.tokens // seqlen), args.model_dim // hd

@@ -104,8 +104,18 @@ class Adam:
             params[name] -= self.lr * m_hat / (xp.sqrt(v_hat) + self.eps)
 
 
-def train(steps=300, seqlen=32, batch=64, vocab=16, dim=64, heads=4, lr=3e-3, seed=0,
-          log_every=25, out=print):  # fmt: skip
+def train(
+    steps=300,
+    seqlen=32,
+    batch=64,
+    vocab=16,
+    dim=64,
+    heads=4,
+    lr=3e-3,
+    seed=0,
+    log_every=25,
+    out=print,
+):
     """Train and return the list of (step, loss, accuracy)."""
     rng = np.random.default_rng(seed)
     params = init_params(rng, vocab, seqlen, dim)
@@ -119,8 +129,10 @@ def train(steps=300, seqlen=32, batch=64, vocab=16, dim=64, heads=4, lr=3e-3, se
         opt.step(params, grads)
         history.append((step, loss, accuracy))
         if step == 1 or step % log_every == 0 or step == steps:
-            out(f"step {step:4d}  loss {loss:.4f}  accuracy {accuracy:.3f}  "
-                f"({time.perf_counter() - start:.1f} s)")  # fmt: skip
+            out(
+                f"step {step:4d}  loss {loss:.4f}  accuracy {accuracy:.3f}  "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
     return history
 
 
@@ -134,8 +146,7 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     args = ap.parse_args()
-    history = train(args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads,
-                    args.lr)  # fmt: skip
+    history = train(args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads, args.lr)
     first, last = history[0][1], history[-1][1]
     print(f"loss {first:.4f} -> {last:.4f} (ln(vocab) = {math.log(args.vocab):.4f})")
 

@@ -11,6 +11,7 @@ from .config import (
     PortableConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
+    WgmmaBackwardConfig,
 )
 
 __version__ = "0.1.0"
@@ -24,5 +25,6 @@ __all__ = [
     "PortableConfig",
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
+    "WgmmaBackwardConfig",
     "__version__",
 ]

@@ -107,9 +107,32 @@ def kernel_view(x):
     if isinstance(x, np.ndarray):
         kdtype = KERNEL_DTYPES[dtype_name(x.dtype)]
         flat = np.lib.stride_tricks.as_strided(x.view(kdtype), shape=(span,), strides=(itemsize,))
+        if not x.flags.writeable:  # the simulator copies every array back after a launch
+            flat = flat.copy()
     else:
         flat = KernelArray(x.data.ptr, span, itemsize)
     return flat, strides
+
+
+def _byte_span(x):
+    """[first, last) byte addresses that ``x``'s elements occupy (empty for a size-0 array)."""
+    start = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+    if x.size == 0:
+        return start, start
+    low = high = start
+    for n, s in zip(x.shape, x.strides):
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + x.dtype.itemsize
+
+
+def may_share_memory(a, b):
+    """Whether the memory spans of ``a`` and ``b`` intersect (arrays on one device)."""
+    a_lo, a_hi = _byte_span(a)
+    b_lo, b_hi = _byte_span(b)
+    return a_lo < b_hi and b_lo < a_hi
 
 
 def readable_in_place(x, alignment_elements=1):
@@ -209,28 +232,3 @@ def current_stream():
     if SIMULATOR:
         return 0
     return _cupy().cuda.get_current_stream().ptr
-
-
-_side_streams = {}  # device id -> a second stream of that device
-
-
-def side_stream():
-    """``(handle, join)``: a second stream of the current device (one per device, created on
-    first use) that first waits for everything queued on the current stream so far, so that
-    work queued on it runs beside what is queued on the current stream next; ``join()`` makes
-    the current stream wait for what was queued on the second one. In the simulator, which
-    runs every launch in order, the current stream and a no-op."""
-    if SIMULATOR:
-        return 0, lambda: None
-    cupy = _cupy()
-    current = cupy.cuda.get_current_stream()
-    device = cupy.cuda.runtime.getDevice()
-    side = _side_streams.get(device)
-    if side is None:
-        side = _side_streams[device] = cupy.cuda.Stream(non_blocking=True)
-    side.wait_event(current.record())
-
-    def join():
-        current.wait_event(side.record())
-
-    return side.ptr, join

@@ -3,28 +3,27 @@
 One JSON file per compute capability (``sm_90.json``) in ``$NUMFLASH_CACHE_DIR``, else the
 platform's user cache directory (``~/.cache/numflash`` on Linux); numflash also ships files of
 the same format in ``numflash/configs/``. A file carries a header (compute capability, device
-name, numflash version, the hash of each kernel family's sources) and, per problem key, the
-winning configuration with its measured time, the default's, and the hash of the kernel
-sources it was measured on::
+name, numflash version, the revision of each kernel family) and, per problem key, the winning
+configuration with its measured time, the default's, and the revision of the family's kernels
+it was measured on::
 
-    {"format": 2, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
-     "numflash_version": "0.1.0", "kernel_hashes": {"tensor-core": "3f2a..."},
+    {"format": 3, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
+     "numflash_version": "0.1.0", "kernel_revisions": {"tensor-core": 1},
      "entries": {"tensor-core/float16/hd128/causal/s4096":
                  {"config": {...}, "time_ms": 1.91, "default_ms": 2.04, "default_config": {...},
-                  "trials": 30, "date": "2026-11-29", "kernel_hash": "3f2a..."}}}
+                  "trials": 30, "date": "2026-11-29", "kernel_revision": 1}}}
 
 Lookup order for a call: the user's cache, then the shipped file for the same architecture,
 then the nearest shipped file of the same major version, then the caller's heuristic; within a
 file the exact key first, then the same key at the nearest sequence-length bucket. Entries
-tuned for other sources of their kernel family are ignored with one warning (the kernels
-changed, so their timings no longer hold; a change to one family leaves the others' entries
-valid); a corrupt or foreign file warns once and is skipped, never fatal.
+measured on another revision of their family's kernels (``REVISION`` of the family's
+configuration class, numflash/config.py) are ignored with one warning: the kernels' code
+changed, so their timings no longer hold, while other families' entries stay valid. A corrupt
+or foreign file, or a malformed entry, warns once and is skipped, never fatal.
 Writes take a file lock and replace the file atomically, so concurrent tuners lose nothing.
 """
 
 import datetime
-import functools
-import hashlib
 import json
 import math
 import os
@@ -34,9 +33,11 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-FORMAT = 2
+from .config import CONFIG_TYPES, config_from_dict
+
+FORMAT = 3
 SHIPPED_DIR = Path(__file__).parent / "configs"
-_KERNEL_DIR = Path(__file__).parent / "kernels"
+MASKS = ("full", "causal", "window")
 
 #: Sequence-length buckets are powers of two within these bounds.
 MIN_BUCKET, MAX_BUCKET = 128, 1 << 20
@@ -51,26 +52,9 @@ def cache_dir():
     return Path(platformdirs.user_cache_dir("numflash", appauthor=False))
 
 
-#: The kernel sources (in numflash/kernels/) whose code each configuration family runs.
-FAMILY_SOURCES = {
-    "tensor-core": ("forward.py", "ptx.py", "softmax.py"),
-    "portable": ("forward_portable.py", "softmax.py", "ptx.py"),
-    "portable-backward": ("backward_portable.py", "forward_portable.py", "softmax.py", "ptx.py"),
-    "tensor-core-backward": ("backward.py", "backward_sm90.py", "backward_portable.py",
-                             "softmax.py", "ptx.py", "ptx_sm90.py"),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_hash(family):
-    """sha256 of a family's kernel sources: tuned timings hold only for the kernels that made
-    them. A family without a listed set hashes every kernel source."""
-    names = FAMILY_SOURCES.get(family) or sorted(p.name for p in _KERNEL_DIR.glob("*.py"))
-    digest = hashlib.sha256()
-    for name in names:
-        digest.update(name.encode())
-        digest.update((_KERNEL_DIR / name).read_bytes())
-    return digest.hexdigest()[:16]
+def kernel_revision(family):
+    """The revision of a family's kernels that tuned timings are valid for."""
+    return CONFIG_TYPES[family].REVISION
 
 
 def seqlen_bucket(seqlen):
@@ -93,10 +77,18 @@ class ProblemKey(NamedTuple):
 
     @classmethod
     def parse(cls, text):
-        family, dtype, hd, mask, seqlen = text.split("/")
-        if not (hd.startswith("hd") and seqlen.startswith("s")):
+        """The key written as ``str(key)``; ValueError for anything else (an unknown family or
+        mask, a head_dim or bucket that is not a positive power of two where one is needed)."""
+        parts = text.split("/")
+        if len(parts) != 5 or not (parts[2].startswith("hd") and parts[4].startswith("s")):
             raise ValueError(f"not a problem key: {text!r}")
-        return cls(family, dtype, int(hd[2:]), mask, int(seqlen[1:]))
+        family, dtype, hd, mask, seqlen = parts
+        head_dim, bucket = int(hd[2:]), int(seqlen[1:])
+        if family not in CONFIG_TYPES or mask not in MASKS:
+            raise ValueError(f"unknown family or mask in problem key {text!r}")
+        if head_dim < 1 or bucket < 1 or bucket & (bucket - 1):
+            raise ValueError(f"head_dim and seqlen bucket must be positive in {text!r}")
+        return cls(family, dtype, head_dim, mask, bucket)
 
     @classmethod
     def of(cls, family, dtype, head_dim, seqlen_q, seqlen_k, window_left, window_right):
@@ -112,6 +104,21 @@ class ProblemKey(NamedTuple):
 class Selection(NamedTuple):
     config: object
     source: str  # "user cache <path>", "shipped <file>", "heuristic" or "forced"
+
+
+class Hit(NamedTuple):
+    """A tuned configuration found for a key: where from, and its measured time."""
+
+    config: object
+    source: str
+    time_ms: float  # inf where the entry does not say
+
+
+def _entry_time(entry):
+    time_ms = entry.get("time_ms")
+    if isinstance(time_ms, (int, float)) and not isinstance(time_ms, bool) and time_ms > 0:
+        return float(time_ms)
+    return float("inf")
 
 
 _warned = set()
@@ -140,23 +147,30 @@ def _read(path, arch):
     if data.get("arch") != arch:
         _warn_once(path, f"holds configurations for {data.get('arch')}, not {arch}; ignoring it")
         return {}
-    from .config import config_from_dict
-
+    raw = data.get("entries", {})
+    if not isinstance(raw, dict):
+        _warn_once(path, "its entries are not an object; ignoring them")
+        return {}
     entries = {}
     stale = set()
-    for key, entry in data.get("entries", {}).items():
+    for key, entry in raw.items():
         try:
             parsed = ProblemKey.parse(key)
-            if entry.get("kernel_hash") != kernel_hash(parsed.family):
+            if not isinstance(entry, dict):
+                raise ValueError("not an object")
+            if entry.get("kernel_revision") != kernel_revision(parsed.family):
                 stale.add(parsed.family)
                 continue
-            entries[parsed] = (config_from_dict(entry["config"]), entry)
+            cfg = config_from_dict(entry["config"])
+            if cfg.family != parsed.family:
+                raise ValueError(f"a {cfg.family} configuration under a {parsed.family} key")
+            entries[parsed] = (cfg, entry)
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             _warn_once(path, f"entry {key!r} is malformed ({exc}); skipping it")
     for family in sorted(stale):
         _warn_once(
             path,
-            f"its {family} entries were tuned for other kernel sources (numflash "
+            f"its {family} entries were tuned for another revision of those kernels (numflash "
             f"{data.get('numflash_version')}) and are ignored: run `numflash autotune` again",
         )
     return entries
@@ -189,7 +203,7 @@ def _sources(arch):
 
 _files = {}  # (path, arch) -> entries
 _memo = {}  # (arch, key) -> (config, entry, label) or None
-#: Bumped whenever what was read is forgotten; memos built on lookups (config.choose_config)
+#: Bumped whenever what was read is forgotten; memos built on lookups (numflash.selection)
 #: compare it to know they are stale.
 generation = 0
 
@@ -202,7 +216,7 @@ def _entries(path, arch):
 
 
 def lookup(arch, key, feasible=lambda cfg: True):
-    """(config, source) of the best cached configuration for ``key`` on ``arch``, or None.
+    """The :class:`Hit` of the best cached configuration for ``key`` on ``arch``, or None.
 
     ``feasible`` filters out configurations that cannot run the call at hand (a file of a
     sibling architecture may hold tiles too large for this one). Memoised: a repeated lookup
@@ -216,7 +230,7 @@ def lookup(arch, key, feasible=lambda cfg: True):
             for label, path, file_arch in _sources(arch):
                 found = _nearest(_entries(path, file_arch), key)
                 if found is not None and feasible(found[0]):
-                    hit = (found[0], f"{label} {path}")
+                    hit = Hit(found[0], f"{label} {path}", _entry_time(found[1]))
                     break
             _memo[memo_key] = hit
     return hit
@@ -254,8 +268,12 @@ def record(device, results, header_extra=None, path=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         current = {str(k): e for k, (_, e) in _read(path, device.arch).items()}
-        current.update({str(k): {**e, "kernel_hash": kernel_hash(k.family)}
-                        for k, e in results.items()})  # fmt: skip
+        current.update(
+            {
+                str(k): {**e, "kernel_revision": kernel_revision(k.family)}
+                for k, e in results.items()
+            }
+        )
         from . import __version__
 
         data = {
@@ -264,7 +282,9 @@ def record(device, results, header_extra=None, path=None):
             "compute_capability": list(device.compute_capability),
             "device": device.name,
             "numflash_version": __version__,
-            "kernel_hashes": {f: kernel_hash(f) for f in sorted({k.split("/")[0] for k in current})},
+            "kernel_revisions": {
+                f: kernel_revision(f) for f in sorted({k.split("/")[0] for k in current})
+            },
             "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             **(header_extra or {}),
             "entries": dict(sorted(current.items())),

@@ -68,6 +68,8 @@ def info(out=sys.stdout):
         if dev.supports(TENSOR_CORE):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
             backward = "tensor-core (float16, bfloat16); portable (float32)"
+            if dev.has_wgmma:
+                backward = "wgmma at head_dim 64 and 128, else " + backward
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
             backward = "portable (every dtype)"
@@ -84,25 +86,41 @@ def _print_entries(device, out):
 
     shipped = shipped_entries(device.arch)
     if shipped:
-        print(f"  shipped tuned configurations for {device.arch}: {len(shipped)} "
-              f"({SHIPPED_DIR / (device.arch + '.json')})", file=out)  # fmt: skip
+        print(
+            f"  shipped tuned configurations for {device.arch}: {len(shipped)} "
+            f"({SHIPPED_DIR / (device.arch + '.json')})",
+            file=out,
+        )
     entries = user_entries(device.arch)
     if not entries:
-        print(f"  no tuned configurations for {device.arch} yet (run `numflash autotune`)", file=out)
+        print(
+            f"  no tuned configurations for {device.arch} yet (run `numflash autotune`)", file=out
+        )
         return
     print(f"  tuned configurations for {device.arch}:", file=out)
     for key, entry in sorted(entries.items(), key=lambda kv: str(kv[0])):
         cfg = ", ".join(f"{k}={v}" for k, v in entry["config"].items() if k != "family")
-        default = entry.get("default_ms")
-        print(f"    {key}: {cfg}  ({entry['time_ms']:.3f} ms; default "
-              f"{f'{default:.3f} ms' if default else '-'})", file=out)  # fmt: skip
+        print(
+            f"    {key}: {cfg}  ({_ms(entry.get('time_ms'))}; default "
+            f"{_ms(entry.get('default_ms'))})",
+            file=out,
+        )
+
+
+def _ms(value):
+    """A time from a cache entry, which may lack it or hold something else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:.3f} ms"
+    return "-"
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="numflash", description="FlashAttention for CuPy")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, the GPU and its kernel paths, the cache and its entries")
-    tune = sub.add_parser("autotune", help="tune the kernels on this GPU (Optuna), cache the winners")
+    tune = sub.add_parser(
+        "autotune", help="tune the kernels on this GPU (Optuna), cache the winners"
+    )
     from tuning.run import add_arguments
 
     add_arguments(tune)
@@ -112,7 +130,13 @@ def main(argv=None):
     if args.command == "autotune":
         from tuning.run import main as autotune
 
-        return autotune(args)
+        try:
+            return autotune(args)
+        except OSError as exc:  # the cache directory cannot be made or written
+            print(
+                f"numflash autotune: cannot write the configuration cache: {exc}", file=sys.stderr
+            )
+            return 1
     return 2
 
 

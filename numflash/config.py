@@ -1,16 +1,26 @@
-"""Kernel configurations: frozen dataclasses, their feasibility on a device, and the defaults.
+"""Kernel configurations: frozen dataclasses and their feasibility on a device. No policy.
 
-A configuration names a kernel family by its type (:class:`TensorCoreConfig` or
-:class:`PortableConfig`) and the compile-time tile sizes of that family. The same feasibility
-check serves the dispatcher (a clear error for a forced configuration) and the autotuner (prune a
-point before compiling it).
+A configuration names a kernel family by its type and holds the compile-time tile sizes of that
+family. The same feasibility check (``problems``) serves the dispatcher (a clear error for a
+forced configuration) and the autotuner (prune a point before compiling it). Which
+configuration a call runs with is decided in :mod:`numflash.selection`.
+
+Each family carries ``REVISION``: the version of its kernels' generated code. Tuned entries
+record it and are ignored once it changes (:mod:`numflash.cache`); tests/test_fingerprints.py
+fails when a kernel's PTX changes while its family's revision stays the same.
 """
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
-from . import cache
-from .device import PORTABLE, PORTABLE_BACKWARD, TENSOR_CORE, TENSOR_CORE_BACKWARD
+from .device import (
+    PORTABLE,
+    PORTABLE_BACKWARD,
+    TENSOR_CORE,
+    TENSOR_CORE_BACKWARD,
+    WGMMA_BACKWARD,
+)
+from .kernels import backward_mma, backward_sm90, forward
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -34,11 +44,16 @@ def knob_choices(config_type):
     return {f.name: f.metadata["choices"] for f in fields(config_type)}
 
 
+def _is_choice(value, choices):
+    """``value`` is one of ``choices`` with the same type: 64.0 is not 64, True is not 1."""
+    return any(type(value) is type(c) and value == c for c in choices)
+
+
 def _out_of_choices(cfg):
     return [
-        f"{name}={getattr(cfg, name)!r} is not one of {', '.join(map(str, choices))}"
+        f"{name}={getattr(cfg, name)!r} is not one of {', '.join(map(repr, choices))}"
         for name, choices in knob_choices(type(cfg)).items()
-        if getattr(cfg, name) not in choices
+        if not _is_choice(getattr(cfg, name), choices)
     ]
 
 
@@ -52,6 +67,8 @@ class _Config:
 def _static_shared_problems(cfg, head_dim):
     """Why a configuration of the portable kernels (static shared memory) cannot run."""
     out = _out_of_choices(cfg)
+    if out:
+        return out
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         out.append(f"head_dim={head_dim} is not in [1, {MAX_HEAD_DIM}]")
     smem = cfg.shared_memory_bytes(head_dim)
@@ -61,6 +78,15 @@ def _static_shared_problems(cfg, head_dim):
             f"the limit is {STATIC_SHARED_LIMIT}"
         )
     return out
+
+
+def _dynamic_shared_problems(smem, device):
+    if device is not None and smem > device.max_shared_per_block:
+        return [
+            f"needs {smem} bytes of shared memory per block; {device.name} allows "
+            f"{device.max_shared_per_block}"
+        ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -83,6 +109,7 @@ class TensorCoreConfig(_Config):
     q_in_registers: bool = knob(True, (True, False))
 
     family: ClassVar[str] = TENSOR_CORE
+    REVISION: ClassVar[int] = 1
     #: Fragment registers a thread may hold (accumulators, scores, query fragments) before the
     #: rest of the kernel (addresses, softmax state) no longer fits in the 255-register limit.
     #: A coarse bound that prunes hopeless points; ptxas' spill report is the real judge.
@@ -96,11 +123,15 @@ class TensorCoreConfig(_Config):
     def threads(self):
         return 32 * self.num_warps
 
+    def kernel_head_dim(self, head_dim):
+        """The head_dim the kernel runs at: zero-padded to a multiple of 8."""
+        return round_up(head_dim, 8)
+
     def shared_memory_bytes(self, head_dim):
         """Q tile plus ``stages`` K and V tiles, rows padded by 16 bytes against bank conflicts."""
-        from .kernels.forward import shared_memory_layout
-
-        *_, elements = shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages)
+        *_, elements = forward.shared_memory_layout(
+            head_dim, self.block_m, self.block_n, self.stages
+        )
         return 2 * elements
 
     def fragment_registers(self, head_dim):
@@ -113,7 +144,7 @@ class TensorCoreConfig(_Config):
     def problems(self, head_dim, device):
         """Why this configuration cannot run ``head_dim`` on ``device``; empty when it can."""
         out = _out_of_choices(self)
-        if self.num_warps in knob_choices(TensorCoreConfig)["num_warps"] and (
+        if _is_choice(self.num_warps, knob_choices(TensorCoreConfig)["num_warps"]) and (
             self.block_m % (16 * self.num_warps) or self.m_tiles not in (1, 2)
         ):
             out.append(
@@ -124,18 +155,13 @@ class TensorCoreConfig(_Config):
             out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
         if out:
             return out
-        if not device.supports(self.family):
+        if device is not None and not device.supports(self.family):
             out.append(
                 f"{device.name} (compute capability {device.compute_capability}) has no "
                 "mma.sync/ldmatrix/cp.async; the tensor-core kernel needs 8.0 or newer"
             )
-        smem = self.shared_memory_bytes(head_dim)
-        if smem > device.max_shared_per_block:
-            out.append(
-                f"needs {smem} bytes of shared memory per block; {device.name} allows "
-                f"{device.max_shared_per_block}"
-            )
-        if self.threads > device.max_threads_per_block:
+        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim), device)
+        if device is not None and self.threads > device.max_threads_per_block:
             out.append(f"needs {self.threads} threads per block")
         regs = self.fragment_registers(head_dim)
         if regs > self.MAX_FRAGMENT_REGISTERS:
@@ -144,6 +170,7 @@ class TensorCoreConfig(_Config):
                 f"(at most {self.MAX_FRAGMENT_REGISTERS} fit without spilling)"
             )
         return out
+
 
 @dataclass(frozen=True)
 class PortableConfig(_Config):
@@ -157,16 +184,21 @@ class PortableConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE
+    REVISION: ClassVar[int] = 1
 
     @property
     def threads(self):
         return self.block_m
+
+    def kernel_head_dim(self, head_dim):
+        return head_dim
 
     def shared_memory_bytes(self, head_dim):
         return 2 * self.block_n * head_dim * 4
 
     def problems(self, head_dim, device):
         return _static_shared_problems(self, head_dim)
+
 
 @dataclass(frozen=True)
 class PortableBackwardConfig(_Config):
@@ -182,6 +214,10 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = PORTABLE_BACKWARD
+    REVISION: ClassVar[int] = 1
+
+    def kernel_head_dim(self, head_dim):
+        return head_dim
 
     def shared_memory_bytes(self, head_dim):
         """The larger of the two kernels' static shared memory: q and dO tiles with their LSE
@@ -191,9 +227,16 @@ class PortableBackwardConfig(_Config):
     def problems(self, head_dim, device):
         return _static_shared_problems(self, head_dim)
 
+
+def tensor_core_backward_head_dim(head_dim):
+    """The head_dim the tensor-core backward runs at: zero-padded to a multiple of 16, or of 32
+    above 128 (where two blocks split the columns)."""
+    return round_up(head_dim, 16 if head_dim <= 128 else 32)
+
+
 @dataclass(frozen=True)
 class TensorCoreBackwardConfig(_Config):
-    """Tiles of the tensor-core backward kernel (:mod:`numflash.kernels.backward`).
+    """Tiles of the mma.sync backward kernels (:mod:`numflash.kernels.backward_mma`).
 
     - ``block_m``: query rows per shared-memory block.
     - ``num_warps``: warps per block; each owns 16 keys, so a block holds ``16 * num_warps``.
@@ -203,20 +246,12 @@ class TensorCoreBackwardConfig(_Config):
       the current one is computed; 1 waits for each block's loads (less shared memory).
     - ``dq_separate``: dQ from a second kernel (one block per ``16 * num_warps`` query rows,
       tiles of ``block_m`` keys, S and dP computed again) that sums each element in a fixed
-      order, instead of fp32 atomics from the dK/dV kernel. Deterministic; costs the
-      recomputation, saves the atomics and the dS round trip through shared memory. On the
-      H200 it was the faster of the two (2026-11-30, head_dim 128, seqlen 4096, fp16,
-      ``benchmarks/backward_variants.py``: 14.0 vs 14.9 ms non-causal, 8.1 vs 8.8 ms causal
-      at 64 x 128), so it is the default.
+      order, instead of fp32 atomics from the dK/dV kernel. Deterministic, and the faster of
+      the two on the H200 (docs/performance.md), so it is the default.
     - ``head_split``: blocks that share each key (or query) block, each accumulating
       ``head_dim / head_split`` output columns while computing the scores over all of
       head_dim. 2 is needed above head_dim 128 (the accumulators must fit in registers); at
       128 and below it trades the scores computed twice for half the accumulator registers.
-    - ``wgmma``: the Hopper kernels (:mod:`numflash.kernels.backward_sm90`) instead of the
-      mma.sync ones: warpgroup MMAs, 64 keys (dK/dV kernel) or query rows (dQ kernel) per
-      warpgroup (``num_warps`` 4 or 8), tiles of ``block_m`` = 64 streaming through
-      ``stages`` buffers. Compute capability 9.x, head_dim 64 or 128 (as padded),
-      ``dq_separate`` and ``head_split`` 1.
     """
 
     block_m: int = knob(64, (16, 32, 64, 128))
@@ -224,10 +259,9 @@ class TensorCoreBackwardConfig(_Config):
     stages: int = knob(2, (1, 2))
     dq_separate: bool = knob(True, (True, False))
     head_split: int = knob(1, (1, 2))
-    wgmma: bool = knob(False, (False, True))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
-    MAX_HEAD_DIM: ClassVar[int] = 256  # 128 output columns per block at most
+    REVISION: ClassVar[int] = 1
 
     @property
     def block_n(self):
@@ -237,203 +271,128 @@ class TensorCoreBackwardConfig(_Config):
     def threads(self):
         return 32 * self.num_warps
 
+    def kernel_head_dim(self, head_dim):
+        return tensor_core_backward_head_dim(head_dim)
+
     def shared_memory_bytes(self, head_dim):
-        """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS; with ``wgmma``,
-        the Hopper kernels' swizzled tiles (kernels/backward_sm90.py)."""
-        from .kernels import backward_sm90
-        from .kernels.backward import shared_memory_layout
-
-        if self.wgmma and head_dim in backward_sm90.HEAD_DIMS:
-            return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
-        return 2 * shared_memory_layout(head_dim, self.block_m, self.block_n, self.stages,
-                                        with_ds=not self.dq_separate)[-1]  # fmt: skip
-
-    def wgmma_problems(self, head_dim, device):
-        """Why the wgmma kernels cannot run this configuration (part of ``problems``)."""
-        from .kernels import backward_sm90
-
-        out = []
-        if device is not None and not device.has_wgmma:
-            out.append(f"wgmma=True needs compute capability 9.x; {device.name} is "
-                       f"{device.arch}")  # fmt: skip
-        if head_dim not in backward_sm90.HEAD_DIMS:
-            dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
-            out.append(f"wgmma=True takes head_dim {dims} (as padded), not {head_dim}")
-        if self.block_m != backward_sm90.BLOCK_M or self.num_warps not in backward_sm90.NUM_WARPS:
-            out.append(f"wgmma=True takes block_m={backward_sm90.BLOCK_M} and num_warps 4 or 8")
-        if not self.dq_separate or self.head_split != 1:
-            out.append("wgmma=True takes dq_separate=True and head_split=1")
-        return out
+        """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
+        layout = backward_mma.shared_memory_layout(
+            head_dim, self.block_m, self.block_n, self.stages, with_ds=not self.dq_separate
+        )
+        return 2 * layout[-1]
 
     def problems(self, head_dim, device):
-        from .kernels.backward import dq_split
-
         out = _out_of_choices(self)
+        if out:
+            return out
         part = head_dim // self.head_split
         if head_dim % (16 * self.head_split) or not 16 <= part <= 128:
-            out.append(f"head_dim={head_dim} with head_split={self.head_split}: each block's "
-                       f"{head_dim}/{self.head_split} columns must be a multiple of 16 in "
-                       "[16, 128]")  # fmt: skip
-        elif not self.dq_separate and dq_split(part, self.block_m, self.num_warps) is None:
-            out.append(f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
-                       f"x {part // 8} column tiles evenly (pairs of column tiles)")  # fmt: skip
-        if self.wgmma:
-            out += self.wgmma_problems(head_dim, device)
+            out.append(
+                f"head_dim={head_dim} with head_split={self.head_split}: each block's "
+                f"{head_dim}/{self.head_split} columns must be a multiple of 16 in [16, 128]"
+            )
+        elif (
+            not self.dq_separate
+            and backward_mma.dq_split(part, self.block_m, self.num_warps) is None
+        ):
+            out.append(
+                f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
+                f"x {part // 8} column tiles evenly (pairs of column tiles)"
+            )
+        if device is not None and not device.supports(self.family):
+            out.append(
+                f"{device.name} (compute capability {device.compute_capability}) has no "
+                "mma.sync; the tensor-core backward needs 8.0 or newer"
+            )
         if not out:
+            # the shared LSE and D tiles are static: 8 bytes a query row and stage
             smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
-            if device is not None and smem > device.max_shared_per_block:
-                out.append(f"needs {smem} bytes of shared memory; the device allows "
-                           f"{device.max_shared_per_block}")  # fmt: skip
+            out += _dynamic_shared_problems(smem, device)
         return out
 
-def default_portable_backward_config(head_dim):
-    """Two fp32 tiles of 32 rows (64 at head_dim <= 64, 16 above 128) fit the 48 KiB of static
-    shared memory; untuned: these kernels are the correctness path, not the fast one."""
-    if head_dim <= 64:
-        return PortableBackwardConfig(block_m=64, block_n=64)
-    if head_dim <= 128:
-        return PortableBackwardConfig(block_m=32, block_n=32)
-    return PortableBackwardConfig(block_m=16, block_n=16)
+
+@dataclass(frozen=True)
+class WgmmaBackwardConfig(_Config):
+    """The Hopper backward kernels (:mod:`numflash.kernels.backward_sm90`): the mma.sync
+    backward's dK/dV and dQ kernels with every product on warpgroup MMAs.
+
+    - ``num_warps``: 4 or 8, one or two warpgroups of 64 keys (dK/dV kernel) or 64 query rows
+      (dQ kernel) a block.
+    - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2).
+
+    Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
+    whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
+    """
+
+    num_warps: int = knob(8, backward_sm90.NUM_WARPS)
+    stages: int = knob(2, (1, 2))
+
+    family: ClassVar[str] = WGMMA_BACKWARD
+    REVISION: ClassVar[int] = 1
+    block_m: ClassVar[int] = backward_sm90.BLOCK_M
+    dq_separate: ClassVar[bool] = True
+    head_split: ClassVar[int] = 1
+
+    @property
+    def block_n(self):
+        return 16 * self.num_warps
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    def kernel_head_dim(self, head_dim):
+        return tensor_core_backward_head_dim(head_dim)
+
+    def shared_memory_bytes(self, head_dim):
+        """The swizzled K, V and stage tiles (kernels/backward_sm90.py), alignment included."""
+        return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
+
+    def problems(self, head_dim, device):
+        out = _out_of_choices(self)
+        if out:
+            return out
+        if device is not None and not device.has_wgmma:
+            out.append(
+                f"the wgmma backward needs compute capability 9.x; {device.name} is {device.arch}"
+            )
+        if head_dim not in backward_sm90.HEAD_DIMS:
+            dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
+            out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
+        if not out:
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
+            out += _dynamic_shared_problems(smem, device)
+        return out
 
 
-CONFIG_TYPES = {TENSOR_CORE: TensorCoreConfig, PORTABLE: PortableConfig,
-                PORTABLE_BACKWARD: PortableBackwardConfig,
-                TENSOR_CORE_BACKWARD: TensorCoreBackwardConfig}  # fmt: skip
+CONFIG_TYPES = {
+    c.family: c
+    for c in (
+        TensorCoreConfig,
+        PortableConfig,
+        PortableBackwardConfig,
+        TensorCoreBackwardConfig,
+        WgmmaBackwardConfig,
+    )
+}
+FORWARD_CONFIGS = (TensorCoreConfig, PortableConfig)
+BACKWARD_CONFIGS = (TensorCoreBackwardConfig, WgmmaBackwardConfig, PortableBackwardConfig)
 
 
 def config_from_dict(entry):
-    """Inverse of ``to_dict``; raises ValueError on an unknown family or field."""
+    """Inverse of ``to_dict``; raises ValueError on an unknown family, an unknown field or a
+    value that is not one of the field's choices."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"a configuration must be an object; got {entry!r}")
     entry = dict(entry)
     family = entry.pop("family", None)
     if family not in CONFIG_TYPES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     try:
-        return CONFIG_TYPES[family](**entry)
+        cfg = CONFIG_TYPES[family](**entry)
     except TypeError as exc:
         raise ValueError(f"bad {family} configuration {entry}: {exc}") from None
-
-
-def default_portable_config(head_dim):
-    # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
-    return PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
-
-
-def default_tensor_core_config(head_dim, device):
-    """The heuristic used when no tuned configuration is cached.
-
-    Chosen on the H200 (sm_90), 2026-11-29, among configurations whose ptxas report shows no
-    spill (tests/test_compile.py keeps it so), by benchmarks/variants.py --grid no-spill, fp16
-    and bf16, seqlen 4096 and 16384, causal and not (benchmarks/results/dev/):
-
-    - head_dim <= 64: 128 x 64 tiles, two 16-row tiles per warp, 3 stages: 0.88-1.02x SDPA's
-      FlashAttention-2. Two row tiles per warp halve the ldmatrix traffic per mma.
-    - head_dim <= 128: 128 x 32, Q re-read from shared memory: 0.78-0.91x. Keeping Q in
-      registers or 64-key tiles does not fit in 255 registers without spilling.
-    - larger: 64 x 32, Q from shared memory: 0.67-0.81x at head_dim 256.
-
-    The same choices are used on other GPUs until they are tuned there (sm_80/86/89 have less
-    shared memory per block; the largest of these, head_dim 256, takes 99 KiB, sm_86's limit).
-    """
-    if head_dim <= 64:
-        return TensorCoreConfig(block_m=128, block_n=64, num_warps=4, stages=3,
-                                q_in_registers=False)  # fmt: skip
-    if head_dim <= 128:
-        return TensorCoreConfig(block_m=128, block_n=32, num_warps=4, stages=2,
-                                q_in_registers=False)  # fmt: skip
-    return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
-
-
-def tensor_core_backward_head_dim(head_dim):
-    """The head_dim the tensor-core backward runs at: zero-padded to a multiple of 16, or of 32
-    above 128 (where two blocks split the columns)."""
-    return round_up(head_dim, 16 if head_dim <= 128 else 32)
-
-
-def default_tensor_core_backward_config(head_dim, device=None):
-    """The tensor-core backward's heuristic (head_dim as tensor_core_backward_head_dim gives):
-    the first of a short list that fits ``device`` (any device when None).
-
-    dQ from its own kernel (``dq_separate``) everywhere: faster than the atomics on the H200,
-    and deterministic.
-
-    Up to head_dim 128: 64 query rows x 128 keys (8 warps), two stages. On the H200
-    (2026-11-30, benchmarks/backward_variants.py, head_dim 128, seqlen 4096, fp16) 64 x 128
-    was the fastest tiling non-causal (14.0 ms; 64 x 64: 14.1, 32 x 64: 15.0, 128 x 128: 15.3)
-    and within 2% of the fastest causal (8.07 vs 7.90 ms at 64 x 64).
-
-    Above head_dim 128 the columns are split over two blocks (the accumulators must fit in
-    registers): 32 x 128 (8 warps), 2 stages. On the H200 (same day and script, head_dim
-    256, seqlen 4096, fp16) it took 24.6 ms non-causal and 13.3 causal, against 30.1 and
-    15.9 for 32 x 64 and 28.8 and 15.3 for 64 x 64.
-
-    The rest of each list is for GPUs with less shared memory per block (sm_80: 163 KiB,
-    sm_86/89: 99 KiB), not measured there: 32 x 64 in two stages, then one stage of 16 rows.
-
-    On Hopper (compute capability 9.x) at head_dim 64 and 128, the wgmma kernels
-    (kernels/backward_sm90.py) with two warpgroups and two stages come first. On the H200
-    (2026-11-30, ``benchmarks/backward_variants.py --kernel-variants --wgmma 0 1``, 32k tokens
-    x 2048, fp16 and bf16, seqlen 4096 and 16384, causal and not) they took 0.60-0.66x the
-    time of the mma.sync kernels at head_dim 128 (fp16 non-causal 4096: 8.76 against 13.24
-    ms) and 0.67-0.70x at 64; one warpgroup (64 x 4) was 3% slower non-causal, 1% faster
-    causal (head_dim 128, fp16, 4096). Not on a device of another kind, nor in the simulator
-    (whose tensor-core defaults are not used untuned).
-    """
-    if head_dim > 128:
-        candidates = [TensorCoreBackwardConfig(32, 8, 2, head_split=2),
-                      TensorCoreBackwardConfig(32, 4, 2, head_split=2),
-                      TensorCoreBackwardConfig(16, 4, 1, head_split=2)]  # fmt: skip
-    else:
-        candidates = [TensorCoreBackwardConfig(64, 8, 2), TensorCoreBackwardConfig(32, 4, 2),
-                      TensorCoreBackwardConfig(16, 4, 1)]  # fmt: skip
-        if device is not None and device.has_wgmma and not device.simulated:
-            candidates.insert(0, TensorCoreBackwardConfig(64, 8, 2, wgmma=True))
-    for cfg in candidates:
-        if device is None or not cfg.problems(head_dim, device):
-            return cfg
-    return candidates[-1]
-
-
-_choices = {}
-
-
-def choose_config(family, problem, device):
-    """The configuration a call without ``config=`` runs with, as a ``cache.Selection``.
-
-    A tuned one when the cache has one for this problem on this GPU (numflash/cache.py gives
-    the order), else the heuristic default. Memoised per (problem key, device): every call
-    goes through here, and the lookup must cost a few microseconds at most.
-    """
-    seqlen = max(problem.seqlen_q, problem.seqlen_k)
-    memo_key = (cache.generation, family, problem.dtype, problem.head_dim,
-                problem.window_left < 0, problem.window_right, (seqlen - 1).bit_length(),
-                device)  # fmt: skip
-    choice = _choices.get(memo_key)
-    if choice is None:
-        choice = _choices[memo_key] = _choose(family, problem, device)
-    return choice
-
-
-def default_config(family, head_dim, device):
-    """(head_dim the kernel runs at, heuristic default) for a family: the tensor-core forward
-    runs head dims padded to a multiple of 8, the tensor-core backward to a multiple of 16."""
-    if family == PORTABLE:
-        return head_dim, default_portable_config(head_dim)
-    if family == PORTABLE_BACKWARD:
-        return head_dim, default_portable_backward_config(head_dim)
-    if family == TENSOR_CORE_BACKWARD:
-        head_dim = tensor_core_backward_head_dim(head_dim)
-        return head_dim, default_tensor_core_backward_config(head_dim, device)
-    if family != TENSOR_CORE:
-        raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
-    head_dim = round_up(head_dim, 8)
-    return head_dim, default_tensor_core_config(head_dim, device)
-
-
-def _choose(family, problem, device):
-    head_dim, default = default_config(family, problem.head_dim, device)
-    key = cache.ProblemKey.of(family, problem.dtype, head_dim, problem.seqlen_q,
-                              problem.seqlen_k, problem.window_left, problem.window_right)  # fmt: skip
-    hit = cache.lookup(device.arch, key, feasible=lambda cfg: not cfg.problems(head_dim, device))
-    if hit is not None:
-        return cache.Selection(*hit)
-    return cache.Selection(default, "heuristic")
+    bad = _out_of_choices(cfg)
+    if bad:
+        raise ValueError(f"bad {family} configuration {entry}: " + "; ".join(bad))
+    return cfg

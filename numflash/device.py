@@ -13,8 +13,10 @@ TENSOR_CORE = "tensor-core"
 PORTABLE = "portable"
 #: The backward kernels without tensor cores (every GPU, every dtype, the simulator).
 PORTABLE_BACKWARD = "portable-backward"
-#: The tensor-core backward (sm_80+, fp16/bf16); not yet measured on a GPU, so only on request.
+#: The tensor-core backward on mma.sync (sm_80+, fp16/bf16).
 TENSOR_CORE_BACKWARD = "tensor-core-backward"
+#: The Hopper backward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim 64 and 128).
+WGMMA_BACKWARD = "wgmma-backward"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)
@@ -39,6 +41,8 @@ class DeviceInfo:
         """Whether kernels of ``family`` can run here (the simulator runs every family)."""
         if family in (PORTABLE, PORTABLE_BACKWARD) or self.simulated:
             return True
+        if family == WGMMA_BACKWARD:
+            return self.has_wgmma
         return self.compute_capability >= TENSOR_CORE_MIN_CC
 
     @property

@@ -64,8 +64,9 @@ def _prepare(q, k, v, softmax_scale, convert):
     return qh, kh, vh, scale
 
 
-def attention_reference(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-                        query_chunk=1024):  # fmt: skip
+def attention_reference(
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), query_chunk=1024
+):
     """(out, lse) in float64: out (batch, seqlen_q, nheads, head_dim), lse (batch, nheads, seqlen_q).
 
     Computed ``query_chunk`` query rows at a time so that long sequences fit in memory.
@@ -192,8 +193,9 @@ def _softmax_backward(q, k, v, dout, scale, mask, rounding=None):
     return dq, dk, dv
 
 
-def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=None,
-                                 window_size=(-1, -1), query_chunk=512):  # fmt: skip
+def attention_backward_reference(
+    dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), query_chunk=512
+):
     """(dq, dk, dv) in float64, the gradients of ``sum(attention(q, k, v) * dout)``.
 
     Layouts as :func:`attention_reference`; dk and dv have k's shape (summed over the query
@@ -215,12 +217,16 @@ def attention_backward_reference(dout, q, k, v, *, causal=False, softmax_scale=N
         dk += dk_part
         dv += dv_part
     nheads_k = k.shape[2]
-    return (dq.transpose(0, 2, 1, 3), _sum_groups(dk.transpose(0, 2, 1, 3), nheads_k),
-            _sum_groups(dv.transpose(0, 2, 1, 3), nheads_k))  # fmt: skip
+    return (
+        dq.transpose(0, 2, 1, 3),
+        _sum_groups(dk.transpose(0, 2, 1, 3), nheads_k),
+        _sum_groups(dv.transpose(0, 2, 1, 3), nheads_k),
+    )
 
 
-def attention_backward_naive(dout, q, k, v, *, causal=False, softmax_scale=None,
-                             window_size=(-1, -1)):  # fmt: skip
+def attention_backward_naive(
+    dout, q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
+):
     """The gradients as a plain implementation in the input precision computes them: every
     intermediate (p, dv, dp, ds, dq, dk) rounded to the input dtype, fp32 between roundings,
     GQA sums in fp32. Returns (dq, dk, dv) in the input dtype."""
@@ -233,8 +239,11 @@ def attention_backward_naive(dout, q, k, v, *, causal=False, softmax_scale=None,
     dq, dk, dv = _softmax_backward(qh, kh, vh, doh, xp.float32(scale), mask, rounding)
     nheads_k = k.shape[2]
     dk, dv = (_sum_groups(g.transpose(0, 2, 1, 3), nheads_k) for g in (dk, dv))
-    return (from_float(dq.transpose(0, 2, 1, 3), dtype), from_float(dk, dtype),
-            from_float(dv, dtype))  # fmt: skip
+    return (
+        from_float(dq.transpose(0, 2, 1, 3), dtype),
+        from_float(dk, dtype),
+        from_float(dv, dtype),
+    )
 
 
 class GradCheck(NamedTuple):
@@ -255,8 +264,9 @@ def _rounding_atol(ref, dtype):
     return 2 * _max_abs(shifted - ref)
 
 
-def check_backward(dout, q, k, v, dq, dk, dv, *, causal=False, softmax_scale=None,
-                   window_size=(-1, -1)):  # fmt: skip
+def check_backward(
+    dout, q, k, v, dq, dk, dv, *, causal=False, softmax_scale=None, window_size=(-1, -1)
+):
     """(GradCheck for dq, dk, dv): each gradient against the float64 reference, under twice the
     naive same-precision error plus the dtype's rounding slack (flash-attn's test bar)."""
     xp = array_module(q)

@@ -51,8 +51,9 @@ def to_numpy(x):
     return x if isinstance(x, np.ndarray) else x.get()
 
 
-def assert_matches_reference(q, k, v, out, lse, *, causal=False, window_size=(-1, -1),
-                             softmax_scale=None):  # fmt: skip
+def assert_matches_reference(
+    q, k, v, out, lse, *, causal=False, window_size=(-1, -1), softmax_scale=None
+):
     """out and lse against float64, under 2 x the naive same-precision error + ATOL; rows that
     see no key must give output 0 and lse -inf."""
     kw = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale)

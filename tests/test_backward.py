@@ -1,8 +1,5 @@
 """numflash.attention_backward against float64 reference gradients, and its argument checks."""
 
-import contextlib
-import functools
-
 import numpy as np
 import pytest
 from _support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
@@ -10,11 +7,14 @@ from _support import assert_gradients_match, random_array, random_qkv, to_numpy,
 import numflash
 from numflash.arrays import to_float64
 from numflash.device import current_device
-from numflash.kernels.jit import SIMULATOR
 from numflash.reference import attention_backward_reference, attention_reference
 
-MASKS = {"none": dict(), "causal": dict(causal=True), "window": dict(window_size=(5, 3)),
-         "left": dict(window_size=(20, -1))}  # a left window alone: the dK/dV blocks reversed
+MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window": dict(window_size=(5, 3)),
+    "left": dict(window_size=(20, -1)),
+}  # a left window alone: the dK/dV blocks reversed
 
 
 def _run(q, k, v, mask, **kw):
@@ -48,7 +48,9 @@ def test_reference_gradients_match_finite_differences(mask):
             plus[idx] += eps
             minus[idx] -= eps
             args = dict(q=q, k=k, v=v)
-            numeric[idx] = (loss(**{**args, name: plus}) - loss(**{**args, name: minus})) / (2 * eps)
+            numeric[idx] = (loss(**{**args, name: plus}) - loss(**{**args, name: minus})) / (
+                2 * eps
+            )
         assert np.abs(numeric - grad).max() < 1e-7, name
 
 
@@ -75,8 +77,9 @@ def test_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, ma
 def test_rows_without_keys_contribute_nothing():
     # causal with seqlen_q > seqlen_k: the first rows see no key
     q, k, v = random_qkv(1, 12, 5, 2, 1, 8, "float32")
-    dout, dq, dk, dv = _run(q, k, v, dict(causal=True),
-                            config=numflash.PortableBackwardConfig(16, 16))  # fmt: skip
+    dout, dq, dk, dv = _run(
+        q, k, v, dict(causal=True), config=numflash.PortableBackwardConfig(16, 16)
+    )
     assert bool((to_numpy(dq)[:, :7] == 0).all())
     assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=True)
 
@@ -103,58 +106,118 @@ def test_strided_inputs_and_softmax_scale():
     kw = dict(causal=True, softmax_scale=-0.4)
     out, lse = numflash.attention(q, k, v, return_lse=True, **kw)
     dout = random_array((1, 2, 19, 16), "float16").transpose(0, 2, 1, 3)
-    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, **kw,
-                                             config=numflash.PortableBackwardConfig(16, 16))  # fmt: skip
+    dq, dk, dv = numflash.attention_backward(
+        dout, q, k, v, out, lse, **kw, config=numflash.PortableBackwardConfig(16, 16)
+    )
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **kw)
 
 
 # -- the tensor-core kernel --------------------------------------------------------------------------
 
+TC = numflash.TensorCoreBackwardConfig
+WG = numflash.WgmmaBackwardConfig
+
 TC_SIM_CASES = [
-    ("float16", 16, 9, 21, 1, "none", (16, 1, 2, False)),
-    ("bfloat16", 32, 20, 13, 2, "causal", (32, 2, 2, False)),
-    ("float16", 24, 17, 17, 2, "window", (16, 1, 2, False)),
-    ("bfloat16", 16, 33, 7, 2, "causal", (16, 1, 2, False)),  # the first rows see no key
-    ("float16", 16, 70, 80, 2, "causal", (64, 4, 2, False)),  # several query blocks, two stages
-    ("bfloat16", 32, 45, 40, 2, "none", (32, 4, 1, False)),  # dQ split by columns; one stage
-    ("float16", 32, 50, 70, 1, "causal", (32, 4, 2, False)),  # dQ split by columns; two stages
+    ("float16", 16, 9, 21, 1, "none", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
+    ("bfloat16", 32, 20, 13, 2, "causal", TC(block_m=32, num_warps=2, stages=2, dq_separate=False)),
+    ("float16", 24, 17, 17, 2, "window", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
+    (
+        "bfloat16",
+        16,
+        33,
+        7,
+        2,
+        "causal",
+        TC(block_m=16, num_warps=1, stages=2, dq_separate=False),
+    ),  # the first rows see no key
+    (
+        "float16",
+        16,
+        70,
+        80,
+        2,
+        "causal",
+        TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
+    ),  # several query blocks, two stages
+    (
+        "bfloat16",
+        32,
+        45,
+        40,
+        2,
+        "none",
+        TC(block_m=32, num_warps=4, stages=1, dq_separate=False),
+    ),  # dQ split by columns; one stage
+    (
+        "float16",
+        32,
+        50,
+        70,
+        1,
+        "causal",
+        TC(block_m=32, num_warps=4, stages=2, dq_separate=False),
+    ),  # dQ split by columns; two stages
     # dQ from the separate kernel (deterministic): several key tiles, both stage counts
-    ("float16", 16, 40, 75, 2, "causal", (16, 2, 2, True)),
-    ("bfloat16", 32, 37, 30, 2, "window", (32, 1, 1, True)),
-    ("float16", 16, 9, 33, 1, "none", (16, 1, 2, True)),
-    ("float16", 16, 20, 50, 1, "none", (16, 1, 1, True)),  # one stage over four key tiles
+    ("float16", 16, 40, 75, 2, "causal", TC(block_m=16, num_warps=2, stages=2, dq_separate=True)),
+    ("bfloat16", 32, 37, 30, 2, "window", TC(block_m=32, num_warps=1, stages=1, dq_separate=True)),
+    ("float16", 16, 9, 33, 1, "none", TC(block_m=16, num_warps=1, stages=2, dq_separate=True)),
+    (
+        "float16",
+        16,
+        20,
+        50,
+        1,
+        "none",
+        TC(block_m=16, num_warps=1, stages=1, dq_separate=True),
+    ),  # one stage over four key tiles
     # tiles that need no mask (all of them; those below the diagonal)
-    ("bfloat16", 16, 64, 48, 1, "none", (16, 1, 1, False)),
-    ("float16", 16, 64, 64, 2, "causal", (16, 1, 2, False)),
+    ("bfloat16", 16, 64, 48, 1, "none", TC(block_m=16, num_warps=1, stages=1, dq_separate=False)),
+    ("float16", 16, 64, 64, 2, "causal", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
     # the same with the dQ kernel, two warps: some warps see their whole tile, others not
-    ("float16", 16, 64, 96, 2, "none", (32, 2, 2, True)),
-    ("bfloat16", 32, 64, 64, 1, "causal", (32, 2, 2, True)),
+    ("float16", 16, 64, 96, 2, "none", TC(block_m=32, num_warps=2, stages=2, dq_separate=True)),
+    ("bfloat16", 32, 64, 64, 1, "causal", TC(block_m=32, num_warps=2, stages=2, dq_separate=True)),
     # a left window alone (the dK/dV kernel's key blocks run last first), several key blocks
-    ("float16", 16, 50, 60, 1, "left", (16, 1, 2, True)),
-    ("bfloat16", 16, 40, 40, 2, "left", (16, 1, 1, False)),
+    ("float16", 16, 50, 60, 1, "left", TC(block_m=16, num_warps=1, stages=2, dq_separate=True)),
+    ("bfloat16", 16, 40, 40, 2, "left", TC(block_m=16, num_warps=1, stages=1, dq_separate=False)),
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
-    ("float16", 32, 21, 30, 2, "causal", (16, 1, 2, False, 2)),
-    ("bfloat16", 64, 40, 33, 1, "window", (32, 2, 1, True, 2)),
+    (
+        "float16",
+        32,
+        21,
+        30,
+        2,
+        "causal",
+        TC(block_m=16, num_warps=1, stages=2, dq_separate=False, head_split=2),
+    ),
+    (
+        "bfloat16",
+        64,
+        40,
+        33,
+        1,
+        "window",
+        TC(block_m=32, num_warps=2, stages=1, dq_separate=True, head_split=2),
+    ),
     # the Hopper wgmma kernels (kernels/backward_sm90.py; in the simulator ptx_sm90's Python
     # wgmma reads their swizzled tiles)
-    ("float16", 64, 70, 80, 2, "causal", (64, 8, 2, True, 1, True)),  # two query blocks
-    ("bfloat16", 64, 40, 150, 1, "window", (64, 4, 1, True, 1, True)),  # three key blocks
-    ("bfloat16", 128, 65, 33, 1, "none", (64, 4, 2, True, 1, True)),  # two head_dim atoms
-    ("float16", 64, 50, 60, 2, "left", (64, 4, 2, True, 1, True)),  # key blocks last first
+    ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2)),  # two query blocks
+    ("bfloat16", 64, 40, 150, 1, "window", WG(num_warps=4, stages=1)),  # three key blocks
+    ("bfloat16", 128, 65, 33, 1, "none", WG(num_warps=4, stages=2)),  # two head_dim atoms
+    ("float16", 64, 50, 60, 2, "left", WG(num_warps=4, stages=2)),  # key blocks last first
 ]
 
 
-def _tensor_core_backward_config(tiles):
+def _tensor_core_backward_config(cfg):
     """The configuration of a test case; a skip where it asks for wgmma and the GPU has none."""
-    cfg = numflash.TensorCoreBackwardConfig(*tiles)
-    if cfg.wgmma and not current_device().has_wgmma:
+    if isinstance(cfg, WG) and not current_device().has_wgmma:
         pytest.skip("wgmma needs compute capability 9.x")
     return cfg
 
 
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_SIM_CASES)
-def test_tensor_core_backward_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask,
-                                                tiles):  # fmt: skip
+def test_tensor_core_backward_matches_reference(
+    dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles
+):
     """The tensor-core kernels' own source (mma.sync, and wgmma where asked), in the simulator
     on CI and on the GPU."""
     cfg = _tensor_core_backward_config(tiles)
@@ -164,31 +227,123 @@ def test_tensor_core_backward_matches_reference(dtype, head_dim, seqlen_q, seqle
 
 
 TC_GPU_CASES = [
-    pytest.param(dtype, hd, sq, sk, gqa, mask, tiles,
-                 id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-" + "x".join(map(str, tiles)))
+    pytest.param(
+        dtype, hd, sq, sk, gqa, mask, tiles, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-{tiles}"
+    )
     for dtype, hd, (sq, sk), gqa, mask, tiles in [
-        ("float16", 64, (1023, 517), 1, "causal", (64, 4, 2, False)),
-        ("bfloat16", 128, (256, 256), 2, "none", (64, 4, 2, False)),
-        ("float16", 128, (113, 203), 4, "window", (32, 2, 2, False)),
-        ("bfloat16", 96, (517, 1023), 1, "causal", (128, 8, 2, False)),
-        ("float16", 40, (300, 300), 2, "none", (64, 2, 2, False)),
-        ("bfloat16", 64, (300, 451), 1, "window", (32, 4, 1, False)),  # 1 stage, dQ split by cols
-        ("float16", 128, (777, 777), 2, "causal", (64, 8, 1, False)),
-        ("bfloat16", 128, (1023, 517), 2, "causal", (64, 8, 2, True)),  # the dQ kernel
-        ("float16", 64, (300, 451), 1, "window", (128, 4, 2, True)),
-        ("float16", 96, (113, 203), 4, "none", (32, 2, 1, True)),
-        ("bfloat16", 256, (517, 1023), 2, "causal", (32, 4, 2, False, 2)),  # head_dim 256
-        ("float16", 200, (300, 300), 1, "window", (32, 4, 2, True, 2)),  # padded to 224
-        ("float16", 128, (777, 777), 2, "none", (64, 4, 2, False, 2)),
+        (
+            "float16",
+            64,
+            (1023, 517),
+            1,
+            "causal",
+            TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
+        ),
+        (
+            "bfloat16",
+            128,
+            (256, 256),
+            2,
+            "none",
+            TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
+        ),
+        (
+            "float16",
+            128,
+            (113, 203),
+            4,
+            "window",
+            TC(block_m=32, num_warps=2, stages=2, dq_separate=False),
+        ),
+        (
+            "bfloat16",
+            96,
+            (517, 1023),
+            1,
+            "causal",
+            TC(block_m=128, num_warps=8, stages=2, dq_separate=False),
+        ),
+        (
+            "float16",
+            40,
+            (300, 300),
+            2,
+            "none",
+            TC(block_m=64, num_warps=2, stages=2, dq_separate=False),
+        ),
+        (
+            "bfloat16",
+            64,
+            (300, 451),
+            1,
+            "window",
+            TC(block_m=32, num_warps=4, stages=1, dq_separate=False),
+        ),  # 1 stage, dQ split by cols
+        (
+            "float16",
+            128,
+            (777, 777),
+            2,
+            "causal",
+            TC(block_m=64, num_warps=8, stages=1, dq_separate=False),
+        ),
+        (
+            "bfloat16",
+            128,
+            (1023, 517),
+            2,
+            "causal",
+            TC(block_m=64, num_warps=8, stages=2, dq_separate=True),
+        ),  # the dQ kernel
+        (
+            "float16",
+            64,
+            (300, 451),
+            1,
+            "window",
+            TC(block_m=128, num_warps=4, stages=2, dq_separate=True),
+        ),
+        (
+            "float16",
+            96,
+            (113, 203),
+            4,
+            "none",
+            TC(block_m=32, num_warps=2, stages=1, dq_separate=True),
+        ),
+        (
+            "bfloat16",
+            256,
+            (517, 1023),
+            2,
+            "causal",
+            TC(block_m=32, num_warps=4, stages=2, dq_separate=False, head_split=2),
+        ),  # head_dim 256
+        (
+            "float16",
+            200,
+            (300, 300),
+            1,
+            "window",
+            TC(block_m=32, num_warps=4, stages=2, dq_separate=True, head_split=2),
+        ),  # padded to 224
+        (
+            "float16",
+            128,
+            (777, 777),
+            2,
+            "none",
+            TC(block_m=64, num_warps=4, stages=2, dq_separate=False, head_split=2),
+        ),
         # dK/dV from the Hopper wgmma kernel (compute capability 9.x only)
-        ("float16", 128, (1023, 517), 2, "causal", (64, 8, 2, True, 1, True)),
-        ("bfloat16", 128, (777, 777), 1, "none", (64, 8, 1, True, 1, True)),
-        ("bfloat16", 120, (113, 203), 4, "window", (64, 8, 2, True, 1, True)),  # padded to 128
-        ("float16", 64, (300, 451), 2, "window", (64, 4, 2, True, 1, True)),
-        ("bfloat16", 64, (517, 1023), 1, "left", (64, 8, 2, True, 1, True)),
-        ("float16", 128, (2048, 2048), 1, "causal", (64, 4, 2, True, 1, True)),
+        ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2)),
+        ("bfloat16", 128, (777, 777), 1, "none", WG(num_warps=8, stages=1)),
+        ("bfloat16", 120, (113, 203), 4, "window", WG(num_warps=8, stages=2)),  # padded to 128
+        ("float16", 64, (300, 451), 2, "window", WG(num_warps=4, stages=2)),
+        ("bfloat16", 64, (517, 1023), 1, "left", WG(num_warps=8, stages=2)),
+        ("float16", 128, (2048, 2048), 1, "causal", WG(num_warps=4, stages=2)),
     ]
-]  # fmt: skip
+]
 
 
 @pytest.mark.gpu
@@ -201,41 +356,37 @@ def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, m
 
 
 @pytest.mark.parametrize("mask", ["causal", "left"])
-def test_blocks_in_heavy_group_order_match_reference(mask, monkeypatch):
+def test_blocks_in_heavy_group_order_match_reference(mask):
     """Blocks started in groups of (head, batch) pairs, heaviest rows first across a group
-    (backward.build_kernels' heavy_group; the library's is 8): 3 heads x 2 batches in groups
-    of 4, the second group partial, for both kernels."""
-    from numflash import api
-    from numflash.kernels import backward
+    (backward_mma.build_kernels' heavy_group; the library's is 8): 3 heads x 2 batches in
+    groups of 4, the second group partial, for both kernels."""
+    from numflash import launch
+    from numflash.kernels import backward_mma
+    from numflash.reference import check_backward
+    from numflash.validation import problem
 
-    monkeypatch.setattr(backward, "build_kernels",
-                        functools.partial(backward.build_kernels, heavy_group=4))  # fmt: skip
-    api._launchers.clear()  # launchers built with the library's order
-    try:
-        q, k, v = random_qkv(2, 40, 36, 3, 3, 16, "bfloat16")
-        dout, dq, dk, dv = _run(q, k, v, MASKS[mask],
-                                config=numflash.TensorCoreBackwardConfig(16, 1, 2, True))  # fmt: skip
-    finally:
-        api._launchers.clear()
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
+    q, k, v = random_qkv(2, 40, 36, 3, 3, 16, "bfloat16")
+    out, lse = numflash.attention(q, k, v, return_lse=True, **MASKS[mask])
+    dout = random_array(q.shape, "bfloat16")
+    *_, p = problem(
+        q, k, v, MASKS[mask].get("causal", False), None, MASKS[mask].get("window_size", (-1, -1))
+    )
+    kernels = backward_mma.build_kernels(16, "bfloat16", 16, 1, 2, True, heavy_group=4)
+    cfg = numflash.TensorCoreBackwardConfig(16, 1, 2, True)
+    dq, dk, dv = (xp.empty(x.shape, x.dtype) for x in (q, k, v))
 
+    def launchers(head_dim):
+        key = ("heavy_group=4", head_dim)
+        return (
+            launch.launcher(
+                key + ("dkdv",), lambda: kernels.dkdv, launch.TENSOR_CORE_DKDV, "bfloat16"
+            ),
+            launch.launcher(key + ("dq",), lambda: kernels.dq, launch.DQ, "bfloat16"),
+        )
 
-@pytest.mark.parametrize("head_dim", [16, 24])  # 24 is padded to 32: dQ copied after the join
-def test_dq_kernel_beside_dkdv_matches_reference(head_dim, monkeypatch):
-    """The dQ kernel on a second stream beside the dK/dV kernel (api._DQ_BESIDE_DKDV), the
-    caller on a stream of its own; in the simulator, the same calls in order."""
-    from numflash import api
-
-    monkeypatch.setattr(api, "_DQ_BESIDE_DKDV", True)
-    q, k, v = random_qkv(1, 40, 50, 2, 1, head_dim, "float16")
-    # a blocking stream: it waits for the inputs made on the default one
-    stream = contextlib.nullcontext() if SIMULATOR else xp.cuda.Stream()
-    with stream:
-        dout, dq, dk, dv = _run(q, k, v, MASKS["causal"],
-                                config=numflash.TensorCoreBackwardConfig(16, 1, 2, True))  # fmt: skip
-        if not SIMULATOR:
-            xp.cuda.get_current_stream().synchronize()
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS["causal"])
+    launch._tensor_core_backward(cfg, launchers, p, dout, q, k, v, out, lse, dq, dk, dv)
+    for result in check_backward(dout, q, k, v, dq, dk, dv, **MASKS[mask]):
+        assert result.nan == 0 and result.err <= result.bar, result
 
 
 def test_tensor_core_backward_with_separate_dq_is_deterministic(fwd):
@@ -248,20 +399,37 @@ def test_tensor_core_backward_with_separate_dq_is_deterministic(fwd):
 
 def test_tensor_core_backward_refuses_what_it_cannot_do(fwd):
     with pytest.raises(ValueError, match="deterministic=True needs dq_separate=True"):
-        _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False),
-              deterministic=True)
+        _call(
+            fwd,
+            config=numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False),
+            deterministic=True,
+        )
     q32 = random_array((1, 5, 2, 8), "float32")
     k32, v32 = (random_array((1, 6, 1, 8), "float32") for _ in range(2))
     with pytest.raises(TypeError, match="tensor-core backward takes float16 or bfloat16"):
-        _call(fwd, q=q32, k=k32, v=v32, dout=q32, out=q32,
-              config=numflash.TensorCoreBackwardConfig(16, 1))  # fmt: skip
+        _call(
+            fwd,
+            q=q32,
+            k=k32,
+            v=v32,
+            dout=q32,
+            out=q32,
+            config=numflash.TensorCoreBackwardConfig(16, 1),
+        )
     with pytest.raises(ValueError, match="2 warps cannot share dQ's 1 row tiles x 2 column"):
         _call(fwd, config=numflash.TensorCoreBackwardConfig(16, 2, dq_separate=False))
-    big = dict(q=random_array((1, 5, 2, 256), "float16"), dout=random_array((1, 5, 2, 256), "float16"),
-               out=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256), "float16"),
-               v=random_array((1, 6, 1, 256), "float16"))  # fmt: skip
-    with pytest.raises(ValueError, match="head_dim=256 with head_split=1: each block's 256/1 "
-                                         "columns must be a multiple of 16 in \\[16, 128\\]"):
+    big = dict(
+        q=random_array((1, 5, 2, 256), "float16"),
+        dout=random_array((1, 5, 2, 256), "float16"),
+        out=random_array((1, 5, 2, 256), "float16"),
+        k=random_array((1, 6, 1, 256), "float16"),
+        v=random_array((1, 6, 1, 256), "float16"),
+    )
+    with pytest.raises(
+        ValueError,
+        match="head_dim=256 with head_split=1: each block's 256/1 "
+        "columns must be a multiple of 16 in \\[16, 128\\]",
+    ):
         _call(fwd, **big, config=numflash.TensorCoreBackwardConfig(16, 1))
 
 
@@ -299,16 +467,18 @@ def _poison_pool(nbytes=64 << 20):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, numflash.PortableBackwardConfig()],
-                         ids=["default-tensor-core", "portable"])  # fmt: skip
+@pytest.mark.parametrize(
+    "config", [None, numflash.PortableBackwardConfig()], ids=["default-tensor-core", "portable"]
+)
 def test_backward_is_deterministic(config):
     q, k, v = random_qkv(2, 777, 777, 8, 2, 128, "bfloat16")
     dout, *first = _run(q, k, v, dict(causal=True), deterministic=True, config=config)
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
     assert_gradients_match(dout, q, k, v, *first, causal=True)
     for _ in range(20):
-        again = numflash.attention_backward(dout, q, k, v, out, lse, causal=True,
-                                            deterministic=True, config=config)  # fmt: skip
+        again = numflash.attention_backward(
+            dout, q, k, v, out, lse, causal=True, deterministic=True, config=config
+        )
         for a, b in zip(first, again):
             assert bool((a.view(xp.uint16) == b.view(xp.uint16)).all())
 
@@ -325,36 +495,58 @@ def fwd():
 
 def _call(fwd, **changes):
     args = {**fwd, **changes}
-    kw = {name: args.pop(name) for name in list(args) if name not in
-          ("dout", "q", "k", "v", "out", "lse")}  # fmt: skip
-    return numflash.attention_backward(args["dout"], args["q"], args["k"], args["v"],
-                                       args["out"], args["lse"], **kw)  # fmt: skip
+    kw = {
+        name: args.pop(name)
+        for name in list(args)
+        if name not in ("dout", "q", "k", "v", "out", "lse")
+    }
+    return numflash.attention_backward(
+        args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"], **kw
+    )
 
 
-def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, monkeypatch):
-    """fp16/bf16 on a GPU with mma.sync: the tensor-core backward at every head_dim and with
-    deterministic=True, where a tuned atomic configuration gets the dQ kernel instead."""
+def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path, monkeypatch):
+    """fp16/bf16 on a GPU with mma.sync: the tensor-core backward at every head_dim (wgmma on
+    Hopper where it fits), and with deterministic=True a tuned atomic configuration gets the
+    dQ kernel instead."""
     import dataclasses
 
-    from numflash import api, cache
+    from numflash import cache, selection
+    from numflash.validation import problem
 
-    gpu = dataclasses.replace(numflash.device.current_device(), compute_capability=(9, 0),
-                              simulated=False)  # fmt: skip
-    monkeypatch.setattr(api, "current_device", lambda: gpu)
+    monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(tmp_path))
+    cache.reload()
+    h200 = dataclasses.replace(
+        numflash.device.current_device(), compute_capability=(9, 0), simulated=False
+    )
+    a100 = dataclasses.replace(h200, compute_capability=(8, 0))
     q, k, v = fwd["q"], fwd["k"], fwd["v"]
     big = [random_array(x.shape[:-1] + (256,), "float16") for x in (q, k, v)]
-    for args, kw in [((q, k, v), {}), ((q, k, v), dict(deterministic=True)), (big, {})]:
-        cfg, source = numflash.selected_backward_config(*args, **kw)
+    p = problem(q, k, v, False, None, (-1, -1))[-1]
+    p_big = problem(*big, False, None, (-1, -1))[-1]
+    for device, deterministic in [(a100, False), (a100, True)]:
+        cfg, source = selection.backward(p, device, deterministic)
         assert isinstance(cfg, numflash.TensorCoreBackwardConfig) and cfg.dq_separate
         assert source == "heuristic"
-    assert numflash.selected_backward_config(*big)[0].head_split == 2
+    assert selection.backward(p_big, a100, False).config.head_split == 2
+    assert selection.backward(p_big, h200, False).config.head_split == 2  # no wgmma at 256
+    assert selection.backward(p, h200, False).config == numflash.TensorCoreBackwardConfig()
+    hd64 = [random_array(x.shape[:-1] + (64,), "float16") for x in (q, k, v)]
+    p64 = problem(*hd64, False, None, (-1, -1))[-1]
+    assert selection.backward(p64, h200, False).config == numflash.WgmmaBackwardConfig()
+    assert selection.backward(p64, a100, False).config == numflash.TensorCoreBackwardConfig()
 
-    tuned = cache.Selection(numflash.TensorCoreBackwardConfig(32, 4, dq_separate=False), "user X")
-    monkeypatch.setattr(api.configs, "choose_config", lambda family, p, device: tuned)
-    assert numflash.selected_backward_config(q, k, v) == tuned
-    cfg, source = numflash.selected_backward_config(q, k, v, deterministic=True)
-    assert cfg == numflash.TensorCoreBackwardConfig(32, 4, dq_separate=True)
-    assert source == "user X, dq_separate for deterministic=True"
+    atomic = numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False)
+    key = cache.ProblemKey.of("tensor-core-backward", "float16", 16, 5, 7, -1, -1)
+    path = cache.record(a100, {key: {"config": atomic.to_dict(), "time_ms": 1.0}})
+    try:
+        cfg, source = selection.backward(p, a100, False)
+        assert cfg == atomic and source == f"user cache {path}"
+        cfg, source = selection.backward(p, a100, True)
+        assert cfg == numflash.TensorCoreBackwardConfig(16, 1, dq_separate=True)
+        assert source == f"user cache {path}, dq_separate for deterministic=True"
+    finally:
+        cache.reload()
 
 
 def test_dout_of_the_wrong_shape(fwd):
@@ -392,14 +584,18 @@ def test_deterministic_must_be_bool(fwd):
 
 
 def test_backward_config_is_checked(fwd):
-    with pytest.raises(TypeError, match="PortableBackwardConfig, a numflash.TensorCoreBackwardConfig"):
+    with pytest.raises(TypeError, match="config must be one of numflash.TensorCoreBackwardConfig"):
         _call(fwd, config=numflash.PortableConfig())
     with pytest.raises(ValueError, match="static shared memory"):
-        _call(fwd, q=random_array((1, 5, 2, 256), "float16"), k=random_array((1, 6, 1, 256),
-              "float16"), v=random_array((1, 6, 1, 256), "float16"),
-              dout=random_array((1, 5, 2, 256), "float16"),
-              out=random_array((1, 5, 2, 256), "float16"),
-              config=numflash.PortableBackwardConfig(128, 128))  # fmt: skip
+        _call(
+            fwd,
+            q=random_array((1, 5, 2, 256), "float16"),
+            k=random_array((1, 6, 1, 256), "float16"),
+            v=random_array((1, 6, 1, 256), "float16"),
+            dout=random_array((1, 5, 2, 256), "float16"),
+            out=random_array((1, 5, 2, 256), "float16"),
+            config=numflash.PortableBackwardConfig(128, 128),
+        )
 
 
 @pytest.mark.gpu
@@ -412,8 +608,23 @@ def test_round_scaled_into_matches_from_float_bitwise(dtype):
 
     rng = np.random.default_rng(7)
     src = rng.standard_normal((3, 50, 2, 40)).astype(np.float32) * np.float32(1e3)
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65520.0, 1e-8, -3e-39,
-                        1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.4e38], dtype=np.float32)  # fmt: skip
+    special = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            65504.0,
+            65520.0,
+            1e-8,
+            -3e-39,
+            1.0 + 2.0**-8,
+            1.0 + 3 * 2.0**-8,
+            3.4e38,
+        ],
+        dtype=np.float32,
+    )
     src.reshape(-1)[: special.size] = special
     padded = xp.asarray(np.concatenate([src, np.zeros_like(src[..., :8])], axis=-1))[..., :40]
     dst = xp.empty(src.shape, dtype=arrays.BFLOAT16 if dtype == "bfloat16" else np.float16)

@@ -17,7 +17,12 @@ SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name !=
 def test_benchmark_script_help(script):
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"],
-                          capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage:"), done.stdout[:500]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from numflash.kernels.backward import dq_split
+from numflash.kernels.backward_mma import dq_split
 
 HERE = Path(__file__).parent
 
@@ -24,8 +24,11 @@ def compiled():
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
         [sys.executable, str(HERE / "compile_targets.py")],
-        capture_output=True, text=True, env=env, timeout=1200,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -42,9 +45,14 @@ def test_tensor_core_kernels_compile_for_every_target(compiled):
     assert targets == {"sm_80", "sm_86", "sm_89", "sm_90a"}
     for e in entries:
         counts = e["counts"]
-        for instruction in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned",
-                            "cp.async.cg.shared.global", "cp.async.wait_group", "ex2.approx"):
-            assert counts[instruction] > 0, f"{instruction} missing from {e}"  # fmt: skip
+        for instruction in (
+            "mma.sync.aligned.m16n8k16",
+            "ldmatrix.sync.aligned",
+            "cp.async.cg.shared.global",
+            "cp.async.wait_group",
+            "ex2.approx",
+        ):
+            assert counts[instruction] > 0, f"{instruction} missing from {e}"
 
 
 def test_tensor_core_mma_count_matches_the_tiles(compiled):
@@ -78,7 +86,9 @@ def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
 def test_portable_backward_kernels_compile_for_every_target(compiled):
     entries = _entries(compiled, "portable-backward")
     assert {(e["kernel"], e["target"]) for e in entries} == {
-        (kernel, target) for kernel in ("preprocess", "dkdv", "dq") for target in ("sm_75", "sm_90a")
+        (kernel, target)
+        for kernel in ("preprocess", "dkdv", "dq")
+        for target in ("sm_75", "sm_90a")
     }
     for e in entries:
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
@@ -98,7 +108,8 @@ def test_tensor_core_backward_compiles_for_every_target(compiled):
         if e["kernel"] == "dq":
             # Per warp and key tile: the scores, then dQ ((block_m/16) (part/8))
             assert e["counts"]["mma.sync.aligned.m16n8k16"] == scores + (block_m // 16) * (
-                part // 8), e
+                part // 8
+            ), e
             assert e["counts"]["ex2.approx"] > 0
             continue
         # Per warp and query block: the scores, dV and dK ((block_m/16) (part/8) each), and
@@ -127,11 +138,13 @@ def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
     entries = _entries(compiled, "shipped")
     assert {e["target"] for e in entries} == {"sm_90a"}  # sm_90.json serves Hopper only
     for e in entries:
-        for instruction in ("mma.sync.aligned.m16n8k16", "ldmatrix.sync.aligned",
-                            "cp.async.cg.shared.global"):
-            assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"  # fmt: skip
+        for instruction in (
+            "mma.sync.aligned.m16n8k16",
+            "ldmatrix.sync.aligned",
+            "cp.async.cg.shared.global",
+        ):
+            assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"
         assert e["resources"]["spill_stores"] <= 8, e
-
 
 
 def test_wgmma_tiles_assemble_for_sm90a(compiled):
@@ -142,10 +155,13 @@ def test_wgmma_tiles_assemble_for_sm90a(compiled):
     import wgmma_gemm
 
     entries = _entries(compiled, "wgmma")
-    steps = {**{v: k // 16 for v, k in wgmma_gemm.VARIANTS.items()},
-             "chain": wgmma_gemm.CHAIN_K // 16 + 4}  # fmt: skip
+    steps = {
+        **{v: k // 16 for v, k in wgmma_gemm.VARIANTS.items()},
+        "chain": wgmma_gemm.CHAIN_K // 16 + 4,
+    }
     assert {(e["dtype"], e["variant"]) for e in entries} == {
-        (dtype, variant) for dtype in ("float16", "bfloat16") for variant in steps}
+        (dtype, variant) for dtype in ("float16", "bfloat16") for variant in steps
+    }
     for e in entries:
         assert e["target"] == "sm_90a"
         assert e["counts"]["wgmma.mma_async"] == steps[e["variant"]], e
@@ -168,7 +184,8 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     to a helper routine, remark C7509)."""
     entries = _entries(compiled, "wgmma-backward")
     assert {(e["head_dim"], e["kernel"]) for e in entries} == {
-        (hd, kernel) for hd in (64, 128) for kernel in ("dkdv", "dq")}
+        (hd, kernel) for hd in (64, 128) for kernel in ("dkdv", "dq")
+    }
     for e in entries:
         assert e["target"] == "sm_90a"
         products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}

@@ -24,7 +24,9 @@ def _covering_cases(dtypes, head_dims, seqlens, gqa_ratios):
     for i, (dtype, hd, (sq, sk)) in enumerate(itertools.product(dtypes, head_dims, seqlens)):
         mask = list(MASKS)[i % len(MASKS)]
         ratio = gqa_ratios[(i // len(MASKS)) % len(gqa_ratios)]
-        yield pytest.param(dtype, hd, sq, sk, ratio, mask, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{ratio}-{mask}")
+        yield pytest.param(
+            dtype, hd, sq, sk, ratio, mask, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{ratio}-{mask}"
+        )
 
 
 SEQLENS = [(1, 1), (7, 33), (33, 7), (80, 80), (33, 80)]
@@ -234,7 +236,6 @@ def test_memory_is_linear_in_seqlen():
     assert extra <= out.nbytes + lse.nbytes + 4096, extra
 
 
-
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
 @pytest.mark.parametrize(
     "cfg", [TensorCoreConfig(16, 16, 1, 2, True), PortableConfig(32, 16)], ids=["tc", "portable"]
@@ -243,8 +244,9 @@ def test_negative_and_zero_softmax_scale(scale, cfg):
     # The tensor-core kernel folds the scale into exp2 after a max over unscaled scores; the
     # API must still give the exact attention for scales that reverse or erase the order.
     q, k, v = random_qkv(1, 17, 23, 2, 1, 16, "float16")
-    out, lse = numflash.attention(q, k, v, causal=True, softmax_scale=scale, return_lse=True,
-                                  config=cfg)  # fmt: skip
+    out, lse = numflash.attention(
+        q, k, v, causal=True, softmax_scale=scale, return_lse=True, config=cfg
+    )
     assert_matches_reference(q, k, v, out, lse, causal=True, softmax_scale=scale)
 
 

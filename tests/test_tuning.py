@@ -40,8 +40,14 @@ def cache_dirs(tmp_path, monkeypatch):
 
 
 def entry(cfg, time_ms=1.0):
-    return {"config": cfg.to_dict(), "time_ms": time_ms, "default_ms": 2.0,
-            "default_config": TensorCoreConfig().to_dict(), "trials": 3, "date": "2026-11-29"}  # fmt: skip
+    return {
+        "config": cfg.to_dict(),
+        "time_ms": time_ms,
+        "default_ms": 2.0,
+        "default_config": TensorCoreConfig().to_dict(),
+        "trials": 3,
+        "date": "2026-11-29",
+    }
 
 
 # -- search space ------------------------------------------------------------------------------
@@ -49,8 +55,13 @@ def entry(cfg, time_ms=1.0):
 
 def test_space_is_derived_from_the_config_fields():
     params = space.params(TensorCoreConfig)
-    assert set(params) == {"block_m_log2", "block_n_log2", "num_warps_log2", "stages",
-                           "q_in_registers"}  # fmt: skip
+    assert set(params) == {
+        "block_m_log2",
+        "block_n_log2",
+        "num_warps_log2",
+        "stages",
+        "q_in_registers",
+    }
     assert params["block_n_log2"] == ("log2", (4, 5, 6, 7))
     assert params["q_in_registers"] == ("categorical", (True, False))
     sizes = [len(c) for c in knob_choices(TensorCoreConfig).values()]
@@ -89,16 +100,21 @@ def test_keys_and_buckets():
 def test_record_then_lookup(cache_dirs):
     path = cache.record(H200, {KEY: entry(CFG)})
     data = json.loads(path.read_text())
-    assert data["arch"] == "sm_90" and data["kernel_hashes"] == {KEY.family: cache.kernel_hash(KEY.family)}
-    assert data["entries"][str(KEY)]["kernel_hash"] == cache.kernel_hash(KEY.family)
+    assert data["arch"] == "sm_90" and data["kernel_revisions"] == {KEY.family: CFG.REVISION}
+    assert data["entries"][str(KEY)]["kernel_revision"] == CFG.REVISION
     assert data["device"] == "NVIDIA H200" and data["numflash_version"] == numflash.__version__
-    cfg, source = cache.lookup("sm_90", KEY)
-    assert cfg == CFG and source.startswith("user cache")
+    cfg, source, time_ms = cache.lookup("sm_90", KEY)
+    assert cfg == CFG and source.startswith("user cache") and time_ms == entry(CFG)["time_ms"]
 
 
 def test_nearest_sequence_bucket(cache_dirs):
-    cache.record(H200, {KEY._replace(seqlen=1024): entry(TensorCoreConfig(64, 64, 4, 2, True)),
-                        KEY._replace(seqlen=16384): entry(CFG)})  # fmt: skip
+    cache.record(
+        H200,
+        {
+            KEY._replace(seqlen=1024): entry(TensorCoreConfig(64, 64, 4, 2, True)),
+            KEY._replace(seqlen=16384): entry(CFG),
+        },
+    )
     assert cache.lookup("sm_90", KEY._replace(seqlen=8192))[0] == CFG
     assert cache.lookup("sm_90", KEY._replace(seqlen=2048))[0].block_m == 64
     assert cache.lookup("sm_90", KEY._replace(dtype="bfloat16")) is None
@@ -107,16 +123,18 @@ def test_nearest_sequence_bucket(cache_dirs):
 def test_lookup_order_user_then_shipped_then_same_major(cache_dirs):
     user, shipped = cache_dirs
     sm80 = DeviceInfo("A100", (8, 0), 108, 166912, 1024)
-    cache.record(sm80, {KEY: entry(TensorCoreConfig(64, 32, 4, 2, False))},
-                 path=shipped / "sm_80.json")  # fmt: skip
+    cache.record(
+        sm80, {KEY: entry(TensorCoreConfig(64, 32, 4, 2, False))}, path=shipped / "sm_80.json"
+    )
     # sm_86 has no file of its own: the nearest shipped file of major 8 answers.
-    cfg, source = cache.lookup("sm_86", KEY)
+    cfg, source, _ = cache.lookup("sm_86", KEY)
     assert cfg.block_m == 64 and "nearest of the same major" in source
-    cache.record(H200, {KEY: entry(TensorCoreConfig(64, 64, 4, 2, True))},
-                 path=shipped / "sm_90.json")  # fmt: skip
+    cache.record(
+        H200, {KEY: entry(TensorCoreConfig(64, 64, 4, 2, True))}, path=shipped / "sm_90.json"
+    )
     assert cache.lookup("sm_90", KEY)[1].startswith("shipped")
     cache.record(H200, {KEY: entry(CFG)})
-    assert cache.lookup("sm_90", KEY) == (CFG, f"user cache {user / 'sm_90.json'}")
+    assert cache.lookup("sm_90", KEY)[:2] == (CFG, f"user cache {user / 'sm_90.json'}")
     # A tuned configuration that cannot run here is passed over.
     assert cache.lookup("sm_90", KEY._replace(head_dim=120), feasible=lambda c: False) is None
 
@@ -134,26 +152,19 @@ def test_corrupt_file_warns_once_and_falls_back(cache_dirs):
     assert cache.lookup("sm_90", KEY)[0] == CFG
 
 
-def test_entries_of_other_kernel_sources_are_ignored(cache_dirs):
+def test_entries_of_another_kernel_revision_are_ignored(cache_dirs):
     portable_key = cache.ProblemKey("portable", "float32", 64, "full", 4096)
     portable = PortableConfig(32, 32)
     path = cache.record(H200, {KEY: entry(CFG), portable_key: entry(portable)})
     data = json.loads(path.read_text())
-    data["entries"][str(KEY)]["kernel_hash"] = "0" * 16
+    data["entries"][str(KEY)]["kernel_revision"] = CFG.REVISION - 1
     data["numflash_version"] = "0.0.1"
     path.write_text(json.dumps(data))
     cache.reload()
-    with pytest.warns(RuntimeWarning, match="tensor-core entries were tuned for other kernel"):
+    with pytest.warns(RuntimeWarning, match="tensor-core entries were tuned for another revision"):
         assert cache.lookup("sm_90", KEY) is None
-    # Only the family whose sources changed loses its entries.
+    # Only the family whose kernels changed loses its entries.
     assert cache.lookup("sm_90", portable_key)[0] == portable
-
-
-def test_kernel_hash_follows_the_family_sources():
-    assert cache.kernel_hash("tensor-core") != cache.kernel_hash("portable")
-    for family, names in cache.FAMILY_SOURCES.items():
-        for name in names:
-            assert (cache._KERNEL_DIR / name).is_file(), (family, name)
 
 
 def test_file_of_another_architecture_is_ignored(cache_dirs):
@@ -176,8 +187,10 @@ def test_concurrent_writers_lose_nothing(cache_dirs):
     ctx = multiprocessing.get_context("spawn")
     writers, count = 3, 25
     start = ctx.Barrier(writers + 1)
-    procs = [ctx.Process(target=_write_keys, args=(str(user), w * count, count, start))
-             for w in range(writers)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_write_keys, args=(str(user), w * count, count, start))
+        for w in range(writers)
+    ]
     for p in procs:
         p.start()
     start.wait(120)
@@ -207,8 +220,11 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
     env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
     proc = subprocess.run(
         [sys.executable, "-m", "numflash.cli", "autotune", "--quick", "--dry-run"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "4 keys x 8 trials" in proc.stdout
     assert "tensor-core/float16/hd128/causal/s4096:" in proc.stdout
@@ -224,8 +240,9 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     device = numflash.device.current_device()
     key = cache.ProblemKey("portable", "float32", 16, "causal", 128)
     workload = Workload(batch=1, nheads=1, seqlen=40, check_seqlen=24, check_nheads=1)
-    result = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3),
-                      progress=True)  # fmt: skip
+    result = tune_key(
+        key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3), progress=True
+    )
     assert result.complete >= 1 and result.best_config is not None
     # One progress bar over the measured configurations, ending at 3 of 3 with the best time.
     bar = capsys.readouterr().err.split("\r")
@@ -238,7 +255,11 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     # Resuming: asking for 3 trials again runs nothing new.
     again = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
     assert (again.complete, again.pruned, again.rejected, again.skipped) == (
-        result.complete, result.pruned, result.rejected, result.skipped)
+        result.complete,
+        result.pruned,
+        result.rejected,
+        result.skipped,
+    )
     cache.record(device, {key: result.entry()})
     q, k, v = random_qkv(1, 100, 100, 2, 1, 16, "float32")
     chosen = numflash.selected_config(q, k, v, causal=True)
@@ -252,48 +273,58 @@ def test_backward_families_have_defaults_and_spaces():
     from numflash.config import (
         PortableBackwardConfig,
         TensorCoreBackwardConfig,
-        default_config,
+        WgmmaBackwardConfig,
     )
+    from numflash.selection import default_config
 
     assert default_config("portable-backward", 40, H200) == (40, PortableBackwardConfig(64, 64))
-    from numflash.kernels.backward import dq_split
+    from numflash.kernels.backward_mma import dq_split
 
     # the dQ kernel (the default) has no dQ split to even out: 8 warps at head_dim 48 too
     assert default_config("tensor-core-backward", 40, H200) == (
-        48, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
-    # Hopper at head_dim 64 and 128: the wgmma kernels; elsewhere, and on other GPUs, mma.sync
-    for hd in (64, 128):
-        assert default_config("tensor-core-backward", hd, H200) == (
-            hd, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True, wgmma=True))
-        assert default_config("tensor-core-backward", hd, A100) == (
-            hd, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
-    assert default_config("tensor-core-backward", 96, H200) == (
-        96, TensorCoreBackwardConfig(64, 8, 2, dq_separate=True))
-    wgmma = TensorCoreBackwardConfig(64, 8, 2, wgmma=True)
+        48,
+        TensorCoreBackwardConfig(64, 8, 2, dq_separate=True),
+    )
+    # the Hopper family: its own configuration, feasible on compute capability 9.x at head_dim
+    # 64 and 128 (as padded) only
+    for hd in (64, 120, 128):
+        assert default_config("wgmma-backward", hd, H200) == (
+            (hd + 15) // 16 * 16,
+            WgmmaBackwardConfig(num_warps=8, stages=2),
+        )
+    wgmma = WgmmaBackwardConfig()
+    assert not wgmma.problems(128, H200) and not wgmma.problems(64, H200)
     assert any("compute capability 9.x" in r for r in wgmma.problems(128, A100))
     assert any("head_dim 64 or 128" in r for r in wgmma.problems(96, H200))
-    assert any("block_m=64" in r for r in TensorCoreBackwardConfig(32, 8, wgmma=True).problems(
-        128, H200))
-    assert any("dq_separate=True" in r for r in TensorCoreBackwardConfig(
-        64, 8, 2, dq_separate=False, wgmma=True).problems(128, H200))
+    assert {
+        (c.num_warps, c.stages) for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
+    } == {(4, 1), (4, 2), (8, 1), (8, 2)}
+    for hd in (64, 128):
+        assert default_config("tensor-core-backward", hd, A100) == (
+            hd,
+            TensorCoreBackwardConfig(64, 8, 2, dq_separate=True),
+        )
     feasible = space.feasible_points(TensorCoreBackwardConfig, 128, H200)
     assert TensorCoreBackwardConfig() in feasible
     # head_dim 48's 6 column tiles of dQ cannot go to 8 warps in pairs: atomic dQ is pruned
     assert TensorCoreBackwardConfig(64, 8, 2, dq_separate=False) not in (
-        space.feasible_points(TensorCoreBackwardConfig, 48, H200))
-    assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible
-               if not cfg.dq_separate)  # fmt: skip
+        space.feasible_points(TensorCoreBackwardConfig, 48, H200)
+    )
+    assert all(dq_split(128, cfg.block_m, cfg.num_warps) for cfg in feasible if not cfg.dq_separate)
     # 244 KiB of shared memory with dS; 2 x 8 KiB less without it
     assert TensorCoreBackwardConfig(128, 8, 2, dq_separate=False) not in feasible
     assert default_config("tensor-core-backward", 200, H200) == (
-        224, TensorCoreBackwardConfig(32, 8, 2, dq_separate=True, head_split=2))
+        224,
+        TensorCoreBackwardConfig(32, 8, 2, dq_separate=True, head_split=2),
+    )
     # less shared memory per block (sm_86/89: 99 KiB): smaller tiles that fit
     small = dataclasses.replace(H200, max_shared_per_block=99 * 1024)
     for hd in (64, 128, 256):
         padded, cfg = default_config("tensor-core-backward", hd, small)
         assert not cfg.problems(padded, small), (hd, cfg)
     assert default_config("tensor-core-backward", 256, small)[1] == TensorCoreBackwardConfig(
-        16, 4, 1, head_split=2)
+        16, 4, 1, head_split=2
+    )
     wide = space.feasible_points(TensorCoreBackwardConfig, 256, H200)
     assert wide and all(cfg.head_split == 2 for cfg in wide)  # 128 columns a block at most
 
@@ -301,10 +332,26 @@ def test_backward_families_have_defaults_and_spaces():
 def test_cli_dry_run_plans_the_backward(tmp_path):
     env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
     proc = subprocess.run(
-        [sys.executable, "-m", "numflash", "autotune", "--family", "tensor-core-backward",
-         "--head-dims", "40", "--dtypes", "bfloat16", "--seqlens", "1000", "--dry-run"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "numflash",
+            "autotune",
+            "--family",
+            "tensor-core-backward",
+            "--head-dims",
+            "40",
+            "--dtypes",
+            "bfloat16",
+            "--seqlens",
+            "1000",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tensor-core-backward/bfloat16/hd48/full/s1024:" in proc.stdout
 
@@ -314,8 +361,11 @@ def test_tuned_tensor_core_backward_is_chosen_with_the_dq_kernel_if_deterministi
 
     device = numflash.device.current_device()
     q, k, v = random_qkv(1, 100, 100, 2, 1, 64, "float16")
-    expected = "tensor-core-backward" if device.preferred_family("float16") == "tensor-core" else (
-        "portable-backward")
+    expected = (
+        "tensor-core-backward"
+        if device.preferred_family("float16") == "tensor-core"
+        else ("portable-backward")
+    )
     assert numflash.selected_backward_config(q, k, v).config.family == expected
     tuned = TensorCoreBackwardConfig(32, 2, dq_separate=False)
     key = cache.ProblemKey("tensor-core-backward", "float16", 64, "full", 128)
@@ -354,7 +404,9 @@ def test_shipped_configurations_match_the_kernels():
     assert files, "no shipped configurations"
     for path in files:
         data = json.loads(path.read_text())
-        assert data["format"] == cache.FORMAT and data.get("command", "").startswith("numflash autotune")
+        assert data["format"] == cache.FORMAT and data.get("command", "").startswith(
+            "numflash autotune"
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a stale or malformed entry warns: fail here instead
             entries = cache.shipped_entries(path.stem)

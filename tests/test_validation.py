@@ -132,8 +132,14 @@ def test_infeasible_tensor_core_config(qkv):
 
 def test_tensor_core_config_with_float32():
     q, k, v = random_qkv(1, 4, 4, 1, 1, 16, "float32")
-    _raises(TypeError, "tensor-core kernel takes float16 or bfloat16", q, k, v,
-            config=TensorCoreConfig())  # fmt: skip
+    _raises(
+        TypeError,
+        "tensor-core kernel takes float16 or bfloat16",
+        q,
+        k,
+        v,
+        config=TensorCoreConfig(),
+    )
 
 
 def test_shared_memory_limit_is_checked():

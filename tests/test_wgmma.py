@@ -28,7 +28,8 @@ def test_wgmma_tile_matches_numpy(dtype, variant):
     c = xp.full((wgmma_gemm.M, n), np.nan, dtype=np.float32)  # poisoned
     kernel = wgmma_gemm.build(dtype, variant)
     kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.shared_bytes(variant)](
-        bits(a).ravel(), bits(b).ravel(), c.ravel())  # fmt: skip
+        bits(a).ravel(), bits(b).ravel(), c.ravel()
+    )
     if not SIMULATOR:
         xp.cuda.get_current_stream().synchronize()
     b64 = to_numpy(to_float64(b))
@@ -53,7 +54,8 @@ def test_wgmma_chained_products_match_numpy(dtype):
     c = xp.full((64, 64), np.nan, dtype=np.float32)  # poisoned
     kernel = wgmma_gemm.build_chain(dtype)
     kernel[1, wgmma_gemm.THREADS, 0, wgmma_gemm.chain_shared_bytes()](
-        bits(a).ravel(), bits(b).ravel(), bits(d).ravel(), c.ravel())  # fmt: skip
+        bits(a).ravel(), bits(b).ravel(), bits(d).ravel(), c.ravel()
+    )
     if not SIMULATOR:
         xp.cuda.get_current_stream().synchronize()
     s = to_numpy(to_float64(a)) @ to_numpy(to_float64(b)).T

@@ -92,8 +92,9 @@ def build(dtype_name, variant):
     B_TRANSPOSED = variant in MN_MAJOR
     WIDE = variant == "wide"
     B_ROWS, B_COLS = (K, WIDTH.get(variant, N)) if B_TRANSPOSED else (N, K)
-    mma = ptx_sm90.wgmma(ab, B_COLS if B_TRANSPOSED else N, a_in_registers=REGISTER_A,
-                         b_transposed=B_TRANSPOSED)  # fmt: skip
+    mma = ptx_sm90.wgmma(
+        ab, B_COLS if B_TRANSPOSED else N, a_in_registers=REGISTER_A, b_transposed=B_TRANSPOSED
+    )
     offset = swizzled_offset if SWIZZLED else plain_offset
     OPERAND = 64 * K  # values of A
     LEADING, STRIDE = (16, 1024) if SWIZZLED else (128, 256)  # bytes; 16 = unused
@@ -123,15 +124,18 @@ def build(dtype_name, variant):
         ptx_sm90.wgmma_fence()
         for s in range(K // 16):
             step = s * 32  # bytes into each swizzled row (the plain operand has one step)
-            desc_b = ptx_sm90.matrix_descriptor(base + 2 * OPERAND + s * B_STEP, B_LEADING,
-                                                STRIDE, SWIZZLE)  # fmt: skip
+            desc_b = ptx_sm90.matrix_descriptor(
+                base + 2 * OPERAND + s * B_STEP, B_LEADING, STRIDE, SWIZZLE
+            )
             if REGISTER_A:  # warp w's rows 16w.. as mma.sync's A fragment
                 lane = tid & 31
                 at = (16 * (tid >> 5) + (lane >> 2)) * K + 16 * s + 2 * (lane & 3)
-                frag = (uint32(a[at]) | (uint32(a[at + 1]) << 16),
-                        uint32(a[at + 8 * K]) | (uint32(a[at + 8 * K + 1]) << 16),
-                        uint32(a[at + 8]) | (uint32(a[at + 9]) << 16),
-                        uint32(a[at + 8 * K + 8]) | (uint32(a[at + 8 * K + 9]) << 16))  # fmt: skip
+                frag = (
+                    uint32(a[at]) | (uint32(a[at + 1]) << 16),
+                    uint32(a[at + 8 * K]) | (uint32(a[at + 8 * K + 1]) << 16),
+                    uint32(a[at + 8]) | (uint32(a[at + 9]) << 16),
+                    uint32(a[at + 8 * K + 8]) | (uint32(a[at + 8 * K + 9]) << 16),
+                )
                 acc = mma(acc, frag, desc_b)
             else:
                 desc_a = ptx_sm90.matrix_descriptor(base + step, LEADING, STRIDE, SWIZZLE)
@@ -200,8 +204,12 @@ def build_chain(dtype_name):
         out = zero_accumulators()
         ptx_sm90.wgmma_fence()  # the A fragments below are written by ordinary instructions
         for j in range(4):  # S's columns 16j..16j+15 are the k16 step j of the second product
-            frag = (pack(s[8 * j], s[8 * j + 1]), pack(s[8 * j + 2], s[8 * j + 3]),
-                    pack(s[8 * j + 4], s[8 * j + 5]), pack(s[8 * j + 6], s[8 * j + 7]))  # fmt: skip
+            frag = (
+                pack(s[8 * j], s[8 * j + 1]),
+                pack(s[8 * j + 2], s[8 * j + 3]),
+                pack(s[8 * j + 4], s[8 * j + 5]),
+                pack(s[8 * j + 6], s[8 * j + 7]),
+            )
             desc_d = ptx_sm90.matrix_descriptor(base + CHAIN_D + j * 2048, 1024, 1024, SW)
             out = product(out, frag, desc_d)
         ptx_sm90.wgmma_commit()

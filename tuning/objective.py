@@ -14,8 +14,9 @@ import optuna
 import numflash
 from numflash import reference
 from numflash.arrays import from_float
-from numflash.config import CONFIG_TYPES, default_config
-from numflash.device import PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD
+from numflash.config import CONFIG_TYPES
+from numflash.device import PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD
+from numflash.selection import default_config
 from numflash.timing import attention_flops, time_gpu
 
 from . import space
@@ -39,8 +40,12 @@ class Workload:
     @classmethod
     def for_key(cls, key):
         seqlen = key.seqlen
-        return cls(batch=max(1, TOKENS // seqlen), nheads=max(1, MODEL_DIM // key.head_dim),
-                   seqlen=seqlen, check_seqlen=min(seqlen, 777))  # fmt: skip
+        return cls(
+            batch=max(1, TOKENS // seqlen),
+            nheads=max(1, MODEL_DIM // key.head_dim),
+            seqlen=seqlen,
+            check_seqlen=min(seqlen, 777),
+        )
 
 
 def mask_kwargs(mask, seqlen):
@@ -58,7 +63,7 @@ def random_inputs(xp, batch, seqlen, nheads, head_dim, dtype, seed):
     return [from_float(rng.standard_normal(shape, dtype=xp.float32), dtype) for _ in range(3)]
 
 
-BACKWARD_FAMILIES = (PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD)
+BACKWARD_FAMILIES = (PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD)
 
 
 class Objective:
@@ -85,8 +90,15 @@ class Objective:
             out, lse = numflash.attention(q, k, v, return_lse=True, **self.mask)
             dout = random_inputs(xp, w.batch, w.seqlen, w.nheads, key.head_dim, dtype, 1)[0]
             self.saved = (dout, out, lse)
-        self.flops = attention_flops(w.batch, w.nheads, w.seqlen, w.seqlen, key.head_dim,
-                                     key.mask == "causal", "bwd" if self.backward else "fwd")  # fmt: skip
+        self.flops = attention_flops(
+            w.batch,
+            w.nheads,
+            w.seqlen,
+            w.seqlen,
+            key.head_dim,
+            key.mask == "causal",
+            "bwd" if self.backward else "fwd",
+        )
         self.timing = dict(warmup=warmup, runs=runs, max_total_ms=max_ms)
 
     def __call__(self, trial):
@@ -120,8 +132,9 @@ class Objective:
         q, k, v = self.timed
         if self.backward:
             dout, out, lse = self.saved
-            return lambda: numflash.attention_backward(dout, q, k, v, out, lse, config=cfg,
-                                                       **self.mask)  # fmt: skip
+            return lambda: numflash.attention_backward(
+                dout, q, k, v, out, lse, config=cfg, **self.mask
+            )
         return lambda: numflash.attention(q, k, v, config=cfg, **self.mask)
 
     def check(self, cfg, seed):
@@ -129,12 +142,14 @@ class Objective:
         a list of checks (the output, or the three gradients), each with ``ok``."""
         w = self.workload
         mask = mask_kwargs(self.key.mask, w.check_seqlen)
-        q, k, v = random_inputs(self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim,
-                                self.dtype, seed)  # fmt: skip
+        q, k, v = random_inputs(
+            self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim, self.dtype, seed
+        )
         if self.backward:
             out, lse = numflash.attention(q, k, v, return_lse=True, **mask)
-            dout = random_inputs(self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim,
-                                 self.dtype, seed + 1)[0]  # fmt: skip
+            dout = random_inputs(
+                self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim, self.dtype, seed + 1
+            )[0]
             grads = numflash.attention_backward(dout, q, k, v, out, lse, config=cfg, **mask)
             return list(reference.check_backward(dout, q, k, v, *grads, **mask))
         out, lse = numflash.attention(q, k, v, config=cfg, return_lse=True, **mask)

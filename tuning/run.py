@@ -9,56 +9,144 @@ import sys
 import time
 
 from numflash import cache
-from numflash.config import CONFIG_TYPES, default_config
+from numflash.config import CONFIG_TYPES, MAX_HEAD_DIM
 from numflash.device import (
     PORTABLE,
     PORTABLE_BACKWARD,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
+    WGMMA_BACKWARD,
 )
+from numflash.selection import default_config
 
 from . import space
 
-QUICK = dict(head_dims=[64, 128], dtypes=["float16"], masks=["full", "causal"], seqlens=[4096],
-             trials=8, timeout_per_key=120)  # fmt: skip
+QUICK = dict(
+    head_dims=[64, 128],
+    dtypes=["float16"],
+    masks=["full", "causal"],
+    seqlens=[4096],
+    trials=8,
+    timeout_per_key=120,
+)
+
+
+def _bounded_int(flag, low, high=None):
+    """An argparse type: an int in [low, high], else an error naming ``flag``."""
+    import argparse
+
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes integers; got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{flag} takes integers {bound}; got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(flag):
+    """An argparse type: a finite number > 0, else an error naming ``flag``."""
+    import argparse
+    import math
+
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a number of seconds; got {text!r}"
+            ) from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"{flag} takes a number of seconds > 0; got {text}")
+        return value
+
+    return parse
 
 
 def add_arguments(parser):
-    parser.add_argument("--family", default=TENSOR_CORE,
-                        choices=[TENSOR_CORE, PORTABLE, TENSOR_CORE_BACKWARD, PORTABLE_BACKWARD],
-                        help="the kernels to tune: the forward's (default) or the backward's")  # fmt: skip
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"],
-                        choices=["float16", "bfloat16", "float32"])  # fmt: skip
-    parser.add_argument("--masks", nargs="+", default=["full", "causal"],
-                        choices=["full", "causal", "window"])  # fmt: skip
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384],
-                        help="sequence lengths; each is tuned at its power-of-two bucket")
-    parser.add_argument("--trials", type=int, default=30, help="configurations compiled and measured per key (duplicate and infeasible "
-                             "proposals are skipped and do not count)")
-    parser.add_argument("--timeout-per-key", type=float, default=600,
-                        help="seconds a key's study may start new trials for")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole run: no key starts after it is spent")
-    parser.add_argument("--quick", action="store_true",
-                        help="head dims 64 and 128, fp16, full and causal, seqlen 4096, 8 trials")
+    parser.add_argument(
+        "--family",
+        default=TENSOR_CORE,
+        choices=[TENSOR_CORE, PORTABLE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, PORTABLE_BACKWARD],
+        help="the kernels to tune: the forward's (default) or the backward's",
+    )
+    parser.add_argument(
+        "--head-dims",
+        type=_bounded_int("--head-dims", 1, MAX_HEAD_DIM),
+        nargs="+",
+        default=[64, 128],
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float16", "bfloat16"],
+        choices=["float16", "bfloat16", "float32"],
+    )
+    parser.add_argument(
+        "--masks", nargs="+", default=["full", "causal"], choices=["full", "causal", "window"]
+    )
+    parser.add_argument(
+        "--seqlens",
+        type=_bounded_int("--seqlens", 1, cache.MAX_BUCKET),
+        nargs="+",
+        default=[1024, 4096, 16384],
+        help="sequence lengths; each is tuned at its power-of-two bucket",
+    )
+    parser.add_argument(
+        "--trials",
+        type=_bounded_int("--trials", 1),
+        default=30,
+        help="configurations compiled and measured per key (duplicate and infeasible "
+        "proposals are skipped and do not count)",
+    )
+    parser.add_argument(
+        "--timeout-per-key",
+        type=_positive_float("--timeout-per-key"),
+        default=600,
+        help="seconds a key's study may start new trials for",
+    )
+    parser.add_argument(
+        "--budget",
+        type=_positive_float("--budget"),
+        default=None,
+        help="seconds for the whole run: no key starts after it is spent",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="head dims 64 and 128, fp16, full and causal, seqlen 4096, 8 trials",
+    )
     parser.add_argument("--fresh", action="store_true", help="ignore and replace stored studies")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the plan (keys, space sizes) and exit; needs no GPU")
-    parser.add_argument("--output", default=None,
-                        help="write winners to this file instead of the user's cache "
-                             "(how numflash/configs/ files are made)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan (keys, space sizes) and exit; needs no GPU",
+    )
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="write winners to this file instead of the user's cache "
+        "(how numflash/configs/ files are made)",
+    )
 
 
 def plan(args):
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
-    if args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD) and "float32" in args.dtypes:
+    if (
+        args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD)
+        and "float32" in args.dtypes
+    ):
         raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
     keys = []
-    for dtype, hd, mask, seqlen in itertools.product(args.dtypes, args.head_dims, args.masks,
-                                                     args.seqlens):  # fmt: skip
+    for dtype, hd, mask, seqlen in itertools.product(
+        args.dtypes, args.head_dims, args.masks, args.seqlens
+    ):
         head_dim = default_config(args.family, hd, None)[0]  # the head_dim it runs at
         key = cache.ProblemKey(args.family, dtype, head_dim, mask, cache.seqlen_bucket(seqlen))
         if key not in keys:
@@ -81,28 +169,39 @@ def print_plan(keys, args, device, note, out):
     config_type = CONFIG_TYPES[args.family]
     total = len(list(space.all_points(config_type)))
     print(f"device: {device.name} ({device.arch})" + (f" [{note}]" if note else ""), file=out)
-    print(f"{len(keys)} keys x {args.trials} trials (at most {args.timeout_per_key:.0f} s each); "
-          f"search space: {total} points per key", file=out)  # fmt: skip
+    print(
+        f"{len(keys)} keys x {args.trials} trials (at most {args.timeout_per_key:.0f} s each); "
+        f"search space: {total} points per key",
+        file=out,
+    )
     for key in keys:
         feasible = len(space.feasible_points(config_type, key.head_dim, device))
         print(f"  {key}: {feasible} feasible points", file=out)
     target = args.output or cache.cache_dir() / (
-        "sm_XY.json (XY: the GPU's compute capability)" if note else f"{device.arch}.json")
+        "sm_XY.json (XY: the GPU's compute capability)" if note else f"{device.arch}.json"
+    )
     print(f"winners -> {target}", file=out)
 
 
 def report(results, out):
-    header = (f"{'key':40s} {'default ms':>10s} {'tuned ms':>9s} {'speedup':>7s} "
-              f"{'ok/wrong/failed/skipped':>23s}  tuned config")  # fmt: skip
+    header = (
+        f"{'key':40s} {'default ms':>10s} {'tuned ms':>9s} {'speedup':>7s} "
+        f"{'ok/wrong/failed/skipped':>23s}  tuned config"
+    )
     print("\n" + header, file=out)
     print("-" * len(header), file=out)
     for r in results:
         cfg = r.best_config
-        cfg_text = ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if k != "family") if cfg else "-"
+        cfg_text = (
+            ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items() if k != "family") if cfg else "-"
+        )
         fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
         counts = f"{r.complete}/{r.rejected}/{r.pruned + r.failed}/{r.skipped}"
-        print(f"{str(r.key):40s} {fmt(r.default_ms, '10.3f')} {fmt(r.best_ms, '9.3f')} "
-              f"{fmt(r.speedup, '7.2f')} {counts:>23s}  {cfg_text}", file=out)  # fmt: skip
+        print(
+            f"{str(r.key):40s} {fmt(r.default_ms, '10.3f')} {fmt(r.best_ms, '9.3f')} "
+            f"{fmt(r.speedup, '7.2f')} {counts:>23s}  {cfg_text}",
+            file=out,
+        )
 
 
 def main(args, out=sys.stdout):
@@ -123,11 +222,16 @@ def main(args, out=sys.stdout):
             break
         timeout = args.timeout_per_key if left is None else min(args.timeout_per_key, left)
         print(f"[{i}/{len(keys)}] {key}", file=out, flush=True)
-        result = tune_key(key, device, trials=args.trials, timeout_s=timeout, fresh=args.fresh,
-                          progress=True)  # fmt: skip
+        result = tune_key(
+            key, device, trials=args.trials, timeout_s=timeout, fresh=args.fresh, progress=True
+        )
         results.append(result)
         if result.best_config is not None:
-            cache.record(device, {key: result.entry()},
-                         header_extra={k: v for k, v in header.items() if v}, path=args.output)  # fmt: skip
+            cache.record(
+                device,
+                {key: result.entry()},
+                header_extra={k: v for k, v in header.items() if v},
+                path=args.output,
+            )
     report(results, out)
     return 0 if all(r.best_config is not None for r in results) else 1

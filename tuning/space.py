@@ -11,8 +11,10 @@ from numflash.config import knob_choices
 
 
 def _is_log2(choices):
-    return all(isinstance(c, int) and not isinstance(c, bool) and c > 0 and c & (c - 1) == 0
-               for c in choices)  # fmt: skip
+    return all(
+        isinstance(c, int) and not isinstance(c, bool) and c > 0 and c & (c - 1) == 0
+        for c in choices
+    )
 
 
 def params(config_type):
@@ -31,7 +33,9 @@ def suggest(trial, config_type):
     values = {}
     for pname, (kind, choices) in params(config_type).items():
         if kind == "log2":
-            values[pname[: -len("_log2")]] = 1 << trial.suggest_int(pname, min(choices), max(choices))
+            values[pname[: -len("_log2")]] = 1 << trial.suggest_int(
+                pname, min(choices), max(choices)
+            )
         else:
             values[pname] = trial.suggest_categorical(pname, list(choices))
     return config_type(**values)

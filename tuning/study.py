@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 import optuna
 
-from numflash import cache, config as configs
+from numflash import cache, selection
 from numflash.arrays import BFLOAT16
+from numflash.config import config_from_dict
 from numflash.kernels.jit import SIMULATOR
 
 from . import space
@@ -63,7 +64,7 @@ def storage_url(device):
 
 
 def study_name(key):
-    return f"{key}|kernels-{cache.kernel_hash(key.family)}"
+    return f"{key}|revision-{cache.kernel_revision(key.family)}"
 
 
 #: Proposals skipped without compiling (duplicates, infeasible points) cost nothing, but a
@@ -81,8 +82,18 @@ def _evaluated(study):
     return [t for t in study.trials if t.state.is_finished() and not _skipped(t)]
 
 
-def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, progress=False,
-             workload=None, timing=None):  # fmt: skip
+def tune_key(
+    key,
+    device,
+    *,
+    trials,
+    timeout_s=None,
+    storage=None,
+    fresh=False,
+    progress=False,
+    workload=None,
+    timing=None,
+):
     """Run (or resume) the study of ``key`` until it has evaluated ``trials`` configurations
     (or every feasible one, when there are fewer), or ``timeout_s`` has passed.
 
@@ -96,10 +107,14 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
             optuna.delete_study(study_name=name, storage=storage)
         except KeyError:
             pass
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize",
-                                sampler=optuna.samplers.TPESampler(seed=SEED),
-                                load_if_exists=True)  # fmt: skip
-    head_dim, default = configs.default_config(key.family, key.head_dim, device)
+    study = optuna.create_study(
+        study_name=name,
+        storage=storage,
+        direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=SEED),
+        load_if_exists=True,
+    )
+    head_dim, default = selection.default_config(key.family, key.head_dim, device)
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
     target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
@@ -116,14 +131,25 @@ def tune_key(key, device, *, trials, timeout_s=None, storage=None, fresh=False, 
                 import numpy as xp
             else:
                 import cupy as xp
-            objective = Objective(key, device, workload or Workload.for_key(key), xp,
-                                  DTYPES[key.dtype], **(timing or {}))  # fmt: skip
+            objective = Objective(
+                key,
+                device,
+                workload or Workload.for_key(key),
+                xp,
+                DTYPES[key.dtype],
+                **(timing or {}),
+            )
         n = target - len(_evaluated(study))
         proposals += n
         # Failures inside a trial are pruned by the objective; anything else that escapes
         # (a launch error while timing, say) fails that trial only.
-        study.optimize(objective, n_trials=n, timeout=left, catch=(Exception,),
-                       callbacks=[bar] if bar else None)  # fmt: skip
+        study.optimize(
+            objective,
+            n_trials=n,
+            timeout=left,
+            catch=(Exception,),
+            callbacks=[bar] if bar else None,
+        )
     if bar:
         bar.close()
     return summarise(key, study, default)
@@ -136,8 +162,9 @@ class _ProgressBar:
     def __init__(self, study, target):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=target, initial=min(len(_evaluated(study)), target), unit="cfg",
-                        leave=True)  # fmt: skip
+        self.bar = tqdm(
+            total=target, initial=min(len(_evaluated(study)), target), unit="cfg", leave=True
+        )
         self._show_best(study)
 
     def _show_best(self, study):
@@ -165,7 +192,7 @@ def summarise(key, study, default):
         key=key,
         default_config=default,
         default_ms=default_ms,
-        best_config=configs.config_from_dict(best.user_attrs["config"]) if best else None,
+        best_config=config_from_dict(best.user_attrs["config"]) if best else None,
         best_ms=best.value if best else None,
         complete=len(complete),
         pruned=len(pruned) - len(rejected),

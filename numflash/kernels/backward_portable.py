@@ -24,27 +24,10 @@ import functools
 from numba import cuda, float32
 
 from . import ptx
-from .forward_portable import _FROM_F32, _TO_F32, query_row_position, tile_pair_loader
+from .forward_portable import FROM_F32, TO_F32, query_row_position, tile_pair_loader
 from .jit import device_function, kernel
-from .softmax import LOG2E, NEG_INF, visible_keys
-
-
-@device_function
-def block_query_range(first_key, last_key, seqlen_q, seqlen_k, window_left, window_right):
-    """The query rows ``[lo, hi)`` that see any of the keys ``first_key..last_key``.
-
-    Row ``i`` sees key ``j`` iff ``j - window_right <= i + offset <= j + window_left`` (offset =
-    seqlen_k - seqlen_q; softmax.py states the mask), so the rows of a block of keys run from
-    the first key's lower end to the last key's upper end.
-    """
-    offset = seqlen_k - seqlen_q
-    lo = 0
-    if window_right >= 0:
-        lo = max(lo, first_key - window_right - offset)
-    hi = seqlen_q
-    if window_left >= 0:
-        hi = min(hi, last_key + window_left - offset + 1)
-    return lo, hi
+from .mask import block_query_range, visible_keys
+from .softmax import LOG2E, NEG_INF, row_log2_lse
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,10 +40,12 @@ def build_preprocess(head_dim, dtype_name, rows):
     tokens x 2048 on the H200; this kernel takes 0.14 ms of it.)"""
     HEAD_DIM = head_dim
     PASSES = (head_dim + 31) // 32
-    to_f32 = _TO_F32[dtype_name]
+    to_f32 = TO_F32[dtype_name]
 
     @kernel
-    def preprocess(do, o, delta, do_sb, do_ss, do_sh, o_sb, o_ss, o_sh, seqlen_q):
+    def preprocess(do, o, delta, do_st, o_st, seqlen_q):
+        do_sb, do_ss, do_sh = do_st
+        o_sb, o_ss, o_sh = o_st
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         lane = cuda.threadIdx.x & 31
@@ -79,14 +64,6 @@ def build_preprocess(head_dim, dtype_name, rows):
                 delta[(batch * cuda.gridDim.y + head) * seqlen_q + row] = acc
 
     return preprocess
-
-
-@device_function
-def _row_log2_lse(lse_value):
-    """A row's LSE in the log2 domain; +inf for a row that saw no key, so that its p is 0."""
-    if lse_value == NEG_INF:
-        return -NEG_INF
-    return lse_value * float32(LOG2E)
 
 
 def _score_and_dp(head_dim):
@@ -125,23 +102,39 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
     BLOCK_M = block_m
     BLOCK_N = block_n
     TILE = BLOCK_M * HEAD_DIM
-    to_f32 = _TO_F32[dtype_name]
-    from_f32 = _FROM_F32[dtype_name]
+    to_f32 = TO_F32[dtype_name]
+    from_f32 = FROM_F32[dtype_name]
 
     load_q_do = tile_pair_loader(BLOCK_M, HEAD_DIM, BLOCK_N, to_f32)
     load_k_v = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
 
     @device_function
-    def load_query_tile(q, do, lse, delta, q_tile, do_tile, lse_tile, d_tile, q_base, do_base,
-                        q_ss, do_ss, row_base, m0, seqlen_q, tid):  # fmt: skip
+    def load_query_tile(
+        q,
+        do,
+        lse,
+        delta,
+        q_tile,
+        do_tile,
+        lse_tile,
+        d_tile,
+        q_base,
+        do_base,
+        q_ss,
+        do_ss,
+        row_base,
+        m0,
+        seqlen_q,
+        tid,
+    ):
         """Rows m0..m0+BLOCK_M-1 of q and dO as fp32, with their LSE (log2) and D; rows past
         the end get zeros and an LSE of +inf (p = 0)."""
         load_q_do(q, do, q_tile, do_tile, q_base, do_base, q_ss, do_ss, m0, seqlen_q, tid)
         for r in range(tid, BLOCK_M, BLOCK_N):
             row = m0 + r
             if row < seqlen_q:
-                lse_tile[r] = _row_log2_lse(lse[row_base + row])
+                lse_tile[r] = row_log2_lse(lse[row_base + row])
                 d_tile[r] = delta[row_base + row]
             else:
                 lse_tile[r] = -NEG_INF
@@ -149,11 +142,33 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
 
     @kernel
     def dkdv(
-        q, k, v, do, lse, delta, dk, dv,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-        dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh,
-        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dk_st,
+        dv_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        do_sb, do_ss, do_sh = do_st
+        dk_sb, dk_ss, dk_sh = dk_st
+        dv_sb, dv_ss, dv_sh = dv_st
         q_tile = cuda.shared.array(TILE, float32)
         do_tile = cuda.shared.array(TILE, float32)
         lse_tile = cuda.shared.array(BLOCK_M, float32)
@@ -170,8 +185,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
         key = n0 + tid
         active = key < seqlen_k
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
-        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
-                                       window_right)  # fmt: skip
+        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left, window_right)
         scale_log2 = scale * float32(LOG2E)
 
         k_base = batch * k_sb + kv_head * k_sh + key * k_ss
@@ -188,13 +202,28 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
             row_base = (batch * nheads + head) * seqlen_q
             for m0 in range(m_lo, m_hi, BLOCK_M):
                 cuda.syncthreads()  # every thread is done with the previous tile
-                load_query_tile(q, do, lse, delta, q_tile, do_tile, lse_tile, d_tile, q_base,
-                                do_base, q_ss, do_ss, row_base, m0, seqlen_q, tid)  # fmt: skip
+                load_query_tile(
+                    q,
+                    do,
+                    lse,
+                    delta,
+                    q_tile,
+                    do_tile,
+                    lse_tile,
+                    d_tile,
+                    q_base,
+                    do_base,
+                    q_ss,
+                    do_ss,
+                    row_base,
+                    m0,
+                    seqlen_q,
+                    tid,
+                )
                 cuda.syncthreads()
                 if active:
                     for i in range(BLOCK_M):
-                        lo, hi = visible_keys(m0 + i, seqlen_q, seqlen_k, window_left,
-                                              window_right)  # fmt: skip
+                        lo, hi = visible_keys(m0 + i, seqlen_q, seqlen_k, window_left, window_right)
                         if lo <= key and key < hi and m0 + i < seqlen_q:
                             s, dp = score_and_dp(q_tile, do_tile, i * HEAD_DIM, k_row, v_row, 0)
                             p = ptx.exp2(s * scale_log2 - lse_tile[i])
@@ -220,8 +249,8 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
     BLOCK_M = block_m
     BLOCK_N = block_n
     TILE = BLOCK_N * HEAD_DIM
-    to_f32 = _TO_F32[dtype_name]
-    from_f32 = _FROM_F32[dtype_name]
+    to_f32 = TO_F32[dtype_name]
+    from_f32 = FROM_F32[dtype_name]
 
     # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
@@ -230,11 +259,30 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
 
     @kernel
     def dq_kernel(
-        q, k, v, do, lse, delta, dq,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-        dq_sb, dq_ss, dq_sh,
-        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dq_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        do_sb, do_ss, do_sh = do_st
+        dq_sb, dq_ss, dq_sh = dq_st
         k_tile = cuda.shared.array(TILE, float32)
         v_tile = cuda.shared.array(TILE, float32)
         q_row = cuda.local.array(HEAD_DIM, float32)
@@ -259,7 +307,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
         row_d = float32(0.0)
         if active:
             row_index = (batch * cuda.gridDim.y + head) * seqlen_q + row
-            row_lse = _row_log2_lse(lse[row_index])
+            row_lse = row_log2_lse(lse[row_index])
             row_d = delta[row_index]
 
         k_base = batch * k_sb + kv_head * k_sh

@@ -1,5 +1,5 @@
-"""Hopper backward kernels (sm_90a): backward.py's dK/dV and dQ kernels with their products on
-wgmma.
+"""The tensor-core backward's Hopper backend (sm_90a): backward.py's dK/dV and dQ kernels with
+their products on wgmma.
 
 One thread block per (block of 64 * GROUPS keys, kv head, batch), GROUPS warpgroups of 128
 threads; warpgroup w owns keys 64w..64w+63 and keeps their dK and dV (fp32) in registers while
@@ -14,7 +14,7 @@ every query head of the GQA group in turn. Per query block and warpgroup:
                                       16 bits in registers (mma.sync's A layout), B = dO or Q
                                       read MN-major from the same shared tiles
 
-The dQ kernel is the same with the roles swapped, as in backward.py: one block per 64 * GROUPS
+The dQ kernel is backward.py's with the roles swapped: one block per 64 * GROUPS
 query rows, warpgroup w's 64 rows of Q and dO resident in the slots that hold K and V above,
 tiles of BLOCK_M keys and values streaming through the stages; S = Q K^T and dP = dO V^T
 (m64n64k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K tile read
@@ -35,30 +35,16 @@ Loads are cp.async, 16 bytes a thread, rows past the end zero-filled.
 Supports: float16 and bfloat16; head_dim 64 or 128; GQA; causal and window masks bottom-right;
 any seqlen_q and seqlen_k. Compute capability 9.x (sm_90a) only. Each warpgroup waits for
 its products before using them (no overlap of a warpgroup's own products with its softmax
-step; the two warpgroups of a block overlap each other): benchmarks/NOTES.md, session six.
+step; the two warpgroups of a block overlap each other): docs/performance.md.
 """
 
 import functools
 
-from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba import cuda, float32, int64, uint32, uint64
 
-from . import ptx, ptx_sm90
-from .backward import (
-    _PACK,
-    Kernels,
-    block_position_function,
-    lane_row_stats,
-    next_query_block,
-    probabilities_function,
-    query_block_loader,
-    row_ds_function,
-    row_stats_functions,
-    row_writer,
-    stat_loads,
-)
-from .backward_portable import block_query_range
-from .jit import device_function, kernel
-from .softmax import block_key_range
+from . import backward, ptx, ptx_sm90
+from .fragments import PACK
+from .jit import device_function
 
 #: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
 BLOCK_M = 64
@@ -81,25 +67,15 @@ def shared_memory_layout(head_dim, num_warps, stages):
     return 0, kv, 2 * kv, stage, tile, 2 * kv + stages * stage + GROUP_BYTES
 
 
-def build_dkdv(head_dim, dtype_name, num_warps, stages):
-    """The wgmma dK/dV kernel; its arguments are backward.py's dK/dV kernel's (tensor-core
-    backward signature; ``dq_acc`` is not touched)."""
-    return build_kernels(head_dim, dtype_name, num_warps, stages).dkdv
-
-
-def build_dq(head_dim, dtype_name, num_warps, stages):
-    """The wgmma dQ kernel; its arguments are backward.py's dQ kernel's."""
-    return build_kernels(head_dim, dtype_name, num_warps, stages).dq
-
-
 @functools.lru_cache(maxsize=None)
 def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
-    """Both kernels of one configuration (backward.Kernels), sharing their device functions;
-    Numba compiles each on its first launch. ``heavy_group``: as backward.build_kernels (8
-    there with the dQ kernel)."""
+    """Both kernels of one configuration (backward.Kernels). ``heavy_group``: as
+    backward_mma.build_kernels (8 there with the dQ kernel)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
-        raise ValueError(f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
-                         f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)")  # fmt: skip
+        raise ValueError(
+            f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
+            f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)"
+        )
     HEAD_DIM, STAGES = head_dim, stages
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
@@ -112,26 +88,24 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     S_REGS = BLOCK_M // 2  # a 64 x BLOCK_M fp32 tile over 128 threads
     ACC_REGS = HEAD_DIM // 2
-    STAT_LOADS = stat_loads(BLOCK_M, THREADS)
-    STAT_TILE = STAGES * BLOCK_M
     SW = ptx_sm90.SWIZZLE_128B
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
-    pack = _PACK[dtype_name]
-    block_position = block_position_function(BLOCK_N, 1, HEAD_DIM, heavy_group,
-                                             ptx_sm90.quotient32)  # fmt: skip
-    probabilities_and_ds = probabilities_function(BLOCK_M // 8)
-    row_ds = row_ds_function(BLOCK_M // 8)
-    fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
-    write_rows = row_writer(HEAD_DIM, dtype_name)
+    pack = PACK[dtype_name]
+    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8)
+    row_ds = backward.row_ds_function(BLOCK_M // 8)
 
     @device_function
     def swizzled(row, chunk, atom_bytes):
         """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
         ``atom_bytes`` apart."""
         c = chunk & 7
-        return (chunk >> 3) * atom_bytes + (row >> 3) * GROUP_BYTES + (row & 7) * ROW_BYTES + (
-            (c ^ (row & 7)) << 4)
+        return (
+            (chunk >> 3) * atom_bytes
+            + (row >> 3) * GROUP_BYTES
+            + (row & 7) * ROW_BYTES
+            + ((c ^ (row & 7)) << 4)
+        )
 
     @device_function
     def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
@@ -144,8 +118,12 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
             chunk = e & (CHUNKS - 1)
             valid = row < rows_left
             at = first + int64(row) * stride + chunk * 8
-            ptx.cp_async_16(dst + uint32(swizzled(row, chunk, atom_bytes)), src,
-                            at if valid else first, uint32(16) if valid else uint32(0))  # fmt: skip
+            ptx.cp_async_16(
+                dst + uint32(swizzled(row, chunk, atom_bytes)),
+                src,
+                at if valid else first,
+                uint32(16) if valid else uint32(0),
+            )
 
     @device_function
     def descriptor(address, leading):
@@ -170,8 +148,12 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         bytes, further)."""
         for j in range(M_STEPS):
             c = 8 * j  # accumulator tiles 2j and 2j + 1: the A fragment of k16 step j
-            a = (pack(frag[c], frag[c + 1]), pack(frag[c + 2], frag[c + 3]),
-                 pack(frag[c + 4], frag[c + 5]), pack(frag[c + 6], frag[c + 7]))  # fmt: skip
+            a = (
+                pack(frag[c], frag[c + 1]),
+                pack(frag[c + 2], frag[c + 3]),
+                pack(frag[c + 4], frag[c + 5]),
+                pack(frag[c + 6], frag[c + 7]),
+            )
             update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
 
     @device_function
@@ -192,16 +174,34 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         ptx_sm90.fence_operands(acc1, S_REGS)
 
     @device_function
-    def query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc, stage_addr, lse_tile,
-                         d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl,
-                         wr):  # fmt: skip
+    def query_block_step(
+        st,
+        dpt,
+        dk_acc,
+        dv_acc,
+        resident,
+        stage_addr,
+        lse_tile,
+        d_tile,
+        stats,
+        key0,
+        m0,
+        lane,
+        seqlen_q,
+        seqlen_k,
+        scale_log2,
+        wl,
+        wr,
+    ):
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
+        k_desc, v_desc = resident
         q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
         # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
         score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
         # -- P^T and dS^T, masked pairs 0
-        probabilities_and_ds(st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
-                             seqlen_k, scale_log2, wl, wr)  # fmt: skip
+        probabilities_and_ds(
+            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr
+        )
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
@@ -219,23 +219,24 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         """cp.async BLOCK_M rows of two arrays (Q and dO, or K and V) into a stage, as one
         commit group."""
         load_rows(stage_addr, a, a_first, a_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
-        load_rows(stage_addr + uint32(DO_OFF), b, b_first, b_ss, rows_left, BLOCK_M, TILE_ATOM,
-                  tid)  # fmt: skip
+        load_rows(stage_addr + uint32(DO_OFF), b, b_first, b_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
         ptx.cp_async_commit()
 
-    load_query_block = query_block_loader(load_pair, fetch_row_stats)
-
     @device_function
-    def load_resident(base, a, b, a_first, a_ss, b_first, b_ss, rows_left, group, tid):
+    def load_resident(
+        base, a, b, a_first, a_ss, b_first, b_ss, rows_left, warp, lane, col_base, tid
+    ):
         """cp.async the block's BLOCK_N rows of two arrays (K and V, or Q and dO) into the
         slots that hold them for the whole kernel, as one commit group; the descriptors of
         this warpgroup's 64 rows of each (64 rows into every atom)."""
         load_rows(base + uint32(K_OFF), a, a_first, a_ss, rows_left, BLOCK_N, KV_ATOM, tid)
         load_rows(base + uint32(V_OFF), b, b_first, b_ss, rows_left, BLOCK_N, KV_ATOM, tid)
         ptx.cp_async_commit()
-        rows = group * 64 * ROW_BYTES
-        return (descriptor(base + uint32(K_OFF + rows), 16),
-                descriptor(base + uint32(V_OFF + rows), 16))
+        rows = (warp >> 2) * 64 * ROW_BYTES  # this warp's warpgroup
+        return (
+            descriptor(base + uint32(K_OFF + rows), 16),
+            descriptor(base + uint32(V_OFF + rows), 16),
+        )
 
     @device_function
     def landed():
@@ -245,98 +246,16 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
 
-    @kernel(launch_bounds=THREADS)
-    def dkdv(
-        q, k, v, do, lse, delta, dk, dv, dq_acc,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-        dk_sb, dk_ss, dk_sh, dv_sb, dv_ss, dv_sh, dq_sb, dq_ss, dq_sh,
-        seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-    ):  # fmt: skip
-        smem = cuda.shared.array(0, uint16)
-        lse_tile = cuda.shared.array(STAT_TILE, float32)
-        d_tile = cuda.shared.array(STAT_TILE, float32)
-        st = cuda.local.array(S_REGS, float32)
-        dpt = cuda.local.array(S_REGS, float32)
-        dk_acc = cuda.local.array(ACC_REGS, float32)
-        dv_acc = cuda.local.array(ACC_REGS, float32)
-        lse_r = cuda.local.array(STAT_LOADS, float32)
-        d_r = cuda.local.array(STAT_LOADS, float32)
-
-        # n0: the block's first key (the first keys are the heaviest under a causal mask)
-        tid, lane, warp, n0, _, kv_head, batch = block_position(
-            (window_left < 0) != (window_right < 0), window_right < 0)
-        group = warp >> 2
-        last_key = min(n0 + BLOCK_N, seqlen_k) - 1
-        m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left,
-                                       window_right)  # fmt: skip
-        scale_log2 = scale * float32(1.4426950408889634)
-        blocks_per_head = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M if m_hi > m_lo else 0
-        n_blocks = heads_per_kv * blocks_per_head
-        nheads = cuda.gridDim.y * heads_per_kv
-
-        # -- K and V of this block stay in shared memory for the whole kernel
-        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
-        k_desc, v_desc = load_resident(
-            base, k, v, batch * k_sb + kv_head * k_sh + int64(n0) * k_ss, k_ss,
-            batch * v_sb + kv_head * v_sh + int64(n0) * v_ss, v_ss, seqlen_k - n0, group, tid)
-
-        for i in range(ACC_REGS):
-            dk_acc[i] = float32(0.0)
-            dv_acc[i] = float32(0.0)
-        key0 = n0 + warp * 16 + (lane >> 2)  # this lane's key rows: key0 and key0 + 8
-
-        next_head = kv_head * heads_per_kv
-        next_m0 = m_lo
-        first_stage = base + uint32(STAGE0)
-        if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
-            load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, next_head, m_lo,
-                             q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
-                             tid)  # fmt: skip
-            store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
-
-        for it in range(n_blocks):
-            head = next_head
-            m0 = next_m0
-            stage = it % STAGES
-            next_head, next_m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
-            if STAGES == 1:  # load this block, then wait for it
-                cuda.syncthreads()  # every warpgroup is done with the previous block
-                load_query_block(first_stage, q, do, lse, delta, lse_r, d_r, batch, head, m0,
-                                 q_sb, q_ss, q_sh, do_sb, do_ss, do_sh, nheads, seqlen_q,
-                                 tid)  # fmt: skip
-                store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
-                landed()
-            else:  # this block has landed; start the next one's loads into the other stage
-                landed()  # ... and every warpgroup is done with block it - 1 (waited below)
-                if it + 1 < n_blocks:
-                    load_query_block(first_stage + uint32((1 - stage) * STAGE), q, do, lse, delta,
-                                     lse_r, d_r, batch, next_head, next_m0, q_sb, q_ss, q_sh,
-                                     do_sb, do_ss, do_sh, nheads, seqlen_q, tid)  # fmt: skip
-
-            query_block_step(st, dpt, dk_acc, dv_acc, k_desc, v_desc,
-                             base + uint32(STAGE0 + stage * STAGE), lse_tile, d_tile,
-                             stage * BLOCK_M, key0, m0, lane, seqlen_q, seqlen_k, scale_log2,
-                             window_left, window_right)  # fmt: skip
-            if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
-                store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
-
-        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
-        row0 = n0 + warp * 16
-        write_rows(dk, dk_acc, batch * dk_sb + kv_head * dk_sh, dk_ss, row0, lane, seqlen_k,
-                   scale)  # fmt: skip
-        write_rows(dv, dv_acc, batch * dv_sb + kv_head * dv_sh, dv_ss, row0, lane, seqlen_k,
-                   float32(1.0))  # fmt: skip
-
     @device_function
-    def key_tile_step(s, dp, acc, q_desc, do_desc, stage_addr, lse_0, lse_1, d_0, d_1, lo_0,
-                      hi_0, lo_1, hi_1, scale_log2):  # fmt: skip
+    def key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2):
         """One warpgroup's work on one key tile (the stage at ``stage_addr``) in the dQ
         kernel."""
+        q_desc, do_desc = resident
         k_addr, v_addr = stage_addr, stage_addr + uint32(DO_OFF)
         # -- S = Q K^T and dP = dO V^T for this warpgroup's 64 query rows
         score_pair(s, dp, q_desc, descriptor(k_addr, 16), do_desc, descriptor(v_addr, 16))
         # -- dS = P (dP - D), masked pairs 0
-        row_ds(dp, s, lse_0, lse_1, d_0, d_1, lo_0, hi_0, lo_1, hi_1, scale_log2)
+        row_ds(dp, s, row_stats, shift, scale_log2)
         # -- dQ += dS K
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
@@ -345,72 +264,40 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc, ACC_REGS)
 
-    @kernel(launch_bounds=THREADS)
-    def dq_kernel(
-        q, k, v, do, lse, delta, dq,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, do_sb, do_ss, do_sh,
-        dq_sb, dq_ss, dq_sh, seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-    ):  # fmt: skip
-        """dQ = scale * sum over keys of dS K for 64 * GROUPS query rows, each element summed
-        by one thread in key order."""
-        smem = cuda.shared.array(0, uint16)
-        s = cuda.local.array(S_REGS, float32)
-        dp = cuda.local.array(S_REGS, float32)
-        acc = cuda.local.array(ACC_REGS, float32)
+    @device_function
+    def shared_base(smem):
+        """The block's 1024-byte aligned base (the swizzle repeats every 8 rows of 128 bytes)."""
+        return ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
 
-        # m0: the block's first query row (the last rows are the heaviest under a causal mask)
-        tid, lane, warp, m0, _, head, batch = block_position(
-            (window_left < 0) != (window_right < 0), window_left < 0)
-        group = warp >> 2
-        kv_head = ptx_sm90.quotient32(head, heads_per_kv)
-        last_row = min(m0 + BLOCK_N, seqlen_q) - 1
-        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
-        n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
-        scale_log2 = scale * float32(1.4426950408889634)
+    @device_function
+    def no_atomic_dq(
+        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q
+    ):
+        pass
 
-        # -- Q and dO of this block stay in shared memory (in the slots of K and V above)
-        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
-        q_desc, do_desc = load_resident(
-            base, q, do, batch * q_sb + head * q_sh + int64(m0) * q_ss, q_ss,
-            batch * do_sb + head * do_sh + int64(m0) * do_ss, do_ss, seqlen_q - m0, group, tid)
-
-        # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
-        warp_row = m0 + warp * 16
-        lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = lane_row_stats(
-            lse, delta, batch, head, warp_row, lane, n_lo, seqlen_q, seqlen_k, window_left,
-            window_right)
-        for i in range(ACC_REGS):
-            acc[i] = float32(0.0)
-
-        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
-        v_first = batch * v_sb + kv_head * v_sh + int64(n_lo) * v_ss
-        if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
-            load_pair(base + uint32(STAGE0), k, v, k_first, k_ss, v_first, v_ss, seqlen_k - n_lo,
-                      tid)  # fmt: skip
-        for it in range(n_tiles):
-            n0 = n_lo + it * BLOCK_M
-            stage = it % STAGES
-            if STAGES == 1:
-                cuda.syncthreads()  # every warpgroup is done with the previous tile
-                load_pair(base + uint32(STAGE0), k, v, k_first, k_ss, v_first, v_ss,
-                          seqlen_k - n0, tid)  # fmt: skip
-                landed()
-            else:
-                landed()  # tile `it` landed for all; every warpgroup is done with it - 1
-                if it + 1 < n_tiles:
-                    load_pair(base + uint32(STAGE0 + (1 - stage) * STAGE), k, v,
-                              k_first + int64(BLOCK_M) * k_ss, k_ss,
-                              v_first + int64(BLOCK_M) * v_ss, v_ss, seqlen_k - n0 - BLOCK_M,
-                              tid)  # fmt: skip
-            # the lanes' visible keys are relative to the first tile's columns: shifted here
-            shift = int32(it * BLOCK_M)
-            key_tile_step(s, dp, acc, q_desc, do_desc, base + uint32(STAGE0 + stage * STAGE),
-                          lse_0, lse_1, d_0, d_1, int32(lo_0 - shift), int32(hi_0 - shift),
-                          int32(lo_1 - shift), int32(hi_1 - shift), scale_log2)  # fmt: skip
-            k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
-            v_first += int64(BLOCK_M) * v_ss
-
-        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
-        write_rows(dq, acc, batch * dq_sb + head * dq_sh, dq_ss, warp_row, lane, seqlen_q, scale)
-
-    return Kernels(dkdv, dq_kernel)
+    return backward.build_kernels(
+        backward.Backend(
+            block_m=BLOCK_M,
+            block_n=BLOCK_N,
+            threads=THREADS,
+            stages=STAGES,
+            s_regs=S_REGS,
+            acc_regs=ACC_REGS,
+            dq_regs=1,
+            stage0=STAGE0,
+            stage_bytes=STAGE,
+            dq_atomic=False,
+            block_position=backward.block_position_function(
+                BLOCK_N, 1, HEAD_DIM, heavy_group, ptx_sm90.quotient32
+            ),
+            shared_base=shared_base,
+            load_resident=load_resident,
+            load_pair=load_pair,
+            landed=landed,
+            query_block_step=query_block_step,
+            key_tile_step=key_tile_step,
+            atomic_dq=no_atomic_dq,
+            divide=ptx_sm90.quotient32,
+            write_rows=backward.row_writer(HEAD_DIM, dtype_name),
+        )
+    )

@@ -30,18 +30,11 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
+from .fragments import MMA, PACK
 from .jit import device_function, kernel
-from .softmax import (
-    NEG_INF,
-    block_key_range,
-    final_lse,
-    shift_of,
-    tile_needs_mask,
-    visible_keys,
-)
-
-_MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
-_PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
+from .loads import row_loader
+from .mask import block_key_range, tile_needs_mask, visible_keys
+from .softmax import NEG_INF, final_lse, shift_of
 
 
 def shared_memory_layout(head_dim, block_m, block_n, stages):
@@ -68,7 +61,6 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_m, block_n, stages)
     TILE = BLOCK_N * ROW
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of real data per row
-    ROWS_PER_PASS = THREADS // CHUNKS  # rows one pass of all threads' cp.async covers
     PENDING = STAGES - 2  # cp.async groups left in flight when a tile is consumed
     Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
     # Register arrays per thread (their sizes must be plain constants for cuda.local.array).
@@ -77,36 +69,11 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
     S_REGS = M_TILES * N_TILES * 4
     ACC_REGS = M_TILES * D_TILES * 4
     ROWS = M_TILES * 2
-    mma = _MMA[dtype_name]
-    pack = _PACK[dtype_name]
+    mma = MMA[dtype_name]
+    pack = PACK[dtype_name]
+    load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
 
     # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
-
-    @device_function
-    def load_rows(dst, src, first, stride, rows_left, nrows, tid):
-        """cp.async ``nrows`` rows of ``src`` starting at element ``first`` (row pitch ``stride``)
-        to shared address ``dst``; rows at or past ``rows_left`` are zero-filled, not read."""
-        r = tid // CHUNKS
-        col = (tid - r * CHUNKS) * 8
-        if r < ROWS_PER_PASS:
-            dst += uint32((r * ROW + col) * 2)
-            offset = first + int64(r) * stride + col
-            step = ROWS_PER_PASS * stride
-            if rows_left >= nrows and nrows % ROWS_PER_PASS == 0:
-                # Every row is in range (all tiles but the last): no per-row checks.
-                for p in range(nrows // ROWS_PER_PASS):
-                    ptx.cp_async_16(dst + uint32(p * ROWS_PER_PASS * ROW * 2), src, offset,
-                                    uint32(16))  # fmt: skip
-                    offset += step
-            else:
-                for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
-                    row = r + p * ROWS_PER_PASS
-                    if row < nrows:
-                        valid = row < rows_left
-                        ptx.cp_async_16(dst + uint32(p * ROWS_PER_PASS * ROW * 2), src,
-                                        offset if valid else first,
-                                        uint32(16) if valid else uint32(0))  # fmt: skip
-                    offset += step
 
     @device_function
     def zero_padding_columns(smem, tid):
@@ -144,14 +111,30 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                     a = (mt * K_STEPS + kk) * 4
                     c = (mt * N_TILES + 2 * np_) * 4
                     s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
-                        qf[a], qf[a + 1], qf[a + 2], qf[a + 3], b0, b1,
-                        s[c], s[c + 1], s[c + 2], s[c + 3],
-                    )  # fmt: skip
+                        qf[a],
+                        qf[a + 1],
+                        qf[a + 2],
+                        qf[a + 3],
+                        b0,
+                        b1,
+                        s[c],
+                        s[c + 1],
+                        s[c + 2],
+                        s[c + 3],
+                    )
                     c += 4
                     s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
-                        qf[a], qf[a + 1], qf[a + 2], qf[a + 3], b2, b3,
-                        s[c], s[c + 1], s[c + 2], s[c + 3],
-                    )  # fmt: skip
+                        qf[a],
+                        qf[a + 1],
+                        qf[a + 2],
+                        qf[a + 3],
+                        b2,
+                        b3,
+                        s[c],
+                        s[c + 1],
+                        s[c + 2],
+                        s[c + 3],
+                    )
 
     @device_function
     def mask_row(s, first, row, first_col, seqlen_q, seqlen_k, wl, wr):
@@ -230,14 +213,30 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                     a = mt * 4
                     o = (mt * D_TILES + 2 * dp) * 4
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
-                        pf[a], pf[a + 1], pf[a + 2], pf[a + 3], b0, b1,
-                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3],
-                    )  # fmt: skip
+                        pf[a],
+                        pf[a + 1],
+                        pf[a + 2],
+                        pf[a + 3],
+                        b0,
+                        b1,
+                        acc[o],
+                        acc[o + 1],
+                        acc[o + 2],
+                        acc[o + 3],
+                    )
                     o += 4
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
-                        pf[a], pf[a + 1], pf[a + 2], pf[a + 3], b2, b3,
-                        acc[o], acc[o + 1], acc[o + 2], acc[o + 3],
-                    )  # fmt: skip
+                        pf[a],
+                        pf[a + 1],
+                        pf[a + 2],
+                        pf[a + 3],
+                        b2,
+                        b3,
+                        acc[o],
+                        acc[o + 1],
+                        acc[o + 2],
+                        acc[o + 3],
+                    )
 
     @device_function
     def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
@@ -277,10 +276,26 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
 
     @kernel(launch_bounds=THREADS)
     def forward(
-        q, k, v, o, lse,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
-        seqlen_q, seqlen_k, heads_per_kv, scale_log2, window_left, window_right,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        o_sb, o_ss, o_sh = o_st
         smem = cuda.shared.array(0, uint16)
         qf = cuda.local.array(QF_REGS, uint32)
         pf = cuda.local.array(PF_REGS, uint32)
@@ -333,7 +348,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
 
         # Lane offsets of the ldmatrix row addresses (see ptx.py for the fragment layouts).
         row0 = m0 + warp * M_TILES * 16
-        q_addr = smem_addr + uint32(((warp * M_TILES * 16 + (lane & 15)) * ROW + (lane >> 4) * 8) * 2)
+        q_addr = smem_addr + uint32(
+            ((warp * M_TILES * 16 + (lane & 15)) * ROW + (lane >> 4) * 8) * 2
+        )
         k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
         v_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
 
@@ -368,8 +385,16 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             stage_addr = smem_addr + uint32(stage * TILE * 2)
             # -- S = Q K_j^T (raw scores; the scale is folded into the softmax's fma)
             mma_qk(qf, s, q_addr, stage_addr + uint32(K_BASE * 2) + k_lane)
-            if tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k,
-                               window_left, window_right):  # fmt: skip
+            if tile_needs_mask(
+                m0,
+                m0 + BLOCK_M - 1,
+                n0,
+                n0 + BLOCK_N,
+                seqlen_q,
+                seqlen_k,
+                window_left,
+                window_right,
+            ):
                 mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, window_left, window_right)
             # -- update m_i and l_i, rescale acc, P = exp2(S * scale - m_i)
             online_softmax(s, m_i, l_i, acc, scale_log2)

@@ -20,7 +20,8 @@ from numba import cuda, float32
 
 from . import ptx
 from .jit import device_function, kernel
-from .softmax import NEG_INF, block_key_range, final_lse, shift_of, visible_keys
+from .mask import block_key_range, visible_keys
+from .softmax import NEG_INF, final_lse, shift_of
 
 
 @device_function
@@ -29,8 +30,8 @@ def _identity(x):
 
 
 #: How each input dtype's elements become fp32 and back (16-bit types travel as uint16 bits).
-_TO_F32 = {"float16": ptx.f16_to_f32, "bfloat16": ptx.bf16_to_f32, "float32": _identity}
-_FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16, "float32": _identity}
+TO_F32 = {"float16": ptx.f16_to_f32, "bfloat16": ptx.bf16_to_f32, "float32": _identity}
+FROM_F32 = {"float16": ptx.f32_to_f16, "bfloat16": ptx.f32_to_bf16, "float32": _identity}
 
 
 def tile_pair_loader(rows, head_dim, threads, to_f32):
@@ -76,17 +77,33 @@ def build(head_dim, dtype_name, block_m, block_n):
     BLOCK_M = block_m
     BLOCK_N = block_n
     TILE = BLOCK_N * HEAD_DIM
-    to_f32 = _TO_F32[dtype_name]
-    from_f32 = _FROM_F32[dtype_name]
+    to_f32 = TO_F32[dtype_name]
+    from_f32 = FROM_F32[dtype_name]
     # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
 
     @kernel
     def forward_portable(
-        q, k, v, o, lse,
-        q_sb, q_ss, q_sh, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh, o_sb, o_ss, o_sh,
-        seqlen_q, seqlen_k, heads_per_kv, scale_log2, window_left, window_right,
-    ):  # fmt: skip
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        o_sb, o_ss, o_sh = o_st
         k_tile = cuda.shared.array(TILE, float32)
         v_tile = cuda.shared.array(TILE, float32)
         q_row = cuda.local.array(HEAD_DIM, float32)

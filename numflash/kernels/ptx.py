@@ -163,8 +163,12 @@ if not SIMULATOR:
             src = _element_pointer(context, builder, sig.args[1], args[1], args[2])
             operands = [args[0], _global_address(builder, src), args[3]]
             _asm(
-                builder, [], "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-                "r,l,r,~{memory}", operands, True,
+                builder,
+                [],
+                "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+                "r,l,r,~{memory}",
+                operands,
+                True,
             )
             return context.get_dummy_value()
 
@@ -212,7 +216,9 @@ if not SIMULATOR:
         sig = types.float32(types.float32, types.float32, types.float32)
 
         def codegen(context, builder, sig, args):
-            return _asm(builder, [_F32], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", list(args), False)
+            return _asm(
+                builder, [_F32], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f", list(args), False
+            )
 
         return sig, codegen
 

@@ -95,8 +95,9 @@ if SIMULATOR:
 
         def __add__(self, units):
             """The descriptor moved by ``units`` x 16 bytes (the address field's unit)."""
-            return _Descriptor(self.address + 16 * int(units), self.leading, self.stride,
-                               self.swizzle)  # fmt: skip
+            return _Descriptor(
+                self.address + 16 * int(units), self.leading, self.stride, self.swizzle
+            )
 
         def read(self, rows, cols, mn_major):
             """The operand as a (rows x cols) uint16 array: rows = M or N and cols = K for a
@@ -242,7 +243,6 @@ else:
         aligned = (raw + uint32(alignment - 1)) & ~uint32(alignment - 1)
         return (aligned - raw) >> uint32(1)
 
-
     def _statement(asm):
         """An intrinsic without operands that emits ``asm`` with a memory clobber."""
 
@@ -301,13 +301,19 @@ else:
             f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} "
             f"{{{regs}}}, {a_text}, ${b_op}, p, {immediates}; }}"
         )
-        constraints = ",".join(["=f"] * values + ["r" if a_in_registers else "l"] * a_count
-                               + ["l", "r"] + [str(i) for i in range(values)] + ["~{memory}"])
+        constraints = ",".join(
+            ["=f"] * values
+            + ["r" if a_in_registers else "l"] * a_count
+            + ["l", "r"]
+            + [str(i) for i in range(values)]
+            + ["~{memory}"]
+        )
         return asm, constraints
 
     def _wgmma_operands(builder, a_in_registers, args, acc_in):
-        a_in = ([builder.extract_value(args[1], i) for i in range(4)] if a_in_registers
-                else [args[1]])  # fmt: skip
+        a_in = (
+            [builder.extract_value(args[1], i) for i in range(4)] if a_in_registers else [args[1]]
+        )
         return a_in + [args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
 
     def _emit(builder, asm, constraints, operands, count):
@@ -337,8 +343,14 @@ else:
 
         def codegen(context, builder, sig, args):
             i32 = ir.IntType(32)
-            x, y = (builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32)
-                    if v.type.width < 32 else v for v in args)  # fmt: skip
+            x, y = (
+                builder.trunc(v, i32)
+                if v.type.width > 32
+                else builder.zext(v, i32)
+                if v.type.width < 32
+                else v
+                for v in args
+            )
             return builder.zext(builder.udiv(x, y), ir.IntType(64))
 
         return sig, codegen

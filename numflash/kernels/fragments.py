@@ -1,0 +1,24 @@
+"""mma.sync m16n8k16 fragments: the per-dtype instructions and where each value lives.
+
+A warp's fp32 accumulator of a 16 x 8 tile is four registers a lane (C layout): elements
+``4 t + 2 h`` and ``4 t + 2 h + 1`` of tile ``t`` hold row ``lane // 4 + 8 h`` and columns
+``2 (lane % 4)`` and ``+ 1``. Two adjacent accumulator tiles (16 x 16), rounded to 16 bits in
+pairs, are the A fragment of the next product (P V, dS K, P^T dO): FlashAttention-2's trick of
+keeping P in registers. wgmma's m64 accumulators repeat this layout for each warp of the
+warpgroup, so the same helpers serve both.
+"""
+
+from . import ptx
+from .jit import device_function
+
+#: The m16n8k16 product of each 16-bit input type, fp32 accumulators.
+MMA = {"float16": ptx.mma_f16, "bfloat16": ptx.mma_bf16}
+#: Two fp32 values rounded into one register of two 16-bit values (low, high).
+PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
+
+
+@device_function
+def acc_index(tile, h):
+    """The first of this lane's two elements of row half ``h`` (0: row lane // 4, 1: row
+    lane // 4 + 8) in 8-column accumulator tile ``tile``."""
+    return tile * 4 + 2 * h

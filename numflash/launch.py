@@ -1,0 +1,576 @@
+"""Launch machinery: kernel parameter specs, the launcher cache, and one launch builder per
+kernel family (padding, views, grids).
+
+A :class:`KernelSpec` describes a kernel's arguments once: its flat arrays, the tensors whose
+(batch, seqlen, head) element strides follow as one int64 triple each, and its scalars. Both
+the Numba signature a kernel is compiled for and the arguments packed for each launch come from
+it, so the two cannot disagree. A :class:`Launcher` launches one compiled kernel straight
+through the driver, skipping Numba's per-call typing.
+"""
+
+import ctypes
+import struct
+import threading
+from typing import NamedTuple
+
+import numpy as np
+
+from . import arrays
+from .config import (
+    PortableBackwardConfig,
+    PortableConfig,
+    TensorCoreBackwardConfig,
+    TensorCoreConfig,
+    WgmmaBackwardConfig,
+)
+from .kernels import (
+    backward_mma,
+    backward_portable,
+    backward_sm90,
+    forward_portable,
+)
+from .kernels import (
+    forward as forward_kernels,
+)
+from .kernels.jit import SIMULATOR
+from .kernels.softmax import LOG2E
+
+# -- parameter specs --------------------------------------------------------------------------
+
+#: The mask and scale every attention kernel takes after its arrays and strides.
+ATTENTION_SCALARS = (
+    ("seqlen_q", "int32"),
+    ("seqlen_k", "int32"),
+    ("heads_per_kv", "int32"),
+    ("scale", "float32"),
+    ("window_left", "int32"),
+    ("window_right", "int32"),
+)
+
+
+class KernelSpec(NamedTuple):
+    """A kernel's parameters: ``arrays`` as (name, "elem" | "float32") flat 1-D arrays ("elem":
+    the problem's element type, 16-bit floats as their uint16 bits), then for each name in
+    ``strided`` its (batch, seqlen, head) strides as one int64 triple, then ``scalars`` as
+    (name, "int32" | "float32")."""
+
+    arrays: tuple
+    strided: tuple
+    scalars: tuple
+
+    def signature(self, dtype_name):
+        """The Numba argument types (None in the simulator, which types nothing)."""
+        if SIMULATOR:
+            return None
+        from numba.cuda import types
+
+        elem = types.float32 if dtype_name == "float32" else types.uint16
+        kinds = {"elem": elem, "float32": types.float32}
+        scalar = {"int32": types.int32, "float32": types.float32}
+        return (
+            tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
+            + (types.UniTuple(types.int64, 3),) * len(self.strided)
+            + tuple(scalar[kind] for _, kind in self.scalars)
+        )
+
+    def args(self, views, scalars):
+        """The launch arguments from ``views`` ({array name: arrays.kernel_view(x)}) and
+        ``scalars`` (values in the spec's order, already of their types)."""
+        return (
+            tuple(views[name][0] for name, _ in self.arrays)
+            + tuple(tuple(views[name][1][:3]) for name in self.strided)
+            + tuple(scalars)
+        )
+
+
+FORWARD = KernelSpec(
+    arrays=(("q", "elem"), ("k", "elem"), ("v", "elem"), ("o", "elem"), ("lse", "float32")),
+    strided=("q", "k", "v", "o"),
+    scalars=ATTENTION_SCALARS,
+)
+PREPROCESS = KernelSpec(
+    arrays=(("do", "elem"), ("o", "elem"), ("delta", "float32")),
+    strided=("do", "o"),
+    scalars=(("seqlen_q", "int32"),),
+)
+_BACKWARD_INPUTS = (
+    ("q", "elem"),
+    ("k", "elem"),
+    ("v", "elem"),
+    ("do", "elem"),
+    ("lse", "float32"),
+    ("delta", "float32"),
+)
+PORTABLE_DKDV = KernelSpec(
+    arrays=_BACKWARD_INPUTS + (("dk", "elem"), ("dv", "elem")),
+    strided=("q", "k", "v", "do", "dk", "dv"),
+    scalars=ATTENTION_SCALARS,
+)
+#: The tensor-core dK/dV kernels: dQ's fp32 accumulator last (atomic dQ only; else unused).
+TENSOR_CORE_DKDV = KernelSpec(
+    arrays=_BACKWARD_INPUTS + (("dk", "elem"), ("dv", "elem"), ("dq_acc", "float32")),
+    strided=("q", "k", "v", "do", "dk", "dv", "dq_acc"),
+    scalars=ATTENTION_SCALARS,
+)
+#: Every dQ kernel (portable, mma.sync, wgmma).
+DQ = KernelSpec(
+    arrays=_BACKWARD_INPUTS + (("dq", "elem"),),
+    strided=("q", "k", "v", "do", "dq"),
+    scalars=ATTENTION_SCALARS,
+)
+
+
+def attention_scalars(p, scale):
+    """ATTENTION_SCALARS' values for problem ``p`` with the kernel's ``scale``."""
+    return (
+        p.seqlen_q,
+        p.seqlen_k,
+        p.heads_per_kv,
+        np.float32(scale),
+        p.window_left,
+        p.window_right,
+    )
+
+
+# -- launching --------------------------------------------------------------------------------
+
+#: Shared memory a block gets without opting in to more (every CUDA GPU).
+DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+def _param_layout(argtypes):
+    """(struct format, slots per argument) of the kernel parameters in Numba's ABI.
+
+    A 1-D C-contiguous array is seven parameters (meminfo, parent, nitems, itemsize, data,
+    shape[0], strides[0]); a tuple of n scalars is n parameters; a scalar is one, of its C
+    type. Every parameter gets its own 8-byte slot, so the parameter pointers are the buffer's
+    start plus multiples of 8.
+    """
+    from numba.cuda import types
+
+    scalars = {
+        types.int32: "i4x",
+        types.int64: "q",
+        types.uint32: "I4x",
+        types.float32: "f4x",
+        types.float64: "d",
+    }
+    fmt, kinds = "=", []
+    for ty in argtypes:
+        if isinstance(ty, types.Array):
+            if ty.ndim != 1 or ty.layout != "C":
+                raise TypeError(f"only 1-D C arrays are launched directly; got {ty}")
+            fmt += "QQqqQqq"
+            kinds.append(7)
+        elif isinstance(ty, types.UniTuple) and ty.dtype in scalars:
+            fmt += scalars[ty.dtype] * ty.count
+            kinds.append(-ty.count)
+        elif ty in scalars:
+            fmt += scalars[ty]
+            kinds.append(1)
+        else:
+            raise TypeError(f"no direct launch for argument type {ty}")
+    return fmt, kinds
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _dim3(block):
+    return (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
+
+
+class Launcher:
+    """Launches one kernel compiled for a fixed signature, skipping Numba's per-call typing.
+
+    On the GPU the kernel is compiled once for ``argtypes`` (on first use) and launched straight
+    through the driver with the arguments packed here from the CuPy arrays' pointers. Numba's
+    own launch is not used: it adopts each CuPy array through ``__cuda_array_interface__``,
+    which synchronises the array's stream (the host would wait for all queued work at every
+    call) and costs tens of microseconds per array. A launch needing more than 48 KiB of
+    dynamic shared memory first raises the kernel's opt-in limit on that device.
+    """
+
+    def __init__(self, dispatcher, argtypes):
+        self.dispatcher = dispatcher
+        self.argtypes = argtypes
+        self._compiled = None
+        self._lock = threading.Lock()
+        if not SIMULATOR:
+            self._format, self._kinds = _param_layout(argtypes)
+            self._struct = struct.Struct(self._format)
+            slots = sum(abs(kind) for kind in self._kinds)
+            self._offsets = np.arange(slots, dtype=np.uint64) * 8
+        self._shared_opt_in = {}  # device id -> bytes allowed
+        self._functions = {}  # device id -> CUfunction
+
+    def compiled(self):
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    self._compiled = self.dispatcher.compile(self.argtypes)
+        return self._compiled
+
+    def _allow_shared(self, nbytes):
+        """Raise the kernel's dynamic shared memory limit on the current device to ``nbytes``."""
+        import cupy
+
+        dev = cupy.cuda.runtime.getDevice()
+        if self._shared_opt_in.get(dev, DEFAULT_SHARED_LIMIT) < nbytes:
+            from numba.cuda.cudadrv.driver import driver
+
+            cufunc = self.compiled()._codelibrary.get_cufunc()
+            attr = _driver().CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+            self._shared_opt_in[dev] = nbytes
+
+    def __call__(self, grid, block, stream, shared_bytes, args):
+        """Launch on ``stream``, a ``CUstream`` handle as an int (0: the legacy default)."""
+        if SIMULATOR:
+            self.dispatcher[grid, block, stream, shared_bytes](*args)
+            return
+        if shared_bytes > DEFAULT_SHARED_LIMIT:
+            self._allow_shared(shared_bytes)
+        values = []
+        for kind, value in zip(self._kinds, args):
+            if kind == 7:  # a KernelArray (pointer, nitems, itemsize)
+                values += (
+                    0,
+                    0,
+                    value.nitems,
+                    value.itemsize,
+                    value.pointer,
+                    value.nitems,
+                    value.itemsize,
+                )
+            elif kind < 0:  # a tuple of scalars
+                values += value
+            else:
+                values.append(value)
+        buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
+        pointers = self._offsets + np.uint64(ctypes.addressof(buffer))
+        gx, gy, gz = grid
+        bx, by, bz = _dim3(block)
+        driver = _driver()
+        (err,) = driver.cuLaunchKernel(
+            self._function(), gx, gy, gz, bx, by, bz, shared_bytes, stream, pointers.ctypes.data, 0
+        )
+        # ``buffer`` and ``pointers`` stayed alive until the driver copied the parameters.
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(
+                f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
+                f"{shared_bytes} bytes of shared memory)"
+            )
+
+    def _function(self):
+        """The kernel's CUfunction on the current device (Numba loads it as a CUkernel)."""
+        import cupy
+
+        dev = cupy.cuda.runtime.getDevice()
+        function = self._functions.get(dev)
+        if function is None:
+            cufunc = self.compiled()._codelibrary.get_cufunc()
+            driver = _driver()
+            err, function = driver.cuKernelGetFunction(cufunc.handle)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuKernelGetFunction failed: {err!r}")
+            self._functions[dev] = function
+        return function
+
+
+_launchers = {}
+_launchers_lock = threading.Lock()
+
+
+def launcher(key, build, spec, dtype_name):
+    """The Launcher stored under ``key``, made on first use from ``build()`` (a kernel
+    dispatcher) and ``spec``'s signature for ``dtype_name``. Safe from several threads."""
+    found = _launchers.get(key)
+    if found is None:
+        with _launchers_lock:
+            found = _launchers.get(key)
+            if found is None:
+                found = _launchers[key] = Launcher(build(), spec.signature(dtype_name))
+    return found
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+# -- forward ----------------------------------------------------------------------------------
+
+
+def _positive_scale(q, scale):
+    """(q', scale') with scale' > 0 and the same attention: the tensor-core kernel takes each
+    row's max on unscaled scores, which only orders them right for a positive scale."""
+    if scale > 0:
+        return q, scale
+    xp = arrays.array_module(q)
+    if scale == 0:  # every visible score is 0: the same as q = 0 at any scale
+        return xp.zeros(q.shape, dtype=np.uint16).view(q.dtype), 1.0  # 16-bit: only fp16/bf16 here
+    # q.k * scale == (-q).k * |scale|; negate by flipping the sign bit (exact, bf16 included)
+    flipped = xp.ascontiguousarray(arrays.bits(q)) ^ np.uint16(0x8000)
+    return flipped.view(q.dtype), -scale
+
+
+def _output_target(out, head_dim, p):
+    """(where the kernel writes, whether that is ``out`` itself): a padded or contiguous
+    temporary where the kernel cannot write ``out`` in place."""
+    if head_dim == p.head_dim and arrays.readable_in_place(out):
+        return out, True
+    return arrays.empty(out.shape[:-1] + (head_dim,), out.dtype, like=out), False
+
+
+def _copy_back(out, target, p):
+    arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]
+
+
+def _launch_forward(build, spec_key, cfg, p, q, k, v, out, lse, head_dim, scale_log2, shared):
+    target, direct = _output_target(out, head_dim, p)
+    launch = launcher(spec_key, build, FORWARD, p.dtype)
+    views = {
+        name: arrays.kernel_view(x)
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
+    }
+    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    launch(
+        grid,
+        cfg.threads,
+        arrays.current_stream(),
+        shared,
+        FORWARD.args(views, attention_scalars(p, scale_log2)),
+    )
+    if not direct:
+        _copy_back(out, target, p)
+
+
+def _tensor_core_forward(cfg, p, q, k, v, out, lse):
+    q, scale = _positive_scale(q, p.scale)
+    head_dim = cfg.kernel_head_dim(p.head_dim)
+    if head_dim != p.head_dim:
+        q, k, v = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v))
+    # cp.async moves 16 bytes: rows must start on 16-byte boundaries.
+    q, k, v = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    key = (TensorCoreConfig, head_dim, p.dtype, cfg)
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
+    _launch_forward(
+        lambda: forward_kernels.build(head_dim, p.dtype, *tiles),
+        key,
+        cfg,
+        p,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        head_dim,
+        scale * LOG2E,
+        cfg.shared_memory_bytes(head_dim),
+    )
+
+
+def _portable_forward(cfg, p, q, k, v, out, lse):
+    q, k, v = (arrays.as_kernel_input(x) for x in (q, k, v))
+    key = (PortableConfig, p.head_dim, p.dtype, cfg)
+    build = lambda: forward_portable.build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n)  # noqa: E731
+    _launch_forward(build, key, cfg, p, q, k, v, out, lse, p.head_dim, p.scale * LOG2E, 0)
+
+
+#: One launch builder per forward family.
+_FORWARD = {TensorCoreConfig: _tensor_core_forward, PortableConfig: _portable_forward}
+
+
+def forward(cfg, p, q, k, v, out, lse):
+    """out and lse of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
+    _FORWARD[type(cfg)](cfg, p, q, k, v, out, lse)
+
+
+# -- backward ---------------------------------------------------------------------------------
+
+#: Query rows (one warp each) per block of the D = rowsum(dO * O) kernel.
+_PREPROCESS_ROWS = 8
+
+
+def _preprocess(p, dout, out, lse):
+    """(lse as a contiguous array, D = rowsum(dout * out) in fp32), D computed on the GPU."""
+    xp = arrays.array_module(out)
+    lse = xp.ascontiguousarray(lse)
+    delta = xp.empty(lse.shape, dtype=xp.float32)
+    key = ("preprocess", p.head_dim, p.dtype)
+    launch = launcher(
+        key,
+        lambda: backward_portable.build_preprocess(p.head_dim, p.dtype, _PREPROCESS_ROWS),
+        PREPROCESS,
+        p.dtype,
+    )
+    views = {
+        "do": arrays.kernel_view(dout),
+        "o": arrays.kernel_view(out),
+        "delta": arrays.kernel_view(delta),
+    }
+    grid = (_ceil_div(p.seqlen_q, _PREPROCESS_ROWS), p.nheads, p.batch)
+    launch(
+        grid,
+        32 * _PREPROCESS_ROWS,
+        arrays.current_stream(),
+        0,
+        PREPROCESS.args(views, (p.seqlen_q,)),
+    )
+    return lse, delta
+
+
+def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    lse, delta = _preprocess(p, dout, out, lse)
+    views = {
+        name: arrays.kernel_view(x)
+        for name, x in (
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("do", dout),
+            ("lse", lse),
+            ("delta", delta),
+            ("dq", dq),
+            ("dk", dk),
+            ("dv", dv),
+        )
+    }
+    scalars = attention_scalars(p, p.scale)
+    stream = arrays.current_stream()
+    d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
+    dkdv = launcher(
+        (PortableBackwardConfig, "dkdv", d, dtype, cfg),
+        lambda: backward_portable.build_dkdv(d, dtype, *tiles),
+        PORTABLE_DKDV,
+        dtype,
+    )
+    dkdv(
+        (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch),
+        cfg.block_n,
+        stream,
+        0,
+        PORTABLE_DKDV.args(views, scalars),
+    )
+    dq_launch = launcher(
+        (PortableBackwardConfig, "dq", d, dtype, cfg),
+        lambda: backward_portable.build_dq(d, dtype, *tiles),
+        DQ,
+        dtype,
+    )
+    dq_launch(
+        (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch),
+        cfg.block_m,
+        stream,
+        0,
+        DQ.args(views, scalars),
+    )
+
+
+def _tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
+    """D, then the dK/dV kernel; dQ either accumulated there in fp32 by atomics and then scaled
+    and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim)`` gives
+    the family's (dK/dV, dQ) Launchers."""
+    xp = arrays.array_module(q)
+    dout, out = (arrays.as_kernel_input(x) for x in (dout, out))
+    lse, delta = _preprocess(p, dout, out, lse)
+    head_dim = cfg.kernel_head_dim(p.head_dim)
+    if head_dim != p.head_dim:
+        q, k, v, dout = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v, dout))
+    q, k, v, dout = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
+    direct = head_dim == p.head_dim
+    dq_t, dk_t, dv_t = (
+        g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
+        for g in (dq, dk, dv)
+    )
+    # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
+    acc_shape = (1, 1, 1, 1) if cfg.dq_separate else q.shape[:-1] + (head_dim,)
+    dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
+    views = {
+        name: arrays.kernel_view(x)
+        for name, x in (
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("do", dout),
+            ("lse", lse),
+            ("delta", delta),
+            ("dq", dq_t),
+            ("dk", dk_t),
+            ("dv", dv_t),
+            ("dq_acc", dq_acc),
+        )
+    }
+    scalars = attention_scalars(p, p.scale)
+    stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
+    dkdv, dq_kernel = kernels(head_dim)
+    blocks = _ceil_div(p.seqlen_k, cfg.block_n) * cfg.head_split
+    dkdv(
+        (blocks, p.nheads_k, p.batch),
+        cfg.threads,
+        stream,
+        smem,
+        TENSOR_CORE_DKDV.args(views, scalars),
+    )
+    if cfg.dq_separate:
+        blocks = _ceil_div(p.seqlen_q, cfg.block_n) * cfg.head_split
+        dq_kernel((blocks, p.nheads, p.batch), cfg.threads, stream, smem, DQ.args(views, scalars))
+    else:
+        arrays.round_scaled_into(dq, dq_acc[..., : p.head_dim], p.scale)
+    if not direct:
+        if cfg.dq_separate:
+            _copy_back(dq, dq_t, p)
+        _copy_back(dk, dk_t, p)
+        _copy_back(dv, dv_t, p)
+
+
+def _mma_backward(cfg, p, *tensors):
+    def kernels(head_dim):
+        def build():
+            return backward_mma.build_kernels(
+                head_dim,
+                p.dtype,
+                cfg.block_m,
+                cfg.num_warps,
+                cfg.stages,
+                cfg.dq_separate,
+                cfg.head_split,
+            )
+
+        key = (TensorCoreBackwardConfig, head_dim, p.dtype, cfg)
+        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype)
+        dq = launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype) if cfg.dq_separate else None
+        return dkdv, dq
+
+    _tensor_core_backward(cfg, kernels, p, *tensors)
+
+
+def _wgmma_backward(cfg, p, *tensors):
+    def kernels(head_dim):
+        def build():
+            return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
+
+        key = (WgmmaBackwardConfig, head_dim, p.dtype, cfg)
+        return (
+            launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype),
+            launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype),
+        )
+
+    _tensor_core_backward(cfg, kernels, p, *tensors)
+
+
+#: One launch builder per backward family.
+_BACKWARD = {
+    PortableBackwardConfig: _portable_backward,
+    TensorCoreBackwardConfig: _mma_backward,
+    WgmmaBackwardConfig: _wgmma_backward,
+}
+
+
+def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+    """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
+    _BACKWARD[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv)

@@ -1,0 +1,190 @@
+"""The one place that chooses a kernel family and its configuration for a call.
+
+Order for a call without ``config=``: a tuned configuration for the problem's key (the user's
+cache, then the shipped files: :func:`numflash.cache.lookup`), else the heuristic default of the
+family the device prefers. Each heuristic number below names the GPU it was chosen on; the
+measurements and the commands that reproduce them are in docs/performance.md.
+"""
+
+import dataclasses
+
+from . import cache
+from .config import (
+    CONFIG_TYPES,
+    PortableBackwardConfig,
+    PortableConfig,
+    TensorCoreBackwardConfig,
+    TensorCoreConfig,
+    WgmmaBackwardConfig,
+    tensor_core_backward_head_dim,
+)
+from .device import (
+    PORTABLE,
+    PORTABLE_BACKWARD,
+    TENSOR_CORE,
+    TENSOR_CORE_BACKWARD,
+    WGMMA_BACKWARD,
+)
+
+Selection = cache.Selection
+
+
+# -- heuristic defaults -----------------------------------------------------------------------
+
+
+def default_portable_config(head_dim):
+    # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
+    return PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
+
+
+def default_portable_backward_config(head_dim):
+    """Two fp32 tiles fit the 48 KiB of static shared memory; untuned: these kernels are the
+    correctness path, not the fast one."""
+    if head_dim <= 64:
+        return PortableBackwardConfig(block_m=64, block_n=64)
+    if head_dim <= 128:
+        return PortableBackwardConfig(block_m=32, block_n=32)
+    return PortableBackwardConfig(block_m=16, block_n=16)
+
+
+def default_tensor_core_config(head_dim):
+    """The forward's tiles where nothing is tuned: the fastest configurations without a spill
+    on the H200 (docs/performance.md, "Forward tiles"), used on other GPUs until tuned there
+    (head_dim 256 takes 99 KiB of shared memory, sm_86's limit)."""
+    if head_dim <= 64:  # two 16-row tiles a warp halve the ldmatrix traffic per mma
+        return TensorCoreConfig(
+            block_m=128, block_n=64, num_warps=4, stages=3, q_in_registers=False
+        )
+    if head_dim <= 128:  # Q in registers or 64-key tiles spill at 255 registers
+        return TensorCoreConfig(
+            block_m=128, block_n=32, num_warps=4, stages=2, q_in_registers=False
+        )
+    return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
+
+
+def default_tensor_core_backward_config(head_dim, device=None):
+    """The mma.sync backward's tiles (head_dim as padded): the first of a short list that fits
+    ``device`` (any device when None). dQ from its own kernel everywhere (deterministic, and
+    faster than the atomics on the H200). 64 x 128 up to head_dim 128 and 32 x 128 split over
+    two blocks above were the fastest tilings on the H200 (docs/performance.md, "Backward
+    tiles"); the rest of each list is for GPUs with less shared memory per block (sm_80:
+    163 KiB, sm_86/89: 99 KiB), not measured there."""
+    if head_dim > 128:
+        candidates = [
+            TensorCoreBackwardConfig(32, 8, 2, head_split=2),
+            TensorCoreBackwardConfig(32, 4, 2, head_split=2),
+            TensorCoreBackwardConfig(16, 4, 1, head_split=2),
+        ]
+    else:
+        candidates = [
+            TensorCoreBackwardConfig(64, 8, 2),
+            TensorCoreBackwardConfig(32, 4, 2),
+            TensorCoreBackwardConfig(16, 4, 1),
+        ]
+    for cfg in candidates:
+        if device is None or not cfg.problems(head_dim, device):
+            return cfg
+    return candidates[-1]
+
+
+def default_wgmma_backward_config(head_dim):
+    """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
+    warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
+    return WgmmaBackwardConfig(num_warps=8, stages=2)
+
+
+def default_config(family, head_dim, device):
+    """(head_dim the kernels run at, the family's heuristic configuration)."""
+    if family not in CONFIG_TYPES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
+    run_dim = CONFIG_TYPES[family]().kernel_head_dim(head_dim)
+    if family == PORTABLE:
+        return run_dim, default_portable_config(run_dim)
+    if family == PORTABLE_BACKWARD:
+        return run_dim, default_portable_backward_config(run_dim)
+    if family == TENSOR_CORE_BACKWARD:
+        return run_dim, default_tensor_core_backward_config(run_dim, device)
+    if family == WGMMA_BACKWARD:
+        return run_dim, default_wgmma_backward_config(run_dim)
+    return run_dim, default_tensor_core_config(run_dim)
+
+
+# -- choosing for a call ----------------------------------------------------------------------
+
+_memo = {}
+
+
+def _tuned_or_default(family, problem, device):
+    """The family's tuned configuration for ``problem`` on ``device`` if the cache holds one,
+    else its heuristic default. Memoised per (problem key, device): every call goes through
+    here, and a repeated lookup costs one dictionary access."""
+    seqlen = max(problem.seqlen_q, problem.seqlen_k)
+    memo_key = (
+        cache.generation,
+        family,
+        problem.dtype,
+        problem.head_dim,
+        problem.window_left < 0,
+        problem.window_right,
+        (seqlen - 1).bit_length(),
+        device,
+    )
+    choice = _memo.get(memo_key)
+    if choice is None:
+        head_dim, default = default_config(family, problem.head_dim, device)
+        key = cache.ProblemKey.of(
+            family,
+            problem.dtype,
+            head_dim,
+            problem.seqlen_q,
+            problem.seqlen_k,
+            problem.window_left,
+            problem.window_right,
+        )
+        hit = cache.lookup(device.arch, key, feasible=lambda c: not c.problems(head_dim, device))
+        if hit is None:
+            choice = (Selection(default, "heuristic"), None)
+        else:
+            choice = (Selection(hit.config, hit.source), hit.time_ms)
+        _memo[memo_key] = choice
+    return choice
+
+
+def forward(problem, device):
+    """The forward configuration of a call without ``config=``: the tensor-core kernel for
+    fp16/bf16 on GPUs with mma.sync, the portable one otherwise (and in the simulator)."""
+    return _tuned_or_default(device.preferred_family(problem.dtype), problem, device)[0]
+
+
+def _wgmma_backward_fits(problem, device):
+    head_dim = tensor_core_backward_head_dim(problem.head_dim)
+    return device.has_wgmma and not WgmmaBackwardConfig().problems(head_dim, device)
+
+
+def backward(problem, device, deterministic):
+    """The backward configuration of a call without ``config=``.
+
+    fp16/bf16 on a GPU with mma.sync: a tuned configuration of the Hopper (wgmma) or mma.sync
+    family, the faster where both are tuned; else the wgmma kernels where they fit (compute
+    capability 9.x, head_dim 64 or 128 as padded), else the mma.sync kernels. The simulator
+    runs the tensor-core families only when tuned. Everything else takes the portable kernels.
+    With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
+    the separate dQ kernel instead (same tiles).
+    """
+    if problem.dtype == "float32" or not device.supports(TENSOR_CORE):
+        return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
+    families = [TENSOR_CORE_BACKWARD]
+    if _wgmma_backward_fits(problem, device):
+        families.insert(0, WGMMA_BACKWARD)
+    choices = [_tuned_or_default(f, problem, device) for f in families]
+    tuned = [(time_ms, i) for i, (c, time_ms) in enumerate(choices) if c.source != "heuristic"]
+    if tuned:
+        choice = choices[min(tuned)[1]][0]
+    elif device.preferred_family(problem.dtype) == TENSOR_CORE:
+        choice = choices[0][0]
+    else:
+        return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
+    if deterministic and not choice.config.dq_separate:
+        config = dataclasses.replace(choice.config, dq_separate=True)
+        return Selection(config, choice.source + ", dq_separate for deterministic=True")
+    return choice

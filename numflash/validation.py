@@ -1,0 +1,248 @@
+"""Argument checks of the public functions, each error naming the argument.
+
+Every function here raises ValueError or TypeError that says which argument is wrong, what was
+given and what is accepted; none launches anything or touches an output. :func:`problem`
+returns the normalised :class:`Problem` a call poses.
+"""
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+from . import arrays
+from .config import BACKWARD_CONFIGS, FORWARD_CONFIGS, MAX_HEAD_DIM, TensorCoreBackwardConfig
+
+#: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
+MAX_GRID_YZ = 65535
+#: The largest finite float32: the kernels take the scale as one.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What a call computes, normalised: sizes, dtype name, scale and window (causal is the
+    window (left, 0); -1 means unbounded, and a bound past every key is clamped)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    dtype: str
+    scale: float
+    window_left: int
+    window_right: int
+
+    @property
+    def heads_per_kv(self):
+        return self.nheads // self.nheads_k
+
+
+def shape_str(x):
+    return "(" + ", ".join(str(n) for n in x.shape) + ")"
+
+
+def check_flag(value, name):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
+
+
+def check_window(window_size, causal):
+    ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
+    if ok:
+        ok = all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) and w >= -1
+            for w in window_size
+        )
+    if not ok:
+        raise ValueError(
+            "window_size must be a pair (left, right) of ints >= -1, -1 meaning unbounded; "
+            f"got {window_size!r}"
+        )
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0  # causal is the window (left, 0)
+    return left, right
+
+
+def _clamp_window(w, seqlen_q, seqlen_k):
+    """A window wider than seqlen_q + seqlen_k hides nothing: say so with an int32 the kernels
+    take (any reach beyond that bound sees the same keys)."""
+    return w if w <= seqlen_q + seqlen_k else seqlen_q + seqlen_k
+
+
+def check_scale(softmax_scale, head_dim):
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:
+        scale = math.inf
+    if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
+        raise ValueError(
+            f"softmax_scale must be finite in float32 (|scale| <= {_FLOAT32_MAX:.4g}); "
+            f"got {softmax_scale!r}"
+        )
+    return scale
+
+
+def check_qkv(q, k, v):
+    """Shapes, dtypes and devices of q, k, v; returns the dtype name."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, seqlen, nheads, head_dim); "
+                f"got shape {shape_str(x)}"
+            )
+    devices = {name: arrays.device_id(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"q, k and v must be on the same GPU; got devices {devices}")
+    names = {name: arrays.dtype_name(x.dtype) for name, x in (("q", q), ("k", k), ("v", v))}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if names[name] is None:
+            raise TypeError(f"{name} has dtype {x.dtype}; accepted: float16, bfloat16, float32")
+    if len(set(names.values())) > 1:
+        raise TypeError(f"q, k and v must share one dtype; got {names}")
+    b, sq, h, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(
+            f"batch sizes differ: q {shape_str(q)}, k {shape_str(k)}, v {shape_str(v)}"
+        )
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same seqlen; got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same nheads; got {k.shape[2]} and {v.shape[2]}")
+    if k.shape[3] != d or v.shape[3] != d:
+        raise ValueError(
+            f"head_dim differs: q {d}, k {k.shape[3]}, v {v.shape[3]}; all three must match"
+        )
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}]; got {d}")
+    h_k = k.shape[2]
+    if h_k == 0 or h % h_k:
+        raise ValueError(
+            f"nheads of q ({h}) must be a multiple of nheads of k and v ({h_k}) (GQA/MQA)"
+        )
+    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ValueError(f"nheads and batch must be at most {MAX_GRID_YZ}; got {h} and {b}")
+    return names["q"]
+
+
+def check_device(x, name, like, like_name):
+    if arrays.device_id(x) != arrays.device_id(like):
+        raise ValueError(
+            f"{name} is on device {arrays.device_id(x)} but {like_name} is on "
+            f"{arrays.device_id(like)}"
+        )
+
+
+def check_writable(x, name):
+    """An output must be writable (NumPy views in the simulator can be read-only)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name} is read-only; pass a writable array")
+
+
+def check_no_overlap(x, name, others):
+    """``x`` (an output) must share no memory with any of ``others`` ({name: array}): a block
+    would write over rows that another block still reads."""
+    for other_name, other in others.items():
+        if arrays.may_share_memory(x, other):
+            raise ValueError(
+                f"{name} overlaps {other_name} in memory; pass an output that shares no memory "
+                "with the inputs"
+            )
+
+
+def check_out(out, q, k, v):
+    if out is None:
+        return None
+    out = arrays.intake(out, "out")
+    if out.shape != q.shape:
+        raise ValueError(f"out must have q's shape {shape_str(q)}; got {shape_str(out)}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"out must have q's dtype {q.dtype}; got {out.dtype}")
+    check_device(out, "out", q, "q")
+    check_writable(out, "out")
+    check_no_overlap(out, "out", {"q": q, "k": k, "v": v})
+    return out
+
+
+def check_like(x, name, like, like_name, dtype=None, shape=None):
+    """``x`` adopted as an array with ``like``'s shape, dtype and device (or the given ones)."""
+    x = arrays.intake(x, name)
+    shape = like.shape if shape is None else shape
+    dtype = like.dtype if dtype is None else dtype
+    if x.shape != shape:
+        what = f"{like_name}'s shape" if shape == like.shape else "shape"
+        raise ValueError(
+            f"{name} must have {what} ({', '.join(map(str, shape))}); got {shape_str(x)}"
+        )
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}; got {x.dtype}")
+    check_device(x, name, like, like_name)
+    return x
+
+
+def problem(q, k, v, causal, softmax_scale, window_size):
+    """The validated arrays and the normalised :class:`Problem` they pose."""
+    q = arrays.intake(q, "q")
+    k = arrays.intake(k, "k")
+    v = arrays.intake(v, "v")
+    dtype = check_qkv(q, k, v)
+    causal = check_flag(causal, "causal")
+    left, right = check_window(window_size, causal)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    left, right = (_clamp_window(w, sq, sk) for w in (left, right))
+    return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
+
+
+def _config_problems(config, p, device):
+    head_dim = config.kernel_head_dim(p.head_dim)
+    reasons = config.problems(head_dim, device)
+    if reasons:
+        raise ValueError(f"config {config} cannot run here: " + "; ".join(reasons))
+    return config
+
+
+def _names(types):
+    return ", ".join(f"numflash.{t.__name__}" for t in types)
+
+
+def check_forward_config(config, p, device):
+    """A forced forward configuration, checked against the problem and the device."""
+    if config is None:
+        return None
+    if not isinstance(config, FORWARD_CONFIGS):
+        raise TypeError(
+            f"config must be one of {_names(FORWARD_CONFIGS)} or None; got {type(config).__name__}"
+        )
+    if config.family != "portable" and p.dtype == "float32":
+        raise TypeError("config: the tensor-core kernel takes float16 or bfloat16, not float32")
+    return _config_problems(config, p, device)
+
+
+def check_backward_config(config, p, deterministic, device):
+    """A forced backward configuration, checked against the problem, the flag and the device."""
+    if config is None:
+        return None
+    if not isinstance(config, BACKWARD_CONFIGS):
+        raise TypeError(
+            f"config must be one of {_names(BACKWARD_CONFIGS)} or None; got {type(config).__name__}"
+        )
+    if config.family != "portable-backward" and p.dtype == "float32":
+        kind = "wgmma" if config.family == "wgmma-backward" else "tensor-core"
+        raise TypeError(f"config: the {kind} backward takes float16 or bfloat16, not float32")
+    if isinstance(config, TensorCoreBackwardConfig) and deterministic and not config.dq_separate:
+        raise ValueError(
+            "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
+            "deterministic=True needs dq_separate=True (or the portable backward)"
+        )
+    return _config_problems(config, p, device)

@@ -1,0 +1,157 @@
+"""Fingerprints of the PTX every kernel family generates, for representative configurations.
+
+The PTX is normalised (comments, the target line and Numba's mangled symbol names dropped), so
+a fingerprint changes only when the instructions do. tests/test_fingerprints.py compares them
+with tests/ptx_fingerprints.json: a kernel whose code changed needs its family's ``REVISION``
+bumped (numflash/config.py), which retires the tuned entries measured on the old code.
+
+    python tools/ptx_fingerprint.py                 # print {kernel: fingerprint} as JSON
+    python tools/ptx_fingerprint.py --record        # rewrite tests/ptx_fingerprints.json
+    python tools/ptx_fingerprint.py --dump DIR      # also write each normalised PTX to DIR
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+
+from numflash import config, launch, selection  # noqa: E402
+from numflash.kernels import (  # noqa: E402
+    backward_mma,
+    backward_portable,
+    backward_sm90,
+    forward,
+    forward_portable,
+    offline,
+)
+
+RECORD = Path(__file__).resolve().parent.parent / "tests" / "ptx_fingerprints.json"
+TARGET = (9, 0, "a")
+_SKIP = (".version", ".target", ".file", ".loc", "//")
+
+
+def normalise(ptx):
+    """The PTX without comments, target and file lines, symbols renamed in order of use."""
+    names = {}
+    lines = []
+    for line in ptx.splitlines():
+        if line.strip().startswith(_SKIP):
+            continue
+        lines.append(
+            re.sub(
+                r"_ZN[0-9A-Za-z_$]+",
+                lambda m: names.setdefault(m.group(0), f"SYM{len(names)}"),
+                line,
+            )
+        )
+    return "\n".join(lines)
+
+
+def cases():
+    """(family, name, kernel, signature) of the kernels fingerprinted."""
+    for hd, dt in [(64, "float16"), (96, "float16"), (128, "bfloat16"), (256, "float16")]:
+        c = selection.default_tensor_core_config(hd)
+        kernel = forward.build(
+            hd, dt, c.block_m, c.block_n, c.num_warps, c.stages, c.q_in_registers
+        )
+        yield (
+            config.TensorCoreConfig.family,
+            f"forward-{hd}-{dt}",
+            kernel,
+            launch.FORWARD.signature(dt),
+        )
+    for hd, dt in [(64, "float32"), (128, "float16")]:
+        yield (
+            config.PortableConfig.family,
+            f"forward-{hd}-{dt}",
+            forward_portable.build(hd, dt, 64, 32),
+            launch.FORWARD.signature(dt),
+        )
+        family = config.PortableBackwardConfig.family
+        yield (
+            family,
+            f"preprocess-{hd}-{dt}",
+            backward_portable.build_preprocess(hd, dt, 8),
+            launch.PREPROCESS.signature(dt),
+        )
+        yield (
+            family,
+            f"dkdv-{hd}-{dt}",
+            backward_portable.build_dkdv(hd, dt, 32, 32),
+            launch.PORTABLE_DKDV.signature(dt),
+        )
+        yield (
+            family,
+            f"dq-{hd}-{dt}",
+            backward_portable.build_dq(hd, dt, 32, 32),
+            launch.DQ.signature(dt),
+        )
+    family = config.TensorCoreBackwardConfig.family
+    for hd, dt, tiles, separate, split in [
+        (64, "float16", (64, 8, 2), True, 1),
+        (128, "bfloat16", (64, 8, 2), True, 1),
+        (256, "bfloat16", (32, 8, 2), True, 2),
+        (128, "float16", (64, 8, 2), False, 1),
+        (128, "float16", (32, 4, 1), True, 1),
+    ]:
+        kernels = backward_mma.build_kernels(hd, dt, *tiles, separate, split)
+        name = (
+            f"{hd}-{dt}-{'x'.join(map(str, tiles))}-{'separate' if separate else 'atomic'}-{split}"
+        )
+        yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
+        if separate:
+            yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
+    family = config.WgmmaBackwardConfig.family
+    for hd, dt, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:
+        kernels = backward_sm90.build_kernels(hd, dt, warps, stages)
+        name = f"{hd}-{dt}-{warps}-{stages}"
+        yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
+        yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
+
+
+def fingerprints(dump=None):
+    """{family: {kernel name: fingerprint}} for TARGET."""
+    out = {}
+    for family, name, kernel, signature in cases():
+        text = normalise(offline.compile_ptx(kernel, signature, TARGET))
+        if dump:
+            Path(dump, f"{family}-{name}.ptx").write_text(text)
+        out.setdefault(family, {})[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        print(family, name, out[family][name], file=sys.stderr, flush=True)
+    return out
+
+
+def toolchain():
+    """What the PTX depends on besides numflash: the NVVM version."""
+    from numba.cuda.cudadrv import nvvm
+
+    return "nvvm-%d.%d" % nvvm.NVVM().get_version()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", action="store_true", help=f"write {RECORD.name}")
+    parser.add_argument("--dump", metavar="DIR", help="write each normalised PTX there")
+    args = parser.parse_args()
+    if args.dump:
+        os.makedirs(args.dump, exist_ok=True)
+    prints = fingerprints(args.dump)
+    result = {
+        "toolchain": toolchain(),
+        "families": {
+            family: {"revision": config.CONFIG_TYPES[family].REVISION, "kernels": kernels}
+            for family, kernels in prints.items()
+        },
+    }
+    if args.record:
+        RECORD.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
