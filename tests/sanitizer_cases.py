@@ -25,7 +25,7 @@ from numflash.config import (  # noqa: E402
 from numflash.device import current_device  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _support import (  # noqa: E402
+from support import (  # noqa: E402
     assert_gradients_match,
     assert_matches_reference,
     poisoned_like,

@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from _support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
+from support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
 
 import numflash
 from numflash.arrays import to_float64

@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
-from _support import (
+from support import (
     assert_matches_reference,
     poisoned_like,
     random_array,

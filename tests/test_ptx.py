@@ -7,8 +7,8 @@ a GPU, so on the GPU these tests also prove that the fallbacks mean what the har
 import ml_dtypes
 import numpy as np
 import pytest
-from _support import to_numpy, xp
 from numba import cuda, float32, uint16, uint32
+from support import to_numpy, xp
 
 from numflash.kernels import ptx
 

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import optuna
 import pytest
-from _support import random_qkv
+from support import random_qkv
 
 import numflash
 from numflash import cache

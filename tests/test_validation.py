@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from _support import poisoned_like, random_array, random_qkv, xp
+from support import poisoned_like, random_array, random_qkv, xp
 
 import numflash
 from numflash.config import PortableConfig, TensorCoreConfig

@@ -5,7 +5,7 @@ compiles the kernels for sm_90a through ptxas: tests/test_compile.py)."""
 
 import numpy as np
 import pytest
-from _support import random_array, to_numpy, xp
+from support import random_array, to_numpy, xp
 
 from numflash.arrays import bits, from_float, to_float64
 from numflash.kernels.jit import SIMULATOR
