@@ -1,0 +1,125 @@
+"""Inputs a careless or hostile user gave, each once fatal or silently wrong."""
+
+import json
+
+import numpy as np
+import pytest
+from support import random_qkv
+
+import numflash
+from numflash import cache
+
+
+@pytest.fixture
+def user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(tmp_path))
+    cache.reload()
+    yield tmp_path / "sm_52.json"
+    cache.reload()
+
+
+def _write(path, entries):
+    path.write_text(json.dumps({"format": cache.FORMAT, "arch": path.stem, "entries": entries}))
+    cache.reload()
+
+
+def _entry(config, family_revision=1):
+    return {"config": config, "time_ms": 1.0, "kernel_revision": family_revision}
+
+
+@pytest.mark.simulator
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [1, 2],  # a list, not an object
+        {"portable/float16/hd16/full/s0": _entry({"family": "portable"})},  # bucket 0
+        {"portable/float16/hd16/full/s128": _entry({"family": "portable-backward"})},
+        {"portable/float16/hd16/full/s128": _entry({"family": "portable", "block_m": 64.0})},
+        {"portable/float16/hd16/full/s128": "not an object"},
+    ],
+)
+def test_a_bad_cache_file_warns_and_never_breaks_a_call(user_cache, entries):
+    _write(user_cache, entries)
+    q, k, v = random_qkv(1, 5, 5, 1, 1, 16, "float16")
+    with pytest.warns(RuntimeWarning):
+        out = numflash.attention(q, k, v)
+    assert not np.isnan(out.astype(np.float32)).any()
+    assert numflash.selected_config(q, k, v).source == "heuristic"
+
+
+def test_float_configuration_fields_are_refused_by_name():
+    q, k, v = random_qkv(1, 5, 5, 1, 1, 16, "float16")
+    with pytest.raises(ValueError, match="block_m=64.0 is not one of"):
+        numflash.attention(q, k, v, config=numflash.PortableConfig(block_m=64.0))
+
+
+@pytest.mark.parametrize("scale", [1e300, 10**400, -1e39])
+def test_a_scale_beyond_float32_is_refused(scale):
+    q, k, v = random_qkv(1, 5, 5, 1, 1, 16, "float16")
+    with pytest.raises(ValueError, match="softmax_scale must be finite in float32"):
+        numflash.attention(q, k, v, softmax_scale=scale)
+
+
+@pytest.mark.simulator
+def test_read_only_inputs_work_and_a_read_only_out_is_refused():
+    q, k, v = random_qkv(1, 5, 5, 1, 1, 16, "float16")
+    k_ro = np.broadcast_to(k, k.shape)
+    assert not k_ro.flags.writeable
+    expected = numflash.attention(q, k, v)
+    assert (numflash.attention(q, k_ro, v).view(np.uint16) == expected.view(np.uint16)).all()
+    out = np.empty_like(q)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        numflash.attention(q, k, v, out=out)
+
+
+def test_out_overlapping_the_inputs_is_refused():
+    q, k, v = random_qkv(1, 6, 6, 1, 1, 16, "float16")
+    with pytest.raises(ValueError, match="out overlaps k"):
+        numflash.attention(q, k, v, out=k)
+    with pytest.raises(ValueError, match="out overlaps q"):
+        numflash.attention(q, k, v, out=q)
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--head-dims", "0"], "--head-dims"),
+        (["--head-dims", "300"], "--head-dims"),
+        (["--trials", "0"], "--trials"),
+        (["--seqlens", "-4096"], "--seqlens"),
+        (["--timeout-per-key", "-1"], "--timeout-per-key"),
+        (["--budget", "-5"], "--budget"),
+    ],
+)
+def test_autotune_flags_out_of_range_are_refused_by_name(flags, named, capsys):
+    from numflash.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["autotune", "--dry-run", *flags])
+    assert stop.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_info_lists_an_entry_without_a_time():
+    from numflash.cli import _ms
+
+    assert _ms(None) == "-" and _ms("x") == "-" and _ms(1.5) == "1.500 ms"
+
+
+@pytest.mark.simulator
+def test_autotune_reports_a_cache_dir_that_is_a_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(blocker), NUMBA_ENABLE_CUDASIM="1")
+    args = ["autotune", "--family", "portable", "--head-dims", "16", "--dtypes", "float32",
+            "--masks", "full", "--seqlens", "64", "--trials", "1"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "numflash", *args], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "cannot write the configuration cache" in done.stderr
+    assert "Traceback" not in done.stderr
