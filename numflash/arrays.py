@@ -213,7 +213,7 @@ def round_scaled_into(dst, src, scale):
     """``dst[...] = round(src * scale)`` for a float32 ``src`` and a 16-bit float ``dst`` of
     the same shape, bitwise as ``from_float(src * float32(scale), dst.dtype)``: on the GPU in
     one elementwise kernel (CuPy's multiply, then from_float's passes, read and wrote the array
-    five to ten times: 4.4 ms for bf16 dQ at 32k tokens x 2048 on the H200)."""
+    five to ten times)."""
     name = dtype_name(dst.dtype)
     if array_module(src) is np:
         bits(dst)[...] = bits(from_float(src * np.float32(scale), dst.dtype))

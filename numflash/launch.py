@@ -297,6 +297,20 @@ def launcher(key, build, spec, dtype_name):
     return found
 
 
+def local_memory_bytes(cfg):
+    """The most local memory a thread of any kernel launched with ``cfg`` uses (spilled
+    registers, or arrays the compiler could not keep in registers): 0 is what a tuned
+    configuration must show. None in the simulator, or before any such kernel was launched."""
+    if SIMULATOR:
+        return None
+    sizes = [
+        launcher.compiled().local_mem_per_thread
+        for key, launcher in list(_launchers.items())
+        if len(key) > 3 and key[3] == cfg
+    ]
+    return max(sizes) if sizes else None
+
+
 def _ceil_div(a, b):
     return (a + b - 1) // b
 

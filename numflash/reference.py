@@ -1,7 +1,7 @@
 """Reference attention: float64 ground truth, and a naive same-precision version for error bars.
 
 Tests, benchmarks and the autotuner all judge the kernels against :func:`attention_reference`.
-DESIGN.md's bar for a 16-bit result: ``max|out - ref| <= 2 * max|naive - ref| + atol``, where
+The bar for a 16-bit result (flash-attn's tests'): ``max|out - ref| <= 2 * max|naive - ref| + atol``, where
 ``naive`` is :func:`attention_naive`, attention computed plainly in the input precision.
 
 Both work on NumPy and CuPy arrays of layout (batch, seqlen, nheads, head_dim) and follow
@@ -113,7 +113,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     return from_float(out.transpose(0, 2, 1, 3), dtype), lse.astype(xp.float32)
 
 
-#: Absolute slack added to twice the naive implementation's error (DESIGN.md, "Tests"): what a
+#: Absolute slack added to twice the naive implementation's error : what a
 #: correct kernel may lose beyond the naive version when both errors are near zero.
 ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-5}
 LSE_ATOL = 1e-4
@@ -137,7 +137,7 @@ def _max_abs(a):
 
 
 def check(q, k, v, out, lse=None, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
-    """How far ``out`` (and ``lse``) are from the float64 reference, against DESIGN.md's bar.
+    """How far ``out`` (and ``lse``) are from the float64 reference, against that bar.
 
     The bar is twice the error of :func:`attention_naive` (the same attention computed plainly
     in the input precision) plus ``ATOL``; LSE rows without keys must be -inf on both sides.

@@ -42,7 +42,7 @@ def _entries(compiled, family):
 def test_tensor_core_kernels_compile_for_every_target(compiled):
     entries = _entries(compiled, "tensor-core")
     targets = {e["target"] for e in entries}
-    assert targets == {"sm_80", "sm_86", "sm_89", "sm_90a"}
+    assert targets == {"sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120"}
     for e in entries:
         counts = e["counts"]
         for instruction in (
@@ -76,7 +76,7 @@ def test_default_configurations_spill_nothing(compiled):
 
 def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
     entries = _entries(compiled, "portable")
-    assert {"sm_75", "sm_90a"} <= {e["target"] for e in entries}
+    assert {"sm_75", "sm_90a", "sm_120"} <= {e["target"] for e in entries}
     for e in entries:
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
         assert e["counts"]["cp.async.cg.shared.global"] == 0
@@ -88,7 +88,7 @@ def test_portable_backward_kernels_compile_for_every_target(compiled):
     assert {(e["kernel"], e["target"]) for e in entries} == {
         (kernel, target)
         for kernel in ("preprocess", "dkdv", "dq")
-        for target in ("sm_75", "sm_90a")
+        for target in ("sm_75", "sm_90a", "sm_120")
     }
     for e in entries:
         assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0
@@ -98,7 +98,14 @@ def test_portable_backward_kernels_compile_for_every_target(compiled):
 
 def test_tensor_core_backward_compiles_for_every_target(compiled):
     entries = _entries(compiled, "tensor-core-backward")
-    assert {e["target"] for e in entries} == {"sm_80", "sm_86", "sm_89", "sm_90a"}
+    assert {e["target"] for e in entries} == {
+        "sm_80",
+        "sm_86",
+        "sm_89",
+        "sm_90a",
+        "sm_100a",
+        "sm_120",
+    }
     assert {e["kernel"] for e in entries} == {"dkdv", "dq"}
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]

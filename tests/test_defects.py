@@ -123,3 +123,38 @@ def test_autotune_reports_a_cache_dir_that_is_a_file(tmp_path):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot write the configuration cache" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "forward_config, backward_config",
+    [
+        (None, None),
+        (
+            numflash.TensorCoreConfig(block_m=16, block_n=16, num_warps=1),
+            numflash.TensorCoreBackwardConfig(block_m=16, num_warps=1),
+        ),
+    ],
+    ids=["default", "tensor-core"],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_nan_in_a_key_reaches_every_row_that_sees_it(forward_config, backward_config, causal):
+    """A NaN key makes the scores of every row that sees it NaN: those rows' outputs, their
+    lse and every gradient they touch are NaN (the exact result), never the 0 and -inf of a
+    row that sees no key."""
+    from support import random_array, to_numpy
+
+    q, k, v = random_qkv(1, 6, 6, 1, 1, 16, "float16")
+    k[0, 2, 0, 3] = np.nan
+    out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, config=forward_config)
+    sees = np.arange(6) >= 2 if causal else np.ones(6, bool)  # query rows that see key 2
+    out64, lse64 = to_numpy(out).astype(np.float32), to_numpy(lse)
+    assert np.isnan(out64[0, sees]).all() and np.isnan(lse64[0, 0, sees]).all()
+    assert np.isfinite(out64[0, ~sees]).all() and np.isfinite(lse64[0, 0, ~sees]).all()
+    dout = random_array(q.shape, "float16")
+    dq, dk, dv = numflash.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, config=backward_config
+    )
+    dv64 = to_numpy(dv).astype(np.float32)
+    # every key is seen by some row that sees key 2 (rows 2-5 under the causal mask)
+    assert np.isnan(dv64).all(), "a NaN score must reach every dv row it weighs"
+    assert np.isnan(to_numpy(dq).astype(np.float32)[0, sees]).all()

@@ -123,7 +123,7 @@ def test_output_buffer_with_foreign_strides():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_acceptance_shape(dtype, causal):
-    """Issue 2's acceptance shape on the default (tensor-core) path, output poisoned first."""
+    """A long sequence on the default (tensor-core) path, output poisoned first."""
     q, k, v = random_qkv(2, 4096, 4096, 16, 16, 128, dtype)
     out = poisoned_like(q)
     _, lse = numflash.attention(q, k, v, causal=causal, out=out, return_lse=True)

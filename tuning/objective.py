@@ -3,7 +3,9 @@
 A point the device cannot run (shared memory, threads, registers: the configuration's own
 feasibility check) is pruned before anything compiles. A configuration that fails to compile or
 launch is pruned with the error recorded. A configuration whose result misses the reference bar
-is rejected (pruned, with the errors recorded) and can never win. Everything else is timed with
+is rejected (pruned, with the errors recorded) and can never win; so is one whose kernels use
+local memory (spilled registers: how much depends on the ptxas version, so a winner that
+spills under one toolchain may spill more under the next). Everything else is timed with
 numflash.timing.time_gpu, the same method as the benchmarks.
 """
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 import optuna
 
 import numflash
-from numflash import reference
+from numflash import launch, reference
 from numflash.arrays import from_float
 from numflash.config import CONFIG_TYPES
 from numflash.device import PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD
@@ -22,7 +24,7 @@ from numflash.timing import attention_flops, time_gpu
 from . import space
 
 #: The shapes of the timed call: batch x seqlen = TOKENS, nheads x head_dim = MODEL_DIM, as in
-#: the benchmarks (benchmarks/bench_forward.py) and ANCHORS.md.
+#: the benchmarks (benchmarks/bench_forward.py).
 TOKENS = 32768
 MODEL_DIM = 2048
 
@@ -118,6 +120,11 @@ class Objective:
         except Exception as exc:  # compile or launch failure: prune, keep studying
             trial.set_user_attr("pruned", f"{type(exc).__name__}: {exc}"[:500])
             raise optuna.TrialPruned() from None
+        spilled = launch.local_memory_bytes(cfg)
+        if spilled:
+            # a shipped or cached winner must not depend on how one ptxas version spills
+            trial.set_user_attr("pruned", f"uses {spilled} bytes of local memory a thread")
+            raise optuna.TrialPruned()
         trial.set_user_attr("err", max(r.err for r in result))
         trial.set_user_attr("bar", min(r.bar for r in result))
         if not all(r.ok for r in result):

@@ -34,7 +34,7 @@ from .fragments import MMA, PACK
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, shift_of
+from .softmax import NEG_INF, final_lse, inverse_sum, shift_of
 
 
 def shared_memory_layout(head_dim, block_m, block_n, stages):
@@ -249,7 +249,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 l_row += ptx.shfl_xor(l_row, 2)
                 row = row0 + mt * 16 + (lane >> 2) + 8 * h
                 if row < seqlen_q:
-                    inv_l = float32(1.0) / l_row if l_row > float32(0.0) else float32(0.0)
+                    inv_l = inverse_sum(l_row)
                     out_row = o_base + int64(row) * o_ss
                     for dt in range(D_TILES):
                         col = dt * 8 + (lane & 3) * 2

@@ -21,7 +21,7 @@ from numba import cuda, float32
 from . import ptx
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import NEG_INF, final_lse, shift_of
+from .softmax import NEG_INF, final_lse, inverse_sum, shift_of
 
 
 @device_function
@@ -160,7 +160,7 @@ def build(head_dim, dtype_name, block_m, block_n):
             m_i = m_new
 
         if active:
-            inv_l = float32(1.0) / l_i if l_i > float32(0.0) else float32(0.0)
+            inv_l = inverse_sum(l_i)
             o_base = batch * o_sb + head * o_sh + row * o_ss
             for d in range(HEAD_DIM):
                 o[o_base + d] = from_f32(acc[d] * inv_l)

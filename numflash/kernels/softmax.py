@@ -25,10 +25,20 @@ def shift_of(m_i):
 
 @device_function
 def final_lse(m_i, l_i):
-    """Natural-log log-sum-exp of a row from its log2-domain max and sum; -inf if no key."""
-    if l_i > float32(0.0):
-        return float32((m_i + math.log2(l_i)) * float32(LN2))
-    return NEG_INF
+    """Natural-log log-sum-exp of a row from its log2-domain max and sum; -inf if no key (a
+    sum of 0), NaN if a score was NaN (a NaN sum)."""
+    if l_i == float32(0.0):
+        return NEG_INF
+    return float32((m_i + math.log2(l_i)) * float32(LN2))
+
+
+@device_function
+def inverse_sum(l_i):
+    """1 / l_i for the output's normalisation: 0 for a row that saw no key (O = 0), NaN for a
+    NaN sum, so that a NaN among the scores reaches the output instead of looking empty."""
+    if l_i == float32(0.0):
+        return float32(0.0)
+    return float32(1.0) / l_i
 
 
 @device_function

@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: arrays for the current mode, and the error bar of DESIGN.md."""
+"""Helpers shared by the tests: arrays for the current mode, and the reference checks they assert."""
 
 import numpy as np
 
