@@ -68,178 +68,153 @@ def report(kernel, dtype, cc, resources, signature=None):
     return entry
 
 
-def shipped_configurations():
-    """Every distinct tuned tensor-core configuration in numflash/configs, compiled for the
-    targets of the architecture its file serves (sm_90.json: sm_90a), with ptxas' report."""
-    results = []
+def _shipped():
+    """(file, head_dim, dtype, configuration dict) of every distinct tuned tensor-core
+    configuration in numflash/configs."""
+    found = []
     for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
-        major = int(path.stem[3:]) // 10
-        targets = [cc for cc in TENSOR_CORE_TARGETS if cc[0] == major]
-        seen = set()
         for key, entry in cache.shipped_entries(path.stem).items():
-            cfg = config_from_dict(entry["config"])
-            if key.family != "tensor-core" or (key.head_dim, key.dtype, cfg) in seen:
-                continue
-            seen.add((key.head_dim, key.dtype, cfg))
-            kernel = forward.build(
-                key.head_dim,
-                key.dtype,
-                cfg.block_m,
-                cfg.block_n,
-                cfg.num_warps,
-                cfg.stages,
-                cfg.q_in_registers,
-            )
-            for cc in targets:
-                results.append(
-                    {
-                        "family": "shipped",
-                        "file": path.name,
-                        "head_dim": key.head_dim,
-                        "dtype": key.dtype,
-                        "config": cfg.to_dict(),
-                        **report(kernel, key.dtype, cc, resources=True),
-                    }
-                )
-    return results
+            item = (path.name, key.head_dim, key.dtype, entry["config"])
+            if key.family == "tensor-core" and item not in found:
+                found.append(item)
+    return found
 
 
-def main(quick):
-    results = []
-    head_dims = [64, 128] if quick else [32, 64, 96, 128, 256]
-    for hd in head_dims:
-        for dtype in ["float16", "bfloat16"]:
-            cfg = default_tensor_core_config(hd)
-            kernel = forward.build(
-                hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers
-            )
-            for cc in TENSOR_CORE_TARGETS:
-                # ptxas' report on the newest target is enough to see spills.
-                entry = report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET)
-                results.append(
-                    {
-                        "family": "tensor-core",
-                        "head_dim": hd,
-                        "dtype": dtype,
-                        "config": cfg.to_dict(),
-                        **entry,
-                    }
-                )
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    results += shipped_configurations()
-    for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
-        cfg = default_portable_config(hd)
-        kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
-        for cc in PORTABLE_TARGETS:
-            entry = report(kernel, dtype, cc, resources=False)
-            results.append(
-                {
-                    "family": "portable",
-                    "head_dim": hd,
-                    "dtype": dtype,
-                    "config": cfg.to_dict(),
-                    **entry,
-                }
-            )
-    for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
-        cfg = default_portable_backward_config(hd)
-        signatures = {
-            "preprocess": launch.PREPROCESS.signature(dtype),
-            "dkdv": launch.PORTABLE_DKDV.signature(dtype),
-            "dq": launch.DQ.signature(dtype),
-        }
-        kernels = {
-            "preprocess": backward_portable.build_preprocess(hd, dtype, 8),
-            "dkdv": backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
-            "dq": backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n),
-        }
-        for name, kernel in kernels.items():
-            for cc in PORTABLE_TARGETS:
-                entry = report(kernel, dtype, cc, resources=False, signature=signatures[name])
-                results.append(
-                    {
-                        "family": "portable-backward",
-                        "kernel": name,
-                        "head_dim": hd,
-                        "dtype": dtype,
-                        "config": cfg.to_dict(),
-                        **entry,
-                    }
-                )
-    # the defaults (dQ from its own kernel), and dQ by atomics from the dK/dV kernel
-    atomic = TensorCoreBackwardConfig(64, 8, 2, dq_separate=False)
-    for hd, dtype, cfg in [
-        (64, "float16", None),
-        (128, "bfloat16", None),
-        (256, "bfloat16", None),
-        (128, "float16", atomic),
-    ]:
-        cfg = cfg or default_config("tensor-core-backward", hd, None)[1]
-        tiles, split = (cfg.block_m, cfg.num_warps, cfg.stages), cfg.head_split
-        built = backward_mma.build_kernels(hd, dtype, *tiles, cfg.dq_separate, split)
-        kernels = {"dkdv": (built.dkdv, launch.TENSOR_CORE_DKDV.signature(dtype))}
-        if cfg.dq_separate:
-            kernels["dq"] = (built.dq, launch.DQ.signature(dtype))
-        for name, (kernel, signature) in kernels.items():
-            for cc in TENSOR_CORE_TARGETS:
-                entry = report(
-                    kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=signature
-                )
-                results.append(
-                    {
-                        "family": "tensor-core-backward",
-                        "head_dim": hd,
-                        "dtype": dtype,
-                        "kernel": name,
-                        "config": cfg.to_dict(),
-                        **entry,
-                    }
-                )
-    # wgmma (sm_90a only): the tiles of tests/wgmma_gemm.py, assembled by ptxas
+def shipped_one(file, head_dim, dtype, config):
+    """One shipped configuration compiled for the targets of the architecture its file serves
+    (sm_90.json: sm_90a), with ptxas' report."""
+    major = int(file[3:-5]) // 10
+    cfg = config_from_dict(config)
+    kernel = forward.build(head_dim, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
+                           cfg.q_in_registers)  # fmt: skip
+    return [
+        {"family": "shipped", "file": file, "head_dim": head_dim, "dtype": dtype,
+         "config": config, **report(kernel, dtype, cc, resources=True)}
+        for cc in TENSOR_CORE_TARGETS if cc[0] == major
+    ]  # fmt: skip
+
+
+def tensor_core_forward(hd, dtype):
+    cfg = default_tensor_core_config(hd)
+    kernel = forward.build(hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
+                           cfg.q_in_registers)  # fmt: skip
+    return [
+        {"family": "tensor-core", "head_dim": hd, "dtype": dtype, "config": cfg.to_dict(),
+         **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET)}
+        for cc in TENSOR_CORE_TARGETS
+    ]  # fmt: skip
+
+
+def portable_forward(hd, dtype):
+    cfg = default_portable_config(hd)
+    kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
+    return [
+        {"family": "portable", "head_dim": hd, "dtype": dtype, "config": cfg.to_dict(),
+         **report(kernel, dtype, cc, resources=False)}
+        for cc in PORTABLE_TARGETS
+    ]  # fmt: skip
+
+
+def portable_backward(hd, dtype):
+    cfg = default_portable_backward_config(hd)
+    kernels = {
+        "preprocess": (backward_portable.build_preprocess(hd, dtype, 8), launch.PREPROCESS),
+        "dkdv": (backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
+                 launch.PORTABLE_DKDV),
+        "dq": (backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n), launch.DQ),
+    }  # fmt: skip
+    return [
+        {"family": "portable-backward", "kernel": name, "head_dim": hd, "dtype": dtype,
+         "config": cfg.to_dict(),
+         **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype))}
+        for name, (kernel, spec) in kernels.items()
+        for cc in PORTABLE_TARGETS
+    ]  # fmt: skip
+
+
+def mma_backward(hd, dtype, config):
+    cfg = (
+        config_from_dict(config) if config else default_config("tensor-core-backward", hd, None)[1]
+    )
+    built = backward_mma.build_kernels(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages,
+                                       cfg.dq_separate, cfg.head_split)  # fmt: skip
+    kernels = {"dkdv": (built.dkdv, launch.TENSOR_CORE_DKDV)}
+    if cfg.dq_separate:
+        kernels["dq"] = (built.dq, launch.DQ)
+    return [
+        {"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype, "kernel": name,
+         "config": cfg.to_dict(),
+         **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET,
+                  signature=spec.signature(dtype))}
+        for name, (kernel, spec) in kernels.items()
+        for cc in TENSOR_CORE_TARGETS
+    ]  # fmt: skip
+
+
+def wgmma_tiles(dtype):
+    """The tiles of tests/wgmma_gemm.py (sm_90a only), assembled by ptxas."""
     import wgmma_gemm
 
-    for dtype in ["float16", "bfloat16"]:
-        for variant in wgmma_gemm.VARIANTS:
-            entry = report(
-                wgmma_gemm.build(dtype, variant),
-                dtype,
-                (9, 0, "a"),
-                resources=True,
-                signature=wgmma_gemm.signature(),
-            )
-            results.append({"family": "wgmma", "dtype": dtype, "variant": variant, **entry})
-        entry = report(
-            wgmma_gemm.build_chain(dtype),
-            dtype,
-            (9, 0, "a"),
-            resources=True,
-            signature=wgmma_gemm.chain_signature(),
-        )
-        results.append({"family": "wgmma", "dtype": dtype, "variant": "chain", **entry})
-    # the Hopper backward kernels (sm_90a only): two warpgroups at head_dim 128, the library's
-    # default there; one warpgroup and one stage at 64
-    for hd, dtype, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:
-        kernels = backward_sm90.build_kernels(hd, dtype, warps, stages)
-        for name, kernel, signature in [
-            ("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dtype)),
-            ("dq", kernels.dq, launch.DQ.signature(dtype)),
-        ]:
-            entry = report(kernel, dtype, (9, 0, "a"), resources=True, signature=signature)
-            results.append(
-                {
-                    "family": "wgmma-backward",
-                    "head_dim": hd,
-                    "dtype": dtype,
-                    "kernel": name,
-                    "num_warps": warps,
-                    **entry,
-                }
-            )
+    out = [
+        {"family": "wgmma", "dtype": dtype, "variant": variant,
+         **report(wgmma_gemm.build(dtype, variant), dtype, (9, 0, "a"), resources=True,
+                  signature=wgmma_gemm.signature())}
+        for variant in wgmma_gemm.VARIANTS
+    ]  # fmt: skip
+    out.append({"family": "wgmma", "dtype": dtype, "variant": "chain",
+                **report(wgmma_gemm.build_chain(dtype), dtype, (9, 0, "a"), resources=True,
+                         signature=wgmma_gemm.chain_signature())})  # fmt: skip
+    return out
+
+
+def wgmma_backward(hd, dtype, warps, stages):
+    kernels = backward_sm90.build_kernels(hd, dtype, warps, stages)
+    return [
+        {"family": "wgmma-backward", "head_dim": hd, "dtype": dtype, "kernel": name,
+         "num_warps": warps,
+         **report(kernel, dtype, (9, 0, "a"), resources=True, signature=spec.signature(dtype))}
+        for name, kernel, spec in [("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV),
+                                   ("dq", kernels.dq, launch.DQ)]
+    ]  # fmt: skip
+
+
+def jobs(quick):
+    """(function, arguments) of every compile, in the report's order."""
+    out = []
+    for hd in [64, 128] if quick else [32, 64, 96, 128, 256]:
+        out += [(tensor_core_forward, (hd, dtype)) for dtype in ("float16", "bfloat16")]
+    out += [(shipped_one, item) for item in _shipped()]
+    for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
+        out += [(portable_forward, (hd, dtype)), (portable_backward, (hd, dtype))]
+    # the defaults (dQ from its own kernel), and dQ by atomics from the dK/dV kernel
+    atomic = TensorCoreBackwardConfig(64, 8, 2, dq_separate=False).to_dict()
+    for hd, dtype, config in [(64, "float16", None), (128, "bfloat16", None),
+                              (256, "bfloat16", None), (128, "float16", atomic)]:  # fmt: skip
+        out.append((mma_backward, (hd, dtype, config)))
+    out += [(wgmma_tiles, (dtype,)) for dtype in ("float16", "bfloat16")]
+    # the Hopper backward: two warpgroups at head_dim 128 (the default), one and one stage at 64
+    out += [(wgmma_backward, (128, "float16", 8, 2)), (wgmma_backward, (64, "bfloat16", 4, 1))]
+    return out
+
+
+def _run(job):
+    function, args = job
+    return function(*args)
+
+
+def main(selected):
+    """Every job in worker processes (one per core), the report as one JSON line."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(len(selected), os.cpu_count() or 1)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        results = [entry for entries in pool.map(_run, selected) for entry in entries]
     print(json.dumps(results))
 
 
 if __name__ == "__main__":
     if "--shipped" in sys.argv:  # the shipped configurations alone, with ptxas' reports
-        print(json.dumps(shipped_configurations()))
+        main([(shipped_one, item) for item in _shipped()])
     else:
-        main("--quick" in sys.argv)
+        main(jobs("--quick" in sys.argv))

@@ -4,13 +4,10 @@ meant to use, and the default tensor-core configurations spill no registers.
 Compilation runs in a subprocess with the simulator off, so these tests run on CI without a GPU.
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import json_from_subprocess
 
 from numflash.kernels.backward_mma import dq_split
 
@@ -18,19 +15,9 @@ HERE = Path(__file__).parent
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    env = dict(os.environ)
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "compile_targets.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def compiled(tmp_path_factory, worker_id):
+    return json_from_subprocess([HERE / "compile_targets.py"], "compile-targets", tmp_path_factory,
+                                worker_id)  # fmt: skip
 
 
 def _entries(compiled, family):
@@ -135,13 +122,11 @@ def test_tensor_core_backward_compiles_for_every_target(compiled):
             assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
 
 
-def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
+def test_shipped_configurations_compile_and_spill_nothing(compiled):
     """Every tuned configuration shipped in numflash/configs compiles for its architecture with
-    the tensor-core instructions. DESIGN.md asks that shipped configurations spill nothing; the
-    tuner's winner for fp16 head_dim 128 causal at 1k and 4k (128 x 32 tiles, 4 warps, 4
-    stages) spills 8 bytes, one local store and load per key tile, and measured 1.11x and 1.10x
-    the no-spill default on the H200 (benchmarks/NOTES.md). The bound lets such measured
-    winners ship and stops anything heavier."""
+    the tensor-core instructions and, with the toolchain at hand, spills nothing and keeps no
+    array in local memory (how much a configuration spills depends on the ptxas version: the
+    tuner prunes any that spills, and none may ship)."""
     entries = _entries(compiled, "shipped")
     assert {e["target"] for e in entries} == {"sm_90a"}  # sm_90.json serves Hopper only
     for e in entries:
@@ -151,7 +136,7 @@ def test_shipped_configurations_compile_and_spill_at_most_a_little(compiled):
             "cp.async.cg.shared.global",
         ):
             assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"
-        assert e["resources"]["spill_stores"] <= 8, e
+        assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
 
 
 def test_wgmma_tiles_assemble_for_sm90a(compiled):

@@ -12,12 +12,10 @@ then run ``python tools/ptx_fingerprint.py --record`` and commit the record with
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import json_from_subprocess
 
 from numflash.config import CONFIG_TYPES
 
@@ -26,20 +24,11 @@ RECORD = json.loads((ROOT / "tests" / "ptx_fingerprints.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def current():
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+def current(tmp_path_factory, worker_id):
+    script = ROOT / "tools" / "ptx_fingerprint.py"
+    return json_from_subprocess(
+        [script, "--compact"], "ptx-fingerprints", tmp_path_factory, worker_id
     )
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "ptx_fingerprint.py")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=1200,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout)
 
 
 def test_every_family_is_fingerprinted():

@@ -35,12 +35,18 @@ TARGET = (9, 0, "a")
 _SKIP = (".version", ".target", ".file", ".loc", "//")
 
 
+#: Numba declares one 64-bit global per device function (its exception slot), used by none
+#: of the kernels' instructions: how a kernel is split into device functions does not count.
+_SLOT = re.compile(r"^\.common \.global \.align 8 \.u64 _ZN[0-9A-Za-z_$]+;$")
+
+
 def normalise(ptx):
-    """The PTX without comments, target and file lines, symbols renamed in order of use."""
+    """The PTX without comments, target and file lines or device functions' exception slots,
+    symbols renamed in order of use."""
     names = {}
     lines = []
     for line in ptx.splitlines():
-        if line.strip().startswith(_SKIP):
+        if line.strip().startswith(_SKIP) or _SLOT.match(line.strip()):
             continue
         lines.append(
             re.sub(
@@ -137,6 +143,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help=f"write {RECORD.name}")
     parser.add_argument("--dump", metavar="DIR", help="write each normalised PTX there")
+    parser.add_argument("--compact", action="store_true", help="print the JSON on one line")
     args = parser.parse_args()
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
@@ -150,7 +157,11 @@ def main():
     }
     if args.record:
         RECORD.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
-    print(json.dumps(result, indent=1, sort_keys=True))
+    print(
+        json.dumps(result, sort_keys=True)
+        if args.compact
+        else json.dumps(result, indent=1, sort_keys=True)
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import NamedTuple
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
-from .fragments import PACK
+from .fragments import PACK, acc_index, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
 from .softmax import LOG2E, row_log2_lse
@@ -88,7 +88,7 @@ def probabilities_function(q_tiles):
                 col = qt * 8 + e
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
-                i = qt * 4 + e  # key row key0
+                i = tile_base(qt) + e  # key row key0
                 p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
                 seen = (lo0 <= int32(col)) & (int32(col) < hi0)
                 st[i] = p if seen else float32(0.0)
@@ -204,7 +204,7 @@ def row_writer(part, dtype_name):
                 at = base + int64(row) * stride
                 for dt in range(D_TILES):
                     col = dt * 8 + (lane & 3) * 2
-                    i = dt * 4 + 2 * h
+                    i = acc_index(dt, h)
                     pair = pack(acc[i] * factor, acc[i + 1] * factor)
                     out[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
                     out[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
@@ -256,7 +256,7 @@ def row_ds_function(key_tiles):
         hi_1 = int32(hi_1 - shift)
         for qt in range(Q_TILES):
             for e in range(4):
-                i = qt * 4 + e
+                i = tile_base(qt) + e
                 col = qt * 8 + (e & 1)
                 second = e >= 2
                 _, ds = p_and_ds(

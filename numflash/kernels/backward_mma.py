@@ -26,7 +26,7 @@ from numba import cuda, float32, int64, uint16, uint32
 
 from . import backward, ptx
 from .backward import NON_NEGATIVE
-from .fragments import MMA, PACK
+from .fragments import MMA, PACK, acc_index
 from .jit import device_function
 from .loads import row_loader
 
@@ -245,7 +245,7 @@ def build_kernels(
         base = uint32(DS_BASE + (lane & 3) * 2 * DS_ROW + warp * 16 + (lane >> 2))
         for qt in range(Q_TILES):
             for h in range(2):  # key rows key0 and key0 + 8
-                i = qt * 4 + 2 * h
+                i = acc_index(qt, h)
                 pair = pack(dpt[i], dpt[i + 1])  # queries col, col + 1
                 offset = qt * 8 * DS_ROW + 8 * h
                 smem[base + uint32(offset)] = uint16(pair & uint32(0xFFFF))
@@ -268,9 +268,9 @@ def build_kernels(
                 base = dq_base + int64(row) * dq_ss + col0 + (lane & 3) * 2
                 for dt in range(DQ_TILES):
                     at = (base + dt * 8) & NON_NEGATIVE
-                    cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h])
+                    cuda.atomic.add(dq_acc, at, dqa[acc_index(dt, h)])
                     at = (base + dt * 8 + 1) & NON_NEGATIVE
-                    cuda.atomic.add(dq_acc, at, dqa[dt * 4 + 2 * h + 1])
+                    cuda.atomic.add(dq_acc, at, dqa[acc_index(dt, h) + 1])
 
     @device_function
     def atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q):

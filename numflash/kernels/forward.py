@@ -30,7 +30,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
-from .fragments import MMA, PACK
+from .fragments import MMA, PACK, acc_index, tile_base
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
@@ -103,13 +103,13 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for kk in range(K_STEPS):
             if not Q_IN_REGS:
                 for mt in range(M_TILES):
-                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
+                    load_q_fragments(qf, q_addr, mt, kk, tile_base(mt * K_STEPS + kk))
             for np_ in range(N_TILES // 2):
                 # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
                 b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
                 for mt in range(M_TILES):
-                    a = (mt * K_STEPS + kk) * 4
-                    c = (mt * N_TILES + 2 * np_) * 4
+                    a = tile_base(mt * K_STEPS + kk)
+                    c = tile_base(mt * N_TILES + 2 * np_)
                     s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
                         qf[a],
                         qf[a + 1],
@@ -172,9 +172,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             for h in range(2):
                 r = mt * 2 + h
                 # -- row max over this thread's columns, then over the 4 lanes of the row
-                m_raw = s[mt * N_TILES * 4 + 2 * h]
+                m_raw = s[acc_index(mt * N_TILES, h)]
                 for nt in range(N_TILES):
-                    i = (mt * N_TILES + nt) * 4 + 2 * h
+                    i = acc_index(mt * N_TILES + nt, h)
                     m_raw = max(m_raw, max(s[i], s[i + 1]))
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
@@ -185,13 +185,13 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 # -- P = exp2(S - m); l_i keeps this thread's partial sum (reduced at the end)
                 row_sum = float32(0.0)
                 for nt in range(N_TILES):
-                    i = (mt * N_TILES + nt) * 4 + 2 * h
+                    i = acc_index(mt * N_TILES + nt, h)
                     s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
                     s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
                     row_sum += s[i] + s[i + 1]
                 l_i[r] = l_i[r] * alpha + row_sum
                 for dt in range(D_TILES):
-                    i = (mt * D_TILES + dt) * 4 + 2 * h
+                    i = acc_index(mt * D_TILES + dt, h)
                     acc[i] *= alpha
                     acc[i + 1] *= alpha
 
@@ -201,17 +201,18 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for kk in range(PV_STEPS):
             for mt in range(M_TILES):
                 # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
-                c = (mt * N_TILES + 2 * kk) * 4
-                pf[mt * 4] = pack(s[c], s[c + 1])
-                pf[mt * 4 + 1] = pack(s[c + 2], s[c + 3])
-                pf[mt * 4 + 2] = pack(s[c + 4], s[c + 5])
-                pf[mt * 4 + 3] = pack(s[c + 6], s[c + 7])
+                c = tile_base(mt * N_TILES + 2 * kk)
+                a = tile_base(mt)
+                pf[a] = pack(s[c], s[c + 1])
+                pf[a + 1] = pack(s[c + 2], s[c + 3])
+                pf[a + 2] = pack(s[c + 4], s[c + 5])
+                pf[a + 3] = pack(s[c + 6], s[c + 7])
             for dp in range(D_TILES // 2):
                 # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
                 for mt in range(M_TILES):
-                    a = mt * 4
-                    o = (mt * D_TILES + 2 * dp) * 4
+                    a = tile_base(mt)
+                    o = tile_base(mt * D_TILES + 2 * dp)
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
                         pf[a],
                         pf[a + 1],
@@ -254,7 +255,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                     for dt in range(D_TILES):
                         col = dt * 8 + (lane & 3) * 2
                         if col < HEAD_DIM:
-                            i = (mt * D_TILES + dt) * 4 + 2 * h
+                            i = acc_index(mt * D_TILES + dt, h)
                             pair = pack(acc[i] * inv_l, acc[i + 1] * inv_l)
                             o[out_row + col] = uint16(pair & uint32(0xFFFF))
                             o[out_row + col + 1] = uint16(pair >> uint32(16))
@@ -359,7 +360,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             cuda.syncthreads()
             for mt in range(M_TILES):
                 for kk in range(K_STEPS):
-                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
+                    load_q_fragments(qf, q_addr, mt, kk, tile_base(mt * K_STEPS + kk))
 
         for r in range(ROWS):
             m_i[r] = NEG_INF

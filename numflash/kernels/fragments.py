@@ -18,6 +18,12 @@ PACK = {"float16": ptx.pack_f16x2, "bfloat16": ptx.pack_bf16x2}
 
 
 @device_function
+def tile_base(tile):
+    """The first of this lane's four registers of fragment or accumulator tile ``tile``."""
+    return tile * 4
+
+
+@device_function
 def acc_index(tile, h):
     """The first of this lane's two elements of row half ``h`` (0: row lane // 4, 1: row
     lane // 4 + 8) in 8-column accumulator tile ``tile``."""

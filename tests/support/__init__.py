@@ -83,3 +83,36 @@ def assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask):
         assert result.err <= result.bar, (
             f"{result.name}: max |grad - ref| = {result.err:.3e} > bar {result.bar:.3e}"
         )
+
+
+def json_from_subprocess(argv, name, tmp_path_factory, worker_id, timeout=1800):
+    """The JSON that the last line of ``python argv...`` prints, with the simulator off and the
+    repository first on the path. Under pytest-xdist one worker runs it and the others wait for
+    its result (a file beside the workers' temporary folders, under a lock), so a fixture that
+    compiles every kernel does it once per test run, not once per worker."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from filelock import FileLock
+
+    def run():
+        root = Path(__file__).resolve().parent.parent.parent
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+        )
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
+                              env=env, timeout=timeout)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    if worker_id == "master":  # not under xdist
+        return json.loads(run())
+    shared = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(str(shared) + ".lock"):
+        if not shared.is_file():
+            shared.write_text(run())
+    return json.loads(shared.read_text())
