@@ -30,7 +30,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
-from .fragments import MMA, PACK, acc_index, tile_base
+from .fragments import MMA, PACK, acc_index
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
@@ -103,13 +103,13 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for kk in range(K_STEPS):
             if not Q_IN_REGS:
                 for mt in range(M_TILES):
-                    load_q_fragments(qf, q_addr, mt, kk, tile_base(mt * K_STEPS + kk))
+                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
             for np_ in range(N_TILES // 2):
                 # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
                 b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
                 for mt in range(M_TILES):
-                    a = tile_base(mt * K_STEPS + kk)
-                    c = tile_base(mt * N_TILES + 2 * np_)
+                    a = (mt * K_STEPS + kk) * 4
+                    c = (mt * N_TILES + 2 * np_) * 4
                     s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
                         qf[a],
                         qf[a + 1],
@@ -201,8 +201,8 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         for kk in range(PV_STEPS):
             for mt in range(M_TILES):
                 # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
-                c = tile_base(mt * N_TILES + 2 * kk)
-                a = tile_base(mt)
+                c = (mt * N_TILES + 2 * kk) * 4
+                a = mt * 4
                 pf[a] = pack(s[c], s[c + 1])
                 pf[a + 1] = pack(s[c + 2], s[c + 3])
                 pf[a + 2] = pack(s[c + 4], s[c + 5])
@@ -211,8 +211,8 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
                 # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
                 for mt in range(M_TILES):
-                    a = tile_base(mt)
-                    o = tile_base(mt * D_TILES + 2 * dp)
+                    a = mt * 4
+                    o = (mt * D_TILES + 2 * dp) * 4
                     acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
                         pf[a],
                         pf[a + 1],
@@ -360,7 +360,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             cuda.syncthreads()
             for mt in range(M_TILES):
                 for kk in range(K_STEPS):
-                    load_q_fragments(qf, q_addr, mt, kk, tile_base(mt * K_STEPS + kk))
+                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
 
         for r in range(ROWS):
             m_i[r] = NEG_INF

@@ -6,6 +6,10 @@ A warp's fp32 accumulator of a 16 x 8 tile is four registers a lane (C layout): 
 pairs, are the A fragment of the next product (P V, dS K, P^T dO): FlashAttention-2's trick of
 keeping P in registers. wgmma's m64 accumulators repeat this layout for each warp of the
 warpgroup, so the same helpers serve both.
+
+The forward's two products (S = Q K^T, O += P V) keep their operand indices written out: with
+these helpers there, NVVM stopped unrolling the head_dim 32 kernel fully for sm_100a and
+sm_120 (48 of its 64 mma in the PTX; tests/test_compile.py counts them).
 """
 
 from . import ptx
