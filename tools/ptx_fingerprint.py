@@ -133,10 +133,13 @@ def fingerprints(dump=None):
 
 
 def toolchain():
-    """What the PTX depends on besides numflash: the NVVM version."""
-    from numba.cuda.cudadrv import nvvm
+    """What the PTX depends on besides numflash: the libnvvm that compiled it (its file's hash:
+    NVVM's own version number is the same across CUDA 13 releases whose output differs)."""
+    from numba.cuda.cudadrv import libs
 
-    return "nvvm-%d.%d" % nvvm.NVVM().get_version()
+    path = libs.get_cuda_paths()["nvvm"].info
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+    return f"libnvvm {Path(path).name} sha256:{digest}"
 
 
 def main():
