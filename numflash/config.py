@@ -214,7 +214,7 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = PORTABLE_BACKWARD
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2
 
     def kernel_head_dim(self, head_dim):
         return head_dim

@@ -485,7 +485,7 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     )
 
 
-def _tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
+def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
     """D, then the dK/dV kernel; dQ either accumulated there in fp32 by atomics and then scaled
     and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim)`` gives
     the family's (dK/dV, dQ) Launchers."""
@@ -560,7 +560,7 @@ def _mma_backward(cfg, p, *tensors):
         dq = launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype) if cfg.dq_separate else None
         return dkdv, dq
 
-    _tensor_core_backward(cfg, kernels, p, *tensors)
+    tensor_core_backward(cfg, kernels, p, *tensors)
 
 
 def _wgmma_backward(cfg, p, *tensors):
@@ -574,7 +574,7 @@ def _wgmma_backward(cfg, p, *tensors):
             launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype),
         )
 
-    _tensor_core_backward(cfg, kernels, p, *tensors)
+    tensor_core_backward(cfg, kernels, p, *tensors)
 
 
 #: One launch builder per backward family.

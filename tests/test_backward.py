@@ -384,7 +384,7 @@ def test_blocks_in_heavy_group_order_match_reference(mask):
             launch.launcher(key + ("dq",), lambda: kernels.dq, launch.DQ, "bfloat16"),
         )
 
-    launch._tensor_core_backward(cfg, launchers, p, dout, q, k, v, out, lse, dq, dk, dv)
+    launch.tensor_core_backward(cfg, launchers, p, dout, q, k, v, out, lse, dq, dk, dv)
     for result in check_backward(dout, q, k, v, dq, dk, dv, **MASKS[mask]):
         assert result.nan == 0 and result.err <= result.bar, result
 
