@@ -457,32 +457,19 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     scalars = attention_scalars(p, p.scale)
     stream = arrays.current_stream()
     d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
-    dkdv = launcher(
-        (PortableBackwardConfig, "dkdv", d, dtype, cfg),
-        lambda: backward_portable.build_dkdv(d, dtype, *tiles),
-        PORTABLE_DKDV,
-        dtype,
-    )
-    dkdv(
-        (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch),
-        cfg.block_n,
-        stream,
-        0,
-        PORTABLE_DKDV.args(views, scalars),
-    )
-    dq_launch = launcher(
-        (PortableBackwardConfig, "dq", d, dtype, cfg),
-        lambda: backward_portable.build_dq(d, dtype, *tiles),
-        DQ,
-        dtype,
-    )
-    dq_launch(
-        (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch),
-        cfg.block_m,
-        stream,
-        0,
-        DQ.args(views, scalars),
-    )
+    for kind, build, spec, grid, threads in (
+        ("dkdv", backward_portable.build_dkdv, PORTABLE_DKDV,
+         (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
+        ("dq", backward_portable.build_dq, DQ,
+         (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
+    ):  # fmt: skip
+        kernel = launcher(
+            (PortableBackwardConfig, d, dtype, cfg, kind),
+            lambda build=build: build(d, dtype, *tiles),
+            spec,
+            dtype,
+        )
+        kernel(grid, threads, stream, 0, spec.args(views, scalars))
 
 
 def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):

@@ -286,18 +286,16 @@ def query_block_loader(load_pair, fetch_row_stats):
         batch,
         head,
         m0,
-        q_sb,
-        q_ss,
-        q_sh,
-        do_sb,
-        do_ss,
-        do_sh,
+        q_st,
+        do_st,
         nheads,
         seqlen_q,
         tid,
     ):
         """Start loading query rows m0.. of query head ``head``: their Q and dO into the stage
         at ``stage_addr``, their LSE and D into registers (lse_r, d_r)."""
+        q_sb, q_ss, q_sh = q_st
+        do_sb, do_ss, do_sh = do_st
         load_pair(
             stage_addr,
             q,
@@ -435,10 +433,8 @@ def build_kernels(backend):
         window_left,
         window_right,
     ):
-        q_sb, q_ss, q_sh = q_st
         k_sb, k_ss, k_sh = k_st
         v_sb, v_ss, v_sh = v_st
-        do_sb, do_ss, do_sh = do_st
         dk_sb, dk_ss, dk_sh = dk_st
         dv_sb, dv_ss, dv_sh = dv_st
         dq_sb, dq_ss, dq_sh = dq_st
@@ -504,12 +500,8 @@ def build_kernels(backend):
                 batch,
                 next_head,
                 m_lo,
-                q_sb,
-                q_ss,
-                q_sh,
-                do_sb,
-                do_ss,
-                do_sh,
+                q_st,
+                do_st,
                 nheads,
                 seqlen_q,
                 tid,
@@ -534,12 +526,8 @@ def build_kernels(backend):
                     batch,
                     head,
                     m0,
-                    q_sb,
-                    q_ss,
-                    q_sh,
-                    do_sb,
-                    do_ss,
-                    do_sh,
+                    q_st,
+                    do_st,
                     nheads,
                     seqlen_q,
                     tid,
@@ -560,12 +548,8 @@ def build_kernels(backend):
                         batch,
                         next_head,
                         next_m0,
-                        q_sb,
-                        q_ss,
-                        q_sh,
-                        do_sb,
-                        do_ss,
-                        do_sh,
+                        q_st,
+                        do_st,
                         nheads,
                         seqlen_q,
                         tid,
