@@ -66,7 +66,7 @@ class DeviceInfo:
 
 #: The simulator has no hardware limits of its own; these mirror an H100/H200 so that the same
 #: configurations are feasible there and on the GPU.
-_SIMULATED = DeviceInfo(
+SIMULATED_DEVICE = DeviceInfo(
     name="Numba CUDA simulator",
     compute_capability=(5, 2),
     multiprocessors=1,
@@ -92,7 +92,7 @@ def _device_info(device_id):
 def current_device():
     """The :class:`DeviceInfo` of the current CUDA device (CuPy's current device on a GPU)."""
     if SIMULATOR:
-        return _SIMULATED
+        return SIMULATED_DEVICE
     import cupy
 
     # numba-cuda adopts the context that is current on the thread, which is CuPy's: both use

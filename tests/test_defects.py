@@ -158,3 +158,18 @@ def test_a_nan_in_a_key_reaches_every_row_that_sees_it(forward_config, backward_
     # every key is seen by some row that sees key 2 (rows 2-5 under the causal mask)
     assert np.isnan(dv64).all(), "a NaN score must reach every dv row it weighs"
     assert np.isnan(to_numpy(dq).astype(np.float32)[0, sees]).all()
+
+
+def test_info_lists_cache_entries_that_lack_a_time(user_cache):
+    """An entry without time_ms (or with a string there) is listed with '-', not a KeyError."""
+    import io
+
+    from numflash.cli import _print_entries
+    from numflash.device import current_device
+
+    key = "portable/float16/hd16/full/s128"
+    config = {"family": "portable", "block_m": 64, "block_n": 32}
+    _write(user_cache, {key: {"config": config, "kernel_revision": 1, "default_ms": "?"}})
+    out = io.StringIO()
+    _print_entries(current_device(), out)
+    assert f"{key}: block_m=64, block_n=32  (-; default -)" in out.getvalue()

@@ -155,13 +155,13 @@ def plan(args):
 
 
 def _device(dry_run):
-    from numflash.device import _SIMULATED, current_device, gpu_available
+    from numflash.device import SIMULATED_DEVICE, current_device, gpu_available
     from numflash.kernels.jit import SIMULATOR
 
     if SIMULATOR or gpu_available():
         return current_device(), None
     if dry_run:
-        return _SIMULATED, "no GPU here: feasibility counted against H100/H200 limits"
+        return SIMULATED_DEVICE, "no GPU here: feasibility counted against H100/H200 limits"
     raise SystemExit("numflash autotune: no CUDA GPU found (use --dry-run to see the plan)")
 
 

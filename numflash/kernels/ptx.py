@@ -77,7 +77,7 @@ if not SIMULATOR:
         values = [builder.extract_value(struct, i) for i in range(count)]
         return context.make_tuple(builder, tuple_type, values)
 
-    def _element_pointer(context, builder, array_type, array, index):
+    def element_pointer(context, builder, array_type, array, index):
         ary = context.make_array(array_type)(context, builder, array)
         return cgutils.get_item_pointer(context, builder, array_type, ary, [index])
 
@@ -122,7 +122,7 @@ if not SIMULATOR:
         sig = types.uint32(smem, types.intp)
 
         def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1])
+            ptr = element_pointer(context, builder, sig.args[0], args[0], args[1])
             return _shared_address(builder, ptr)
 
         return sig, codegen
@@ -160,7 +160,7 @@ if not SIMULATOR:
         sig = types.void(types.uint32, gmem, types.int64, types.uint32)
 
         def codegen(context, builder, sig, args):
-            src = _element_pointer(context, builder, sig.args[1], args[1], args[2])
+            src = element_pointer(context, builder, sig.args[1], args[1], args[2])
             operands = [args[0], _global_address(builder, src), args[3]]
             _asm(
                 builder,

@@ -325,7 +325,7 @@ else:
     def _array_pointers(context, builder, array_type, array, count):
         """Pointers to elements 0..count-1 of a 1-D array."""
         index = [context.get_constant(types.intp, i) for i in range(count)]
-        return [ptx._element_pointer(context, builder, array_type, array, i) for i in index]
+        return [ptx.element_pointer(context, builder, array_type, array, i) for i in index]
 
     def _is_f32_vector(acc):
         return isinstance(acc, types.Array) and acc.ndim == 1 and acc.dtype == types.float32
