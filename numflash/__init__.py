@@ -3,12 +3,14 @@
 from .api import (
     attention,
     attention_backward,
+    attention_with_kvcache,
     selected_backward_config,
     selected_config,
 )
 from .config import (
     PortableBackwardConfig,
     PortableConfig,
+    PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
     WgmmaBackwardConfig,
@@ -19,10 +21,12 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_backward",
+    "attention_with_kvcache",
     "selected_config",
     "selected_backward_config",
     "TensorCoreConfig",
     "PortableConfig",
+    "PortableDecodeConfig",
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
     "WgmmaBackwardConfig",

@@ -173,3 +173,80 @@ def attention_backward(
         else:
             launch.backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    cache_batch_idx=None,
+    block_table=None,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    num_splits=0,
+    return_lse=False,
+    out=None,
+):
+    """Attention of new query rows over a KV cache, appending new keys and values in place
+    (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
+
+    Args:
+        q: (batch, seqlen_q, nheads, head_dim), seqlen_q >= 1.
+        k_cache, v_cache: a contiguous cache (batch_cache, seqlen_cache, nheads_k, head_dim), or
+            a paged one (num_blocks, page_size, nheads_k, head_dim) with ``block_table``; q's
+            dtype; any page_size >= 1.
+        k, v: optional (batch, seqlen_new, nheads_k, head_dim): written into the caches at
+            positions cache_seqlens[b] .. + seqlen_new - 1 and attended to in the same call.
+        cache_seqlens: tokens already cached, an int or an int32 array (batch,) on the device
+            (read on the device: the call does not synchronise). Not advanced by the call.
+        cache_batch_idx: int32 (batch,), the cache row of each batch row (contiguous caches).
+        block_table: int32 (batch, max_blocks), the pages of each sequence (paged caches).
+        causal, softmax_scale, window_size: as :func:`attention`, aligned bottom-right against
+            each sequence's length after the append.
+        num_splits: thread blocks sharing one sequence's keys; 0 chooses.
+        return_lse: also return lse, float32 (batch, nheads, seqlen_q).
+        out: optional output array (q's shape and dtype).
+
+    Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
+    and indices on the device are trusted for their values but never followed outside the
+    arrays: a sequence's length is clamped to its capacity, rows past the capacity are not
+    written, and a key behind an out-of-range cache row or page is treated as absent.
+
+    Kernels run on CuPy's current stream; the call returns without synchronising.
+    """
+    q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        block_table,
+        causal,
+        softmax_scale,
+        window_size,
+        num_splits,
+    )
+    return_lse = validation.check_flag(return_lse, "return_lse")
+    if out is not None:
+        out = validation.check_like(out, "out", q, "q")
+        validation.check_writable(out, "out")
+        validation.check_no_overlap(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+    with _on_device(q):
+        device = current_device()
+        cfg, splits = selection.decode(p, device)
+        xp = arrays.array_module(q)
+        if out is None:
+            out = xp.empty(q.shape, dtype=q.dtype)
+        lse = xp.empty((p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
+        if out.size:
+            launch.kvcache(
+                cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
+            )
+    return (out, lse) if return_lse else out

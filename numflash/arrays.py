@@ -105,7 +105,7 @@ def kernel_view(x):
         for n, s in zip(x.shape, strides):
             span += (n - 1) * s
     if isinstance(x, np.ndarray):
-        kdtype = KERNEL_DTYPES[dtype_name(x.dtype)]
+        kdtype = KERNEL_DTYPES.get(dtype_name(x.dtype), x.dtype)
         flat = np.lib.stride_tricks.as_strided(x.view(kdtype), shape=(span,), strides=(itemsize,))
         if not x.flags.writeable:  # the simulator copies every array back after a launch
             flat = flat.copy()

@@ -16,6 +16,7 @@ from typing import ClassVar
 from .device import (
     PORTABLE,
     PORTABLE_BACKWARD,
+    PORTABLE_DECODE,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
     WGMMA_BACKWARD,
@@ -365,6 +366,35 @@ class WgmmaBackwardConfig(_Config):
         return out
 
 
+@dataclass(frozen=True)
+class PortableDecodeConfig(_Config):
+    """Tiles of the portable KV-cache kernels (:mod:`numflash.kernels.decode_portable`).
+
+    - ``block_m``: (query head, position) rows per block, one thread each; a block serves one
+      kv head's GQA group, so each K/V tile it loads is read once for the group.
+    - ``block_n``: cached keys per shared-memory tile (fp32).
+    """
+
+    block_m: int = knob(64, (32, 64, 128))
+    block_n: int = knob(32, (8, 16, 32, 64))
+
+    family: ClassVar[str] = PORTABLE_DECODE
+    REVISION: ClassVar[int] = 1
+
+    @property
+    def threads(self):
+        return self.block_m
+
+    def kernel_head_dim(self, head_dim):
+        return head_dim
+
+    def shared_memory_bytes(self, head_dim):
+        return 2 * self.block_n * head_dim * 4 + 4 * self.block_n
+
+    def problems(self, head_dim, device):
+        return _static_shared_problems(self, head_dim)
+
+
 CONFIG_TYPES = {
     c.family: c
     for c in (
@@ -373,6 +403,7 @@ CONFIG_TYPES = {
         PortableBackwardConfig,
         TensorCoreBackwardConfig,
         WgmmaBackwardConfig,
+        PortableDecodeConfig,
     )
 }
 FORWARD_CONFIGS = (TensorCoreConfig, PortableConfig)

@@ -17,6 +17,8 @@ PORTABLE_BACKWARD = "portable-backward"
 TENSOR_CORE_BACKWARD = "tensor-core-backward"
 #: The Hopper backward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim 64 and 128).
 WGMMA_BACKWARD = "wgmma-backward"
+#: Attention over a KV cache without tensor cores (every GPU, every dtype, the simulator).
+PORTABLE_DECODE = "portable-decode"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)
@@ -39,7 +41,7 @@ class DeviceInfo:
 
     def supports(self, family):
         """Whether kernels of ``family`` can run here (the simulator runs every family)."""
-        if family in (PORTABLE, PORTABLE_BACKWARD) or self.simulated:
+        if family in (PORTABLE, PORTABLE_BACKWARD, PORTABLE_DECODE) or self.simulated:
             return True
         if family == WGMMA_BACKWARD:
             return self.has_wgmma

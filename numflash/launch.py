@@ -27,6 +27,7 @@ from .kernels import (
     backward_mma,
     backward_portable,
     backward_sm90,
+    decode_portable,
     forward_portable,
 )
 from .kernels import (
@@ -49,7 +50,7 @@ ATTENTION_SCALARS = (
 
 
 class KernelSpec(NamedTuple):
-    """A kernel's parameters: ``arrays`` as (name, "elem" | "float32") flat 1-D arrays ("elem":
+    """A kernel's parameters: ``arrays`` as (name, "elem" | "float32" | "int32") flat 1-D arrays ("elem":
     the problem's element type, 16-bit floats as their uint16 bits), then for each name in
     ``strided`` its (batch, seqlen, head) strides as one int64 triple, then ``scalars`` as
     (name, "int32" | "float32")."""
@@ -65,7 +66,7 @@ class KernelSpec(NamedTuple):
         from numba.cuda import types
 
         elem = types.float32 if dtype_name == "float32" else types.uint16
-        kinds = {"elem": elem, "float32": types.float32}
+        kinds = {"elem": elem, "float32": types.float32, "int32": types.int32}
         scalar = {"int32": types.int32, "float32": types.float32}
         return (
             tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
@@ -575,3 +576,124 @@ _BACKWARD = {
 def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
     _BACKWARD[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
+
+
+# -- attention over a KV cache ----------------------------------------------------------------
+
+APPEND = KernelSpec(
+    arrays=(("k", "elem"), ("v", "elem"), ("k_cache", "elem"), ("v_cache", "elem"),
+            ("seqlens", "int32"), ("batch_idx", "int32"), ("block_table", "int32")),
+    strided=("k", "v", "k_cache", "v_cache"),
+    scalars=(("page_size", "int32"), ("max_blocks", "int32"), ("slots", "int32"),
+             ("capacity", "int32")),
+)  # fmt: skip
+SPLIT_ATTENTION = KernelSpec(
+    arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("seqlens", "int32"),
+            ("batch_idx", "int32"), ("block_table", "int32"), ("o_part", "float32"),
+            ("lse_part", "float32")),
+    strided=("q", "k_cache", "v_cache"),
+    scalars=(("seqlen_q", "int32"), ("seqlen_new", "int32"), ("heads_per_kv", "int32"),
+             ("scale", "float32"), ("window_left", "int32"), ("window_right", "int32"),
+             ("page_size", "int32"), ("max_blocks", "int32"), ("slots", "int32"),
+             ("capacity", "int32"), ("num_splits", "int32"), ("chunk", "int32")),
+)  # fmt: skip
+COMBINE = KernelSpec(
+    arrays=(("o_part", "float32"), ("lse_part", "float32"), ("out", "elem"), ("lse", "float32")),
+    strided=("out",),
+    scalars=(("seqlen_q", "int32"), ("nheads", "int32"), ("num_splits", "int32")),
+)
+
+#: Query rows (one thread each) per block of the combine kernel.
+_COMBINE_ROWS = 128
+
+
+def kvcache(
+    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
+):
+    """Append k, v (when given), then attention of q over each sequence's keys split
+    ``num_splits`` ways, the partials combined into out and lse. Index arrays may be None:
+    ``seqlens`` (a device array unless p.cache_seqlens is an int), ``batch_idx`` (the
+    identity), ``block_table`` (contiguous cache); stand-ins of ``batch`` int32s are made for
+    them, nothing the size of the cache."""
+    xp = arrays.array_module(q)
+    if seqlens is None:
+        seqlens = xp.full((p.batch,), p.cache_seqlens, dtype=xp.int32)
+    if batch_idx is None:
+        batch_idx = xp.arange(p.batch, dtype=xp.int32)
+    if block_table is None:
+        block_table = xp.zeros((1,), dtype=xp.int32)
+    q = arrays.as_kernel_input(q)
+    stream = arrays.current_stream()
+    geometry = (p.page_size, p.max_blocks, p.slots, p.capacity)
+    views = {
+        "k_cache": arrays.kernel_view(k_cache),
+        "v_cache": arrays.kernel_view(v_cache),
+        "seqlens": arrays.kernel_view(xp.ascontiguousarray(seqlens)),
+        "batch_idx": arrays.kernel_view(xp.ascontiguousarray(batch_idx)),
+        "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
+        "q": arrays.kernel_view(q),
+    }
+    d, dtype, paged = p.head_dim, p.dtype, p.paged
+    if k is not None and p.seqlen_new:
+        k, v = (arrays.as_kernel_input(x) for x in (k, v))
+        views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
+        append = launcher(
+            (PORTABLE_DECODE_APPEND, d, dtype, paged),
+            lambda: decode_portable.build_append(d, dtype, paged),
+            APPEND,
+            dtype,
+        )
+        append((p.seqlen_new, p.nheads_k, p.batch), d, stream, 0, APPEND.args(views, geometry))
+    # -- split attention: partials of (split, batch, head, position), fp32
+    o_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q, d), dtype=xp.float32)
+    lse_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
+    views.update(o_part=arrays.kernel_view(o_part), lse_part=arrays.kernel_view(lse_part))
+    chunk = _ceil_div(_ceil_div(p.capacity, num_splits), cfg.block_n) * cfg.block_n
+    split = launcher(
+        (type(cfg), d, dtype, cfg, paged),
+        lambda: decode_portable.build_split_attention(d, dtype, cfg.block_m, cfg.block_n, paged),
+        SPLIT_ATTENTION,
+        dtype,
+    )
+    rows = _ceil_div(p.heads_per_kv * p.seqlen_q, cfg.block_m)
+    scalars = (
+        p.seqlen_q,
+        p.seqlen_new,
+        p.heads_per_kv,
+        np.float32(p.scale * LOG2E),
+        p.window_left,
+        p.window_right,
+        *geometry,
+        num_splits,
+        chunk,
+    )
+    split(
+        (num_splits * rows, p.nheads_k, p.batch),
+        cfg.block_m,
+        stream,
+        0,
+        SPLIT_ATTENTION.args(views, scalars),
+    )
+    # -- combine
+    target, direct = _output_target(out, d, p)
+    views.update(out=arrays.kernel_view(target), lse=arrays.kernel_view(lse))
+    combine = launcher(
+        (PORTABLE_DECODE_COMBINE, d, dtype),
+        lambda: decode_portable.build_combine(d, dtype, _COMBINE_ROWS),
+        COMBINE,
+        dtype,
+    )
+    combine(
+        (_ceil_div(p.nheads * p.seqlen_q, _COMBINE_ROWS), p.batch),
+        _COMBINE_ROWS,
+        stream,
+        0,
+        COMBINE.args(views, (p.seqlen_q, p.nheads, num_splits)),
+    )
+    if not direct:
+        _copy_back(out, target, p)
+
+
+#: Launcher keys of the KV-cache kernels that no configuration names.
+PORTABLE_DECODE_APPEND = "portable-decode append"
+PORTABLE_DECODE_COMBINE = "portable-decode combine"

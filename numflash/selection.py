@@ -13,6 +13,7 @@ from .config import (
     CONFIG_TYPES,
     PortableBackwardConfig,
     PortableConfig,
+    PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
     WgmmaBackwardConfig,
@@ -21,6 +22,7 @@ from .config import (
 from .device import (
     PORTABLE,
     PORTABLE_BACKWARD,
+    PORTABLE_DECODE,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
     WGMMA_BACKWARD,
@@ -93,6 +95,11 @@ def default_wgmma_backward_config(head_dim):
     return WgmmaBackwardConfig(num_warps=8, stages=2)
 
 
+def default_portable_decode_config(head_dim):
+    # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
+    return PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
+
+
 def default_config(family, head_dim, device):
     """(head_dim the kernels run at, the family's heuristic configuration)."""
     if family not in CONFIG_TYPES:
@@ -106,6 +113,8 @@ def default_config(family, head_dim, device):
         return run_dim, default_tensor_core_backward_config(run_dim, device)
     if family == WGMMA_BACKWARD:
         return run_dim, default_wgmma_backward_config(run_dim)
+    if family == PORTABLE_DECODE:
+        return run_dim, default_portable_decode_config(run_dim)
     return run_dim, default_tensor_core_config(run_dim)
 
 
@@ -188,3 +197,28 @@ def backward(problem, device, deterministic):
         config = dataclasses.replace(choice.config, dq_separate=True)
         return Selection(config, choice.source + ", dq_separate for deterministic=True")
     return choice
+
+
+#: Most splits of one sequence's keys (flash-attn's bound too): past this, combining the
+#: partials costs more than the parallelism gains.
+MAX_SPLITS = 128
+
+
+def decode(problem, device):
+    """(configuration, split count) of an ``attention_with_kvcache`` call.
+
+    The split count, unless the call fixes it (``num_splits`` > 0): enough blocks to fill the
+    GPU's multiprocessors, FlashAttention-2's rule: none while batch x kv heads x row blocks
+    already give every multiprocessor a block, else as many as fill them, each split keeping
+    at least two key tiles, at most MAX_SPLITS. (Portable kernels only so far: not measured
+    for speed.)"""
+    config = _tuned_or_default(PORTABLE_DECODE, problem, device)[0].config
+    if problem.num_splits > 0:
+        return config, min(problem.num_splits, MAX_SPLITS)
+    rows = problem.heads_per_kv * problem.seqlen_q
+    blocks = problem.batch * problem.nheads_k * -(-rows // config.block_m)
+    if blocks >= device.multiprocessors:
+        return config, 1
+    tiles = -(-problem.capacity // config.block_n)
+    splits = min(-(-device.multiprocessors // blocks), max(1, tiles // 2), MAX_SPLITS)
+    return config, max(1, splits)

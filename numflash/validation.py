@@ -246,3 +246,198 @@ def check_backward_config(config, p, deterministic, device):
             "deterministic=True needs dq_separate=True (or the portable backward)"
         )
     return _config_problems(config, p, device)
+
+
+# -- attention over a KV cache ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheProblem:
+    """A KV-cache call, normalised. ``capacity``: keys a sequence can hold (seqlen_cache, or
+    max_blocks * page_size); ``slots``: cache rows (batch_cache) or pages (num_blocks);
+    ``page_size`` 0 for a contiguous cache; ``cache_seqlens``: the Python int when one was
+    given, else None (the lengths are on the device)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_new: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    dtype: str
+    scale: float
+    window_left: int
+    window_right: int
+    capacity: int
+    slots: int
+    page_size: int
+    max_blocks: int
+    cache_seqlens: object
+    num_splits: int
+
+    @property
+    def heads_per_kv(self):
+        return self.nheads // self.nheads_k
+
+    @property
+    def paged(self):
+        return self.page_size > 0
+
+    @property
+    def seqlen_k(self):
+        """The most keys a sequence can see (what the configuration lookup buckets by)."""
+        return self.capacity
+
+
+def _check_index_array(x, name, shape, like):
+    """An int32 array of ``shape`` on ``like``'s device."""
+    x = arrays.intake(x, name)
+    if x.dtype != np.int32:
+        raise TypeError(f"{name} must have dtype int32; got {x.dtype}")
+    if x.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {shape_str(x)}")
+    check_device(x, name, like, "q")
+    return x
+
+
+def _check_int(value, name, low=None):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int; got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}; got {value}")
+    return int(value)
+
+
+def kvcache_problem(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    cache_batch_idx,
+    block_table,
+    causal,
+    softmax_scale,
+    window_size,
+    num_splits,
+):
+    """Validated arrays (q, k_cache, v_cache, k, v, cache_seqlens as an array or None,
+    cache_batch_idx, block_table) and the :class:`KVCacheProblem` they pose. Checks everything
+    that can be known without reading device memory; nothing is written."""
+    q = arrays.intake(q, "q")
+    k_cache = arrays.intake(k_cache, "k_cache")
+    v_cache = arrays.intake(v_cache, "v_cache")
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions; got shape {shape_str(x)}")
+    b, sq, h, d = q.shape
+    dtype = arrays.dtype_name(q.dtype)
+    if dtype is None:
+        raise TypeError(f"q has dtype {q.dtype}; accepted: float16, bfloat16, float32")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+        check_device(x, name, q, "q")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape; got {shape_str(k_cache)} and "
+            f"{shape_str(v_cache)}"
+        )
+    slots, rows, h_k, d_k = k_cache.shape
+    if d_k != d or not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must match and be in [1, {MAX_HEAD_DIM}]: q {d}, k_cache {d_k}")
+    if h_k == 0 or h % h_k:
+        raise ValueError(f"nheads of q ({h}) must be a multiple of k_cache's nheads ({h_k})")
+    if sq < 1:
+        raise ValueError(f"q must hold at least one query row; got seqlen_q {sq}")
+    if h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        raise ValueError(f"nheads and batch must be at most {MAX_GRID_YZ}; got {h} and {b}")
+    # -- paged or contiguous
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError(
+                "cache_batch_idx applies to contiguous caches; a paged cache maps "
+                "sequences to pages through block_table"
+            )
+        block_table = arrays.intake(block_table, "block_table")
+        if block_table.ndim != 2 or block_table.shape[0] != b or block_table.shape[1] < 1:
+            raise ValueError(
+                f"block_table must have shape (batch, max_blocks) = ({b}, >= 1); got "
+                f"{shape_str(block_table)}"
+            )
+        block_table = _check_index_array(block_table, "block_table", block_table.shape, q)
+        page_size, max_blocks = rows, block_table.shape[1]
+        if page_size < 1:
+            raise ValueError("the paged cache's page_size (k_cache.shape[1]) must be >= 1")
+        capacity = page_size * max_blocks
+    else:
+        page_size, max_blocks, capacity = 0, 0, rows
+        if cache_batch_idx is not None:
+            cache_batch_idx = _check_index_array(cache_batch_idx, "cache_batch_idx", (b,), q)
+        elif slots < b:
+            raise ValueError(
+                f"k_cache holds {slots} sequences but q has batch {b}; pass cache_batch_idx to "
+                "map batch rows to cache rows"
+            )
+    # -- new keys and values
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (or neither)")
+    seqlen_new = 0
+    if k is not None:
+        k = arrays.intake(k, "k")
+        v = arrays.intake(v, "v")
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != 4 or x.shape[0] != b or x.shape[2:] != (h_k, d):
+                raise ValueError(
+                    f"{name} must have shape (batch, seqlen_new, nheads_k, head_dim) = ({b}, "
+                    f"seqlen_new, {h_k}, {d}); got {shape_str(x)}"
+                )
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have q's dtype {q.dtype}; got {x.dtype}")
+            check_device(x, name, q, "q")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have one seqlen_new; got {k.shape[1]}, {v.shape[1]}")
+        seqlen_new = k.shape[1]
+        check_writable(k_cache, "k_cache")
+        check_writable(v_cache, "v_cache")
+        check_no_overlap(k_cache, "k_cache", {"v_cache": v_cache, "k": k, "v": v, "q": q})
+        check_no_overlap(v_cache, "v_cache", {"k": k, "v": v, "q": q})
+    # -- lengths
+    host_seqlens = None
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        host_seqlens = int(cache_seqlens)
+        if host_seqlens < 0 or host_seqlens + seqlen_new > capacity:
+            raise ValueError(
+                f"cache_seqlens + seqlen_new must be in [0, {capacity}] (the cache's capacity "
+                f"per sequence); got {host_seqlens} + {seqlen_new}"
+            )
+        cache_seqlens = None
+    elif cache_seqlens is None:
+        raise TypeError("cache_seqlens is required: an int or an int32 array (batch,)")
+    else:
+        cache_seqlens = _check_index_array(cache_seqlens, "cache_seqlens", (b,), q)
+    num_splits = _check_int(num_splits, "num_splits", low=0)
+    causal = check_flag(causal, "causal")
+    left, right = check_window(window_size, causal)
+    scale = check_scale(softmax_scale, d)
+    left, right = (_clamp_window(w, sq, capacity) for w in (left, right))
+    problem = KVCacheProblem(
+        b,
+        sq,
+        seqlen_new,
+        h,
+        h_k,
+        d,
+        dtype,
+        scale,
+        left,
+        right,
+        capacity,
+        slots,
+        page_size,
+        max_blocks,
+        host_seqlens,
+        num_splits,
+    )
+    return q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, problem

@@ -20,6 +20,7 @@ from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
     backward_sm90,
+    decode_portable,
     forward,
     forward_portable,
     offline,
@@ -85,70 +86,128 @@ def shipped_one(file, head_dim, dtype, config):
     (sm_90.json: sm_90a), with ptxas' report."""
     major = int(file[3:-5]) // 10
     cfg = config_from_dict(config)
-    kernel = forward.build(head_dim, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
-                           cfg.q_in_registers)  # fmt: skip
+    kernel = forward.build(
+        head_dim, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers
+    )
     return [
-        {"family": "shipped", "file": file, "head_dim": head_dim, "dtype": dtype,
-         "config": config, **report(kernel, dtype, cc, resources=True)}
-        for cc in TENSOR_CORE_TARGETS if cc[0] == major
-    ]  # fmt: skip
+        {
+            "family": "shipped",
+            "file": file,
+            "head_dim": head_dim,
+            "dtype": dtype,
+            "config": config,
+            **report(kernel, dtype, cc, resources=True),
+        }
+        for cc in TENSOR_CORE_TARGETS
+        if cc[0] == major
+    ]
 
 
 def tensor_core_forward(hd, dtype):
     cfg = default_tensor_core_config(hd)
-    kernel = forward.build(hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages,
-                           cfg.q_in_registers)  # fmt: skip
+    kernel = forward.build(
+        hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers
+    )
     return [
-        {"family": "tensor-core", "head_dim": hd, "dtype": dtype, "config": cfg.to_dict(),
-         **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET)}
+        {
+            "family": "tensor-core",
+            "head_dim": hd,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET),
+        }
         for cc in TENSOR_CORE_TARGETS
-    ]  # fmt: skip
+    ]
 
 
 def portable_forward(hd, dtype):
     cfg = default_portable_config(hd)
     kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
     return [
-        {"family": "portable", "head_dim": hd, "dtype": dtype, "config": cfg.to_dict(),
-         **report(kernel, dtype, cc, resources=False)}
+        {
+            "family": "portable",
+            "head_dim": hd,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            **report(kernel, dtype, cc, resources=False),
+        }
         for cc in PORTABLE_TARGETS
-    ]  # fmt: skip
+    ]
 
 
 def portable_backward(hd, dtype):
     cfg = default_portable_backward_config(hd)
     kernels = {
         "preprocess": (backward_portable.build_preprocess(hd, dtype, 8), launch.PREPROCESS),
-        "dkdv": (backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
-                 launch.PORTABLE_DKDV),
+        "dkdv": (
+            backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
+            launch.PORTABLE_DKDV,
+        ),
         "dq": (backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n), launch.DQ),
-    }  # fmt: skip
+    }
     return [
-        {"family": "portable-backward", "kernel": name, "head_dim": hd, "dtype": dtype,
-         "config": cfg.to_dict(),
-         **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype))}
+        {
+            "family": "portable-backward",
+            "kernel": name,
+            "head_dim": hd,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
+        }
         for name, (kernel, spec) in kernels.items()
         for cc in PORTABLE_TARGETS
-    ]  # fmt: skip
+    ]
 
 
 def mma_backward(hd, dtype, config):
     cfg = (
         config_from_dict(config) if config else default_config("tensor-core-backward", hd, None)[1]
     )
-    built = backward_mma.build_kernels(hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages,
-                                       cfg.dq_separate, cfg.head_split)  # fmt: skip
+    built = backward_mma.build_kernels(
+        hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages, cfg.dq_separate, cfg.head_split
+    )
     kernels = {"dkdv": (built.dkdv, launch.TENSOR_CORE_DKDV)}
     if cfg.dq_separate:
         kernels["dq"] = (built.dq, launch.DQ)
     return [
-        {"family": "tensor-core-backward", "head_dim": hd, "dtype": dtype, "kernel": name,
-         "config": cfg.to_dict(),
-         **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET,
-                  signature=spec.signature(dtype))}
+        {
+            "family": "tensor-core-backward",
+            "head_dim": hd,
+            "dtype": dtype,
+            "kernel": name,
+            "config": cfg.to_dict(),
+            **report(
+                kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=spec.signature(dtype)
+            ),
+        }
         for name, (kernel, spec) in kernels.items()
         for cc in TENSOR_CORE_TARGETS
-    ]  # fmt: skip
+    ]
+
+
+def portable_decode(hd, dtype, paged):
+    cfg = default_config("portable-decode", hd, None)[1]
+    kernels = {
+        "append": (decode_portable.build_append(hd, dtype, paged), launch.APPEND),
+        "split": (
+            decode_portable.build_split_attention(hd, dtype, cfg.block_m, cfg.block_n, paged),
+            launch.SPLIT_ATTENTION,
+        ),
+        "combine": (decode_portable.build_combine(hd, dtype, 128), launch.COMBINE),
+    }
+    return [
+        {
+            "family": "portable-decode",
+            "kernel": name,
+            "head_dim": hd,
+            "dtype": dtype,
+            "paged": paged,
+            "config": cfg.to_dict(),
+            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
+        }
+        for name, (kernel, spec) in kernels.items()
+        for cc in PORTABLE_TARGETS
+    ]
 
 
 def wgmma_tiles(dtype):
@@ -156,26 +215,53 @@ def wgmma_tiles(dtype):
     import wgmma_gemm
 
     out = [
-        {"family": "wgmma", "dtype": dtype, "variant": variant,
-         **report(wgmma_gemm.build(dtype, variant), dtype, (9, 0, "a"), resources=True,
-                  signature=wgmma_gemm.signature())}
+        {
+            "family": "wgmma",
+            "dtype": dtype,
+            "variant": variant,
+            **report(
+                wgmma_gemm.build(dtype, variant),
+                dtype,
+                (9, 0, "a"),
+                resources=True,
+                signature=wgmma_gemm.signature(),
+            ),
+        }
         for variant in wgmma_gemm.VARIANTS
-    ]  # fmt: skip
-    out.append({"family": "wgmma", "dtype": dtype, "variant": "chain",
-                **report(wgmma_gemm.build_chain(dtype), dtype, (9, 0, "a"), resources=True,
-                         signature=wgmma_gemm.chain_signature())})  # fmt: skip
+    ]
+    out.append(
+        {
+            "family": "wgmma",
+            "dtype": dtype,
+            "variant": "chain",
+            **report(
+                wgmma_gemm.build_chain(dtype),
+                dtype,
+                (9, 0, "a"),
+                resources=True,
+                signature=wgmma_gemm.chain_signature(),
+            ),
+        }
+    )
     return out
 
 
 def wgmma_backward(hd, dtype, warps, stages):
     kernels = backward_sm90.build_kernels(hd, dtype, warps, stages)
     return [
-        {"family": "wgmma-backward", "head_dim": hd, "dtype": dtype, "kernel": name,
-         "num_warps": warps,
-         **report(kernel, dtype, (9, 0, "a"), resources=True, signature=spec.signature(dtype))}
-        for name, kernel, spec in [("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV),
-                                   ("dq", kernels.dq, launch.DQ)]
-    ]  # fmt: skip
+        {
+            "family": "wgmma-backward",
+            "head_dim": hd,
+            "dtype": dtype,
+            "kernel": name,
+            "num_warps": warps,
+            **report(kernel, dtype, (9, 0, "a"), resources=True, signature=spec.signature(dtype)),
+        }
+        for name, kernel, spec in [
+            ("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV),
+            ("dq", kernels.dq, launch.DQ),
+        ]
+    ]
 
 
 def jobs(quick):
@@ -186,10 +272,15 @@ def jobs(quick):
     out += [(shipped_one, item) for item in _shipped()]
     for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
         out += [(portable_forward, (hd, dtype)), (portable_backward, (hd, dtype))]
+    out += [(portable_decode, (128, "float16", False)), (portable_decode, (64, "bfloat16", True))]
     # the defaults (dQ from its own kernel), and dQ by atomics from the dK/dV kernel
     atomic = TensorCoreBackwardConfig(64, 8, 2, dq_separate=False).to_dict()
-    for hd, dtype, config in [(64, "float16", None), (128, "bfloat16", None),
-                              (256, "bfloat16", None), (128, "float16", atomic)]:  # fmt: skip
+    for hd, dtype, config in [
+        (64, "float16", None),
+        (128, "bfloat16", None),
+        (256, "bfloat16", None),
+        (128, "float16", atomic),
+    ]:
         out.append((mma_backward, (hd, dtype, config)))
     out += [(wgmma_tiles, (dtype,)) for dtype in ("float16", "bfloat16")]
     # the Hopper backward: two warpgroups at head_dim 128 (the default), one and one stage at 64

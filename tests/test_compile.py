@@ -16,8 +16,9 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory, worker_id):
-    return json_from_subprocess([HERE / "compile_targets.py"], "compile-targets", tmp_path_factory,
-                                worker_id)  # fmt: skip
+    return json_from_subprocess(
+        [HERE / "compile_targets.py"], "compile-targets", tmp_path_factory, worker_id
+    )
 
 
 def _entries(compiled, family):
@@ -200,3 +201,17 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
         remarks = e["resources"]["remarks"]
         assert not [r for r in remarks if "wgmma" in r], remarks
+
+
+def test_portable_decode_kernels_compile_for_every_target(compiled):
+    """The KV-cache kernels (append, split attention, combine; contiguous and paged) compile
+    for the portable targets, without tensor-core instructions."""
+    entries = _entries(compiled, "portable-decode")
+    assert {(e["kernel"], e["paged"]) for e in entries} == {
+        (kernel, paged) for kernel in ("append", "split", "combine") for paged in (False, True)
+    }
+    assert {e["target"] for e in entries} == {"sm_75", "sm_90a", "sm_120"}
+    for e in entries:
+        assert e["counts"]["mma.sync.aligned.m16n8k16"] == 0, e
+        if e["kernel"] != "append":
+            assert e["counts"]["ex2.approx"] > 0, e

@@ -116,10 +116,28 @@ def test_autotune_reports_a_cache_dir_that_is_a_file(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     env = dict(os.environ, NUMFLASH_CACHE_DIR=str(blocker), NUMBA_ENABLE_CUDASIM="1")
-    args = ["autotune", "--family", "portable", "--head-dims", "16", "--dtypes", "float32",
-            "--masks", "full", "--seqlens", "64", "--trials", "1"]  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "numflash", *args], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
+    args = [
+        "autotune",
+        "--family",
+        "portable",
+        "--head-dims",
+        "16",
+        "--dtypes",
+        "float32",
+        "--masks",
+        "full",
+        "--seqlens",
+        "64",
+        "--trials",
+        "1",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "numflash", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     assert "cannot write the configuration cache" in done.stderr
     assert "Traceback" not in done.stderr

@@ -25,6 +25,7 @@ from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
     backward_sm90,
+    decode_portable,
     forward,
     forward_portable,
     offline,
@@ -112,6 +113,27 @@ def cases():
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if separate:
             yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
+    family = config.PortableDecodeConfig.family
+    for hd, dt, paged in [(128, "float16", False), (64, "bfloat16", True)]:
+        name = f"{hd}-{dt}-{'paged' if paged else 'contiguous'}"
+        yield (
+            family,
+            f"append-{name}",
+            decode_portable.build_append(hd, dt, paged),
+            launch.APPEND.signature(dt),
+        )
+        yield (
+            family,
+            f"split-{name}",
+            decode_portable.build_split_attention(hd, dt, 64, 32, paged),
+            launch.SPLIT_ATTENTION.signature(dt),
+        )
+        yield (
+            family,
+            f"combine-{name}",
+            decode_portable.build_combine(hd, dt, 128),
+            launch.COMBINE.signature(dt),
+        )
     family = config.WgmmaBackwardConfig.family
     for hd, dt, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:
         kernels = backward_sm90.build_kernels(hd, dt, warps, stages)

@@ -104,8 +104,13 @@ def json_from_subprocess(argv, name, tmp_path_factory, worker_id, timeout=1800):
             os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
         )
         env.pop("NUMBA_ENABLE_CUDASIM", None)
-        done = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
-                              env=env, timeout=timeout)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, *map(str, argv)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         return done.stdout.strip().splitlines()[-1]
 

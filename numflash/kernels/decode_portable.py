@@ -1,0 +1,311 @@
+"""Attention over a KV cache (decoding), portable: in-place append, paged or contiguous caches,
+split-KV with an fp32 combine. No tensor cores: the correctness path for every GPU and the
+simulator, and the reference the fast decode kernels are tested against.
+
+Three kernels, launched in order on one stream:
+
+1. ``append``: new rows k, v (batch, seqlen_new, nheads_k, head_dim) into the cache at
+   positions cache_seqlens[b] .. + seqlen_new - 1 of sequence b, one block per (new row, kv
+   head, batch). A position at or past the sequence's capacity, or on a page whose block-table
+   entry is out of range, is not written.
+2. ``split_attention``: one block per (split, block of query rows, kv head, batch). The rows of
+   a block are the (query head of the kv head's GQA group, query position) pairs, one thread
+   each, so every K/V tile a block loads serves the whole group. Split ``s`` covers keys
+   [s * chunk, (s + 1) * chunk) of the sequence's keys (cache_seqlens[b] + seqlen_new, at most
+   its capacity); each thread runs the online softmax over its row's visible keys there and
+   writes an unnormalised-free partial: O_s (normalised within the split, fp32) and LSE_s.
+3. ``combine``: out = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), one thread
+   per (query row, head); rows that see no key get 0 and -inf.
+
+Keys are addressed through ``key_row``: the cache slot cache_batch_idx[b] (contiguous) or the
+page block_table[b, j // page_size] (paged). Whatever the device-side index arrays hold, no
+read or write leaves the arrays: sequence lengths are clamped to [0, capacity], page and slot
+indices outside their range are skipped (their keys read as absent).
+
+Supports: float16, bfloat16, float32; head_dim up to 256; GQA; causal and window masks aligned
+bottom-right against each sequence's length after the append.
+"""
+
+import functools
+import math
+
+from numba import cuda, float32, int32, int64
+
+from . import ptx
+from .forward_portable import FROM_F32, TO_F32
+from .jit import device_function, kernel
+from .mask import visible_keys
+from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
+
+
+@device_function
+def clamp(x, lo, hi):
+    return min(max(x, lo), hi)
+
+
+@functools.lru_cache(maxsize=None)
+def address_function(paged):
+    """The device function ``key_row(b, j, batch_idx, block_table, page_size, max_blocks,
+    slots)``: (found, cache slot or page, row within it) of key j of sequence b."""
+    PAGED = paged
+
+    @device_function
+    def key_row(b, j, batch_idx, block_table, page_size, max_blocks, slots):
+        if PAGED:
+            page = block_table[int64(b) * max_blocks + j // page_size]
+            return (page >= 0) & (page < slots), int64(page), j - (j // page_size) * page_size
+        slot = batch_idx[b]
+        return (slot >= 0) & (slot < slots), int64(slot), j
+
+    return key_row
+
+
+@device_function
+def sequence_length(seqlens, b, seqlen_new, capacity):
+    """Keys of sequence b after the append: cache_seqlens[b] + seqlen_new within [0, capacity]."""
+    return clamp(seqlens[b] + seqlen_new, 0, capacity)
+
+
+@functools.lru_cache(maxsize=None)
+def build_append(head_dim, dtype_name, paged):
+    """The append kernel: grid (seqlen_new, nheads_k, batch), head_dim threads."""
+    HEAD_DIM = head_dim
+    key_row = address_function(paged)
+
+    @kernel
+    def append(
+        k,
+        v,
+        k_cache,
+        v_cache,
+        seqlens,
+        batch_idx,
+        block_table,
+        k_st,
+        v_st,
+        kc_st,
+        vc_st,
+        page_size,
+        max_blocks,
+        slots,
+        capacity,
+    ):
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        kc_sb, kc_ss, kc_sh = kc_st
+        vc_sb, vc_ss, vc_sh = vc_st
+        i = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        d = cuda.threadIdx.x
+        pos = seqlens[b] + i
+        if 0 <= pos and pos < capacity and d < HEAD_DIM:
+            found, slot, row = key_row(b, pos, batch_idx, block_table, page_size, max_blocks, slots)
+            if found:
+                k_cache[slot * kc_sb + row * kc_ss + h * kc_sh + d] = k[
+                    b * k_sb + i * k_ss + h * k_sh + d
+                ]
+                v_cache[slot * vc_sb + row * vc_ss + h * vc_sh + d] = v[
+                    b * v_sb + i * v_ss + h * v_sh + d
+                ]
+
+    return append
+
+
+@functools.lru_cache(maxsize=None)
+def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
+    """The split-KV kernel: grid (num_splits * ceil(group * seqlen_q / block_m), nheads_k,
+    batch), block_m threads."""
+    HEAD_DIM, BLOCK_M, BLOCK_N = head_dim, block_m, block_n
+    TILE = BLOCK_N * HEAD_DIM
+    to_f32 = TO_F32[dtype_name]
+    key_row = address_function(paged)
+
+    @device_function
+    def load_tile(
+        k_cache,
+        v_cache,
+        k_tile,
+        v_tile,
+        present,
+        b,
+        n0,
+        n_end,
+        kv_head,
+        kc_st,
+        vc_st,
+        batch_idx,
+        block_table,
+        page_size,
+        max_blocks,
+        slots,
+        tid,
+    ):
+        """Keys n0 .. n0 + BLOCK_N - 1 of sequence b (those below n_end) as fp32 tiles, and
+        which of them exist (a key behind an out-of-range slot or page does not)."""
+        kc_sb, kc_ss, kc_sh = kc_st
+        vc_sb, vc_ss, vc_sh = vc_st
+        for r in range(tid, BLOCK_N, BLOCK_M):
+            j = n0 + r
+            found = False
+            slot = int64(0)
+            row = j
+            if j < n_end:
+                found, slot, row = key_row(
+                    b, j, batch_idx, block_table, page_size, max_blocks, slots
+                )
+            present[r] = 1 if found else 0
+            k_at = slot * kc_sb + row * kc_ss + kv_head * kc_sh
+            v_at = slot * vc_sb + row * vc_ss + kv_head * vc_sh
+            for d in range(HEAD_DIM):
+                k_tile[r * HEAD_DIM + d] = to_f32(k_cache[k_at + d]) if found else float32(0.0)
+                v_tile[r * HEAD_DIM + d] = to_f32(v_cache[v_at + d]) if found else float32(0.0)
+
+    @kernel
+    def split_attention(
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        batch_idx,
+        block_table,
+        o_part,
+        lse_part,
+        q_st,
+        kc_st,
+        vc_st,
+        seqlen_q,
+        seqlen_new,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+        page_size,
+        max_blocks,
+        slots,
+        capacity,
+        num_splits,
+        chunk,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_tile = cuda.shared.array(TILE, float32)
+        v_tile = cuda.shared.array(TILE, float32)
+        present = cuda.shared.array(BLOCK_N, int32)
+        q_row = cuda.local.array(HEAD_DIM, float32)
+        acc = cuda.local.array(HEAD_DIM, float32)
+
+        tid = cuda.threadIdx.x
+        split = cuda.blockIdx.x % num_splits
+        r = (cuda.blockIdx.x // num_splits) * BLOCK_M + tid  # (head in group, position) pair
+        kv_head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        active = r < heads_per_kv * seqlen_q
+        head = kv_head * heads_per_kv + r // seqlen_q
+        i = r - (r // seqlen_q) * seqlen_q
+        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        n_start = split * chunk
+        n_end = min(n_start + chunk, seqlen_k)
+        lo, hi = visible_keys(i, seqlen_q, seqlen_k, window_left, window_right)
+        q_base = b * q_sb + i * q_ss + head * q_sh
+        for d in range(HEAD_DIM):
+            q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
+            acc[d] = float32(0.0)
+        m_i = NEG_INF
+        l_i = float32(0.0)
+        for n0 in range(n_start, n_end, BLOCK_N):
+            cuda.syncthreads()  # every thread is done with the previous tile
+            load_tile(
+                k_cache,
+                v_cache,
+                k_tile,
+                v_tile,
+                present,
+                b,
+                n0,
+                n_end,
+                kv_head,
+                kc_st,
+                vc_st,
+                batch_idx,
+                block_table,
+                page_size,
+                max_blocks,
+                slots,
+                tid,
+            )
+            cuda.syncthreads()
+            # -- scores of this row's visible, present keys; the online softmax over them
+            m_new = m_i
+            for jj in range(BLOCK_N):
+                j = n0 + jj
+                if active and lo <= j and j < hi and j < n_end and present[jj] == 1:
+                    dot = float32(0.0)
+                    for d in range(HEAD_DIM):
+                        dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
+                    m_new = max(m_new, dot * scale_log2)
+            shift = shift_of(m_new)
+            alpha = ptx.exp2(m_i - shift)
+            l_i *= alpha
+            for d in range(HEAD_DIM):
+                acc[d] *= alpha
+            for jj in range(BLOCK_N):
+                j = n0 + jj
+                if active and lo <= j and j < hi and j < n_end and present[jj] == 1:
+                    dot = float32(0.0)
+                    for d in range(HEAD_DIM):
+                        dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
+                    p = ptx.exp2(dot * scale_log2 - shift)
+                    l_i += p
+                    for d in range(HEAD_DIM):
+                        acc[d] += p * v_tile[jj * HEAD_DIM + d]
+            m_i = m_new
+        if active:
+            # partials: (split, batch, head, position) rows of head_dim fp32, and their LSE
+            at = ((int64(split) * cuda.gridDim.z + b) * (cuda.gridDim.y * heads_per_kv) + head) * (
+                seqlen_q
+            ) + i
+            inv_l = inverse_sum(l_i)
+            for d in range(HEAD_DIM):
+                o_part[at * HEAD_DIM + d] = acc[d] * inv_l
+            lse_part[at] = final_lse(m_i, l_i)
+
+    return split_attention
+
+
+@functools.lru_cache(maxsize=None)
+def build_combine(head_dim, dtype_name, rows):
+    """The combine kernel: grid (ceil(nheads * seqlen_q / rows), batch), ``rows`` threads."""
+    HEAD_DIM = head_dim
+    from_f32 = FROM_F32[dtype_name]
+
+    @kernel
+    def combine(o_part, lse_part, out, lse, out_st, seqlen_q, nheads, num_splits):
+        o_sb, o_ss, o_sh = out_st
+        b = cuda.blockIdx.y
+        r = cuda.blockIdx.x * rows + cuda.threadIdx.x  # head * seqlen_q + position
+        if r < nheads * seqlen_q:
+            head = r // seqlen_q
+            i = r - head * seqlen_q
+            stride = int64(cuda.gridDim.y) * nheads * seqlen_q  # from one split to the next
+            first = (int64(b) * nheads + head) * seqlen_q + i
+            m = NEG_INF
+            for s in range(num_splits):
+                m = max(m, lse_part[first + s * stride])
+            shift = m if m != NEG_INF else float32(0.0)
+            total = float32(0.0)
+            for s in range(num_splits):
+                total += ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))
+            out_at = b * o_sb + i * o_ss + head * o_sh
+            inv = inverse_sum(total)
+            for d in range(HEAD_DIM):
+                value = float32(0.0)
+                for s in range(num_splits):
+                    w = ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))
+                    value += w * o_part[(first + s * stride) * HEAD_DIM + d]
+                out[out_at + d] = from_f32(value * inv)
+            if total == float32(0.0):
+                lse[first] = NEG_INF
+            else:
+                lse[first] = shift + float32(LN2) * float32(math.log2(total))
+
+    return combine

@@ -1,0 +1,233 @@
+"""attention_with_kvcache against the float64 reference, sequence by sequence: contiguous and
+paged caches (shuffled block tables, any page size), appends, GQA, masks, splits; the cache
+after an append equals the old cache plus the new rows, bitwise; hostile device-side lengths
+and indices stay inside the arrays; bad input is refused by name."""
+
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from support import poisoned_like, random_array, to_numpy, xp
+
+import numflash
+from numflash.kernels.jit import SIMULATOR
+from numflash.reference import check
+
+
+class Case(NamedTuple):
+    dtype: str
+    lengths: tuple  # cache_seqlens of each sequence before the append
+    seqlen_q: int
+    seqlen_new: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    page_size: int = 0  # 0: a contiguous cache
+    capacity: int = 0  # keys per sequence (contiguous) or pages' rows (paged); 0: the longest
+    mask: dict = {}
+    num_splits: int = 0
+    permute: bool = False  # cache_batch_idx a permutation of the cache rows
+
+
+CASES = [
+    Case("float16", (0, 1, 7), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=16),
+    Case("bfloat16", (7, 33), seqlen_q=3, seqlen_new=0, nheads=4, nheads_k=4, head_dim=24,
+         mask=dict(causal=True), num_splits=3),
+    Case("float32", (5, 0), seqlen_q=2, seqlen_new=2, nheads=8, nheads_k=2, head_dim=8,
+         permute=True, capacity=12),
+    Case("float16", (13, 1), seqlen_q=4, seqlen_new=4, nheads=2, nheads_k=2, head_dim=16,
+         page_size=3, mask=dict(causal=True), num_splits=2),
+    Case("bfloat16", (9, 30), seqlen_q=1, seqlen_new=1, nheads=8, nheads_k=1, head_dim=16,
+         page_size=1, num_splits=4),
+    Case("float16", (40, 17), seqlen_q=2, seqlen_new=1, nheads=4, nheads_k=2, head_dim=32,
+         page_size=16, mask=dict(window_size=(9, 0)), num_splits=2),
+]  # fmt: skip
+if not SIMULATOR:  # the lengths of the issue's grid, on the GPU
+    CASES += [
+        Case("float16", (0, 1, 7, 113, 1023, 4097), seqlen_q=1, seqlen_new=1, nheads=32,
+             nheads_k=8, head_dim=128),
+        Case("bfloat16", (113, 1023), seqlen_q=8, seqlen_new=8, nheads=8, nheads_k=1,
+             head_dim=64, page_size=256, mask=dict(causal=True)),
+        Case("float16", (4097, 7), seqlen_q=4, seqlen_new=0, nheads=8, nheads_k=2,
+             head_dim=128, page_size=16, mask=dict(window_size=(100, 0)), num_splits=7),
+    ]  # fmt: skip
+
+
+def _setup(case, rng):
+    """The call's arrays, and what the test needs to rebuild each sequence's keys."""
+    batch = len(case.lengths)
+    longest = max(case.lengths) + case.seqlen_new
+    capacity = case.capacity or longest
+    shape_q = (batch, case.seqlen_q, case.nheads, case.head_dim)
+    q = random_array(shape_q, case.dtype, rng)
+    new = None
+    if case.seqlen_new:
+        shape_new = (batch, case.seqlen_new, case.nheads_k, case.head_dim)
+        new = tuple(random_array(shape_new, case.dtype, rng) for _ in range(2))
+    if case.page_size:
+        pages_each = -(-capacity // case.page_size)
+        num_blocks = batch * pages_each + 3  # a few pages nobody uses
+        order = rng.permutation(num_blocks)[: batch * pages_each].astype(np.int32)
+        table = order.reshape(batch, pages_each)
+        cache_shape = (num_blocks, case.page_size, case.nheads_k, case.head_dim)
+        kw = dict(block_table=xp.asarray(table))
+    else:
+        slots = batch + (1 if case.permute else 0)
+        cache_shape = (slots, capacity, case.nheads_k, case.head_dim)
+        index = rng.permutation(slots)[:batch].astype(np.int32) if case.permute else None
+        kw = dict(cache_batch_idx=None if index is None else xp.asarray(index))
+    caches = tuple(random_array(cache_shape, case.dtype, rng) for _ in range(2))
+    lengths = xp.asarray(np.array(case.lengths, dtype=np.int32))
+    return q, caches, new, lengths, kw
+
+
+def _sequence(cache, b, length, kw):
+    """Keys 0 .. length - 1 of sequence b, gathered from a host copy of the cache."""
+    if "block_table" in kw:
+        table = to_numpy(kw["block_table"])
+        page = cache.shape[1]
+        return np.stack([cache[table[b, j // page], j % page] for j in range(length)])[None]
+    index = kw.get("cache_batch_idx")
+    slot = b if index is None else int(to_numpy(index)[b])
+    return cache[slot, :length][None]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths}-p{c.page_size}")
+def test_kvcache_matches_reference_and_appends_in_place(case):
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    q, (k_cache, v_cache), new, lengths, kw = _setup(case, rng)
+    before = [to_numpy(c).copy() for c in (k_cache, v_cache)]
+    out = poisoned_like(q)
+    k, v = new if new else (None, None)
+    _, lse = numflash.attention_with_kvcache(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens=lengths,
+        out=out,
+        return_lse=True,
+        num_splits=case.num_splits,
+        **case.mask,
+        **kw,
+    )
+    after = [to_numpy(c) for c in (k_cache, v_cache)]
+    # -- the caches: the old ones with the new rows written where they belong, nothing else
+    expected = [c.copy() for c in before]
+    if new:
+        for b, length in enumerate(case.lengths):
+            for i in range(case.seqlen_new):
+                j = length + i
+                for c, rows in zip(expected, new):
+                    if "block_table" in kw:
+                        page = to_numpy(kw["block_table"])[b, j // case.page_size]
+                        c[page, j % case.page_size] = to_numpy(rows)[b, i]
+                    else:
+                        index = kw.get("cache_batch_idx")
+                        slot = b if index is None else int(to_numpy(index)[b])
+                        c[slot, j] = to_numpy(rows)[b, i]
+    for name, got, want in zip(("k_cache", "v_cache"), after, expected):
+        assert (got.view(np.uint8) == want.view(np.uint8)).all(), f"{name} is not old + new"
+    # -- each sequence against the reference over its keys after the append
+    for b, length in enumerate(case.lengths):
+        n = length + case.seqlen_new
+        ks, vs = (xp.asarray(_sequence(c, b, n, kw)) for c in after)
+        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1], **case.mask)
+        assert result.nan == 0, f"sequence {b}: {result.nan} NaN outputs"
+        assert result.err <= result.bar, f"sequence {b}: err {result.err:.3e} > {result.bar:.3e}"
+        assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
+
+
+def test_an_int_cache_seqlens_is_every_sequence_s_length():
+    rng = np.random.default_rng(7)
+    q = random_array((2, 1, 2, 16), "float16", rng)
+    k_cache, v_cache = (random_array((2, 9, 1, 16), "float16", rng) for _ in range(2))
+    by_int = numflash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=6)
+    by_array = numflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=xp.asarray(np.array([6, 6], np.int32))
+    )
+    assert (to_numpy(by_int).view(np.uint16) == to_numpy(by_array).view(np.uint16)).all()
+
+
+def test_hostile_device_lengths_and_pages_stay_inside_the_arrays():
+    """Lengths beyond the capacity or negative, and block-table entries out of range: nothing
+    outside the caches is read or written (the simulator raises on any out-of-range index),
+    rows past a sequence's capacity are not written, absent pages read as no keys."""
+    rng = np.random.default_rng(11)
+    q = random_array((3, 2, 2, 16), "float16", rng)
+    new = [random_array((3, 2, 1, 16), "float16", rng) for _ in range(2)]
+    caches = [random_array((5, 4, 1, 16), "float16", rng) for _ in range(2)]
+    table = xp.asarray(np.array([[0, 1], [2, 99], [-7, 4]], np.int32))
+    lengths = xp.asarray(np.array([10**6, 5, -5], np.int32))
+    before = [to_numpy(c).copy() for c in caches]
+    out, lse = numflash.attention_with_kvcache(
+        q, *caches, *new, cache_seqlens=lengths, block_table=table, return_lse=True
+    )
+    after = [to_numpy(c) for c in caches]
+    # sequence 0 is full (length clamped to its 8 keys): no row of its pages changed
+    for got, old in zip(after, before):
+        assert (got[[0, 1]].view(np.uint16) == old[[0, 1]].view(np.uint16)).all()
+        assert (got[3].view(np.uint16) == old[3].view(np.uint16)).all()  # nobody's page
+    assert not np.isnan(to_numpy(out).astype(np.float32)).any()
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(cache_seqlens=8), ValueError, r"cache_seqlens \+ seqlen_new must be in \[0, 9\]"),
+        (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
+        (dict(cache_seqlens=1.5), TypeError, "cache_seqlens"),
+        (dict(cache_seqlens="lengths"), TypeError, "cache_seqlens"),
+        (dict(k=None), ValueError, "k and v must be given together"),
+        (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+        (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
+        (dict(cache_batch_idx="table"), TypeError, "cache_batch_idx"),
+        (dict(causal="yes"), TypeError, "causal must be a bool"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(change, error, message):
+    rng = np.random.default_rng(3)
+    args = dict(
+        q=random_array((2, 1, 2, 16), "float16", rng),
+        k_cache=random_array((2, 9, 1, 16), "float16", rng),
+        v_cache=random_array((2, 9, 1, 16), "float16", rng),
+        k=random_array((2, 2, 1, 16), "float16", rng),
+        v=random_array((2, 2, 1, 16), "float16", rng),
+        cache_seqlens=3,
+    )
+    args.update(change)
+    before = to_numpy(args["k_cache"]).copy()
+    with pytest.raises(error, match=message):
+        numflash.attention_with_kvcache(**args)
+    assert (to_numpy(args["k_cache"]).view(np.uint16) == before.view(np.uint16)).all()
+
+
+def test_shapes_and_dtypes_are_refused_by_name():
+    rng = np.random.default_rng(4)
+    q = random_array((2, 1, 2, 16), "float16", rng)
+    cache = random_array((2, 9, 1, 16), "float16", rng)
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        numflash.attention_with_kvcache(q, cache.astype(np.float32), cache, cache_seqlens=1)
+    with pytest.raises(ValueError, match="k_cache and v_cache must have one shape"):
+        numflash.attention_with_kvcache(q, cache, cache[:, :5], cache_seqlens=1)
+    with pytest.raises(ValueError, match="block_table must have shape"):
+        numflash.attention_with_kvcache(
+            q, cache, cache, cache_seqlens=1, block_table=xp.zeros((3, 2), np.int32)
+        )
+    with pytest.raises(TypeError, match="block_table must have dtype int32"):
+        numflash.attention_with_kvcache(
+            q, cache, cache, cache_seqlens=1, block_table=xp.zeros((2, 2), np.int64)
+        )
+    with pytest.raises(ValueError, match="k_cache holds 1 sequences but q has batch 2"):
+        numflash.attention_with_kvcache(q, cache[:1], cache[:1], cache_seqlens=1)
+    with pytest.raises(ValueError, match="nheads of q \\(2\\) must be a multiple"):
+        three = random_array((2, 9, 3, 16), "float16", rng)
+        numflash.attention_with_kvcache(q, three, three, cache_seqlens=1)
+    if SIMULATOR:  # NumPy views can be read-only; CuPy arrays cannot
+        frozen = cache.copy()
+        frozen.flags.writeable = False
+        new = random_array((2, 1, 1, 16), "float16", rng)
+        with pytest.raises(ValueError, match="k_cache is read-only"):
+            numflash.attention_with_kvcache(q, frozen, cache.copy(), new, new, cache_seqlens=1)
