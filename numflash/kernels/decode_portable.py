@@ -193,6 +193,7 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
         present = cuda.shared.array(BLOCK_N, int32)
         q_row = cuda.local.array(HEAD_DIM, float32)
         acc = cuda.local.array(HEAD_DIM, float32)
+        s = cuda.local.array(BLOCK_N, float32)
 
         tid = cuda.threadIdx.x
         split = cuda.blockIdx.x % num_splits
@@ -234,27 +235,27 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
                 tid,
             )
             cuda.syncthreads()
-            # -- scores of this row's visible, present keys; the online softmax over them
+            # -- s = q K^T * scale * log2(e) over this row's visible, present keys; -inf elsewhere
             m_new = m_i
             for jj in range(BLOCK_N):
                 j = n0 + jj
+                score = NEG_INF
                 if active and lo <= j and j < hi and j < n_end and present[jj] == 1:
                     dot = float32(0.0)
                     for d in range(HEAD_DIM):
                         dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
-                    m_new = max(m_new, dot * scale_log2)
+                    score = dot * scale_log2
+                s[jj] = score
+                m_new = max(m_new, score)
+            # -- update m_i and l_i; acc = alpha * acc + p V
             shift = shift_of(m_new)
             alpha = ptx.exp2(m_i - shift)
             l_i *= alpha
             for d in range(HEAD_DIM):
                 acc[d] *= alpha
             for jj in range(BLOCK_N):
-                j = n0 + jj
-                if active and lo <= j and j < hi and j < n_end and present[jj] == 1:
-                    dot = float32(0.0)
-                    for d in range(HEAD_DIM):
-                        dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
-                    p = ptx.exp2(dot * scale_log2 - shift)
+                p = ptx.exp2(s[jj] - shift)
+                if p != float32(0.0):
                     l_i += p
                     for d in range(HEAD_DIM):
                         acc[d] += p * v_tile[jj * HEAD_DIM + d]
