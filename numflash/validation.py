@@ -13,6 +13,7 @@ import numpy as np
 
 from . import arrays
 from .config import BACKWARD_CONFIGS, FORWARD_CONFIGS, MAX_HEAD_DIM, TensorCoreBackwardConfig
+from .kernels.jit import SIMULATOR
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
 MAX_GRID_YZ = 65535
@@ -401,7 +402,14 @@ def kvcache_problem(
         seqlen_new = k.shape[1]
         check_writable(k_cache, "k_cache")
         check_writable(v_cache, "v_cache")
-        check_no_overlap(k_cache, "k_cache", {"v_cache": v_cache, "k": k, "v": v, "q": q})
+        # k_cache and v_cache may be interleaved views of one buffer (their elements differ),
+        # except in the simulator, which copies each argument and writes it back whole
+        if SIMULATOR and arrays.may_share_memory(k_cache, v_cache):
+            raise ValueError(
+                "k_cache and v_cache share one buffer; the CUDA simulator writes each kernel "
+                "argument back whole, so it cannot append into both: pass separate arrays"
+            )
+        check_no_overlap(k_cache, "k_cache", {"k": k, "v": v, "q": q})
         check_no_overlap(v_cache, "v_cache", {"k": k, "v": v, "q": q})
     # -- lengths
     host_seqlens = None

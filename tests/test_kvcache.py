@@ -231,3 +231,25 @@ def test_shapes_and_dtypes_are_refused_by_name():
         new = random_array((2, 1, 1, 16), "float16", rng)
         with pytest.raises(ValueError, match="k_cache is read-only"):
             numflash.attention_with_kvcache(q, frozen, cache.copy(), new, new, cache_seqlens=1)
+
+
+def test_interleaved_k_and_v_caches_of_one_buffer():
+    """k_cache and v_cache as views of one (slots, seqlen, 2, nheads_k, head_dim) buffer, as
+    packed KV caches are kept: their spans overlap, their elements do not. On a GPU that is
+    the same as separate caches; the simulator, which copies each kernel argument and writes it
+    back whole, refuses it by name."""
+    rng = np.random.default_rng(5)
+    q = random_array((2, 1, 2, 16), "float16", rng)
+    packed = random_array((2, 9, 2, 1, 16), "float16", rng)
+    new = [random_array((2, 1, 1, 16), "float16", rng) for _ in range(2)]
+    separate = [xp.ascontiguousarray(packed[:, :, i]) for i in range(2)]
+    views = (packed[:, :, 0], packed[:, :, 1])
+    if SIMULATOR:
+        with pytest.raises(ValueError, match="k_cache and v_cache share one buffer"):
+            numflash.attention_with_kvcache(q, *views, *new, cache_seqlens=4)
+        return
+    out = numflash.attention_with_kvcache(q, *views, *new, cache_seqlens=4)
+    expected = numflash.attention_with_kvcache(q, *separate, *new, cache_seqlens=4)
+    assert (to_numpy(out).view(np.uint16) == to_numpy(expected).view(np.uint16)).all()
+    for view, alone in zip(views, separate):
+        assert (to_numpy(view).view(np.uint16) == to_numpy(alone).view(np.uint16)).all()
