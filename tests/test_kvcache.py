@@ -253,3 +253,29 @@ def test_interleaved_k_and_v_caches_of_one_buffer():
     assert (to_numpy(out).view(np.uint16) == to_numpy(expected).view(np.uint16)).all()
     for view, alone in zip(views, separate):
         assert (to_numpy(view).view(np.uint16) == to_numpy(alone).view(np.uint16)).all()
+
+
+def test_split_count_fills_the_multiprocessors():
+    """num_splits=0: no split while batch x kv heads x row blocks fill the GPU, else enough to
+    fill it, each split keeping at least two key tiles; a given count is kept (at most 128)."""
+    import dataclasses
+
+    from numflash import selection
+    from numflash.device import current_device
+    from numflash.validation import KVCacheProblem
+
+    h200 = dataclasses.replace(current_device(), multiprocessors=132, simulated=False)
+
+    def splits(batch, capacity, num_splits=0, seqlen_q=1):
+        p = KVCacheProblem(
+            batch=batch, seqlen_q=seqlen_q, seqlen_new=0, nheads=32, nheads_k=8, head_dim=128,
+            dtype="float16", scale=0.1, window_left=-1, window_right=-1, capacity=capacity,
+            slots=batch, page_size=0, max_blocks=0, cache_seqlens=None, num_splits=num_splits,
+        )  # fmt: skip
+        return selection.decode(p, h200)[1]
+
+    assert splits(batch=64, capacity=4096) == 1  # 512 blocks already
+    assert splits(batch=1, capacity=131072) == 17  # 8 blocks: 17 splits make 136
+    assert splits(batch=1, capacity=64) == 1  # two 32-key tiles: one split
+    assert splits(batch=1, capacity=4096, num_splits=5) == 5
+    assert splits(batch=1, capacity=4096, num_splits=1000) == selection.MAX_SPLITS
