@@ -268,10 +268,23 @@ def test_split_count_fills_the_multiprocessors():
 
     def splits(batch, capacity, num_splits=0, seqlen_q=1):
         p = KVCacheProblem(
-            batch=batch, seqlen_q=seqlen_q, seqlen_new=0, nheads=32, nheads_k=8, head_dim=128,
-            dtype="float16", scale=0.1, window_left=-1, window_right=-1, capacity=capacity,
-            slots=batch, page_size=0, max_blocks=0, cache_seqlens=None, num_splits=num_splits,
-        )  # fmt: skip
+            batch=batch,
+            seqlen_q=seqlen_q,
+            seqlen_new=0,
+            nheads=32,
+            nheads_k=8,
+            head_dim=128,
+            dtype="float16",
+            scale=0.1,
+            window_left=-1,
+            window_right=-1,
+            capacity=capacity,
+            slots=batch,
+            page_size=0,
+            max_blocks=0,
+            cache_seqlens=None,
+            num_splits=num_splits,
+        )
         return selection.decode(p, h200)[1]
 
     assert splits(batch=64, capacity=4096) == 1  # 512 blocks already
