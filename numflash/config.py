@@ -5,9 +5,10 @@ family. The same feasibility check (``problems``) serves the dispatcher (a clear
 forced configuration) and the autotuner (prune a point before compiling it). Which
 configuration a call runs with is decided in :mod:`numflash.selection`.
 
-Each family carries ``REVISION``: the version of its kernels' generated code. Tuned entries
-record it and are ignored once it changes (:mod:`numflash.cache`); tests/test_fingerprints.py
-fails when a kernel's PTX changes while its family's revision stays the same.
+Each family carries ``REVISION``: the version of its kernels' code that tuned timings hold for.
+Tuned entries record it and are ignored once it changes (:mod:`numflash.cache`). It goes up
+with a change that can move the kernels' timings; tests/test_fingerprints.py fails on any
+change to a kernel's PTX until it is recorded, so none goes unnoticed.
 """
 
 from dataclasses import asdict, dataclass, field, fields
