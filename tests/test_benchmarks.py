@@ -1,6 +1,6 @@
-"""The benchmark scripts parse their arguments and import what they need: each one's --help,
-in a subprocess (CI runs none of them, and a broken import or option would otherwise surface
-only on the GPU machine)."""
+"""The benchmark scripts and the lab tools parse their arguments and import what they need:
+each one's --help, in a subprocess (CI runs none of them, and a broken import or option would
+otherwise surface only on the GPU machine)."""
 
 import os
 import pathlib
@@ -10,15 +10,20 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name != "peers.py")
+SCRIPTS = sorted(
+    str(p.relative_to(ROOT))
+    for folder in ("benchmarks", "tools")
+    for p in (ROOT / folder).glob("*.py")
+    if p.name != "peers.py"
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_benchmark_script_help(script):
+def test_script_help(script):
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path)
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--help"],
+        [sys.executable, str(ROOT / script), "--help"],
         capture_output=True,
         text=True,
         timeout=120,
