@@ -32,10 +32,10 @@ import math
 from numba import cuda, float32, int32, int64
 
 from . import ptx
-from .forward_portable import FROM_F32, TO_F32
+from .forward_portable import FROM_F32, TO_F32, tile_absorber
 from .jit import device_function, kernel
 from .mask import visible_keys
-from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
+from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum
 
 
 @device_function
@@ -120,6 +120,7 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
     TILE = BLOCK_N * HEAD_DIM
     to_f32 = TO_F32[dtype_name]
     key_row = address_function(paged)
+    absorb_tile = tile_absorber(BLOCK_N, HEAD_DIM)
 
     @device_function
     def load_tile(
@@ -248,17 +249,7 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
                 s[jj] = score
                 m_new = max(m_new, score)
             # -- update m_i and l_i; acc = alpha * acc + p V
-            shift = shift_of(m_new)
-            alpha = ptx.exp2(m_i - shift)
-            l_i *= alpha
-            for d in range(HEAD_DIM):
-                acc[d] *= alpha
-            for jj in range(BLOCK_N):
-                p = ptx.exp2(s[jj] - shift)
-                if p != float32(0.0):
-                    l_i += p
-                    for d in range(HEAD_DIM):
-                        acc[d] += p * v_tile[jj * HEAD_DIM + d]
+            l_i = absorb_tile(s, v_tile, acc, m_i, m_new, l_i)
             m_i = m_new
         if active:
             # partials: (split, batch, head, position) rows of head_dim fp32, and their LSE

@@ -56,6 +56,32 @@ def tile_pair_loader(rows, head_dim, threads, to_f32):
     return load
 
 
+@functools.lru_cache(maxsize=None)
+def tile_absorber(block_n, head_dim):
+    """The device function ``absorb_tile(s, v_tile, acc, m_i, m_new, l_i) -> l_i``: one thread's
+    online-softmax update with a tile's scores ``s`` (log2 domain, -inf where hidden) whose
+    max with m_i is m_new: acc and l_i are rescaled to m_new, then acc += P V and l_i += sum P
+    with P = exp2(s - m_new). Keys with P = 0 are skipped."""
+    BLOCK_N, HEAD_DIM = block_n, head_dim
+
+    @device_function
+    def absorb_tile(s, v_tile, acc, m_i, m_new, l_i):
+        shift = shift_of(m_new)
+        alpha = ptx.exp2(m_i - shift)
+        l_i *= alpha
+        for d in range(HEAD_DIM):
+            acc[d] *= alpha
+        for j in range(BLOCK_N):
+            p = ptx.exp2(s[j] - shift)
+            if p != float32(0.0):
+                l_i += p
+                for d in range(HEAD_DIM):
+                    acc[d] += p * v_tile[j * HEAD_DIM + d]
+        return l_i
+
+    return absorb_tile
+
+
 @device_function
 def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, window_right):
     """Where thread ``tid`` of query block ``m_block`` works, one thread per query row:
@@ -81,6 +107,7 @@ def build(head_dim, dtype_name, block_m, block_n):
     from_f32 = FROM_F32[dtype_name]
     # K_j, V_j (keys n0..n0+BLOCK_N-1) into shared memory as fp32; keys past the end are 0.
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
+    absorb_tile = tile_absorber(BLOCK_N, HEAD_DIM)
 
     @kernel
     def forward_portable(
@@ -146,17 +173,7 @@ def build(head_dim, dtype_name, block_m, block_n):
                 m_new = max(m_new, score)
 
             # -- update m_i and l_i; acc = alpha * acc + p V_j
-            shift = shift_of(m_new)
-            alpha = ptx.exp2(m_i - shift)
-            l_i *= alpha
-            for d in range(HEAD_DIM):
-                acc[d] *= alpha
-            for j in range(BLOCK_N):
-                p = ptx.exp2(s[j] - shift)
-                if p != float32(0.0):
-                    l_i += p
-                    for d in range(HEAD_DIM):
-                        acc[d] += p * v_tile[j * HEAD_DIM + d]
+            l_i = absorb_tile(s, v_tile, acc, m_i, m_new, l_i)
             m_i = m_new
 
         if active:
