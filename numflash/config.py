@@ -236,8 +236,24 @@ def tensor_core_backward_head_dim(head_dim):
     return round_up(head_dim, 16 if head_dim <= 128 else 32)
 
 
+class _WarpRowsBackward(_Config):
+    """What both tensor-core backward families share: 16 rows (keys, or query rows of the dQ
+    kernel) per warp, head dims padded as tensor_core_backward_head_dim says."""
+
+    @property
+    def block_n(self):
+        return 16 * self.num_warps
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    def kernel_head_dim(self, head_dim):
+        return tensor_core_backward_head_dim(head_dim)
+
+
 @dataclass(frozen=True)
-class TensorCoreBackwardConfig(_Config):
+class TensorCoreBackwardConfig(_WarpRowsBackward):
     """Tiles of the mma.sync backward kernels (:mod:`numflash.kernels.backward_mma`).
 
     - ``block_m``: query rows per shared-memory block.
@@ -264,17 +280,6 @@ class TensorCoreBackwardConfig(_Config):
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
     REVISION: ClassVar[int] = 1
-
-    @property
-    def block_n(self):
-        return 16 * self.num_warps
-
-    @property
-    def threads(self):
-        return 32 * self.num_warps
-
-    def kernel_head_dim(self, head_dim):
-        return tensor_core_backward_head_dim(head_dim)
 
     def shared_memory_bytes(self, head_dim):
         """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""
@@ -314,7 +319,7 @@ class TensorCoreBackwardConfig(_Config):
 
 
 @dataclass(frozen=True)
-class WgmmaBackwardConfig(_Config):
+class WgmmaBackwardConfig(_WarpRowsBackward):
     """The Hopper backward kernels (:mod:`numflash.kernels.backward_sm90`): the mma.sync
     backward's dK/dV and dQ kernels with every product on warpgroup MMAs.
 
@@ -334,17 +339,6 @@ class WgmmaBackwardConfig(_Config):
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     dq_separate: ClassVar[bool] = True
     head_split: ClassVar[int] = 1
-
-    @property
-    def block_n(self):
-        return 16 * self.num_warps
-
-    @property
-    def threads(self):
-        return 32 * self.num_warps
-
-    def kernel_head_dim(self, head_dim):
-        return tensor_core_backward_head_dim(head_dim)
 
     def shared_memory_bytes(self, head_dim):
         """The swizzled K, V and stage tiles (kernels/backward_sm90.py), alignment included."""
