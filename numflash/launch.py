@@ -253,7 +253,7 @@ class Launcher:
                 values.append(value)
         buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
         pointers = self._offsets + np.uint64(ctypes.addressof(buffer))
-        gx, gy, gz = grid
+        gx, gy, gz = _dim3(grid)
         bx, by, bz = _dim3(block)
         driver = _driver()
         (err,) = driver.cuLaunchKernel(
