@@ -7,6 +7,7 @@ import pytest
 from support import random_qkv
 
 import numflash
+from numflash.device import current_device
 from numflash import cache
 
 
@@ -14,7 +15,7 @@ from numflash import cache
 def user_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(tmp_path))
     cache.reload()
-    yield tmp_path / "sm_52.json"
+    yield tmp_path / f"{current_device().arch}.json"  # the file this device's calls read
     cache.reload()
 
 
