@@ -176,7 +176,10 @@ def _softmax_backward(q, k, v, dout, scale, mask, rounding=None):
     """(dq, dk, dv) over float arrays of layout (b, h, s, d); ``rounding`` after each op.
 
     p = softmax(q k^T * scale) over the visible keys; dv = p^T dout; dp = dout v^T;
-    ds = p * (dp - rowsum(dp * p)); dq = ds k * scale; dk = ds^T q * scale.
+    ds = p * (dp - delta); dq = ds k * scale; dk = ds^T q * scale. delta = rowsum(dp * p)
+    exactly; with ``rounding`` it is rowsum(dout * out) from the rounded output, the formula
+    FlashAttention's backward uses (its error dominates when a row's softmax is peaked on few
+    keys, so a naive bar without it is narrower than the algorithm can meet).
     """
     xp = array_module(q)
     rnd = rounding or (lambda a: a)
@@ -187,7 +190,12 @@ def _softmax_backward(q, k, v, dout, scale, mask, rounding=None):
     p = rnd(p / xp.where(row_sum > 0, row_sum, 1.0))
     dv = rnd(xp.einsum("bhqk,bhqd->bhkd", p, dout))
     dp = rnd(xp.einsum("bhqd,bhkd->bhqk", dout, v))
-    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    if rounding is None:
+        delta = (p * dp).sum(axis=-1, keepdims=True)
+    else:  # as FlashAttention's backward: from the output as stored, in the input dtype
+        out = rnd(xp.einsum("bhqk,bhkd->bhqd", p, v))
+        delta = (dout * out).sum(axis=-1, keepdims=True)
+    ds = rnd(p * (dp - delta))
     dq = rnd(xp.einsum("bhqk,bhkd->bhqd", ds, k) * scale)
     dk = rnd(xp.einsum("bhqk,bhqd->bhkd", ds, q) * scale)
     return dq, dk, dv
