@@ -1,0 +1,169 @@
+"""One warp's FlashAttention-2 step on mma.sync: S = Q K^T, the online softmax, O += P V.
+
+A warp owns ``m_tiles`` tiles of 16 query rows and keeps their accumulator ``acc``, running max
+``m_i`` and running sum ``l_i`` in registers (C layout, :mod:`numflash.kernels.fragments`);
+``s`` holds the scores of one key tile (``n_tiles`` tiles of 8 keys). Operands come from shared
+memory through ldmatrix at a row pitch of ``row`` elements. The forward kernel runs this step
+over its key tiles with every warp on its own rows; the decode kernel runs it with every warp
+on its own keys and merges the warps' rows at the end.
+"""
+
+import functools
+from typing import NamedTuple
+
+from numba import float32
+
+from . import ptx
+from .fragments import MMA, PACK, acc_index
+from .jit import device_function
+from .softmax import shift_of
+
+
+class WarpStep(NamedTuple):
+    load_q_fragments: object  # (qf, q_addr, mt, kk, slot): Q rows of tile mt, columns 16 kk..
+    mma_qk: object  # (qf, s, q_addr, k_addr): s = Q K^T, raw scores
+    online_softmax: object  # (s, m_i, l_i, acc, scale_log2): absorb the tile, P left in s
+    mma_pv: object  # (s, pf, acc, v_addr): acc += P V
+
+
+@functools.lru_cache(maxsize=None)
+def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers):
+    """The device functions of one warp's step for these compile-time sizes: ``n_tiles``
+    8-key tiles of scores (an even count), a head_dim padded to a multiple of 16."""
+    M_TILES, N_TILES, ROW, Q_IN_REGS = m_tiles, n_tiles, row, q_in_registers
+    K_STEPS = head_dim_padded // 16  # k16 steps of S = Q K^T
+    D_TILES = head_dim_padded // 8  # 8-column tiles of the output
+    PV_STEPS = N_TILES // 2  # k16 steps of O += P V
+    S_REGS = M_TILES * N_TILES * 4
+    mma = MMA[dtype_name]
+    pack = PACK[dtype_name]
+
+    @device_function
+    def load_q_fragments(qf, q_addr, mt, kk, slot):
+        """A fragment of Q rows (warp tile mt) x columns 16*kk.. into qf[slot..slot+3]."""
+        a0, a1, a2, a3 = ptx.ldmatrix_x4(q_addr, (mt * 16 * ROW + kk * 16) * 2)
+        qf[slot] = a0
+        qf[slot + 1] = a1
+        qf[slot + 2] = a2
+        qf[slot + 3] = a3
+
+    @device_function
+    def mma_qk(qf, s, q_addr, k_addr):
+        """S = Q K_j^T for this warp's M_TILES x N_TILES fragments (fp32, zeroed first)."""
+        for i in range(S_REGS):
+            s[i] = float32(0.0)
+        for kk in range(K_STEPS):
+            if not Q_IN_REGS:
+                for mt in range(M_TILES):
+                    load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
+            for np_ in range(N_TILES // 2):
+                # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
+                for mt in range(M_TILES):
+                    a = (mt * K_STEPS + kk) * 4
+                    c = (mt * N_TILES + 2 * np_) * 4
+                    s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
+                        qf[a],
+                        qf[a + 1],
+                        qf[a + 2],
+                        qf[a + 3],
+                        b0,
+                        b1,
+                        s[c],
+                        s[c + 1],
+                        s[c + 2],
+                        s[c + 3],
+                    )
+                    c += 4
+                    s[c], s[c + 1], s[c + 2], s[c + 3] = mma(
+                        qf[a],
+                        qf[a + 1],
+                        qf[a + 2],
+                        qf[a + 3],
+                        b2,
+                        b3,
+                        s[c],
+                        s[c + 1],
+                        s[c + 2],
+                        s[c + 3],
+                    )
+
+    @device_function
+    def online_softmax(s, m_i, l_i, acc, scale_log2):
+        """m_i, l_i and acc absorb the tile; P = exp2(S * scale_log2 - m_i) is left in s.
+
+        ``s`` holds raw scores q.k (scale_log2 > 0 keeps their order), m_i is in the scaled
+        log2 domain, so each probability costs one fma and one ex2.
+        """
+        for mt in range(M_TILES):
+            for h in range(2):
+                r = mt * 2 + h
+                # -- row max over this thread's columns, then over the 4 lanes of the row
+                m_raw = s[acc_index(mt * N_TILES, h)]
+                for nt in range(N_TILES):
+                    i = acc_index(mt * N_TILES + nt, h)
+                    m_raw = max(m_raw, max(s[i], s[i + 1]))
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
+                m_new = max(m_i[r], m_raw * scale_log2)
+                shift = shift_of(m_new)
+                alpha = ptx.exp2(m_i[r] - shift)
+                m_i[r] = m_new
+                # -- P = exp2(S - m); l_i keeps this thread's partial sum (reduced at the end)
+                row_sum = float32(0.0)
+                for nt in range(N_TILES):
+                    i = acc_index(mt * N_TILES + nt, h)
+                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
+                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
+                    row_sum += s[i] + s[i + 1]
+                l_i[r] = l_i[r] * alpha + row_sum
+                for dt in range(D_TILES):
+                    i = acc_index(mt * D_TILES + dt, h)
+                    acc[i] *= alpha
+                    acc[i + 1] *= alpha
+
+    @device_function
+    def mma_pv(s, pf, acc, v_addr):
+        """acc += P V_j, P packed to 16 bits from the score fragments once per k16 step."""
+        for kk in range(PV_STEPS):
+            for mt in range(M_TILES):
+                # The accumulator layout of S tiles 2kk, 2kk+1 is the A layout of P.
+                c = (mt * N_TILES + 2 * kk) * 4
+                a = mt * 4
+                pf[a] = pack(s[c], s[c + 1])
+                pf[a + 1] = pack(s[c + 2], s[c + 3])
+                pf[a + 2] = pack(s[c + 4], s[c + 5])
+                pf[a + 3] = pack(s[c + 6], s[c + 7])
+            for dp in range(D_TILES // 2):
+                # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
+                for mt in range(M_TILES):
+                    a = mt * 4
+                    o = (mt * D_TILES + 2 * dp) * 4
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                        pf[a],
+                        pf[a + 1],
+                        pf[a + 2],
+                        pf[a + 3],
+                        b0,
+                        b1,
+                        acc[o],
+                        acc[o + 1],
+                        acc[o + 2],
+                        acc[o + 3],
+                    )
+                    o += 4
+                    acc[o], acc[o + 1], acc[o + 2], acc[o + 3] = mma(
+                        pf[a],
+                        pf[a + 1],
+                        pf[a + 2],
+                        pf[a + 3],
+                        b2,
+                        b3,
+                        acc[o],
+                        acc[o + 1],
+                        acc[o + 2],
+                        acc[o + 3],
+                    )
+
+    return WarpStep(load_q_fragments, mma_qk, online_softmax, mma_pv)
