@@ -6,6 +6,7 @@ from .api import (
     attention_with_kvcache,
     selected_backward_config,
     selected_config,
+    selected_kvcache_config,
 )
 from .config import (
     PortableBackwardConfig,
@@ -13,6 +14,7 @@ from .config import (
     PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
+    TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
 )
 
@@ -24,9 +26,11 @@ __all__ = [
     "attention_with_kvcache",
     "selected_config",
     "selected_backward_config",
+    "selected_kvcache_config",
     "TensorCoreConfig",
     "PortableConfig",
     "PortableDecodeConfig",
+    "TensorCoreDecodeConfig",
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
     "WgmmaBackwardConfig",

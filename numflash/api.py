@@ -175,6 +175,43 @@ def attention_backward(
     return dq, dk, dv
 
 
+def selected_kvcache_config(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    cache_batch_idx=None,
+    block_table=None,
+    causal=False,
+    window_size=(-1, -1),
+    num_splits=0,
+    config=None,
+):
+    """``(selection, num_splits)``: the configuration ``attention_with_kvcache`` would run with
+    for these arguments, where it comes from (as :func:`selected_config` says), and the split
+    count. Raises the same errors; launches and writes nothing."""
+    q, k_cache, v_cache, k, v, _, _, _, p = validation.kvcache_problem(
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        cache_seqlens,
+        cache_batch_idx,
+        block_table,
+        causal,
+        None,
+        window_size,
+        num_splits,
+    )
+    with _on_device(q):
+        device = current_device()
+        return selection.decode(p, device, validation.check_decode_config(config, p, device))
+
+
 def attention_with_kvcache(
     q,
     k_cache,
@@ -191,6 +228,7 @@ def attention_with_kvcache(
     num_splits=0,
     return_lse=False,
     out=None,
+    config=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys and values in place
     (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
@@ -211,6 +249,9 @@ def attention_with_kvcache(
         num_splits: thread blocks sharing one sequence's keys; 0 chooses.
         return_lse: also return lse, float32 (batch, nheads, seqlen_q).
         out: optional output array (q's shape and dtype).
+        config: force a :class:`numflash.TensorCoreDecodeConfig` (fp16/bf16, compute
+            capability 8.0+, head_dim a multiple of 8, caches with 16-byte aligned rows) or a
+            :class:`numflash.PortableDecodeConfig`; by default numflash chooses.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -240,7 +281,10 @@ def attention_with_kvcache(
         validation.check_no_overlap(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
     with _on_device(q):
         device = current_device()
-        cfg, splits = selection.decode(p, device)
+        choice, splits = selection.decode(
+            p, device, validation.check_decode_config(config, p, device)
+        )
+        cfg = choice.config
         xp = arrays.array_module(q)
         if out is None:
             out = xp.empty(q.shape, dtype=q.dtype)

@@ -20,9 +20,10 @@ from .device import (
     PORTABLE_DECODE,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
+    TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
 )
-from .kernels import backward_mma, backward_sm90, forward
+from .kernels import backward_mma, backward_sm90, decode, forward
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -374,7 +375,7 @@ class PortableDecodeConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE_DECODE
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2  # 2: the combine kernel takes one block per row
 
     @property
     def threads(self):
@@ -390,6 +391,78 @@ class PortableDecodeConfig(_Config):
         return _static_shared_problems(self, head_dim)
 
 
+@dataclass(frozen=True)
+class TensorCoreDecodeConfig(_Config):
+    """Tiles of the tensor-core KV-cache kernel (:mod:`numflash.kernels.decode`).
+
+    - ``block_n``: keys each warp takes from a shared-memory slot (a multiple of 16);
+    - ``num_warps``: warps per block; a slot holds ``num_warps * block_n`` keys and each warp
+      runs its own keys, the warps' rows merged at the end;
+    - ``stages``: slots in the cp.async ring (``stages - 1`` slots load while one is computed).
+
+    A block computes 16 query rows (a GQA group's heads times the query positions).
+    """
+
+    block_n: int = knob(16, (16, 32, 64))
+    num_warps: int = knob(8, (1, 2, 4, 8))
+    stages: int = knob(2, (2, 3, 4))
+
+    family: ClassVar[str] = TENSOR_CORE_DECODE
+    REVISION: ClassVar[int] = 1
+    #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
+    MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
+
+    @property
+    def threads(self):
+        return 32 * self.num_warps
+
+    def kernel_head_dim(self, head_dim):
+        """Cache rows are read in place, in 16-byte chunks: head_dim must be a multiple of 8."""
+        return head_dim
+
+    def shared_memory_bytes(self, head_dim):
+        """Dynamic shared memory: the Q tile and ``stages`` K and V slots."""
+        *_, elements = decode.shared_memory_layout(
+            head_dim, self.block_n, self.num_warps, self.stages
+        )
+        return 2 * elements
+
+    def static_shared_memory_bytes(self, head_dim):
+        """The per-slot key flags and the buffer the warps' rows are merged through."""
+        keys = self.num_warps * self.block_n
+        return 4 * self.stages * keys + 4 * decode.ROWS * round_up(head_dim, 16) + 8 * decode.ROWS
+
+    def fragment_registers(self, head_dim):
+        hd = round_up(head_dim, 16)
+        return hd // 2 + self.block_n // 2 + hd // 4
+
+    def problems(self, head_dim, device):
+        """Why this configuration cannot run ``head_dim`` on ``device``; empty when it can."""
+        out = _out_of_choices(self)
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
+        if out:
+            return out
+        if device is not None and not device.supports(self.family):
+            out.append(
+                f"{device.name} (compute capability {device.compute_capability}) has no "
+                "mma.sync/ldmatrix/cp.async; the tensor-core kernels need 8.0 or newer"
+            )
+        static = self.static_shared_memory_bytes(head_dim)
+        if static > STATIC_SHARED_LIMIT:
+            out.append(f"needs {static} bytes of static shared memory at head_dim={head_dim}")
+        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim) + static, device)
+        if device is not None and self.threads > device.max_threads_per_block:
+            out.append(f"needs {self.threads} threads per block")
+        regs = self.fragment_registers(head_dim)
+        if regs > self.MAX_FRAGMENT_REGISTERS:
+            out.append(
+                f"holds {regs} fragment registers per thread at head_dim={head_dim} "
+                f"(at most {self.MAX_FRAGMENT_REGISTERS} fit without spilling)"
+            )
+        return out
+
+
 CONFIG_TYPES = {
     c.family: c
     for c in (
@@ -399,10 +472,12 @@ CONFIG_TYPES = {
         TensorCoreBackwardConfig,
         WgmmaBackwardConfig,
         PortableDecodeConfig,
+        TensorCoreDecodeConfig,
     )
 }
 FORWARD_CONFIGS = (TensorCoreConfig, PortableConfig)
 BACKWARD_CONFIGS = (TensorCoreBackwardConfig, WgmmaBackwardConfig, PortableBackwardConfig)
+DECODE_CONFIGS = (TensorCoreDecodeConfig, PortableDecodeConfig)
 
 
 def config_from_dict(entry):

@@ -19,6 +19,8 @@ TENSOR_CORE_BACKWARD = "tensor-core-backward"
 WGMMA_BACKWARD = "wgmma-backward"
 #: Attention over a KV cache without tensor cores (every GPU, every dtype, the simulator).
 PORTABLE_DECODE = "portable-decode"
+#: Attention over a KV cache on mma.sync (sm_80+, fp16/bf16, head_dim a multiple of 8).
+TENSOR_CORE_DECODE = "tensor-core-decode"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)

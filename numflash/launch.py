@@ -19,8 +19,10 @@ from . import arrays
 from .config import (
     PortableBackwardConfig,
     PortableConfig,
+    PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
+    TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
 )
 from .kernels import (
@@ -29,6 +31,9 @@ from .kernels import (
     backward_sm90,
     decode_portable,
     forward_portable,
+)
+from .kernels import (
+    decode as decode_kernels,
 )
 from .kernels import (
     forward as forward_kernels,
@@ -603,8 +608,13 @@ COMBINE = KernelSpec(
     scalars=(("seqlen_q", "int32"), ("nheads", "int32"), ("num_splits", "int32")),
 )
 
-#: Query rows (one thread each) per block of the combine kernel.
-_COMBINE_ROWS = 128
+#: The tensor-core KV-cache kernel: SPLIT_ATTENTION's arrays and the output it writes itself
+#: with one split; its chunks are computed per block.
+DECODE = KernelSpec(
+    arrays=SPLIT_ATTENTION.arrays + (("out", "elem"), ("lse", "float32")),
+    strided=("q", "k_cache", "v_cache", "out"),
+    scalars=SPLIT_ATTENTION.scalars[:-1],
+)
 
 
 def kvcache(
@@ -622,7 +632,6 @@ def kvcache(
         batch_idx = xp.arange(p.batch, dtype=xp.int32)
     if block_table is None:
         block_table = xp.zeros((1,), dtype=xp.int32)
-    q = arrays.as_kernel_input(q)
     stream = arrays.current_stream()
     geometry = (p.page_size, p.max_blocks, p.slots, p.capacity)
     views = {
@@ -631,7 +640,6 @@ def kvcache(
         "seqlens": arrays.kernel_view(xp.ascontiguousarray(seqlens)),
         "batch_idx": arrays.kernel_view(xp.ascontiguousarray(batch_idx)),
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
-        "q": arrays.kernel_view(q),
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     if k is not None and p.seqlen_new:
@@ -644,14 +652,47 @@ def kvcache(
             dtype,
         )
         append((p.seqlen_new, p.nheads_k, p.batch), d, stream, 0, APPEND.args(views, geometry))
-    # -- split attention: partials of (split, batch, head, position), fp32
-    o_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q, d), dtype=xp.float32)
-    lse_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
-    views.update(o_part=arrays.kernel_view(o_part), lse_part=arrays.kernel_view(lse_part))
+    target, direct = _output_target(out, d, p)
+    # The tensor-core kernel writes out and lse itself when it runs unsplit.
+    combined = num_splits > 1 or isinstance(cfg, PortableDecodeConfig)
+    if combined:  # partials of (split, batch, head, position), fp32
+        o_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q, d), dtype=xp.float32)
+        lse_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
+    else:
+        o_part = lse_part = xp.empty((1,), dtype=xp.float32)  # unused
+    views.update(
+        o_part=arrays.kernel_view(o_part),
+        lse_part=arrays.kernel_view(lse_part),
+        out=arrays.kernel_view(target),
+        lse=arrays.kernel_view(lse),
+    )
+    _KVCACHE[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
+    if combined:
+        combine = launcher(
+            (PORTABLE_DECODE_COMBINE, d, dtype),
+            lambda: decode_portable.build_combine(d, dtype),
+            COMBINE,
+            dtype,
+        )
+        combine(
+            (p.nheads * p.seqlen_q, p.batch),
+            decode_portable.combine_threads(d),
+            stream,
+            0,
+            COMBINE.args(views, (p.seqlen_q, p.nheads, num_splits)),
+        )
+    if not direct:
+        _copy_back(out, target, p)
+
+
+def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
+    """The portable split kernel: partials, also for one split (the combine writes out)."""
+    d, dtype = p.head_dim, p.dtype
+    views["q"] = arrays.kernel_view(arrays.as_kernel_input(q))
     chunk = _ceil_div(_ceil_div(p.capacity, num_splits), cfg.block_n) * cfg.block_n
     split = launcher(
-        (type(cfg), d, dtype, cfg, paged),
-        lambda: decode_portable.build_split_attention(d, dtype, cfg.block_m, cfg.block_n, paged),
+        (type(cfg), d, dtype, cfg, p.paged),
+        lambda: decode_portable.build_split_attention(d, dtype, cfg.block_m, cfg.block_n, p.paged),
         SPLIT_ATTENTION,
         dtype,
     )
@@ -674,24 +715,42 @@ def kvcache(
         0,
         SPLIT_ATTENTION.args(views, scalars),
     )
-    # -- combine
-    target, direct = _output_target(out, d, p)
-    views.update(out=arrays.kernel_view(target), lse=arrays.kernel_view(lse))
-    combine = launcher(
-        (PORTABLE_DECODE_COMBINE, d, dtype),
-        lambda: decode_portable.build_combine(d, dtype, _COMBINE_ROWS),
-        COMBINE,
+
+
+def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
+    """The tensor-core kernel: output and LSE itself with one split, else partials."""
+    d, dtype = p.head_dim, p.dtype
+    q, scale = _positive_scale(q, p.scale)
+    views["q"] = arrays.kernel_view(arrays.as_kernel_input(q, alignment_elements=8))
+    tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
+    launch = launcher(
+        (TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
+        lambda: decode_kernels.build(d, dtype, *tiles),
+        DECODE,
         dtype,
     )
-    combine(
-        (_ceil_div(p.nheads * p.seqlen_q, _COMBINE_ROWS), p.batch),
-        _COMBINE_ROWS,
-        stream,
-        0,
-        COMBINE.args(views, (p.seqlen_q, p.nheads, num_splits)),
+    scalars = (
+        p.seqlen_q,
+        p.seqlen_new,
+        p.heads_per_kv,
+        np.float32(scale * LOG2E),
+        p.window_left,
+        p.window_right,
+        *geometry,
+        num_splits,
     )
-    if not direct:
-        _copy_back(out, target, p)
+    rows = _ceil_div(p.heads_per_kv * p.seqlen_q, decode_kernels.ROWS)
+    launch(
+        (num_splits * rows, p.nheads_k, p.batch),
+        cfg.threads,
+        stream,
+        cfg.shared_memory_bytes(d),
+        DECODE.args(views, scalars),
+    )
+
+
+#: One launch builder per KV-cache family.
+_KVCACHE = {PortableDecodeConfig: _portable_kvcache, TensorCoreDecodeConfig: _tensor_core_kvcache}
 
 
 #: Launcher keys of the KV-cache kernels that no configuration names.

@@ -16,6 +16,7 @@ from .config import (
     PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
+    TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
     tensor_core_backward_head_dim,
 )
@@ -25,6 +26,7 @@ from .device import (
     PORTABLE_DECODE,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
+    TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
 )
 
@@ -100,6 +102,13 @@ def default_portable_decode_config(head_dim):
     return PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
 
 
+def default_tensor_core_decode_config(head_dim):
+    """16 keys a warp, 8 warps, two slots: on the H200 (fp16, head_dim 128) the fastest or
+    within 10% of it on each of the four decode shapes of benchmarks/bench_decode.py
+    (docs/performance.md, "Decode tiles"); not measured at other head dims."""
+    return TensorCoreDecodeConfig(block_n=16, num_warps=8, stages=2)
+
+
 def default_config(family, head_dim, device):
     """(head_dim the kernels run at, the family's heuristic configuration)."""
     if family not in CONFIG_TYPES:
@@ -115,6 +124,8 @@ def default_config(family, head_dim, device):
         return run_dim, default_wgmma_backward_config(run_dim)
     if family == PORTABLE_DECODE:
         return run_dim, default_portable_decode_config(run_dim)
+    if family == TENSOR_CORE_DECODE:
+        return run_dim, default_tensor_core_decode_config(run_dim)
     return run_dim, default_tensor_core_config(run_dim)
 
 
@@ -204,21 +215,64 @@ def backward(problem, device, deterministic):
 MAX_SPLITS = 128
 
 
-def decode(problem, device):
-    """(configuration, split count) of an ``attention_with_kvcache`` call.
+def decode_family(problem, device):
+    """The tensor-core KV-cache kernel for fp16/bf16 on GPUs with mma.sync when the caches'
+    rows can be read in place in 16-byte chunks; the portable one otherwise (and in the
+    simulator)."""
+    if (
+        device.preferred_family(problem.dtype) == TENSOR_CORE
+        and problem.head_dim % 8 == 0
+        and problem.cache_aligned
+    ):
+        return TENSOR_CORE_DECODE
+    return PORTABLE_DECODE
 
-    The split count, unless the call fixes it (``num_splits`` > 0): enough blocks to fill the
-    GPU's multiprocessors, FlashAttention-2's rule: none while batch x kv heads x row blocks
-    already give every multiprocessor a block, else as many as fill them, each split keeping
-    at least two key tiles, at most MAX_SPLITS. (Portable kernels only so far: not measured
-    for speed.)"""
-    config = _tuned_or_default(PORTABLE_DECODE, problem, device)[0].config
+
+def _block_shape(config, problem, device):
+    """(query rows, keys per tile, blocks of this configuration one multiprocessor holds)."""
+    if isinstance(config, TensorCoreDecodeConfig):
+        head_dim = problem.head_dim
+        smem = config.shared_memory_bytes(head_dim) + config.static_shared_memory_bytes(head_dim)
+        # A multiprocessor has 1 KiB more shared memory than one block may take (sm_80-sm_90),
+        # and the driver reserves 1 KiB of it per block.
+        by_smem = (device.max_shared_per_block + 1024) // (smem + 1024)
+        resident = max(1, min(by_smem, 2048 // config.threads))
+        return 16, config.num_warps * config.block_n, resident
+    return config.block_m, config.block_n, 1
+
+
+def split_count(config, problem, device):
+    """Thread blocks sharing one sequence's keys, flash-attn's rule: no split while batch x kv
+    heads x row blocks fill 80% of a wave (every multiprocessor holding as many blocks as fit),
+    else the smallest count whose wave efficiency is within 95% of the best (flash-attn: 85%;
+    decoding is bound by memory, and idle multiprocessors leave bandwidth unused), each split keeping
+    at least one key tile, at most MAX_SPLITS."""
+    rows, keys_per_tile, resident = _block_shape(config, problem, device)
+    blocks = problem.batch * problem.nheads_k * -(-problem.heads_per_kv * problem.seqlen_q // rows)
+    wave = device.multiprocessors * resident
+    if blocks >= 0.8 * wave:
+        return 1
+    keys = problem.capacity
+    if problem.cache_seqlens is not None:
+        keys = min(keys, problem.cache_seqlens + problem.seqlen_new)
+    most = max(1, min(MAX_SPLITS, -(-keys // keys_per_tile)))
+
+    def efficiency(splits):
+        n = blocks * splits
+        return n / (-(-n // wave) * wave)
+
+    best = max(efficiency(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if efficiency(s) >= 0.95 * best)
+
+
+def decode(problem, device, config=None):
+    """(Selection, split count) of an ``attention_with_kvcache`` call: ``config`` when forced,
+    else a tuned or default configuration of :func:`decode_family`; ``num_splits`` when the call
+    gives one, else :func:`split_count`."""
+    if config is not None:
+        choice = Selection(config, "forced")
+    else:
+        choice = _tuned_or_default(decode_family(problem, device), problem, device)[0]
     if problem.num_splits > 0:
-        return config, min(problem.num_splits, MAX_SPLITS)
-    rows = problem.heads_per_kv * problem.seqlen_q
-    blocks = problem.batch * problem.nheads_k * -(-rows // config.block_m)
-    if blocks >= device.multiprocessors:
-        return config, 1
-    tiles = -(-problem.capacity // config.block_n)
-    splits = min(-(-device.multiprocessors // blocks), max(1, tiles // 2), MAX_SPLITS)
-    return config, max(1, splits)
+        return choice, min(problem.num_splits, MAX_SPLITS)
+    return choice, split_count(choice.config, problem, device)

@@ -12,7 +12,13 @@ import numbers
 import numpy as np
 
 from . import arrays
-from .config import BACKWARD_CONFIGS, FORWARD_CONFIGS, MAX_HEAD_DIM, TensorCoreBackwardConfig
+from .config import (
+    BACKWARD_CONFIGS,
+    DECODE_CONFIGS,
+    FORWARD_CONFIGS,
+    MAX_HEAD_DIM,
+    TensorCoreBackwardConfig,
+)
 from .kernels.jit import SIMULATOR
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -249,6 +255,25 @@ def check_backward_config(config, p, deterministic, device):
     return _config_problems(config, p, device)
 
 
+def check_decode_config(config, p, device):
+    """A forced KV-cache configuration, checked against the problem and the device."""
+    if config is None:
+        return None
+    if not isinstance(config, DECODE_CONFIGS):
+        raise TypeError(
+            f"config must be one of {_names(DECODE_CONFIGS)} or None; got {type(config).__name__}"
+        )
+    if config.family != "portable-decode":
+        if p.dtype == "float32":
+            raise TypeError("config: the tensor-core KV-cache kernel takes float16 or bfloat16")
+        if not p.cache_aligned:
+            raise ValueError(
+                "config: the tensor-core KV-cache kernel reads the caches in place in 16-byte "
+                "chunks; k_cache and v_cache need 16-byte aligned rows (strides multiples of 8)"
+            )
+    return _config_problems(config, p, device)
+
+
 # -- attention over a KV cache ----------------------------------------------------------------
 
 
@@ -275,6 +300,9 @@ class KVCacheProblem:
     max_blocks: int
     cache_seqlens: object
     num_splits: int
+    #: Both caches' rows start on 16-byte boundaries (what the tensor-core kernel's cp.async
+    #: reads in place; the cache cannot be copied, it is written).
+    cache_aligned: bool = False
 
     @property
     def heads_per_kv(self):
@@ -447,5 +475,6 @@ def kvcache_problem(
         max_blocks,
         host_seqlens,
         num_splits,
+        all(arrays.readable_in_place(x, alignment_elements=8) for x in (k_cache, v_cache)),
     )
     return q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, problem

@@ -20,6 +20,7 @@ from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
     backward_sm90,
+    decode,
     decode_portable,
     forward,
     forward_portable,
@@ -193,7 +194,7 @@ def portable_decode(hd, dtype, paged):
             decode_portable.build_split_attention(hd, dtype, cfg.block_m, cfg.block_n, paged),
             launch.SPLIT_ATTENTION,
         ),
-        "combine": (decode_portable.build_combine(hd, dtype, 128), launch.COMBINE),
+        "combine": (decode_portable.build_combine(hd, dtype), launch.COMBINE),
     }
     return [
         {
@@ -207,6 +208,29 @@ def portable_decode(hd, dtype, paged):
         }
         for name, (kernel, spec) in kernels.items()
         for cc in PORTABLE_TARGETS
+    ]
+
+
+def tensor_core_decode(hd, dtype, paged):
+    cfg = default_config("tensor-core-decode", hd, None)[1]
+    kernel = decode.build(hd, dtype, cfg.block_n, cfg.num_warps, cfg.stages, paged)
+    return [
+        {
+            "family": "tensor-core-decode",
+            "kernel": "decode",
+            "head_dim": hd,
+            "dtype": dtype,
+            "paged": paged,
+            "config": cfg.to_dict(),
+            **report(
+                kernel,
+                dtype,
+                cc,
+                resources=cc == RESOURCE_TARGET,
+                signature=launch.DECODE.signature(dtype),
+            ),
+        }
+        for cc in TENSOR_CORE_TARGETS
     ]
 
 
@@ -273,6 +297,12 @@ def jobs(quick):
     for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
         out += [(portable_forward, (hd, dtype)), (portable_backward, (hd, dtype))]
     out += [(portable_decode, (128, "float16", False)), (portable_decode, (64, "bfloat16", True))]
+    for hd, dtype, paged in [
+        (128, "float16", False),
+        (128, "bfloat16", True),
+        (256, "float16", True),
+    ]:
+        out.append((tensor_core_decode, (hd, dtype, paged)))
     # the defaults (dQ from its own kernel), and dQ by atomics from the dK/dV kernel
     atomic = TensorCoreBackwardConfig(64, 8, 2, dq_separate=False).to_dict()
     for hd, dtype, config in [

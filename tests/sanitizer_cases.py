@@ -8,7 +8,8 @@
 Each case runs a forward and a backward with the configurations it names (None: numflash's
 choice) and checks both against the reference. Families: tensor-core and portable forward;
 mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (where the GPU
-has it) and portable backward. ``--family NAME`` runs the cases of one family.
+has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
+contiguous caches with appends. ``--family NAME`` runs the cases of one family.
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -25,8 +26,10 @@ import numflash  # noqa: E402
 from numflash.config import (  # noqa: E402
     PortableBackwardConfig,
     PortableConfig,
+    PortableDecodeConfig,
     TensorCoreBackwardConfig,
     TensorCoreConfig,
+    TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
 )
 from numflash.device import current_device  # noqa: E402
@@ -39,6 +42,8 @@ from support import (  # noqa: E402
     random_array,
     random_qkv,
 )
+from test_kvcache import Case as KVCase  # noqa: E402
+from test_kvcache import run_and_check  # noqa: E402
 
 
 class Case(NamedTuple):
@@ -108,6 +113,24 @@ CASES = [
 ]
 
 
+#: KV-cache calls (tests/test_kvcache.py's cases): paged and contiguous, with appends, on the
+#: tensor-core kernel (split and not) and the portable one.
+KVCACHE_CASES = [
+    (KVCase("float16", (0, 1, 7, 113, 300), seqlen_q=1, seqlen_new=1, nheads=8, nheads_k=2,
+            head_dim=128, page_size=16), TensorCoreDecodeConfig()),
+    (KVCase("bfloat16", (5, 200), seqlen_q=4, seqlen_new=4, nheads=8, nheads_k=1,
+            head_dim=64, page_size=3, mask=dict(causal=True), num_splits=3),
+     TensorCoreDecodeConfig(32, 2, 2)),
+    (KVCase("float16", (40, 517), seqlen_q=2, seqlen_new=1, nheads=4, nheads_k=4,
+            head_dim=256, page_size=1, mask=dict(window_size=(30, 0)), num_splits=2),
+     TensorCoreDecodeConfig(16, 4, 2)),
+    (KVCase("float16", (9, 70), seqlen_q=3, seqlen_new=2, nheads=4, nheads_k=2, head_dim=40,
+            permute=True), TensorCoreDecodeConfig(16, 1, 4)),
+    (KVCase("bfloat16", (33, 2), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=64,
+            page_size=16), PortableDecodeConfig()),
+]  # fmt: skip
+
+
 def run(case):
     q, k, v = random_qkv(*case.shape, case.dtype)
     out = poisoned_like(q)
@@ -130,6 +153,12 @@ def main(argv):
             continue
         run(case)
         print(f"ok {case}", flush=True)
+    for case, config in KVCACHE_CASES:
+        if family is not None and config.family != family:
+            continue
+        run_and_check(case, config)
+        cupy.cuda.Device().synchronize()
+        print(f"ok {case} {config}", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import pytest
 from support import random_qkv
 
 import numflash
-from numflash.device import current_device
 from numflash import cache
+from numflash.device import current_device
 
 
 @pytest.fixture

@@ -93,8 +93,34 @@ def _sequence(cache, b, length, kw):
     return cache[slot, :length][None]
 
 
+#: The kernels each case runs with: what numflash chooses (the portable kernel in the
+#: simulator, the tensor-core one on a GPU for fp16/bf16), and each family forced.
+KERNELS = {
+    "default": None,
+    "portable": numflash.PortableDecodeConfig(),
+    "tensor-core": numflash.TensorCoreDecodeConfig(block_n=16, num_warps=2, stages=2),
+}
+
+
+def _config(kernel, case):
+    """The forced configuration of ``kernel`` for ``case``; skips what it cannot run."""
+    config = KERNELS[kernel]
+    if kernel == "portable" and SIMULATOR:
+        pytest.skip("the simulator's default kernel")
+    if kernel == "tensor-core" and (case.dtype == "float32" or case.head_dim % 8):
+        pytest.skip("the tensor-core kernel takes fp16/bf16 and head_dim a multiple of 8")
+    return config
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths}-p{c.page_size}")
-def test_kvcache_matches_reference_and_appends_in_place(case):
+def test_kvcache_matches_reference_and_appends_in_place(case, kernel):
+    run_and_check(case, _config(kernel, case))
+
+
+def run_and_check(case, config):
+    """One call of ``case`` with ``config``: the caches after the append, bitwise, and each
+    sequence's output and LSE against the reference (also used by tests/sanitizer_cases.py)."""
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     q, (k_cache, v_cache), new, lengths, kw = _setup(case, rng)
     before = [to_numpy(c).copy() for c in (k_cache, v_cache)]
@@ -110,6 +136,7 @@ def test_kvcache_matches_reference_and_appends_in_place(case):
         out=out,
         return_lse=True,
         num_splits=case.num_splits,
+        config=config,
         **case.mask,
         **kw,
     )
@@ -151,7 +178,8 @@ def test_an_int_cache_seqlens_is_every_sequence_s_length():
     assert (to_numpy(by_int).view(np.uint16) == to_numpy(by_array).view(np.uint16)).all()
 
 
-def test_hostile_device_lengths_and_pages_stay_inside_the_arrays():
+@pytest.mark.parametrize("kernel", ["default", "tensor-core"])
+def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
     """Lengths beyond the capacity or negative, and block-table entries out of range: nothing
     outside the caches is read or written (the simulator raises on any out-of-range index),
     rows past a sequence's capacity are not written, absent pages read as no keys."""
@@ -163,7 +191,13 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays():
     lengths = xp.asarray(np.array([10**6, 5, -5], np.int32))
     before = [to_numpy(c).copy() for c in caches]
     out, lse = numflash.attention_with_kvcache(
-        q, *caches, *new, cache_seqlens=lengths, block_table=table, return_lse=True
+        q,
+        *caches,
+        *new,
+        cache_seqlens=lengths,
+        block_table=table,
+        return_lse=True,
+        config=KERNELS[kernel],
     )
     after = [to_numpy(c) for c in caches]
     # sequence 0 is full (length clamped to its 8 keys): no row of its pages changed
@@ -256,15 +290,23 @@ def test_interleaved_k_and_v_caches_of_one_buffer():
 
 
 def test_split_count_fills_the_multiprocessors():
-    """num_splits=0: no split while batch x kv heads x row blocks fill the GPU, else enough to
-    fill it, each split keeping at least two key tiles; a given count is kept (at most 128)."""
+    """num_splits=0: no split while batch x kv heads x row blocks fill 80% of a wave, else the
+    fewest splits within 95% of the best wave efficiency, each keeping a key tile; a given
+    count is kept (at most 128). On an H200-like device (132 multiprocessors, one block of the
+    default tensor-core configuration each)."""
     import dataclasses
 
     from numflash import selection
     from numflash.device import current_device
     from numflash.validation import KVCacheProblem
 
-    h200 = dataclasses.replace(current_device(), multiprocessors=132, simulated=False)
+    h200 = dataclasses.replace(
+        current_device(),
+        compute_capability=(9, 0),
+        multiprocessors=132,
+        max_shared_per_block=232448,
+        simulated=False,
+    )
 
     def splits(batch, capacity, num_splits=0, seqlen_q=1):
         p = KVCacheProblem(
@@ -284,11 +326,14 @@ def test_split_count_fills_the_multiprocessors():
             max_blocks=0,
             cache_seqlens=None,
             num_splits=num_splits,
+            cache_aligned=True,
         )
-        return selection.decode(p, h200)[1]
+        choice, count = selection.decode(p, h200)
+        assert isinstance(choice.config, numflash.TensorCoreDecodeConfig)
+        return count
 
     assert splits(batch=64, capacity=4096) == 1  # 512 blocks already
-    assert splits(batch=1, capacity=131072) == 17  # 8 blocks: 17 splits make 136
-    assert splits(batch=1, capacity=64) == 1  # two 32-key tiles: one split
+    assert splits(batch=1, capacity=131072) == 16  # 8 blocks: 128 of a 132-block wave
+    assert splits(batch=1, capacity=64) == 1  # one 64-key tile: one split
     assert splits(batch=1, capacity=4096, num_splits=5) == 5
     assert splits(batch=1, capacity=4096, num_splits=1000) == selection.MAX_SPLITS

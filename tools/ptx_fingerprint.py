@@ -25,6 +25,7 @@ from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
     backward_sm90,
+    decode,
     decode_portable,
     forward,
     forward_portable,
@@ -131,8 +132,20 @@ def cases():
         yield (
             family,
             f"combine-{name}",
-            decode_portable.build_combine(hd, dt, 128),
+            decode_portable.build_combine(hd, dt),
             launch.COMBINE.signature(dt),
+        )
+    family = config.TensorCoreDecodeConfig.family
+    for hd, dt, tiles, paged in [
+        (128, "float16", (16, 4, 3), False),
+        (64, "bfloat16", (32, 2, 2), True),
+    ]:
+        name = f"{hd}-{dt}-{'x'.join(map(str, tiles))}-{'paged' if paged else 'contiguous'}"
+        yield (
+            family,
+            f"decode-{name}",
+            decode.build(hd, dt, *tiles, paged),
+            launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
     for hd, dt, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:

@@ -14,8 +14,8 @@ Three kernels, launched in order on one stream:
    [s * chunk, (s + 1) * chunk) of the sequence's keys (cache_seqlens[b] + seqlen_new, at most
    its capacity); each thread runs the online softmax over its row's visible keys there and
    writes an unnormalised-free partial: O_s (normalised within the split, fp32) and LSE_s.
-3. ``combine``: out = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), one thread
-   per (query row, head); rows that see no key get 0 and -inf.
+3. ``combine``: out = sum_s exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s), one block
+   per (query row, head), one thread per column; rows that see no key get 0 and -inf.
 
 Keys are addressed through ``key_row``: the cache slot cache_batch_idx[b] (contiguous) or the
 page block_table[b, j // page_size] (paged). Whatever the device-side index arrays hold, no
@@ -264,37 +264,43 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
     return split_attention
 
 
+def combine_threads(head_dim):
+    """Threads of a combine block: one per output column, whole warps."""
+    return max(32, (head_dim + 31) // 32 * 32)
+
+
 @functools.lru_cache(maxsize=None)
-def build_combine(head_dim, dtype_name, rows):
-    """The combine kernel: grid (ceil(nheads * seqlen_q / rows), batch), ``rows`` threads."""
+def build_combine(head_dim, dtype_name):
+    """The combine kernel: grid (nheads * seqlen_q, batch), combine_threads(head_dim) threads,
+    one output column each (the split weights are recomputed by every thread: num_splits
+    exp2 a thread, from values the whole block reads at once)."""
     HEAD_DIM = head_dim
     from_f32 = FROM_F32[dtype_name]
 
     @kernel
     def combine(o_part, lse_part, out, lse, out_st, seqlen_q, nheads, num_splits):
         o_sb, o_ss, o_sh = out_st
+        r = cuda.blockIdx.x  # head * seqlen_q + position
         b = cuda.blockIdx.y
-        r = cuda.blockIdx.x * rows + cuda.threadIdx.x  # head * seqlen_q + position
-        if r < nheads * seqlen_q:
-            head = r // seqlen_q
-            i = r - head * seqlen_q
-            stride = int64(cuda.gridDim.y) * nheads * seqlen_q  # from one split to the next
-            first = (int64(b) * nheads + head) * seqlen_q + i
-            m = NEG_INF
-            for s in range(num_splits):
-                m = max(m, lse_part[first + s * stride])
-            shift = m if m != NEG_INF else float32(0.0)
-            total = float32(0.0)
-            for s in range(num_splits):
-                total += ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))
-            out_at = b * o_sb + i * o_ss + head * o_sh
-            inv = inverse_sum(total)
-            for d in range(HEAD_DIM):
-                value = float32(0.0)
-                for s in range(num_splits):
-                    w = ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))
-                    value += w * o_part[(first + s * stride) * HEAD_DIM + d]
-                out[out_at + d] = from_f32(value * inv)
+        d = cuda.threadIdx.x
+        head = r // seqlen_q
+        i = r - head * seqlen_q
+        stride = int64(cuda.gridDim.y) * nheads * seqlen_q  # from one split to the next
+        first = (int64(b) * nheads + head) * seqlen_q + i
+        m = NEG_INF
+        for s in range(num_splits):
+            m = max(m, lse_part[first + s * stride])
+        shift = m if m != NEG_INF else float32(0.0)
+        total = float32(0.0)
+        value = float32(0.0)
+        for s in range(num_splits):
+            w = ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))
+            total += w
+            if d < HEAD_DIM:
+                value += w * o_part[(first + s * stride) * HEAD_DIM + d]
+        if d < HEAD_DIM:
+            out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value * inverse_sum(total))
+        if d == 0:
             if total == float32(0.0):
                 lse[first] = NEG_INF
             else:

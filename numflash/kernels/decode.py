@@ -1,0 +1,479 @@
+"""Attention over a KV cache on the tensor cores (mma.sync): split-KV decoding that reads the
+cache at the speed of HBM.
+
+Decoding reads every cached key and value once and does little arithmetic on them, so the
+kernel is built around the loads. One thread block per (split, block of 16 query rows, kv head,
+batch); its rows are the (query head of the kv head's GQA group, query position) pairs, so each
+K/V byte serves the whole group. The block streams its split's keys through a ring of STAGES
+shared-memory slots filled by cp.async, KEYS = NUM_WARPS * BLOCK_N keys a slot, gathered row by
+row through the cache slot or the block table (any page size). Each warp takes its own BLOCK_N
+keys of every slot and runs FlashAttention-2's step on them (:mod:`.warp_step`: S = Q K^T,
+online softmax, O += P V with fp32 accumulators); at the end the warps' rows are merged through
+shared memory. With one split the block writes the output and LSE itself; with several it writes
+fp32 partials (O normalised within the split, and its LSE) that
+:func:`numflash.kernels.decode_portable.build_combine` weights by exp(LSE_s - LSE).
+
+A split covers an equal share of the keys its rows can see (window and causal bounds included),
+rounded to whole slots, so a sliding window over a long cache reads only the window. Keys past
+a sequence's length (cache_seqlens[b] + seqlen_new, clamped to the capacity), behind an
+out-of-range cache slot or page, or masked for a row, score -inf; nothing outside the arrays is
+read.
+
+Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256 (cache rows 16-byte
+aligned); GQA; causal and window masks aligned bottom-right against each sequence's length after
+the append; ``scale_log2 > 0`` (the launch negates q for a negative scale). Needs compute
+capability 8.0+.
+"""
+
+import functools
+
+from numba import cuda, float32, int32, int64, uint16, uint32
+
+from . import ptx
+from .decode_portable import address_function, sequence_length
+from .fragments import PACK, acc_index
+from .jit import device_function, kernel
+from .mask import block_key_range, visible_keys
+from .softmax import NEG_INF, final_lse, inverse_sum, shift_of
+from .warp_step import warp_step
+
+#: Query rows of a block: one 16-row mma tile.
+ROWS = 16
+
+
+def shared_memory_layout(head_dim, block_n, num_warps, stages):
+    """(row pitch, K offset, V offset, total 16-bit elements) of the dynamic shared memory: the
+    Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows."""
+    row = (head_dim + 15) // 16 * 16 + 8  # +16 bytes: the 8 rows of an ldmatrix in other banks
+    keys = num_warps * block_n
+    k_base = ROWS * row
+    v_base = k_base + stages * keys * row
+    return row, k_base, v_base, v_base + stages * keys * row
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
+    """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
+    batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
+    shared memory."""
+    HEAD_DIM = head_dim
+    HD_PAD = (head_dim + 15) // 16 * 16
+    BLOCK_N, NUM_WARPS, STAGES = block_n, num_warps, stages
+    THREADS = 32 * NUM_WARPS
+    KEYS = NUM_WARPS * BLOCK_N  # keys of one ring slot
+    N_TILES = BLOCK_N // 8
+    K_STEPS = HD_PAD // 16
+    D_TILES = HD_PAD // 8
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a cache row
+    ROWS_PER_PASS = THREADS // CHUNKS  # rows one pass of the block's threads loads
+    PASSES = (KEYS + ROWS_PER_PASS - 1) // ROWS_PER_PASS
+    GROUP = min(PASSES, 4)  # passes whose row addresses are found before their copies start
+    PAGED = paged
+    ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_n, num_warps, stages)
+    SLOT = KEYS * ROW
+    PENDING = STAGES - 2  # cp.async groups left in flight when a slot is consumed
+    Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
+    QF_REGS = K_STEPS * 4
+    S_REGS = N_TILES * 4
+    ACC_REGS = D_TILES * 4
+    FLAGS = STAGES * KEYS  # shared-array sizes must be plain constants
+    MERGE = ROWS * HD_PAD
+    ML = 2 * ROWS
+    cache_slot = address_function(False)  # (found, slot, row) of a contiguous cache's key
+    pack = PACK[dtype_name]
+    # Past head_dim 128 the query fragments would not fit beside the accumulators: they are
+    # read from shared memory at every tile instead.
+    Q_IN_REGS = HD_PAD <= 128
+    load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
+        dtype_name, 1, N_TILES, HD_PAD, ROW, Q_IN_REGS
+    )
+
+    @device_function
+    def zero_padding_columns(smem, tid):
+        """Columns HEAD_DIM..HD_PAD-1 of every row take part in the mma: make them zero once."""
+        if HD_PAD > HEAD_DIM:
+            rows = ROWS + 2 * STAGES * KEYS
+            for i in range(tid, rows * (HD_PAD - HEAD_DIM), THREADS):
+                r = i // (HD_PAD - HEAD_DIM)
+                smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
+
+    @device_function
+    def load_slot(
+        smem_addr,
+        present,
+        stage,
+        k_cache,
+        v_cache,
+        n0,
+        n_end,
+        b,
+        k_head,
+        v_head,
+        kc_st,
+        vc_st,
+        sequence_found,
+        block_table,
+        page_size,
+        max_blocks,
+        slots,
+        tid,
+    ):
+        """cp.async keys n0 .. n0 + KEYS - 1 of sequence b into ring slot ``stage``; rows past
+        n_end or behind a bad cache slot or page are zero-filled and marked absent.
+
+        CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
+        whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows).
+        ``k_head``, ``v_head``: the kv head's offset within a key row's cache slot or page,
+        and (contiguous caches) the sequence's slot itself, valid when ``sequence_found``."""
+        kc_sb, kc_ss, kc_sh = kc_st
+        vc_sb, vc_ss, vc_sh = vc_st
+        k_dst = smem_addr + uint32((K_BASE + stage * SLOT) * 2)
+        v_dst = smem_addr + uint32((V_BASE + stage * SLOT) * 2)
+        chunk = tid % CHUNKS
+        first = tid // CHUNKS
+        if first < ROWS_PER_PASS:
+            # Addresses first, cp.async after: the block-table loads of every pass are in
+            # flight together instead of each waiting behind the previous pass's copies.
+            k_rows = cuda.local.array(GROUP, int64)
+            v_rows = cuda.local.array(GROUP, int64)
+            sizes = cuda.local.array(GROUP, uint32)
+            for g in range(0, PASSES, GROUP):
+                for p in range(GROUP):
+                    r = first + (g + p) * ROWS_PER_PASS
+                    j = n0 + r
+                    found = j < n_end and r < KEYS
+                    k_at = int64(0)
+                    v_at = int64(0)
+                    if PAGED:
+                        if found:
+                            index = j // page_size
+                            page = block_table[int64(b) * max_blocks + index]
+                            found = (page >= 0) & (page < slots)
+                            row = int64(j - index * page_size)
+                            k_at = int64(page) * kc_sb + row * kc_ss + k_head
+                            v_at = int64(page) * vc_sb + row * vc_ss + v_head
+                    else:
+                        found = found and sequence_found
+                        k_at = k_head + int64(j) * kc_ss
+                        v_at = v_head + int64(j) * vc_ss
+                    k_rows[p] = k_at if found else int64(0)
+                    v_rows[p] = v_at if found else int64(0)
+                    sizes[p] = uint32(16) if found else uint32(0)
+                for p in range(GROUP):
+                    r = first + (g + p) * ROWS_PER_PASS
+                    if r < KEYS:
+                        dst = uint32((r * ROW + chunk * 8) * 2)
+                        ptx.cp_async_16(k_dst + dst, k_cache, k_rows[p] + chunk * 8, sizes[p])
+                        ptx.cp_async_16(v_dst + dst, v_cache, v_rows[p] + chunk * 8, sizes[p])
+                        if chunk == 0:
+                            present[stage * KEYS + r] = int32(1) if sizes[p] else int32(0)
+
+    @device_function
+    def mask_scores(s, present, stage, warp, lane, n0, lo0, hi0, lo1, hi1):
+        """-inf for this lane's scores of keys its rows do not see ([lo_h, hi_h) for row half
+        h) or that are absent."""
+        for nt in range(N_TILES):
+            for e in range(2):
+                c = warp * BLOCK_N + nt * 8 + (lane & 3) * 2 + e  # key within the slot
+                j = n0 + c
+                here = present[stage * KEYS + c] == 1
+                i = acc_index(nt, 0) + e
+                s[i] = s[i] if here and lo0 <= j and j < hi0 else NEG_INF
+                i = acc_index(nt, 1) + e
+                s[i] = s[i] if here and lo1 <= j and j < hi1 else NEG_INF
+
+    @device_function
+    def row_keys(rr, rows, seqlen_q, seqlen_k, wl, wr, n_end):
+        """[lo, hi) of the keys block row ``rr`` sees (empty for a padding row)."""
+        if rr >= rows:
+            return 0, 0
+        i = rr - (rr // seqlen_q) * seqlen_q
+        lo, hi = visible_keys(i, seqlen_q, seqlen_k, wl, wr)
+        return lo, min(hi, n_end)
+
+    @device_function
+    def merge_warps(acc, m_i, l_i, merge_acc, merge_ml, warp, lane):
+        """Warp 0's rows absorb every other warp's (acc, m, l), one warp at a time through
+        shared memory; every thread of the block calls this."""
+        for h in range(2):  # whole-row sums (each lane held a quarter of its row's)
+            l_i[h] += ptx.shfl_xor(l_i[h], 1)
+            l_i[h] += ptx.shfl_xor(l_i[h], 2)
+        for w in range(1, NUM_WARPS):
+            if warp == w:
+                for h in range(2):
+                    row = (lane >> 2) + 8 * h
+                    for dt in range(D_TILES):
+                        col = dt * 8 + (lane & 3) * 2
+                        i = acc_index(dt, h)
+                        merge_acc[row * HD_PAD + col] = acc[i]
+                        merge_acc[row * HD_PAD + col + 1] = acc[i + 1]
+                    if (lane & 3) == 0:
+                        merge_ml[row] = m_i[h]
+                        merge_ml[ROWS + row] = l_i[h]
+            cuda.syncthreads()
+            if warp == 0:
+                for h in range(2):
+                    row = (lane >> 2) + 8 * h
+                    m_w = merge_ml[row]
+                    m_new = max(m_i[h], m_w)
+                    shift = shift_of(m_new)
+                    mine = ptx.exp2(m_i[h] - shift)
+                    theirs = ptx.exp2(m_w - shift)
+                    m_i[h] = m_new
+                    l_i[h] = l_i[h] * mine + merge_ml[ROWS + row] * theirs
+                    for dt in range(D_TILES):
+                        col = dt * 8 + (lane & 3) * 2
+                        i = acc_index(dt, h)
+                        acc[i] = acc[i] * mine + merge_acc[row * HD_PAD + col] * theirs
+                        acc[i + 1] = acc[i + 1] * mine + merge_acc[row * HD_PAD + col + 1] * theirs
+            cuda.syncthreads()
+
+    @device_function
+    def write_rows(
+        acc,
+        m_i,
+        l_i,
+        out,
+        lse,
+        o_part,
+        lse_part,
+        o_st,
+        b,
+        kv_head,
+        rr0,
+        rows,
+        seqlen_q,
+        heads_per_kv,
+        split,
+        num_splits,
+        lane,
+    ):
+        """Warp 0's merged rows: the output and LSE (one split) or the split's fp32 partial."""
+        o_sb, o_ss, o_sh = o_st
+        nheads = cuda.gridDim.y * heads_per_kv
+        for h in range(2):
+            rr = rr0 + (lane >> 2) + 8 * h
+            if rr < rows:
+                g = rr // seqlen_q
+                i = rr - g * seqlen_q
+                head = kv_head * heads_per_kv + g
+                row_at = (int64(b) * nheads + head) * seqlen_q + i  # (batch, head, position)
+                inv_l = inverse_sum(l_i[h])
+                row_lse = final_lse(m_i[h], l_i[h])
+                if num_splits == 1:
+                    out_at = b * o_sb + i * o_ss + head * o_sh
+                    for dt in range(D_TILES):
+                        col = dt * 8 + (lane & 3) * 2
+                        if col < HEAD_DIM:
+                            k = acc_index(dt, h)
+                            pair = pack(acc[k] * inv_l, acc[k + 1] * inv_l)
+                            out[out_at + col] = uint16(pair & uint32(0xFFFF))
+                            out[out_at + col + 1] = uint16(pair >> uint32(16))
+                    if (lane & 3) == 0:
+                        lse[row_at] = row_lse
+                else:
+                    at = int64(split) * cuda.gridDim.z * nheads * seqlen_q + row_at
+                    for dt in range(D_TILES):
+                        col = dt * 8 + (lane & 3) * 2
+                        if col < HEAD_DIM:
+                            k = acc_index(dt, h)
+                            o_part[at * HEAD_DIM + col] = acc[k] * inv_l
+                            o_part[at * HEAD_DIM + col + 1] = acc[k + 1] * inv_l
+                    if (lane & 3) == 0:
+                        lse_part[at] = row_lse
+
+    @kernel(launch_bounds=THREADS)
+    def decode(
+        q,
+        k_cache,
+        v_cache,
+        seqlens,
+        batch_idx,
+        block_table,
+        o_part,
+        lse_part,
+        out,
+        lse,
+        q_st,
+        kc_st,
+        vc_st,
+        o_st,
+        seqlen_q,
+        seqlen_new,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+        page_size,
+        max_blocks,
+        slots,
+        capacity,
+        num_splits,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        smem = cuda.shared.array(0, uint16)
+        present = cuda.shared.array(FLAGS, int32)
+        merge_acc = cuda.shared.array(MERGE, float32)
+        merge_ml = cuda.shared.array(ML, float32)
+        qf = cuda.local.array(QF_REGS, uint32)
+        pf = cuda.local.array(4, uint32)
+        s = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        split = cuda.blockIdx.x % num_splits
+        rr0 = (cuda.blockIdx.x // num_splits) * ROWS  # first (head in group, position) row
+        kv_head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        rows = heads_per_kv * seqlen_q
+        last = min(rr0 + ROWS, rows) - 1
+        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+
+        # -- the keys this block's rows see, and this split's equal share of them in whole slots
+        first_i = rr0 - (rr0 // seqlen_q) * seqlen_q
+        last_i = last - (last // seqlen_q) * seqlen_q
+        if rr0 // seqlen_q != last // seqlen_q:  # rows of two heads: every position
+            first_i = 0
+            last_i = seqlen_q - 1
+        n_lo, n_hi = block_key_range(first_i, last_i, seqlen_q, seqlen_k, window_left, window_right)
+        n_lo = max(n_lo, 0)
+        span = max(n_hi - n_lo, 0)
+        chunk = (span + num_splits - 1) // num_splits
+        chunk = (chunk + KEYS - 1) // KEYS * KEYS
+        n_begin = n_lo + split * chunk
+        n_end = min(n_begin + chunk, n_hi)
+        n_tiles = int32(0)
+        if n_end > n_begin:
+            n_tiles = int32((n_end - n_begin + KEYS - 1) // KEYS)
+
+        # -- where this kv head's rows are: within any page, or in the sequence's cache slot
+        kc_sb, kc_ss, kc_sh = kc_st
+        vc_sb, vc_ss, vc_sh = vc_st
+        k_head = int64(kv_head) * kc_sh
+        v_head = int64(kv_head) * vc_sh
+        sequence_found = True
+        if not PAGED:
+            sequence_found, slot, _ = cache_slot(b, 0, batch_idx, block_table, 0, 0, slots)
+            k_head += slot * kc_sb
+            v_head += slot * vc_sb
+
+        # -- prologue: Q rows (zero past the group), then STAGES - 1 slots, one group each
+        smem_addr = ptx.shared_address(smem, 0)
+        zero_padding_columns(smem, tid)
+        for c in range(tid, ROWS * CHUNKS, THREADS):
+            r = c // CHUNKS
+            col = (c - r * CHUNKS) * 8
+            rr = rr0 + r
+            g = rr // seqlen_q
+            i = rr - g * seqlen_q
+            at = b * q_sb + i * q_ss + (kv_head * heads_per_kv + g) * q_sh + col
+            valid = rr < rows
+            dst = smem_addr + uint32((r * ROW + col) * 2)
+            ptx.cp_async_16(dst, q, at if valid else int64(0), uint32(16) if valid else uint32(0))
+        ptx.cp_async_commit()
+        for st in range(STAGES - 1):
+            if st < n_tiles:
+                load_slot(
+                    smem_addr,
+                    present,
+                    st,
+                    k_cache,
+                    v_cache,
+                    n_begin + st * KEYS,
+                    n_end,
+                    b,
+                    k_head,
+                    v_head,
+                    kc_st,
+                    vc_st,
+                    sequence_found,
+                    block_table,
+                    page_size,
+                    max_blocks,
+                    slots,
+                    tid,
+                )
+            ptx.cp_async_commit()
+
+        q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
+        v_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        warp_keys = uint32(warp * BLOCK_N * ROW * 2)
+        ptx.cp_async_wait(Q_PENDING)  # the Q group has landed (for this thread's copies) ...
+        cuda.syncthreads()  # ... and for every thread's
+        if Q_IN_REGS:
+            for kk in range(K_STEPS):
+                load_q_fragments(qf, q_addr, 0, kk, kk * 4)
+        lo0, hi0 = row_keys(
+            rr0 + (lane >> 2), rows, seqlen_q, seqlen_k, window_left, window_right, n_end
+        )
+        lo1, hi1 = row_keys(
+            rr0 + (lane >> 2) + 8, rows, seqlen_q, seqlen_k, window_left, window_right, n_end
+        )
+        for h in range(2):
+            m_i[h] = NEG_INF
+            l_i[h] = float32(0.0)
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+        stage = int32(0)
+        for it in range(n_tiles):
+            ptx.cp_async_wait(PENDING)  # slot `stage` has landed for this thread's copies ...
+            cuda.syncthreads()  # ... for every thread's, and the previous slot is free again
+            if it + STAGES - 1 < n_tiles:
+                load_slot(
+                    smem_addr,
+                    present,
+                    stage - 1 if stage > 0 else STAGES - 1,
+                    k_cache,
+                    v_cache,
+                    n_begin + (it + STAGES - 1) * KEYS,
+                    n_end,
+                    b,
+                    k_head,
+                    v_head,
+                    kc_st,
+                    vc_st,
+                    sequence_found,
+                    block_table,
+                    page_size,
+                    max_blocks,
+                    slots,
+                    tid,
+                )
+            ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
+            slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
+            mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
+            mask_scores(s, present, stage, warp, lane, n_begin + it * KEYS, lo0, hi0, lo1, hi1)
+            online_softmax(s, m_i, l_i, acc, scale_log2)
+            mma_pv(s, pf, acc, slot_addr + uint32(V_BASE * 2) + v_lane)
+            stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
+        merge_warps(acc, m_i, l_i, merge_acc, merge_ml, warp, lane)
+        if warp == 0:
+            write_rows(
+                acc,
+                m_i,
+                l_i,
+                out,
+                lse,
+                o_part,
+                lse_part,
+                o_st,
+                b,
+                kv_head,
+                rr0,
+                rows,
+                seqlen_q,
+                heads_per_kv,
+                split,
+                num_splits,
+                lane,
+            )
+
+    return decode
