@@ -3,9 +3,10 @@
     python benchmarks/host_overhead.py [--json PATH]
 
 Measures, in one process:
-- ``attention()`` and ``attention_backward()`` per call on a tiny problem (the GPU finishes
-  each kernel in a few microseconds, so calls back to back measure the host side):
-  validation, configuration lookup, array views, argument packing and the launches;
+- ``attention()``, ``attention_backward()`` and ``attention_with_kvcache()`` (a paged
+  decoding step with an append) per call on tiny problems (the GPU finishes each kernel in a
+  few microseconds, so calls back to back measure the host side): a repeated call replays
+  its plan (numflash.plans); SDPA's figure beside them;
 - the configuration lookup alone (``numflash.selected_config``);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
   runs for milliseconds, beside the kernel's time;
@@ -31,7 +32,8 @@ from peers import random_qkv  # noqa: E402
 
 
 def per_call_us(fn, calls=2000, repeats=5):
-    """Median over ``repeats`` of the mean host time of ``calls`` back-to-back calls."""
+    """Median over ``repeats`` of the mean host time of ``calls`` back-to-back calls (the
+    defaults: 10,000 calls)."""
     fn()
     cupy.cuda.get_current_stream().synchronize()
     means = []
@@ -71,13 +73,29 @@ def main():
         q, k, v = random_qkv(1, 128, 1, 64, dtype)
         results[f"attention_us[{dtype}]"] = per_call_us(lambda: numflash.attention(q, k, v))
     q, k, v = random_qkv(1, 128, 1, 64, "float16")
+    # the full path a call without a plan takes (its first call, or out= given)
+    results["attention_full_path_us[float16]"] = per_call_us(
+        lambda: numflash.api._attention(q, k, v, False, None, (-1, -1), False, None, None)
+    )
     out, lse = numflash.attention(q, k, v, return_lse=True)
     dout = random_qkv(1, 128, 1, 64, "float16", seed=1)[0]
 
     def backward():
         return numflash.attention_backward(dout, q, k, v, out, lse)
 
-    results["attention_backward_us[float16]"] = per_call_us(backward, calls=500)
+    results["attention_backward_us[float16]"] = per_call_us(backward, calls=2000)
+    # a decoding step: one query row over a paged cache, new k and v appended, the lengths on
+    # the device (as a server keeps them)
+    qd = random_qkv(4, 1, 8, 64, "float16", seed=2)[0]
+    k_cache, v_cache = random_qkv(64, 16, 2, 64, "float16", seed=3)[:2]
+    k_new, v_new = random_qkv(4, 1, 2, 64, "float16", seed=4)[:2]
+    table = cupy.arange(64, dtype=cupy.int32).reshape(4, 16)
+    lengths = cupy.full((4,), 100, dtype=cupy.int32)
+    results["attention_with_kvcache_us[float16]"] = per_call_us(
+        lambda: numflash.attention_with_kvcache(
+            qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table
+        )
+    )
     results["selected_config_us"] = per_call_us(
         lambda: numflash.selected_config(q, k, v), calls=20000
     )

@@ -9,8 +9,49 @@ import contextlib
 
 import numpy as np
 
-from . import arrays, launch, selection, validation
+from . import arrays, cache, launch, plans, selection, validation
 from .device import current_device
+from .kernels.jit import SIMULATOR
+
+#: Plans of repeated calls (numflash.plans): on a GPU, for CuPy arrays.
+_plans = plans.PlanCache()
+_DEFAULT_WINDOW = (-1, -1)
+
+
+def _array_key(x):
+    """What a plan depends on in an array: shape, strides, dtype, 16-byte alignment, device.
+    Raises AttributeError for anything but a CuPy array."""
+    data = x.data
+    return (x.shape, x.strides, x.dtype, data.ptr & 15, data.device_id)
+
+
+def _value_key(x):
+    """A flag or scalar with its type: True and 1, 2 and 2.0 are different calls."""
+    return (x.__class__, x)
+
+
+def _window_key(window_size):
+    if window_size is _DEFAULT_WINDOW:
+        return None
+    return (window_size.__class__, *map(type, window_size), window_size)
+
+
+def _call_key(*parts):
+    """The signature key of a call on the current device and stream (callers catch the
+    AttributeError of arrays other than CuPy's and the TypeError of unhashable arguments)."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, *parts)
+    hash(key)  # TypeError for an unhashable argument
+    return key
+
+
+def _planned(key, recorded, roles, overlaps=()):
+    """Keep the plan of a recorded call whose arrays are on the current device."""
+    if roles[0].data.device_id == key[0]:
+        plan = plans.make(recorded, roles, overlaps)
+        if plan is not None:
+            _plans.put(key, plan)
 
 
 def _on_device(x):
@@ -42,7 +83,7 @@ def attention(
     *,
     causal=False,
     softmax_scale=None,
-    window_size=(-1, -1),
+    window_size=_DEFAULT_WINDOW,
     return_lse=False,
     out=None,
     config=None,
@@ -69,8 +110,53 @@ def attention(
         float32 (batch, nheads, seqlen_q), natural log. A row that sees no key gets output 0 and
         lse -inf; a NaN or inf among a row's scores makes that row's output and lse NaN.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
+    call (same shapes, strides, dtypes, flags, device and stream; ``out`` not given) replays
+    the launches of the first (numflash.plans).
     """
+    key = None
+    if out is None and not SIMULATOR:
+        try:
+            key = _call_key(
+                "attention",
+                _array_key(q),
+                _array_key(k),
+                _array_key(v),
+                _value_key(causal),
+                _value_key(softmax_scale),
+                _window_key(window_size),
+                _value_key(return_lse),
+                config,
+                cache.generation,
+            )
+        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
+            key = None
+    if key is None:
+        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+    plan = _plans.get(key)
+    if plan is not None:
+        import cupy
+
+        b, sq, h, _ = q.shape
+        out = cupy.empty(q.shape, q.dtype)
+        lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
+        pointers = (
+            q.data.ptr,
+            k.data.ptr,
+            v.data.ptr,
+            out.data.ptr,
+            lse.data.ptr if lse is not None else 0,
+        )
+        plan.run(key[1], pointers)
+        return (out, lse) if return_lse else out
+    with launch.recording() as recorded:
+        result = _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+    out, lse = result if return_lse else (result, None)
+    _planned(key, recorded, (q, k, v, out, lse))
+    return result
+
+
+def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config):
     # -- validate and normalise
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
     return_lse = validation.check_flag(return_lse, "return_lse")
@@ -120,7 +206,7 @@ def attention_backward(
     *,
     causal=False,
     softmax_scale=None,
-    window_size=(-1, -1),
+    window_size=_DEFAULT_WINDOW,
     deterministic=False,
     config=None,
 ):
@@ -146,8 +232,51 @@ def attention_backward(
         the contributions of every query head of their group. Rows that see no key contribute
         nothing; keys that no row sees get zero gradients; a NaN in the inputs propagates.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
+    call replays the launches of the first (numflash.plans).
     """
+    key = None
+    if not SIMULATOR:
+        try:
+            key = _call_key(
+                "backward",
+                _array_key(dout),
+                _array_key(q),
+                _array_key(k),
+                _array_key(v),
+                _array_key(out),
+                _array_key(lse),
+                _value_key(causal),
+                _value_key(softmax_scale),
+                _window_key(window_size),
+                _value_key(deterministic),
+                config,
+                cache.generation,
+            )
+        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
+            key = None
+    args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
+    if key is None:
+        return _attention_backward(*args)
+    plan = _plans.get(key)
+    if plan is not None:
+        import cupy
+
+        dq = cupy.empty(q.shape, q.dtype)
+        dk = cupy.empty(k.shape, k.dtype)
+        dv = cupy.empty(v.shape, v.dtype)
+        inputs = (dout, q, k, v, out, lse, dq, dk, dv)
+        plan.run(key[1], [x.data.ptr for x in inputs])
+        return dq, dk, dv
+    with launch.recording() as recorded:
+        grads = _attention_backward(*args)
+    _planned(key, recorded, (dout, q, k, v, out, lse, *grads))
+    return grads
+
+
+def _attention_backward(
+    dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config
+):
     # -- validate and normalise
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
     dout = validation.check_like(dout, "dout", q, "q")
@@ -224,7 +353,7 @@ def attention_with_kvcache(
     block_table=None,
     causal=False,
     softmax_scale=None,
-    window_size=(-1, -1),
+    window_size=_DEFAULT_WINDOW,
     num_splits=0,
     return_lse=False,
     out=None,
@@ -260,6 +389,107 @@ def attention_with_kvcache(
 
     Kernels run on CuPy's current stream; the call returns without synchronising.
     """
+    key = None
+    if out is None and not SIMULATOR:
+        try:
+            key = _call_key(
+                "kvcache",
+                _array_key(q),
+                _array_key(k_cache),
+                _array_key(v_cache),
+                None if k is None else _array_key(k),
+                None if v is None else _array_key(v),
+                _value_key(cache_seqlens)
+                if isinstance(cache_seqlens, int)
+                else _array_key(cache_seqlens),
+                None if cache_batch_idx is None else _array_key(cache_batch_idx),
+                None if block_table is None else _array_key(block_table),
+                _value_key(causal),
+                _value_key(softmax_scale),
+                _window_key(window_size),
+                _value_key(num_splits),
+                _value_key(return_lse),
+                config,
+                cache.generation,
+            )
+        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
+            key = None
+    if key is None:
+        return _attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            cache_batch_idx,
+            block_table,
+            causal,
+            softmax_scale,
+            window_size,
+            num_splits,
+            return_lse,
+            out,
+            config,
+        )
+    seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
+    plan = _plans.get(key)
+    if plan is not None:
+        pointers = [
+            x.data.ptr if x is not None else 0
+            for x in (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+        ]
+        if plan.disjoint(pointers):  # else the full path refuses the call by name
+            import cupy
+
+            b, sq, h, _ = q.shape
+            out = cupy.empty(q.shape, q.dtype)
+            lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
+            pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
+            plan.run(key[1], pointers)
+            return (out, lse) if return_lse else out
+    with launch.recording() as recorded:
+        result = _attention_with_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            k,
+            v,
+            cache_seqlens,
+            cache_batch_idx,
+            block_table,
+            causal,
+            softmax_scale,
+            window_size,
+            num_splits,
+            return_lse,
+            out,
+            config,
+        )
+    out, lse = result if return_lse else (result, None)
+    roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, lse)
+    # the caches are written: validation refused them overlapping q or the new rows
+    _planned(key, recorded, roles, overlaps=((1, 0), (1, 3), (1, 4), (2, 0), (2, 3), (2, 4)))
+    return result
+
+
+def _attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cache_seqlens,
+    cache_batch_idx,
+    block_table,
+    causal,
+    softmax_scale,
+    window_size,
+    num_splits,
+    return_lse,
+    out,
+    config,
+):
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
         q,
         k_cache,

@@ -88,6 +88,8 @@ class KernelArray(NamedTuple):
     pointer: int
     nitems: int
     itemsize: int
+    #: The array the pointer belongs to (kept alive by a plan that replays the launch).
+    owner: object = None
 
 
 def kernel_view(x):
@@ -110,7 +112,7 @@ def kernel_view(x):
         if not x.flags.writeable:  # the simulator copies every array back after a launch
             flat = flat.copy()
     else:
-        flat = KernelArray(x.data.ptr, span, itemsize)
+        flat = KernelArray(x.data.ptr, span, itemsize, x)
     return flat, strides
 
 

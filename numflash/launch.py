@@ -8,6 +8,7 @@ it, so the two cannot disagree. A :class:`Launcher` launches one compiled kernel
 through the driver, skipping Numba's per-call typing.
 """
 
+import contextlib
 import ctypes
 import struct
 import threading
@@ -189,6 +190,84 @@ def _dim3(block):
     return (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
 
 
+class _Recording(threading.local):
+    """The launches of the call in progress on this thread, while one is being recorded."""
+
+    launches = None  # [(launcher, grid, block, shared bytes, args)] while recording
+    unrecorded_work = False
+
+
+_recording = _Recording()
+
+
+@contextlib.contextmanager
+def recording():
+    """Notes every launch made on this thread inside the block (numflash.plans replays them)."""
+    _recording.launches = []
+    _recording.unrecorded_work = False
+    try:
+        yield _recording
+    finally:
+        _recording.launches = None
+
+
+def note_unrecorded_work():
+    """Device work outside a Launcher (a copy, a fill) that a replay of the launches would
+    skip: the call being recorded gets no plan."""
+    _recording.unrecorded_work = True
+
+
+_POINTER = struct.Struct("=Q")
+
+
+class PreparedLaunch:
+    """One recorded launch with its parameters packed once; :meth:`launch` patches the
+    pointers of the arrays that change from call to call and launches through CuPy's
+    binding of cuLaunchKernel (about a microsecond)."""
+
+    __slots__ = (
+        "function",
+        "grid",
+        "block",
+        "shared_bytes",
+        "buffer",
+        "pointers",
+        "address",
+        "patch",
+    )
+
+    def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
+        self.function = function
+        self.grid = grid
+        self.block = block
+        self.shared_bytes = shared_bytes
+        self.buffer = buffer  # the packed parameters (ctypes buffer)
+        self.pointers = pointers  # the parameters' addresses (numpy uint64)
+        self.address = int(pointers.ctypes.data)  # ... and where they are
+        self.patch = patch  # ((byte offset of a data pointer, role index), ...)
+
+    def launch(self, stream, role_pointers):
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        for offset, role in self.patch:
+            _POINTER.pack_into(self.buffer, offset, role_pointers[role])
+        gx, gy, gz = self.grid
+        bx, by, bz = self.block
+        launchKernel(
+            self.function,
+            gx,
+            gy,
+            gz,
+            bx,
+            by,
+            bz,
+            self.shared_bytes,
+            stream,
+            self.address,
+            0,
+        )
+
+
 class Launcher:
     """Launches one kernel compiled for a fixed signature, skipping Numba's per-call typing.
 
@@ -240,6 +319,45 @@ class Launcher:
             return
         if shared_bytes > DEFAULT_SHARED_LIMIT:
             self._allow_shared(shared_bytes)
+        buffer, pointers = self._pack(args)
+        gx, gy, gz = _dim3(grid)
+        bx, by, bz = _dim3(block)
+        driver = _driver()
+        (err,) = driver.cuLaunchKernel(
+            self._function(), gx, gy, gz, bx, by, bz, shared_bytes, stream, pointers.ctypes.data, 0
+        )
+        # ``buffer`` and ``pointers`` stayed alive until the driver copied the parameters.
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(
+                f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
+                f"{shared_bytes} bytes of shared memory)"
+            )
+        if _recording.launches is not None:
+            _recording.launches.append((self, grid, block, shared_bytes, args))
+
+    def prepare(self, grid, block, shared_bytes, args, roles):
+        """A :class:`PreparedLaunch` of this launch on the current device; ``roles`` maps the
+        position of an array argument to the index of the call's pointer that replaces its
+        address at each launch."""
+        buffer, pointers = self._pack(args)
+        patch = []
+        slot = 0
+        for position, kind in enumerate(self._kinds):
+            if kind == 7 and position in roles:
+                patch.append((8 * (slot + 4), roles[position]))  # the array's data pointer
+            slot += abs(kind)
+        return PreparedLaunch(
+            int(self._function()),
+            _dim3(grid),
+            _dim3(block),
+            shared_bytes,
+            buffer,
+            pointers,
+            tuple(patch),
+        )
+
+    def _pack(self, args):
+        """(buffer, parameter addresses) of ``args`` in Numba's ABI."""
         values = []
         for kind, value in zip(self._kinds, args):
             if kind == 7:  # a KernelArray (pointer, nitems, itemsize)
@@ -257,19 +375,7 @@ class Launcher:
             else:
                 values.append(value)
         buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
-        pointers = self._offsets + np.uint64(ctypes.addressof(buffer))
-        gx, gy, gz = _dim3(grid)
-        bx, by, bz = _dim3(block)
-        driver = _driver()
-        (err,) = driver.cuLaunchKernel(
-            self._function(), gx, gy, gz, bx, by, bz, shared_bytes, stream, pointers.ctypes.data, 0
-        )
-        # ``buffer`` and ``pointers`` stayed alive until the driver copied the parameters.
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(
-                f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
-                f"{shared_bytes} bytes of shared memory)"
-            )
+        return buffer, self._offsets + np.uint64(ctypes.addressof(buffer))
 
     def _function(self):
         """The kernel's CUfunction on the current device (Numba loads it as a CUkernel)."""
@@ -346,6 +452,7 @@ def _output_target(out, head_dim, p):
 
 
 def _copy_back(out, target, p):
+    note_unrecorded_work()
     arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]
 
 
@@ -497,6 +604,8 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
     # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
     acc_shape = (1, 1, 1, 1) if cfg.dq_separate else q.shape[:-1] + (head_dim,)
     dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
+    if not cfg.dq_separate:
+        note_unrecorded_work()  # the zeroing, and dQ rounded after the kernels
     views = {
         name: arrays.kernel_view(x)
         for name, x in (

@@ -14,6 +14,7 @@ LAYERS = {
     "validation": 4,
     "selection": 4,
     "launch": 4,
+    "plans": 4,
     "cache": 3,
     "config": 2,
     "device": 1,

@@ -1,0 +1,124 @@
+"""Per-signature plans: a call's launches recorded once and replayed with new pointers.
+
+A call of a public function validates, normalises, chooses a configuration, allocates and
+packs kernel arguments: tens of microseconds of Python. What depends only on the call's
+signature (shapes, strides, dtypes, pointer alignment, flags, device, stream) comes out the
+same every time, so the first call with a signature runs the full path while
+:func:`numflash.launch.recording` notes each launch (kernel, grid, block, shared memory, packed
+arguments), and the calls after it with the same signature replay those launches with the new
+arrays' pointers patched in.
+
+A plan is made only when that replay is exact:
+
+- every array of the call was used in place (its pointer is among the launches' arguments, at
+  one place): an input the full path copied (a padded head_dim, misaligned rows, a negative
+  scale) gives no plan;
+- the full path did no device work besides the recorded launches (a copy back, a fill) that
+  the replay would skip (:func:`numflash.launch.note_unrecorded_work`);
+- the arrays the full path made for itself (split partials, stand-in index arrays, an lse
+  nobody asked for) keep their contents' meaning from call to call: they are kept by the plan
+  and reused. Plans are per stream, so a reused buffer is only ever touched in stream order.
+
+The signature key holds every argument that validation or the choice of kernel reads, with its
+type, so a call reaching a plan is one the full path accepted before.
+"""
+
+import collections
+import threading
+
+from . import arrays
+
+#: Plans kept (least recently made dropped first): a plan holds its recorded launches and the
+#: buffers the full path made for itself.
+MAX_PLANS = 256
+
+
+class Plan:
+    """Recorded launches, replayed in order on one stream with the call's pointers."""
+
+    __slots__ = ("launches", "keep", "spans", "overlaps", "lock")
+
+    def __init__(self, launches, keep, spans, overlaps):
+        self.launches = launches
+        self.keep = keep  # the arrays whose pointers the launches hold
+        self.spans = spans  # bytes each role's array spans (its signature fixes them)
+        self.overlaps = overlaps  # role pairs that must not share memory
+        self.lock = threading.Lock()
+
+    def disjoint(self, pointers):
+        """Whether the role pairs that must not overlap do not, at these pointers."""
+        spans = self.spans
+        for a, b in self.overlaps:
+            if pointers[a] < pointers[b] + spans[b] and pointers[b] < pointers[a] + spans[a]:
+                return False
+        return True
+
+    def run(self, stream, pointers):
+        with self.lock:  # one patched parameter buffer per launch: one caller at a time
+            for prepared in self.launches:
+                prepared.launch(stream, pointers)
+
+
+class PlanCache:
+    """Plans by signature key, at most MAX_PLANS, safe from several threads."""
+
+    def __init__(self):
+        self._plans = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        return self._plans.get(key)
+
+    def put(self, key, plan):
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > MAX_PLANS:
+                self._plans.popitem(last=False)
+
+    def clear(self):
+        with self._lock:
+            self._plans.clear()
+
+
+def _span(x):
+    """Bytes from x's first element's address past its last (x has non-negative strides)."""
+    if x.size == 0:
+        return 0
+    return sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.dtype.itemsize
+
+
+def make(recorded, roles, overlaps=()):
+    """The plan of a recorded call, or None where a replay would not be exact.
+
+    ``roles``: the call's arrays in role order (None for an absent one), each of which must
+    appear, by its pointer, among the recorded launches' array arguments; ``overlaps``: pairs
+    of role indices that must not share memory at replay (validation refused it)."""
+    if recorded.unrecorded_work or not recorded.launches:
+        return None
+    present = {i: x for i, x in enumerate(roles) if x is not None}
+    by_pointer = {}
+    for i, x in present.items():
+        if any(s < 0 for s in x.strides):
+            return None  # a replay patches x.data.ptr; the kernel took the lowest address
+        by_pointer.setdefault(x.data.ptr, []).append(i)
+    if any(len(found) > 1 for found in by_pointer.values()):
+        return None  # two roles at one address: which one a slot holds is unknown
+    seen = set()
+    keep = []
+    prepared = []
+    for launcher, grid, block, shared_bytes, args in recorded.launches:
+        slots = {}
+        for position, arg in enumerate(args):
+            if isinstance(arg, arrays.KernelArray):
+                found = by_pointer.get(arg.pointer)
+                if found:
+                    slots[position] = found[0]
+                    seen.add(found[0])
+                else:
+                    keep.append(arg.owner)
+        prepared.append(launcher.prepare(grid, block, shared_bytes, args, slots))
+    if seen != set(present):
+        return None  # an array was copied or padded before the kernel read it
+    spans = [0 if x is None else _span(x) for x in roles]
+    overlaps = tuple((a, b) for a, b in overlaps if a in present and b in present)
+    return Plan(tuple(prepared), keep, spans, overlaps)

@@ -1,0 +1,105 @@
+"""Repeated calls replay a plan (numflash.plans): results bitwise equal to the full path, new
+arrays' pointers patched in, no plan where a replay would not be exact, value checks kept."""
+
+import numpy as np
+import pytest
+from support import random_array, random_qkv, xp
+
+import numflash
+from numflash import api
+
+pytestmark = pytest.mark.gpu
+
+
+def _bits(x):
+    return np.asarray(x.view(xp.uint8).get())
+
+
+def _plan_count():
+    return len(api._plans._plans)
+
+
+def test_repeated_attention_replays_and_equals_the_full_path():
+    api._plans.clear()
+    for return_lse in (False, True):
+        for trial in range(3):  # the first call records, the next two replay
+            q, k, v = random_qkv(2, 77, 130, 8, 2, 128, "float16")
+            got = numflash.attention(q, k, v, causal=True, return_lse=return_lse)
+            want = api._attention(q, k, v, True, None, (-1, -1), return_lse, None, None)
+            for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
+                assert (_bits(a) == _bits(b)).all(), f"trial {trial}, return_lse={return_lse}"
+    assert _plan_count() == 2  # one plan per return_lse
+
+
+def test_no_plan_where_the_full_path_copies_an_input():
+    api._plans.clear()
+    q, k, v = random_qkv(1, 40, 40, 2, 2, 100, "bfloat16")  # head_dim 100: padded to 104
+    for _ in range(2):
+        got = numflash.attention(q, k, v)
+        want = api._attention(q, k, v, False, None, (-1, -1), False, None, None)
+        assert (_bits(got) == _bits(want)).all()
+    assert _plan_count() == 0
+
+
+def test_a_flag_of_another_type_does_not_reach_a_plan():
+    """causal=1 is refused by name even after causal=True made a plan (1 == True in a dict)."""
+    q, k, v = random_qkv(1, 16, 16, 2, 2, 64, "float16")
+    numflash.attention(q, k, v, causal=True)
+    numflash.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        numflash.attention(q, k, v, causal=1)
+
+
+def test_a_decoding_loop_replays_with_lengths_advancing_on_the_device():
+    """One plan serves every step of a paged decoding loop with appends: cache_seqlens grows
+    on the device; outputs and caches equal a second loop run through the full path."""
+    api._plans.clear()
+    rng = np.random.default_rng(3)
+    batch, page, pages = 3, 16, 8
+    table = xp.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
+    caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    lengths = xp.asarray(np.array([5, 40, 71], np.int32))
+    twin_lengths = lengths.copy()
+    for step in range(4):
+        q = random_array((batch, 1, 8, 64), "bfloat16", rng)
+        k, v = (random_array((batch, 1, 2, 64), "bfloat16", rng) for _ in range(2))
+        got, got_lse = numflash.attention_with_kvcache(
+            q, *caches, k, v, cache_seqlens=lengths, block_table=table, return_lse=True
+        )
+        want, want_lse = api._attention_with_kvcache(
+            q, *twins, k, v, twin_lengths, None, table, False, None, (-1, -1), 0, True, None, None
+        )
+        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        assert (_bits(got_lse) == _bits(want_lse)).all(), f"step {step}"
+        lengths += 1
+        twin_lengths += 1
+    for c, t in zip(caches, twins):
+        assert (_bits(c) == _bits(t)).all()
+    assert _plan_count() == 1
+
+
+def test_overlapping_new_rows_are_refused_after_a_plan_exists():
+    """The plan of a call whose new k is a row of another buffer does not take a call whose
+    new k, of the same shape and strides, is a row of the cache it is written to."""
+    q = random_array((1, 1, 2, 64), "float16")
+    caches = [random_array((1, 32, 1, 64), "float16") for _ in range(2)]
+    elsewhere = random_array((1, 32, 1, 64), "float16")
+    v = random_array((1, 1, 1, 64), "float16")
+    for _ in range(2):
+        numflash.attention_with_kvcache(q, *caches, elsewhere[:, 5:6], v, cache_seqlens=3)
+    with pytest.raises(ValueError, match="overlaps"):
+        numflash.attention_with_kvcache(q, *caches, caches[0][:, 5:6], v, cache_seqlens=3)
+
+
+def test_repeated_backward_replays_and_equals_the_full_path():
+    api._plans.clear()
+    for trial in range(3):
+        q, k, v = random_qkv(1, 150, 201, 4, 2, 128, "bfloat16")
+        out, lse = numflash.attention(q, k, v, causal=True, return_lse=True)
+        dout = random_array(q.shape, "bfloat16")
+        got = numflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+        want = api._attention_backward(dout, q, k, v, out, lse, True, None, (-1, -1), False, None)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
+    assert _plan_count() == 2  # the forward's and the backward's
