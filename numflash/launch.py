@@ -190,11 +190,17 @@ def _dim3(block):
     return (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
 
 
-class _Recording(threading.local):
-    """The launches of the call in progress on this thread, while one is being recorded."""
+class Record:
+    """The launches of one recorded call: (launcher, grid, block, shared bytes, args) each,
+    and whether device work ran outside them."""
 
-    launches = None  # [(launcher, grid, block, shared bytes, args)] while recording
-    unrecorded_work = False
+    def __init__(self):
+        self.launches = []
+        self.unrecorded_work = False
+
+
+class _Recording(threading.local):
+    record = None  # the Record of the call being recorded on this thread, if any
 
 
 _recording = _Recording()
@@ -202,19 +208,20 @@ _recording = _Recording()
 
 @contextlib.contextmanager
 def recording():
-    """Notes every launch made on this thread inside the block (numflash.plans replays them)."""
-    _recording.launches = []
-    _recording.unrecorded_work = False
+    """Notes every launch made on this thread inside the block in the Record it yields
+    (numflash.plans replays them)."""
+    record = _recording.record = Record()
     try:
-        yield _recording
+        yield record
     finally:
-        _recording.launches = None
+        _recording.record = None
 
 
 def note_unrecorded_work():
     """Device work outside a Launcher (a copy, a fill) that a replay of the launches would
     skip: the call being recorded gets no plan."""
-    _recording.unrecorded_work = True
+    if _recording.record is not None:
+        _recording.record.unrecorded_work = True
 
 
 _POINTER = struct.Struct("=Q")
@@ -332,8 +339,8 @@ class Launcher:
                 f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
                 f"{shared_bytes} bytes of shared memory)"
             )
-        if _recording.launches is not None:
-            _recording.launches.append((self, grid, block, shared_bytes, args))
+        if _recording.record is not None:
+            _recording.record.launches.append((self, grid, block, shared_bytes, args))
 
     def prepare(self, grid, block, shared_bytes, args, roles):
         """A :class:`PreparedLaunch` of this launch on the current device; ``roles`` maps the
