@@ -46,6 +46,36 @@ def _call_key(*parts):
     return key
 
 
+def _capturing(stream=None):
+    """Whether ``stream`` (a handle; CuPy's current stream by default) is capturing a CUDA
+    graph (False in the simulator)."""
+    if SIMULATOR:
+        return False
+    import cupy
+
+    if stream is None:
+        stream = cupy.cuda.get_current_stream().ptr
+    return cupy.cuda.runtime.streamIsCapturing(stream)
+
+
+def _refuse_under_capture(name):
+    """A call without a plan cannot be captured: it may compile kernels and allocates buffers
+    that a graph would keep using after the call has freed them."""
+    if _capturing():
+        raise RuntimeError(
+            f"numflash.{name} cannot be captured into a CUDA graph the first time it runs with "
+            "these shapes, strides, dtypes and flags, nor with out= given or inputs it must "
+            "copy (a head_dim that is not a multiple of 8, rows not 16-byte aligned): call it "
+            "once eagerly on the capturing stream first, with out=None"
+        )
+
+
+def _replay(plan, key, pointers):
+    if plan.keep and not plan.pinned and _capturing(key[1]):
+        _plans.pin(plan)  # the graph being captured holds the plan's buffers
+    plan.run(key[1], pointers)
+
+
 def _planned(key, recorded, roles, overlaps=()):
     """Keep the plan of a recorded call whose arrays are on the current device."""
     if roles[0].data.device_id == key[0]:
@@ -131,9 +161,11 @@ def attention(
             )
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        _refuse_under_capture("attention")
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
-    plan = _plans.get(key)
     if plan is not None:
         import cupy
 
@@ -147,7 +179,7 @@ def attention(
             out.data.ptr,
             lse.data.ptr if lse is not None else 0,
         )
-        plan.run(key[1], pointers)
+        _replay(plan, key, pointers)
         return (out, lse) if return_lse else out
     with launch.recording() as recorded:
         result = _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
@@ -256,9 +288,11 @@ def attention_backward(
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        _refuse_under_capture("attention_backward")
     if key is None:
         return _attention_backward(*args)
-    plan = _plans.get(key)
     if plan is not None:
         import cupy
 
@@ -266,7 +300,7 @@ def attention_backward(
         dk = cupy.empty(k.shape, k.dtype)
         dv = cupy.empty(v.shape, v.dtype)
         inputs = (dout, q, k, v, out, lse, dq, dk, dv)
-        plan.run(key[1], [x.data.ptr for x in inputs])
+        _replay(plan, key, [x.data.ptr for x in inputs])
         return dq, dk, dv
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
@@ -414,6 +448,9 @@ def attention_with_kvcache(
             )
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
+    plan = None if key is None else _plans.get(key)
+    if plan is None:
+        _refuse_under_capture("attention_with_kvcache")
     if key is None:
         return _attention_with_kvcache(
             q,
@@ -433,7 +470,6 @@ def attention_with_kvcache(
             config,
         )
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
-    plan = _plans.get(key)
     if plan is not None:
         pointers = [
             x.data.ptr if x is not None else 0
@@ -446,7 +482,7 @@ def attention_with_kvcache(
             out = cupy.empty(q.shape, q.dtype)
             lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
             pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
-            plan.run(key[1], pointers)
+            _replay(plan, key, pointers)
             return (out, lse) if return_lse else out
     with launch.recording() as recorded:
         result = _attention_with_kvcache(

@@ -36,11 +36,12 @@ MAX_PLANS = 256
 class Plan:
     """Recorded launches, replayed in order on one stream with the call's pointers."""
 
-    __slots__ = ("launches", "keep", "spans", "overlaps", "lock")
+    __slots__ = ("launches", "keep", "spans", "overlaps", "lock", "pinned")
 
     def __init__(self, launches, keep, spans, overlaps):
         self.launches = launches
         self.keep = keep  # the arrays whose pointers the launches hold
+        self.pinned = False  # replayed under stream capture: a graph may hold ``keep``
         self.spans = spans  # bytes each role's array spans (its signature fixes them)
         self.overlaps = overlaps  # role pairs that must not share memory
         self.lock = threading.Lock()
@@ -60,10 +61,13 @@ class Plan:
 
 
 class PlanCache:
-    """Plans by signature key, at most MAX_PLANS, safe from several threads."""
+    """Plans by signature key, at most MAX_PLANS, safe from several threads. A plan replayed
+    under stream capture is pinned: a CUDA graph holds the addresses of its buffers, so they
+    live as long as the process."""
 
     def __init__(self):
         self._plans = collections.OrderedDict()
+        self._pinned = []
         self._lock = threading.Lock()
 
     def get(self, key):
@@ -75,7 +79,14 @@ class PlanCache:
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
 
+    def pin(self, plan):
+        with self._lock:
+            if not plan.pinned:
+                plan.pinned = True
+                self._pinned.append(plan)
+
     def clear(self):
+        """Forget every plan not pinned."""
         with self._lock:
             self._plans.clear()
 

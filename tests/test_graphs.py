@@ -82,3 +82,17 @@ def test_a_decoding_step_replays_with_lengths_advancing_on_the_device():
         assert (_bits(out) == _bits(want)).all(), f"step {step_index}"
     for c, t in zip(caches, twins):
         assert (_bits(c) == _bits(t)).all()
+
+
+def test_a_call_without_a_plan_is_refused_under_capture():
+    """The first call of a signature would compile and allocate inside the capture: a clear
+    error instead, and the capture is left to the caller to end."""
+    stream = xp.cuda.Stream(non_blocking=True)
+    q, k, v = random_qkv(1, 33, 47, 2, 1, 64, "float16")  # shapes no other test captures
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="captured into a CUDA graph"):
+                numflash.attention(q, k, v, window_size=(5, 5))
+        finally:
+            stream.end_capture()
