@@ -3,6 +3,8 @@
 from .api import (
     attention,
     attention_backward,
+    attention_varlen,
+    attention_varlen_backward,
     attention_with_kvcache,
     selected_backward_config,
     selected_config,
@@ -23,6 +25,8 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_backward",
+    "attention_varlen",
+    "attention_varlen_backward",
     "attention_with_kvcache",
     "selected_config",
     "selected_backward_config",

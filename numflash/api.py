@@ -213,6 +213,134 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
     return (out, lse) if return_lse else out
 
 
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    return_lse=False,
+    out=None,
+    config=None,
+):
+    """Attention over a packed batch of sequences of different lengths, without padding, in
+    flash-attn's vocabulary (``flash_attn_varlen_func``).
+
+    Args:
+        q: (total_q, nheads, head_dim); k, v: (total_k, nheads_k, head_dim), q's dtype.
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b is rows
+            cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (starting at 0, never decreasing; empty
+            sequences allowed).
+        max_seqlen_q, max_seqlen_k: ints >= 1, the longest sequences (they size the grid
+            without reading the offsets).
+        causal, softmax_scale, window_size: as :func:`attention`, masks aligned bottom-right
+            within each sequence's own lengths.
+        return_lse: also return lse, float32 (nheads, total_q).
+        out: optional output array (q's shape and dtype).
+        config: force a :class:`numflash.PortableConfig` (the only family that takes packed
+            batches so far); by default numflash chooses.
+
+    Offsets on the device are trusted for their values but never followed outside the arrays:
+    they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its
+    later rows are not written). Rows that see no key give 0 and lse -inf.
+
+    Kernels run on CuPy's current stream; the call returns without synchronising.
+    """
+    q, k, v, cu_q, cu_k, p = validation.varlen_problem(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        window_size,
+    )
+    return_lse = validation.check_flag(return_lse, "return_lse")
+    out = validation.check_out(out, q, k, v)
+    with _on_device(q):
+        device = current_device()
+        cfg = validation.check_varlen_config(config, p, device)
+        if cfg is None:
+            cfg = selection.forward_varlen(p, device).config
+        xp = arrays.array_module(q)
+        if out is None:
+            out = xp.empty(q.shape, dtype=q.dtype)
+        lse = xp.empty((p.nheads, q.shape[0]), dtype=xp.float32)
+        if out.size:
+            if k.shape[0] == 0:  # nothing to attend to: every row is empty
+                arrays.bits(out)[...] = 0
+                lse[...] = -xp.inf
+            else:
+                launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    deterministic=False,
+):
+    """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
+    the forward's arguments and its outputs out and lse (nheads, total_q). Portable kernels,
+    bitwise reproducible (``deterministic`` is accepted for flash-attn's signature). Rows of
+    no sequence, or past a max_seqlen, get zero gradients.
+
+    Kernels run on CuPy's current stream; the call returns without synchronising.
+    """
+    q, k, v, cu_q, cu_k, p = validation.varlen_problem(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        softmax_scale,
+        window_size,
+    )
+    dout = validation.check_like(dout, "dout", q, "q")
+    out = validation.check_like(out, "out", q, "q")
+    lse = validation.check_like(
+        lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(p.nheads, q.shape[0])
+    )
+    validation.check_flag(deterministic, "deterministic")
+    with _on_device(q):
+        device = current_device()
+        cfg = selection.backward_varlen(p, device).config
+        xp = arrays.array_module(q)
+        dq = xp.empty(q.shape, dtype=q.dtype)
+        dk = xp.empty(k.shape, dtype=k.dtype)
+        dv = xp.empty(v.shape, dtype=v.dtype)
+        if q.shape[0] == 0 or k.shape[0] == 0 or dq.size == 0:
+            for g in (dq, dk, dv):  # nothing attends: every gradient is 0
+                arrays.bits(g)[...] = 0
+        else:
+            launch.backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k)
+    return dq, dk, dv
+
+
 def selected_backward_config(
     q, k, v, *, causal=False, window_size=(-1, -1), deterministic=False, config=None
 ):

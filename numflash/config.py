@@ -187,7 +187,7 @@ class PortableConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2  # 2: the rows of one sequence in a device function (varlen)
 
     @property
     def threads(self):
@@ -217,7 +217,7 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = PORTABLE_BACKWARD
-    REVISION: ClassVar[int] = 2
+    REVISION: ClassVar[int] = 3  # 3: one sequence's keys or rows in a device function (varlen)
 
     def kernel_head_dim(self, head_dim):
         return head_dim

@@ -10,6 +10,7 @@ through the driver, skipping Numba's per-call typing.
 
 import contextlib
 import ctypes
+import dataclasses
 import struct
 import threading
 from typing import NamedTuple
@@ -124,6 +125,15 @@ DQ = KernelSpec(
     arrays=_BACKWARD_INPUTS + (("dq", "elem"),),
     strided=("q", "k", "v", "do", "dq"),
     scalars=ATTENTION_SCALARS,
+)
+
+
+#: Forward over a packed batch (varlen): the cumulative sequence offsets after the arrays,
+#: max lengths in place of the lengths, the arrays' row counts last.
+FORWARD_VARLEN = KernelSpec(
+    arrays=FORWARD.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
+    strided=("q", "k", "v", "o"),
+    scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
 )
 
 
@@ -523,6 +533,35 @@ def forward(cfg, p, q, k, v, out, lse):
     _FORWARD[type(cfg)](cfg, p, q, k, v, out, lse)
 
 
+def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
+    """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch with the
+    portable kernel; ``p`` holds the max lengths and the batch (validated arrays)."""
+    if not isinstance(cfg, PortableConfig):
+        raise NotImplementedError(f"variable-length batches run on the portable kernel; got {cfg}")
+    q, k, v = (arrays.as_kernel_input(x) for x in (q, k, v))
+    target = out if arrays.readable_in_place(out) else arrays.empty(out.shape, out.dtype, like=out)
+    xp = arrays.array_module(q)
+    views = {
+        name: arrays.kernel_view(x[None] if x.ndim == 3 else x)
+        for name, x in (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
+    }
+    views["cu_q"] = arrays.kernel_view(xp.ascontiguousarray(cu_q))
+    views["cu_k"] = arrays.kernel_view(xp.ascontiguousarray(cu_k))
+    key = (PortableConfig, "varlen", p.head_dim, p.dtype, cfg)
+    launch = launcher(
+        key,
+        lambda: forward_portable.build_varlen(p.head_dim, p.dtype, cfg.block_m, cfg.block_n),
+        FORWARD_VARLEN,
+        p.dtype,
+    )
+    scalars = attention_scalars(p, p.scale * LOG2E) + (q.shape[0], k.shape[0])
+    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    launch(grid, cfg.threads, arrays.current_stream(), 0, FORWARD_VARLEN.args(views, scalars))
+    if target is not out:
+        note_unrecorded_work()
+        arrays.bits(out)[...] = arrays.bits(target)
+
+
 # -- backward ---------------------------------------------------------------------------------
 
 #: Query rows (one warp each) per block of the D = rowsum(dO * O) kernel.
@@ -586,6 +625,69 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
         kernel = launcher(
             (PortableBackwardConfig, d, dtype, cfg, kind),
             lambda build=build: build(d, dtype, *tiles),
+            spec,
+            dtype,
+        )
+        kernel(grid, threads, stream, 0, spec.args(views, scalars))
+
+
+#: The portable backward over a packed batch: as FORWARD_VARLEN extends FORWARD.
+PORTABLE_DKDV_VARLEN = KernelSpec(
+    arrays=PORTABLE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
+    strided=PORTABLE_DKDV.strided,
+    scalars=FORWARD_VARLEN.scalars,
+)
+DQ_VARLEN = KernelSpec(
+    arrays=DQ.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
+    strided=DQ.strided,
+    scalars=FORWARD_VARLEN.scalars,
+)
+
+
+def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
+    """dq, dk, dv of a packed batch with the portable kernels (dq, dk, dv zeroed first: rows
+    of no sequence, or past a max_seqlen, keep 0). D = rowsum(dO * O) is row by row, so the
+    dense preprocess kernel computes it over the packed rows as one sequence."""
+    if not isinstance(cfg, PortableBackwardConfig):
+        raise NotImplementedError(
+            f"variable-length batches run on the portable backward; got {cfg}"
+        )
+    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    total_q, total_k = q.shape[0], k.shape[0]
+    packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
+    lse, delta = _preprocess(packed, dout[None], out[None], lse)
+    xp = arrays.array_module(q)
+    note_unrecorded_work()  # the zeroing
+    for g in (dq, dk, dv):
+        arrays.bits(g)[...] = 0
+    views = {
+        name: arrays.kernel_view(x[None] if x.ndim == 3 else x)
+        for name, x in (
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("do", dout),
+            ("lse", lse),
+            ("delta", delta),
+            ("dq", dq),
+            ("dk", dk),
+            ("dv", dv),
+        )
+    }
+    views["cu_q"] = arrays.kernel_view(xp.ascontiguousarray(cu_q))
+    views["cu_k"] = arrays.kernel_view(xp.ascontiguousarray(cu_k))
+    scalars = attention_scalars(p, p.scale) + (total_q, total_k)
+    stream = arrays.current_stream()
+    d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
+    for kind, build, spec, grid, threads in (
+        ("dkdv", backward_portable.build_dkdv, PORTABLE_DKDV_VARLEN,
+         (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
+        ("dq", backward_portable.build_dq, DQ_VARLEN,
+         (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
+    ):  # fmt: skip
+        kernel = launcher(
+            (PortableBackwardConfig, "varlen", d, dtype, cfg, kind),
+            lambda build=build: build(d, dtype, *tiles, varlen=True),
             spec,
             dtype,
         )

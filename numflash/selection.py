@@ -176,6 +176,18 @@ def forward(problem, device):
     return _tuned_or_default(device.preferred_family(problem.dtype), problem, device)[0]
 
 
+def forward_varlen(problem, device):
+    """The configuration of a packed-batch forward: the portable kernel's (the tensor-core
+    kernels take no sequence offsets yet), tuned or heuristic as for a dense call of the max
+    lengths."""
+    return _tuned_or_default(PORTABLE, problem, device)[0]
+
+
+def backward_varlen(problem, device):
+    """The configuration of a packed-batch backward: the portable kernels' so far."""
+    return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
+
+
 def _wgmma_backward_fits(problem, device):
     head_dim = tensor_core_backward_head_dim(problem.head_dim)
     return device.has_wgmma and not WgmmaBackwardConfig().problems(head_dim, device)

@@ -17,12 +17,14 @@ from .config import (
     DECODE_CONFIGS,
     FORWARD_CONFIGS,
     MAX_HEAD_DIM,
+    PortableConfig,
     TensorCoreBackwardConfig,
 )
 from .kernels.jit import SIMULATOR
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
 MAX_GRID_YZ = 65535
+MAX_INT32 = 2**31 - 1
 #: The largest finite float32: the kernels take the scale as one.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -211,6 +213,71 @@ def problem(q, k, v, causal, softmax_scale, window_size):
     return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
 
 
+def _check_offsets(cu, name, like):
+    """cu_seqlens: an int32 vector of batch + 1 offsets on ``like``'s device; when its values
+    are on the host (NumPy, the simulator), starting at 0 and non-decreasing."""
+    cu = arrays.intake(cu, name)
+    if cu.dtype != np.int32:
+        raise TypeError(f"{name} must have dtype int32; got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(
+            f"{name} must have shape (batch + 1,) with batch >= 1; got {shape_str(cu)}"
+        )
+    check_device(cu, name, like, "q")
+    if isinstance(cu, np.ndarray):
+        if cu[0] != 0 or (np.diff(cu) < 0).any():
+            raise ValueError(f"{name} must start at 0 and never decrease; got {cu.tolist()}")
+    return cu
+
+
+def varlen_problem(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window
+):
+    """Validated packed arrays (q, k, v, cu_seqlens_q, cu_seqlens_k) and the :class:`Problem`
+    of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths."""
+    q = arrays.intake(q, "q")
+    k = arrays.intake(k, "k")
+    v = arrays.intake(v, "v")
+    for name, x, total in (("q", q, "total_q"), ("k", k, "total_k"), ("v", v, "total_k")):
+        if x.ndim != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions ({total}, nheads, head_dim); got shape "
+                f"{shape_str(x)}"
+            )
+    dtype = check_qkv(q[None], k[None], v[None])
+    cu_q = _check_offsets(cu_seqlens_q, "cu_seqlens_q", q)
+    cu_k = _check_offsets(cu_seqlens_k, "cu_seqlens_k", q)
+    if cu_k.shape != cu_q.shape:
+        raise ValueError(
+            f"cu_seqlens_k must have cu_seqlens_q's shape {shape_str(cu_q)}; got {shape_str(cu_k)}"
+        )
+    for name, cu, x, total in (
+        ("cu_seqlens_q", cu_q, q, "total_q"),
+        ("cu_seqlens_k", cu_k, k, "total_k"),
+    ):
+        if isinstance(cu, np.ndarray) and cu[-1] != x.shape[0]:
+            raise ValueError(
+                f"{name} ends at {cu[-1]} but the packed array holds {x.shape[0]} rows ({total})"
+            )
+    max_seqlen_q = _check_int(max_seqlen_q, "max_seqlen_q", low=1)
+    max_seqlen_k = _check_int(max_seqlen_k, "max_seqlen_k", low=1)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value > MAX_INT32:
+            raise ValueError(f"{name} must be below 2**31; got {value}")
+    batch = cu_q.shape[0] - 1
+    if batch > MAX_GRID_YZ:
+        raise ValueError(
+            f"batch (len(cu_seqlens_q) - 1) must be at most {MAX_GRID_YZ}; got {batch}"
+        )
+    causal = check_flag(causal, "causal")
+    left, right = check_window(window, causal)
+    scale = check_scale(scale, q.shape[-1])
+    left, right = (_clamp_window(w, max_seqlen_q, max_seqlen_k) for w in (left, right))
+    h, d = q.shape[1:]
+    p = Problem(batch, max_seqlen_q, max_seqlen_k, h, k.shape[1], d, dtype, scale, left, right)
+    return q, k, v, cu_q, cu_k, p
+
+
 def _config_problems(config, p, device):
     head_dim = config.kernel_head_dim(p.head_dim)
     reasons = config.problems(head_dim, device)
@@ -233,6 +300,18 @@ def check_forward_config(config, p, device):
         )
     if config.family != "portable" and p.dtype == "float32":
         raise TypeError("config: the tensor-core kernel takes float16 or bfloat16, not float32")
+    return _config_problems(config, p, device)
+
+
+def check_varlen_config(config, p, device):
+    """A forced configuration of a packed-batch call: the portable forward's, so far."""
+    if config is None:
+        return None
+    if not isinstance(config, PortableConfig):
+        raise TypeError(
+            "config: variable-length batches run on numflash.PortableConfig so far; got "
+            f"{type(config).__name__}"
+        )
     return _config_problems(config, p, device)
 
 

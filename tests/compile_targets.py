@@ -123,15 +123,23 @@ def tensor_core_forward(hd, dtype):
 
 def portable_forward(hd, dtype):
     cfg = default_portable_config(hd)
-    kernel = forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n)
+    kernels = {
+        "dense": (forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n), launch.FORWARD),
+        "varlen": (
+            forward_portable.build_varlen(hd, dtype, cfg.block_m, cfg.block_n),
+            launch.FORWARD_VARLEN,
+        ),
+    }
     return [
         {
             "family": "portable",
+            "kernel": name,
             "head_dim": hd,
             "dtype": dtype,
             "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=False),
+            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
         }
+        for name, (kernel, spec) in kernels.items()
         for cc in PORTABLE_TARGETS
     ]
 
@@ -145,6 +153,14 @@ def portable_backward(hd, dtype):
             launch.PORTABLE_DKDV,
         ),
         "dq": (backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n), launch.DQ),
+        "dkdv-varlen": (
+            backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n, varlen=True),
+            launch.PORTABLE_DKDV_VARLEN,
+        ),
+        "dq-varlen": (
+            backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n, varlen=True),
+            launch.DQ_VARLEN,
+        ),
     }
     return [
         {

@@ -83,11 +83,27 @@ def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
         assert e["counts"]["shfl.sync.bfly"] == 0
 
 
+def test_tensor_core_decode_compiles_for_every_target(compiled):
+    entries = _entries(compiled, "tensor-core-decode")
+    targets = {"sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120"}
+    assert targets <= {e["target"] for e in entries}
+    for e in entries:
+        for instruction in (
+            "mma.sync.aligned.m16n8k16",
+            "ldmatrix.sync.aligned",
+            "cp.async.cg.shared.global",
+        ):
+            assert e["counts"][instruction] > 0, e
+        if "resources" in e and e["head_dim"] <= 128:  # head_dim 256 keeps acc in local memory
+            r = e["resources"]
+            assert r["spill_stores"] == 0 and r["stack"] == 0, e
+
+
 def test_portable_backward_kernels_compile_for_every_target(compiled):
     entries = _entries(compiled, "portable-backward")
     assert {(e["kernel"], e["target"]) for e in entries} == {
         (kernel, target)
-        for kernel in ("preprocess", "dkdv", "dq")
+        for kernel in ("preprocess", "dkdv", "dq", "dkdv-varlen", "dq-varlen")
         for target in ("sm_75", "sm_90a", "sm_120")
     }
     for e in entries:

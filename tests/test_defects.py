@@ -24,7 +24,9 @@ def _write(path, entries):
     cache.reload()
 
 
-def _entry(config, family_revision=1):
+def _entry(config, family_revision=numflash.PortableConfig.REVISION):
+    """A cache entry under a portable key, of the portable kernels' current revision (so that
+    what the test exercises is the entry itself, not a stale revision)."""
     return {"config": config, "time_ms": 1.0, "kernel_revision": family_revision}
 
 
@@ -188,7 +190,8 @@ def test_info_lists_cache_entries_that_lack_a_time(user_cache):
 
     key = "portable/float16/hd16/full/s128"
     config = {"family": "portable", "block_m": 64, "block_n": 32}
-    _write(user_cache, {key: {"config": config, "kernel_revision": 1, "default_ms": "?"}})
+    revision = numflash.PortableConfig.REVISION
+    _write(user_cache, {key: {"config": config, "kernel_revision": revision, "default_ms": "?"}})
     out = io.StringIO()
     _print_entries(current_device(), out)
     assert f"{key}: block_m=64, block_n=32  (-; default -)" in out.getvalue()

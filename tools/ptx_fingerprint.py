@@ -44,7 +44,8 @@ _SLOT = re.compile(r"^\.common \.global \.align 8 \.u64 _ZN[0-9A-Za-z_$]+;$")
 
 def normalise(ptx):
     """The PTX without comments, target and file lines or device functions' exception slots,
-    symbols renamed in order of use."""
+    symbols renamed in order of use (shared arrays too: Numba numbers them by how many arrays
+    the process compiled before)."""
     names = {}
     lines = []
     for line in ptx.splitlines():
@@ -52,7 +53,7 @@ def normalise(ptx):
             continue
         lines.append(
             re.sub(
-                r"_ZN[0-9A-Za-z_$]+",
+                r"_ZN[0-9A-Za-z_$]+|_cudapy_smem_[0-9]+",
                 lambda m: names.setdefault(m.group(0), f"SYM{len(names)}"),
                 line,
             )
@@ -80,6 +81,12 @@ def cases():
             forward_portable.build(hd, dt, 64, 32),
             launch.FORWARD.signature(dt),
         )
+        yield (
+            config.PortableConfig.family,
+            f"forward-varlen-{hd}-{dt}",
+            forward_portable.build_varlen(hd, dt, 64, 32),
+            launch.FORWARD_VARLEN.signature(dt),
+        )
         family = config.PortableBackwardConfig.family
         yield (
             family,
@@ -98,6 +105,18 @@ def cases():
             f"dq-{hd}-{dt}",
             backward_portable.build_dq(hd, dt, 32, 32),
             launch.DQ.signature(dt),
+        )
+        yield (
+            family,
+            f"dkdv-varlen-{hd}-{dt}",
+            backward_portable.build_dkdv(hd, dt, 32, 32, varlen=True),
+            launch.PORTABLE_DKDV_VARLEN.signature(dt),
+        )
+        yield (
+            family,
+            f"dq-varlen-{hd}-{dt}",
+            backward_portable.build_dq(hd, dt, 32, 32, varlen=True),
+            launch.DQ_VARLEN.signature(dt),
         )
     family = config.TensorCoreBackwardConfig.family
     for hd, dt, tiles, separate, split in [

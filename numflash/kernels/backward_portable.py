@@ -24,10 +24,16 @@ nothing; keys that no row sees get dk = dv = 0.
 
 import functools
 
-from numba import cuda, float32
+from numba import cuda, float32, int64
 
 from . import ptx
-from .forward_portable import FROM_F32, TO_F32, query_row_position, tile_pair_loader
+from .forward_portable import (
+    FROM_F32,
+    TO_F32,
+    packed_sequence,
+    query_row_position,
+    tile_pair_loader,
+)
 from .jit import device_function, kernel
 from .mask import block_query_range, visible_keys
 from .softmax import LOG2E, NEG_INF, row_log2_lse
@@ -99,8 +105,10 @@ def _row_pair_loader(head_dim, to_f32):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dkdv(head_dim, dtype_name, block_m, block_n):
-    """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads."""
+def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
+    """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads. With
+    ``varlen`` over a packed batch: the cumulative offsets cu_q, cu_k after the arrays, max
+    lengths in place of the lengths, the arrays' row counts last."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -143,8 +151,8 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
                 lse_tile[r] = -NEG_INF
                 d_tile[r] = float32(0.0)
 
-    @kernel
-    def dkdv(
+    @device_function
+    def dkdv_block(
         q,
         k,
         v,
@@ -153,6 +161,14 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
         delta,
         dk,
         dv,
+        q_off,
+        k_off,
+        v_off,
+        do_off,
+        dk_off,
+        dv_off,
+        row_off,
+        row_head_stride,
         q_st,
         k_st,
         v_st,
@@ -165,13 +181,18 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
         scale,
         window_left,
         window_right,
+        kv_head,
+        n_block,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        do_sb, do_ss, do_sh = do_st
-        dk_sb, dk_ss, dk_sh = dk_st
-        dv_sb, dv_ss, dv_sh = dv_st
+        """dK and dV of keys n_block * BLOCK_N .. of one (sequence, kv head): ``*_off`` index
+        the sequence's row 0 (head 0), lse and D of (head, row) at row_off + head *
+        row_head_stride + row."""
+        _, q_ss, q_sh = q_st
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, do_ss, do_sh = do_st
+        _, dk_ss, dk_sh = dk_st
+        _, dv_ss, dv_sh = dv_st
         q_tile = cuda.shared.array(TILE, float32)
         do_tile = cuda.shared.array(TILE, float32)
         lse_tile = cuda.shared.array(BLOCK_M, float32)
@@ -184,27 +205,24 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
         dv_tile_sum = cuda.local.array(HEAD_DIM, float32)
 
         tid = cuda.threadIdx.x
-        kv_head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        n0 = cuda.blockIdx.x * BLOCK_N
+        n0 = n_block * BLOCK_N
         key = n0 + tid
         active = key < seqlen_k
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left, window_right)
         scale_log2 = scale * float32(LOG2E)
 
-        k_base = batch * k_sb + kv_head * k_sh + key * k_ss
-        v_base = batch * v_sb + kv_head * v_sh + key * v_ss
+        k_base = k_off + kv_head * k_sh + key * k_ss
+        v_base = v_off + kv_head * v_sh + key * v_ss
         load_k_v(k, v, k_base, v_base, k_row, v_row, active)
         for d in range(HEAD_DIM):
             dk_acc[d] = float32(0.0)
             dv_acc[d] = float32(0.0)
 
-        nheads = cuda.gridDim.y * heads_per_kv
         for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
-            q_base = batch * q_sb + head * q_sh
-            do_base = batch * do_sb + head * do_sh
-            row_base = (batch * nheads + head) * seqlen_q
+            q_base = q_off + head * q_sh
+            do_base = do_off + head * do_sh
+            row_base = row_off + head * row_head_stride
             for m0 in range(m_lo, m_hi, BLOCK_M):
                 cuda.syncthreads()  # every thread is done with the previous tile
                 load_query_tile(
@@ -245,18 +263,146 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n):
                         dv_acc[d] += dv_tile_sum[d]
 
         if active:
-            dk_base = batch * dk_sb + kv_head * dk_sh + key * dk_ss
-            dv_base = batch * dv_sb + kv_head * dv_sh + key * dv_ss
+            dk_base = dk_off + kv_head * dk_sh + key * dk_ss
+            dv_base = dv_off + kv_head * dv_sh + key * dv_ss
             for d in range(HEAD_DIM):
                 dk[dk_base + d] = from_f32(dk_acc[d] * scale)
                 dv[dv_base + d] = from_f32(dv_acc[d])
+
+    if varlen:
+
+        @kernel
+        def dkdv(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            q_st,
+            k_st,
+            v_st,
+            do_st,
+            dk_st,
+            dv_st,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_per_kv,
+            scale,
+            window_left,
+            window_right,
+            total_q,
+            total_k,
+        ):
+            b = cuda.blockIdx.z
+            q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+            k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+            if cuda.blockIdx.x * BLOCK_N >= seqlen_k:
+                return  # past this sequence's keys: the whole block
+            dkdv_block(
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                q_start * q_st[1],
+                k_start * k_st[1],
+                k_start * v_st[1],
+                q_start * do_st[1],
+                k_start * dk_st[1],
+                k_start * dv_st[1],
+                q_start,
+                int64(total_q),
+                q_st,
+                k_st,
+                v_st,
+                do_st,
+                dk_st,
+                dv_st,
+                seqlen_q,
+                seqlen_k,
+                heads_per_kv,
+                scale,
+                window_left,
+                window_right,
+                cuda.blockIdx.y,
+                cuda.blockIdx.x,
+            )
+
+    else:
+
+        @kernel
+        def dkdv(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk,
+            dv,
+            q_st,
+            k_st,
+            v_st,
+            do_st,
+            dk_st,
+            dv_st,
+            seqlen_q,
+            seqlen_k,
+            heads_per_kv,
+            scale,
+            window_left,
+            window_right,
+        ):
+            batch = cuda.blockIdx.z
+            nheads = cuda.gridDim.y * heads_per_kv
+            dkdv_block(
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dk,
+                dv,
+                batch * q_st[0],
+                batch * k_st[0],
+                batch * v_st[0],
+                batch * do_st[0],
+                batch * dk_st[0],
+                batch * dv_st[0],
+                int64(batch) * nheads * seqlen_q,
+                int64(seqlen_q),
+                q_st,
+                k_st,
+                v_st,
+                do_st,
+                dk_st,
+                dv_st,
+                seqlen_q,
+                seqlen_k,
+                heads_per_kv,
+                scale,
+                window_left,
+                window_right,
+                cuda.blockIdx.y,
+                cuda.blockIdx.x,
+            )
 
     return dkdv
 
 
 @functools.lru_cache(maxsize=None)
-def build_dq(head_dim, dtype_name, block_m, block_n):
-    """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads."""
+def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
+    """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads (``varlen``: as
+    :func:`build_dkdv`)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -269,8 +415,8 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
     load_q_do = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
 
-    @kernel
-    def dq_kernel(
+    @device_function
+    def dq_block(
         q,
         k,
         v,
@@ -278,6 +424,12 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
         lse,
         delta,
         dq,
+        q_off,
+        k_off,
+        v_off,
+        do_off,
+        dq_off,
+        row_base,
         q_st,
         k_st,
         v_st,
@@ -285,16 +437,20 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
         dq_st,
         seqlen_q,
         seqlen_k,
-        heads_per_kv,
         scale,
         window_left,
         window_right,
+        head,
+        kv_head,
+        m_block,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        do_sb, do_ss, do_sh = do_st
-        dq_sb, dq_ss, dq_sh = dq_st
+        """dQ of query block m_block of one (sequence, head): ``*_off`` index the sequence's
+        row 0 (head 0); lse and D of row i at row_base + i."""
+        _, q_ss, q_sh = q_st
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, do_ss, do_sh = do_st
+        _, dq_ss, dq_sh = dq_st
         k_tile = cuda.shared.array(TILE, float32)
         v_tile = cuda.shared.array(TILE, float32)
         q_row = cuda.local.array(HEAD_DIM, float32)
@@ -303,28 +459,24 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
         dq_tile_sum = cuda.local.array(HEAD_DIM, float32)
 
         tid = cuda.threadIdx.x
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        kv_head = head // heads_per_kv
         m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
-            cuda.blockIdx.x, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
+            m_block, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
         )
         scale_log2 = scale * float32(LOG2E)
 
-        q_base = batch * q_sb + head * q_sh + row * q_ss
-        do_base = batch * do_sb + head * do_sh + row * do_ss
+        q_base = q_off + head * q_sh + row * q_ss
+        do_base = do_off + head * do_sh + row * do_ss
         load_q_do(q, do, q_base, do_base, q_row, do_row, active)
         for d in range(HEAD_DIM):
             dq_acc[d] = float32(0.0)
         row_lse = -NEG_INF
         row_d = float32(0.0)
         if active:
-            row_index = (batch * cuda.gridDim.y + head) * seqlen_q + row
-            row_lse = row_log2_lse(lse[row_index])
-            row_d = delta[row_index]
+            row_lse = row_log2_lse(lse[row_base + row])
+            row_d = delta[row_base + row]
 
-        k_base = batch * k_sb + kv_head * k_sh
-        v_base = batch * v_sb + kv_head * v_sh
+        k_base = k_off + kv_head * k_sh
+        v_base = v_off + kv_head * v_sh
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
             load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid)
@@ -342,8 +494,124 @@ def build_dq(head_dim, dtype_name, block_m, block_n):
                 dq_acc[d] += dq_tile_sum[d]
 
         if active:
-            dq_base = batch * dq_sb + head * dq_sh + row * dq_ss
+            dq_base = dq_off + head * dq_sh + row * dq_ss
             for d in range(HEAD_DIM):
                 dq[dq_base + d] = from_f32(dq_acc[d] * scale)
+
+    if varlen:
+
+        @kernel
+        def dq_kernel(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            cu_q,
+            cu_k,
+            q_st,
+            k_st,
+            v_st,
+            do_st,
+            dq_st,
+            max_seqlen_q,
+            max_seqlen_k,
+            heads_per_kv,
+            scale,
+            window_left,
+            window_right,
+            total_q,
+            total_k,
+        ):
+            head = cuda.blockIdx.y
+            b = cuda.blockIdx.z
+            q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+            k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+            if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
+                return  # past this sequence's rows: the whole block
+            dq_block(
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                q_start * q_st[1],
+                k_start * k_st[1],
+                k_start * v_st[1],
+                q_start * do_st[1],
+                q_start * dq_st[1],
+                int64(head) * total_q + q_start,
+                q_st,
+                k_st,
+                v_st,
+                do_st,
+                dq_st,
+                seqlen_q,
+                seqlen_k,
+                scale,
+                window_left,
+                window_right,
+                head,
+                head // heads_per_kv,
+                cuda.blockIdx.x,
+            )
+
+    else:
+
+        @kernel
+        def dq_kernel(
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            q_st,
+            k_st,
+            v_st,
+            do_st,
+            dq_st,
+            seqlen_q,
+            seqlen_k,
+            heads_per_kv,
+            scale,
+            window_left,
+            window_right,
+        ):
+            head = cuda.blockIdx.y
+            batch = cuda.blockIdx.z
+            dq_block(
+                q,
+                k,
+                v,
+                do,
+                lse,
+                delta,
+                dq,
+                batch * q_st[0],
+                batch * k_st[0],
+                batch * v_st[0],
+                batch * do_st[0],
+                batch * dq_st[0],
+                (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
+                q_st,
+                k_st,
+                v_st,
+                do_st,
+                dq_st,
+                seqlen_q,
+                seqlen_k,
+                scale,
+                window_left,
+                window_right,
+                head,
+                head // heads_per_kv,
+                cuda.blockIdx.x,
+            )
 
     return dq_kernel

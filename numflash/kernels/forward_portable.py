@@ -16,7 +16,7 @@ causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows
 
 import functools
 
-from numba import cuda, float32
+from numba import cuda, float32, int64
 
 from . import ptx
 from .jit import device_function, kernel
@@ -83,6 +83,15 @@ def tile_absorber(block_n, head_dim):
 
 
 @device_function
+def packed_sequence(cu_seqlens, b, total, max_len):
+    """(first row, length) of sequence b of a packed batch: rows cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1 clamped to [0, total), at most ``max_len`` of them."""
+    start = min(max(cu_seqlens[b], 0), total)
+    end = min(max(cu_seqlens[b + 1], start), total)
+    return int64(start), min(end - start, max_len)
+
+
+@device_function
 def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, window_right):
     """Where thread ``tid`` of query block ``m_block`` works, one thread per query row:
     (m0, row, active, n_lo, n_hi, lo, hi), ``[n_lo, n_hi)`` the keys any row of the block
@@ -97,8 +106,12 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n):
-    """The portable forward kernel specialised for one (head_dim, dtype, tile) key."""
+def row_attender(head_dim, dtype_name, block_m, block_n):
+    """The device function ``attend_rows(q, k, v, o, lse, q_base, k_base, v_base, o_base,
+    lse_base, q_ss, k_ss, v_ss, o_ss, seqlen_q, seqlen_k, scale_log2, window_left,
+    window_right, m_block)``: query block ``m_block`` of one (sequence, head), one thread per
+    row. ``*_base`` index the sequence's row 0 for this head (lse: row 0's entry), rows
+    ``*_ss`` elements apart."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -109,28 +122,29 @@ def build(head_dim, dtype_name, block_m, block_n):
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
     absorb_tile = tile_absorber(BLOCK_N, HEAD_DIM)
 
-    @kernel
-    def forward_portable(
+    @device_function
+    def attend_rows(
         q,
         k,
         v,
         o,
         lse,
-        q_st,
-        k_st,
-        v_st,
-        o_st,
+        q_base,
+        k_base,
+        v_base,
+        o_base,
+        lse_base,
+        q_ss,
+        k_ss,
+        v_ss,
+        o_ss,
         seqlen_q,
         seqlen_k,
-        heads_per_kv,
         scale_log2,
         window_left,
         window_right,
+        m_block,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        o_sb, o_ss, o_sh = o_st
         k_tile = cuda.shared.array(TILE, float32)
         v_tile = cuda.shared.array(TILE, float32)
         q_row = cuda.local.array(HEAD_DIM, float32)
@@ -138,22 +152,17 @@ def build(head_dim, dtype_name, block_m, block_n):
         s = cuda.local.array(BLOCK_N, float32)
 
         tid = cuda.threadIdx.x
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        kv_head = head // heads_per_kv
         m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
-            cuda.blockIdx.x, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
+            m_block, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
         )
 
-        q_base = batch * q_sb + head * q_sh + row * q_ss
+        q_at = q_base + row * q_ss
         for d in range(HEAD_DIM):
-            q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
+            q_row[d] = to_f32(q[q_at + d]) if active else float32(0.0)
             acc[d] = float32(0.0)
         m_i = NEG_INF
         l_i = float32(0.0)
 
-        k_base = batch * k_sb + kv_head * k_sh
-        v_base = batch * v_sb + kv_head * v_sh
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
             load_kv_tile(k, v, k_tile, v_tile, k_base, v_base, k_ss, v_ss, n0, seqlen_k, tid)
@@ -178,9 +187,133 @@ def build(head_dim, dtype_name, block_m, block_n):
 
         if active:
             inv_l = inverse_sum(l_i)
-            o_base = batch * o_sb + head * o_sh + row * o_ss
+            o_at = o_base + row * o_ss
             for d in range(HEAD_DIM):
-                o[o_base + d] = from_f32(acc[d] * inv_l)
-            lse[(batch * cuda.gridDim.y + head) * seqlen_q + row] = final_lse(m_i, l_i)
+                o[o_at + d] = from_f32(acc[d] * inv_l)
+            lse[lse_base + row] = final_lse(m_i, l_i)
+
+    return attend_rows
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_m, block_n):
+    """The portable forward kernel specialised for one (head_dim, dtype, tile) key."""
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n)
+
+    @kernel
+    def forward_portable(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        o_sb, o_ss, o_sh = o_st
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        attend_rows(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            batch * q_sb + head * q_sh,
+            batch * k_sb + kv_head * k_sh,
+            batch * v_sb + kv_head * v_sh,
+            batch * o_sb + head * o_sh,
+            (batch * cuda.gridDim.y + head) * seqlen_q,
+            q_ss,
+            k_ss,
+            v_ss,
+            o_ss,
+            seqlen_q,
+            seqlen_k,
+            scale_log2,
+            window_left,
+            window_right,
+            cuda.blockIdx.x,
+        )
 
     return forward_portable
+
+
+@functools.lru_cache(maxsize=None)
+def build_varlen(head_dim, dtype_name, block_m, block_n):
+    """The portable forward over a packed batch: q (total_q, nheads, head_dim), k and v
+    (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
+    grid (ceil(max_seqlen_q / block_m), nheads, batch). Offsets are clamped to the arrays and
+    lengths to max_seqlen: no read or write leaves q, k, v, o or lse (nheads, total_q)."""
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n)
+    BLOCK_M = block_m
+
+    @kernel
+    def forward_portable_varlen(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+        total_q,
+        total_k,
+    ):
+        _, q_ss, q_sh = q_st
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, o_ss, o_sh = o_st
+        head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+        k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+        if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
+            return  # past this sequence's end: the whole block
+        kv_head = head // heads_per_kv
+        attend_rows(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            q_start * q_ss + head * q_sh,
+            k_start * k_ss + kv_head * k_sh,
+            k_start * v_ss + kv_head * v_sh,
+            q_start * o_ss + head * o_sh,
+            int64(head) * total_q + q_start,
+            q_ss,
+            k_ss,
+            v_ss,
+            o_ss,
+            seqlen_q,
+            seqlen_k,
+            scale_log2,
+            window_left,
+            window_right,
+            cuda.blockIdx.x,
+        )
+
+    return forward_portable_varlen

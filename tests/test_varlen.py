@@ -1,0 +1,189 @@
+"""attention_varlen against the float64 reference, sequence by sequence: packed batches mixing
+empty, one-row and longer sequences, seqlen_q != seqlen_k, GQA, causal and window masks;
+device offsets that lie stay inside the arrays; bad input is refused by name."""
+
+import zlib
+from typing import NamedTuple
+
+import numpy as np
+import pytest
+from support import poisoned_like, random_array, to_numpy, xp
+
+import numflash
+from numflash.kernels.jit import SIMULATOR
+from numflash.reference import check, check_backward
+
+
+class Case(NamedTuple):
+    dtype: str
+    lengths_q: tuple
+    lengths_k: tuple
+    nheads: int
+    nheads_k: int
+    head_dim: int
+    mask: dict = {}
+
+
+CASES = [
+    Case("float16", (0, 1, 7, 20), (3, 1, 7, 25), nheads=4, nheads_k=2, head_dim=16),
+    Case("bfloat16", (5, 0, 12), (9, 4, 12), nheads=2, nheads_k=1, head_dim=24,
+         mask=dict(causal=True)),
+    Case("float32", (6, 17), (0, 17), nheads=2, nheads_k=2, head_dim=8,
+         mask=dict(window_size=(3, 2))),
+]  # fmt: skip
+if not SIMULATOR:  # the issue's lengths, on the GPU
+    CASES += [
+        Case("float16", (0, 1, 7, 113, 1023), (5, 1, 7, 113, 1023), nheads=8, nheads_k=2,
+             head_dim=128, mask=dict(causal=True)),
+        Case("bfloat16", (113, 1023, 1), (200, 40, 1), nheads=4, nheads_k=4, head_dim=64,
+             mask=dict(window_size=(50, 0))),
+    ]  # fmt: skip
+
+
+def _offsets(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _packed(case, rng):
+    q = random_array((sum(case.lengths_q), case.nheads, case.head_dim), case.dtype, rng)
+    k, v = (
+        random_array((sum(case.lengths_k), case.nheads_k, case.head_dim), case.dtype, rng)
+        for _ in range(2)
+    )
+    return q, k, v, xp.asarray(_offsets(case.lengths_q)), xp.asarray(_offsets(case.lengths_k))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths_q}")
+def test_varlen_matches_the_reference_per_sequence(case):
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    q, k, v, cu_q, cu_k = _packed(case, rng)
+    out = poisoned_like(q)
+    _, lse = numflash.attention_varlen(
+        q,
+        k,
+        v,
+        cu_q,
+        cu_k,
+        max(case.lengths_q),
+        max(case.lengths_k),
+        out=out,
+        return_lse=True,
+        **case.mask,
+    )
+    assert lse.shape == (case.nheads, q.shape[0])
+    oq, ok = _offsets(case.lengths_q), _offsets(case.lengths_k)
+    for b in range(len(case.lengths_q)):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        if rows.start == rows.stop:
+            continue
+        if keys.start == keys.stop:  # no key: output 0, lse -inf
+            assert (to_numpy(out[rows]).astype(np.float32) == 0).all(), f"sequence {b}"
+            assert (to_numpy(lse[:, rows]) == -np.inf).all(), f"sequence {b}"
+            continue
+        result = check(
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            out[None, rows],
+            lse[:, rows][None],
+            **case.mask,
+        )
+        assert result.nan == 0, f"sequence {b}: {result.nan} NaN outputs"
+        assert result.err <= result.bar, f"sequence {b}: err {result.err:.3e} > {result.bar:.3e}"
+        assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths_q}")
+def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
+    q, k, v, cu_q, cu_k = _packed(case, rng)
+    lengths = (max(case.lengths_q), max(case.lengths_k))
+    out, lse = numflash.attention_varlen(
+        q, k, v, cu_q, cu_k, *lengths, return_lse=True, **case.mask
+    )
+    dout = random_array(q.shape, case.dtype, rng)
+    runs = [
+        numflash.attention_varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, *lengths, **case.mask
+        )
+        for _ in range(2 if SIMULATOR else 20)
+    ]
+    dq, dk, dv = runs[0]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert (to_numpy(a).view(np.uint8) == to_numpy(b).view(np.uint8)).all()
+    oq, ok = _offsets(case.lengths_q), _offsets(case.lengths_k)
+    for b in range(len(case.lengths_q)):
+        rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:  # nothing attends: zeros
+            for g, part in ((dq, rows), (dk, keys), (dv, keys)):
+                assert (to_numpy(g[part]).astype(np.float32) == 0).all(), f"sequence {b}"
+            continue
+        results = check_backward(
+            dout[None, rows],
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            dq[None, rows],
+            dk[None, keys],
+            dv[None, keys],
+            **case.mask,
+        )
+        for r in results:
+            assert r.nan == 0, f"sequence {b}: {r.name} has {r.nan} NaN"
+            assert r.err <= r.bar, f"sequence {b}: {r.name} err {r.err:.3e} > {r.bar:.3e}"
+
+
+def test_a_max_seqlen_below_a_sequence_cuts_it_and_writes_nothing_past():
+    rng = np.random.default_rng(2)
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (4, 9), (4, 9), 2, 2, 16), rng)
+    out = poisoned_like(q)
+    numflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 9, out=out)
+    got = to_numpy(out).astype(np.float32)
+    assert not np.isnan(got[: 4 + 6]).any()  # the first sequence and 6 rows of the second
+    assert np.isnan(got[4 + 6 :]).all()  # the second sequence's rows past max_seqlen_q
+
+
+def test_device_offsets_that_lie_stay_inside_the_arrays():
+    """Offsets past the arrays, decreasing or negative (which validation cannot see on the
+    device) are clamped by the kernel: the simulator raises on any out-of-range index."""
+    from numflash import launch, selection, validation
+    from numflash.device import current_device
+
+    rng = np.random.default_rng(4)
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, 16), rng)
+    p = validation.varlen_problem(q, k, v, cu_q, cu_k, 8, 8, False, None, (-1, -1))[-1]
+    lying_q = xp.asarray(np.array([0, 50, -3], np.int32))
+    lying_k = xp.asarray(np.array([7, 2, 10**6], np.int32))
+    out = poisoned_like(q)
+    lse = xp.empty((2, q.shape[0]), dtype=xp.float32)
+    cfg = selection.forward_varlen(p, current_device()).config
+    launch.forward_varlen(cfg, p, q, k, v, out, lse, lying_q, lying_k)
+    xp.cuda.Device().synchronize() if not SIMULATOR else None
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(cu_seqlens_q=np.array([0, 3, 8], np.int64)), TypeError, "cu_seqlens_q must have dtype int32"),
+        (dict(cu_seqlens_k=np.array([[0, 3, 8]], np.int32)), ValueError, "cu_seqlens_k must have shape"),
+        (dict(cu_seqlens_k=np.array([0, 8], np.int32)), ValueError, "cu_seqlens_k must have cu_seqlens_q's shape"),
+        (dict(cu_seqlens_q=np.array([0, 3, 9], np.int32)), ValueError, "cu_seqlens_q ends at 9"),
+        (dict(cu_seqlens_q=np.array([0, 5, 3], np.int32)), ValueError, "never decrease"),
+        (dict(max_seqlen_q=0), ValueError, "max_seqlen_q must be >= 1"),
+        (dict(max_seqlen_k=2.0), TypeError, "max_seqlen_k must be an int"),
+        (dict(q=np.zeros((8, 2, 2, 16), np.float16)), ValueError, "q must have 3 dimensions"),
+        (dict(config=numflash.TensorCoreConfig()), TypeError, "run on numflash.PortableConfig"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_by_name(change, error, message):
+    rng = np.random.default_rng(1)
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, 16), rng)
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5)
+    for name, value in change.items():
+        if isinstance(value, np.ndarray) and name.startswith("cu_"):
+            value = xp.asarray(value)
+        args[name] = value
+    config = args.pop("config", None)
+    with pytest.raises(error, match=message):
+        numflash.attention_varlen(**args, config=config)
