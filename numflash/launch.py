@@ -447,11 +447,26 @@ def _ceil_div(a, b):
 # -- forward ----------------------------------------------------------------------------------
 
 
+def _kernel_input(x, alignment_elements=1):
+    """arrays.as_kernel_input, noting the copy it may make (a replay would skip it)."""
+    y = arrays.as_kernel_input(x, alignment_elements)
+    if y is not x:
+        note_unrecorded_work()
+    return y
+
+
+def _padded(x, head_dim):
+    """arrays.pad_last_dim, noting the copy."""
+    note_unrecorded_work()
+    return arrays.pad_last_dim(x, head_dim)
+
+
 def _positive_scale(q, scale):
     """(q', scale') with scale' > 0 and the same attention: the tensor-core kernel takes each
     row's max on unscaled scores, which only orders them right for a positive scale."""
     if scale > 0:
         return q, scale
+    note_unrecorded_work()  # the copy below
     xp = arrays.array_module(q)
     if scale == 0:  # every visible score is 0: the same as q = 0 at any scale
         return xp.zeros(q.shape, dtype=np.uint16).view(q.dtype), 1.0  # 16-bit: only fp16/bf16 here
@@ -496,9 +511,9 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse):
     q, scale = _positive_scale(q, p.scale)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
-        q, k, v = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v))
+        q, k, v = (_padded(x, head_dim) for x in (q, k, v))
     # cp.async moves 16 bytes: rows must start on 16-byte boundaries.
-    q, k, v = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    q, k, v = (_kernel_input(x, alignment_elements=8) for x in (q, k, v))
     key = (TensorCoreConfig, head_dim, p.dtype, cfg)
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     _launch_forward(
@@ -518,7 +533,7 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse):
 
 
 def _portable_forward(cfg, p, q, k, v, out, lse):
-    q, k, v = (arrays.as_kernel_input(x) for x in (q, k, v))
+    q, k, v = (_kernel_input(x) for x in (q, k, v))
     key = (PortableConfig, p.head_dim, p.dtype, cfg)
     build = lambda: forward_portable.build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n)  # noqa: E731
     _launch_forward(build, key, cfg, p, q, k, v, out, lse, p.head_dim, p.scale * LOG2E, 0)
@@ -538,7 +553,7 @@ def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
     portable kernel; ``p`` holds the max lengths and the batch (validated arrays)."""
     if not isinstance(cfg, PortableConfig):
         raise NotImplementedError(f"variable-length batches run on the portable kernel; got {cfg}")
-    q, k, v = (arrays.as_kernel_input(x) for x in (q, k, v))
+    q, k, v = (_kernel_input(x) for x in (q, k, v))
     target = out if arrays.readable_in_place(out) else arrays.empty(out.shape, out.dtype, like=out)
     xp = arrays.array_module(q)
     views = {
@@ -597,7 +612,7 @@ def _preprocess(p, dout, out, lse):
 
 
 def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
-    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
     lse, delta = _preprocess(p, dout, out, lse)
     views = {
         name: arrays.kernel_view(x)
@@ -652,7 +667,7 @@ def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
         raise NotImplementedError(
             f"variable-length batches run on the portable backward; got {cfg}"
         )
-    q, k, v, dout, out = (arrays.as_kernel_input(x) for x in (q, k, v, dout, out))
+    q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
     total_q, total_k = q.shape[0], k.shape[0]
     packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
     lse, delta = _preprocess(packed, dout[None], out[None], lse)
@@ -699,12 +714,12 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
     and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim)`` gives
     the family's (dK/dV, dQ) Launchers."""
     xp = arrays.array_module(q)
-    dout, out = (arrays.as_kernel_input(x) for x in (dout, out))
+    dout, out = (_kernel_input(x) for x in (dout, out))
     lse, delta = _preprocess(p, dout, out, lse)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
-        q, k, v, dout = (arrays.pad_last_dim(x, head_dim) for x in (q, k, v, dout))
-    q, k, v, dout = (arrays.as_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
+        q, k, v, dout = (_padded(x, head_dim) for x in (q, k, v, dout))
+    q, k, v, dout = (_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
     direct = head_dim == p.head_dim
     dq_t, dk_t, dv_t = (
         g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
@@ -861,7 +876,7 @@ def kvcache(
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     if k is not None and p.seqlen_new:
-        k, v = (arrays.as_kernel_input(x) for x in (k, v))
+        k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
         append = launcher(
             (PORTABLE_DECODE_APPEND, d, dtype, paged),
@@ -906,7 +921,7 @@ def kvcache(
 def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The portable split kernel: partials, also for one split (the combine writes out)."""
     d, dtype = p.head_dim, p.dtype
-    views["q"] = arrays.kernel_view(arrays.as_kernel_input(q))
+    views["q"] = arrays.kernel_view(_kernel_input(q))
     chunk = _ceil_div(_ceil_div(p.capacity, num_splits), cfg.block_n) * cfg.block_n
     split = launcher(
         (type(cfg), d, dtype, cfg, p.paged),
@@ -939,7 +954,7 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The tensor-core kernel: output and LSE itself with one split, else partials."""
     d, dtype = p.head_dim, p.dtype
     q, scale = _positive_scale(q, p.scale)
-    views["q"] = arrays.kernel_view(arrays.as_kernel_input(q, alignment_elements=8))
+    views["q"] = arrays.kernel_view(_kernel_input(q, alignment_elements=8))
     tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
     launch = launcher(
         (TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
