@@ -62,6 +62,8 @@ def _refuse_under_capture(name):
     """A call without a plan cannot be captured: it may compile kernels and allocates buffers
     that a graph would keep using after the call has freed them."""
     if _capturing():
+        if name.startswith("attention_varlen"):
+            raise RuntimeError(f"numflash.{name} cannot be captured into a CUDA graph yet")
         raise RuntimeError(
             f"numflash.{name} cannot be captured into a CUDA graph the first time it runs with "
             "these shapes, strides, dtypes and flags, nor with out= given or inputs it must "
@@ -250,8 +252,10 @@ def attention_varlen(
     they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its
     later rows are not written). Rows that see no key give 0 and lse -inf.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    Kernels run on CuPy's current stream; the call returns without synchronising. Not under
+    stream capture yet (it allocates buffers a graph would outlive): refused there.
     """
+    _refuse_under_capture("attention_varlen")
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
         q,
         k,
@@ -306,8 +310,10 @@ def attention_varlen_backward(
     bitwise reproducible (``deterministic`` is accepted for flash-attn's signature). Rows of
     no sequence, or past a max_seqlen, get zero gradients.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    Kernels run on CuPy's current stream; the call returns without synchronising. Refused
+    under stream capture, as :func:`attention_varlen`.
     """
+    _refuse_under_capture("attention_varlen_backward")
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
         q,
         k,
