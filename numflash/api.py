@@ -582,27 +582,13 @@ def attention_with_kvcache(
             )
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
+    args += (softmax_scale, window_size, num_splits, return_lse, out, config)
     plan = None if key is None else _plans.get(key)
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
     if key is None:
-        return _attention_with_kvcache(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens,
-            cache_batch_idx,
-            block_table,
-            causal,
-            softmax_scale,
-            window_size,
-            num_splits,
-            return_lse,
-            out,
-            config,
-        )
+        return _attention_with_kvcache(*args)
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
     if plan is not None:
         pointers = [
@@ -619,23 +605,7 @@ def attention_with_kvcache(
             _replay(plan, key, pointers)
             return (out, lse) if return_lse else out
     with launch.recording() as recorded:
-        result = _attention_with_kvcache(
-            q,
-            k_cache,
-            v_cache,
-            k,
-            v,
-            cache_seqlens,
-            cache_batch_idx,
-            block_table,
-            causal,
-            softmax_scale,
-            window_size,
-            num_splits,
-            return_lse,
-            out,
-            config,
-        )
+        result = _attention_with_kvcache(*args)
     out, lse = result if return_lse else (result, None)
     roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, lse)
     # the caches are written: validation refused them overlapping q or the new rows
