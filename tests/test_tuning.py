@@ -415,3 +415,34 @@ def test_shipped_configurations_match_the_kernels():
             if isinstance(cfg, TensorCoreConfig):
                 assert not cfg.problems(key.head_dim, H200), (key, cfg)
             assert e["time_ms"] <= e["default_ms"], (key, e)
+
+
+# -- the KV-cache families -------------------------------------------------------------------------
+
+
+def test_decode_study_in_the_simulator_checks_and_records(cache_dirs):
+    """Real Optuna over the portable KV-cache kernels: each trial is a decoding step checked
+    against the reference over the cache; the winner is what the next call of that size uses."""
+    from tuning.objective import Workload
+    from tuning.study import tune_key
+
+    device = numflash.device.current_device()
+    key = cache.ProblemKey("portable-decode", "float32", 8, "full", 32)
+    workload = Workload(
+        batch=2, nheads=4, nheads_k=1, seqlen=30, check_seqlen=20, check_nheads=4, check_nheads_k=1
+    )
+    result = tune_key(key, device, trials=2, workload=workload, timing=dict(warmup=1, runs=2))
+    assert result.complete + result.rejected + result.pruned + result.failed == 2
+    assert result.rejected == 0 and result.best_config is not None
+    cache.record(device, {key: result.entry()})
+    q = random_qkv(2, 1, 1, 4, 4, 8, "float32")[0]
+    k_cache, v_cache = random_qkv(2, 30, 30, 1, 1, 8, "float32")[1:]
+    chosen, _ = numflash.selected_kvcache_config(q, k_cache, v_cache, cache_seqlens=30)
+    assert chosen.config == result.best_config and chosen.source.startswith("user cache")
+
+
+def test_decode_workload_reads_the_benchmark_s_shape():
+    from tuning.objective import Workload
+
+    w = Workload.for_key(cache.ProblemKey("tensor-core-decode", "float16", 128, "full", 4096))
+    assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (64, 32, 8, 4096)

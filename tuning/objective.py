@@ -17,7 +17,13 @@ import numflash
 from numflash import launch, reference
 from numflash.arrays import from_float
 from numflash.config import CONFIG_TYPES
-from numflash.device import PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD
+from numflash.device import (
+    PORTABLE_BACKWARD,
+    PORTABLE_DECODE,
+    TENSOR_CORE_BACKWARD,
+    TENSOR_CORE_DECODE,
+    WGMMA_BACKWARD,
+)
 from numflash.selection import default_config
 from numflash.timing import attention_flops, time_gpu
 
@@ -29,19 +35,42 @@ TOKENS = 32768
 MODEL_DIM = 2048
 
 
+DECODE_FAMILIES = (PORTABLE_DECODE, TENSOR_CORE_DECODE)
+
+#: KV-cache keys: the timed decoding step (one query row a sequence) reads DECODE_TOKENS
+#: cached tokens in all (batch x cache length), 32 query heads and 8 KV heads at head_dim 128
+#: (Llama 3 8B's GQA ratio), as benchmarks/bench_decode.py measures.
+DECODE_TOKENS = 262144
+DECODE_GQA = 4
+
+
 @dataclass(frozen=True)
 class Workload:
-    """The calls one key is tuned on: a timed call and a smaller checked one."""
+    """The calls one key is tuned on: a timed call and a smaller checked one. For the KV-cache
+    families ``seqlen`` is the cache length and the query has one row a sequence."""
 
     batch: int
     nheads: int
     seqlen: int
     check_seqlen: int
     check_nheads: int = 2
+    nheads_k: int = 0  # KV heads (KV-cache families); 0: nheads
+    check_nheads_k: int = 0
 
     @classmethod
     def for_key(cls, key):
         seqlen = key.seqlen
+        if key.family in DECODE_FAMILIES:
+            nheads = max(DECODE_GQA, 4096 // key.head_dim)
+            return cls(
+                batch=max(1, DECODE_TOKENS // seqlen),
+                nheads=nheads,
+                nheads_k=nheads // DECODE_GQA,
+                seqlen=seqlen,
+                check_seqlen=min(seqlen, 777),
+                check_nheads=DECODE_GQA,
+                check_nheads_k=1,
+            )
         return cls(
             batch=max(1, TOKENS // seqlen),
             nheads=max(1, MODEL_DIM // key.head_dim),
@@ -72,7 +101,9 @@ class Objective:
     """Callable for ``study.optimize``: returns the median time (ms) of a correct configuration.
 
     Forward families time ``attention``; backward families time ``attention_backward`` from
-    saved forward outputs, and check all three gradients against the float64 reference.
+    saved forward outputs, and check all three gradients against the float64 reference; the
+    KV-cache families time a decoding step (``attention_with_kvcache``, one query row a
+    sequence, the whole cache seen) and check it against the reference over the cache.
     """
 
     def __init__(self, key, device, workload, xp, dtype, warmup=3, runs=15, max_ms=2000):
@@ -84,8 +115,14 @@ class Objective:
         self.config_type = CONFIG_TYPES[key.family]
         self.head_dim = default_config(key.family, key.head_dim, device)[0]
         self.backward = key.family in BACKWARD_FAMILIES
+        self.decode = key.family in DECODE_FAMILIES
         self.mask = mask_kwargs(key.mask, workload.seqlen)
         w = workload
+        if self.decode:
+            self.timed = self.decode_inputs(w.batch, w.seqlen, w.nheads, w.nheads_k, seed=0)
+            self.flops = attention_flops(w.batch, w.nheads, 1, w.seqlen, key.head_dim, False, "fwd")
+            self.timing = dict(warmup=warmup, runs=runs, max_total_ms=max_ms)
+            return
         self.timed = random_inputs(xp, w.batch, w.seqlen, w.nheads, key.head_dim, dtype, seed=0)
         if self.backward:
             q, k, v = self.timed
@@ -134,9 +171,21 @@ class Objective:
         trial.set_user_attr("tflops", t.tflops(self.flops))
         return t.median_ms
 
+    def decode_inputs(self, batch, length, nheads, nheads_k, seed):
+        """(q with one row a sequence, k cache, v cache) of ``length`` cached keys each."""
+        hd = self.key.head_dim
+        q = random_inputs(self.xp, batch, 1, nheads, hd, self.dtype, seed)[0]
+        k, v = random_inputs(self.xp, batch, length, nheads_k, hd, self.dtype, seed + 1)[:2]
+        return q, k, v
+
     def call(self, cfg):
         """The timed call with ``cfg``."""
         q, k, v = self.timed
+        if self.decode:
+            length = self.workload.seqlen
+            return lambda: numflash.attention_with_kvcache(
+                q, k, v, cache_seqlens=length, config=cfg, **self.mask
+            )
         if self.backward:
             dout, out, lse = self.saved
             return lambda: numflash.attention_backward(
@@ -149,6 +198,12 @@ class Objective:
         a list of checks (the output, or the three gradients), each with ``ok``."""
         w = self.workload
         mask = mask_kwargs(self.key.mask, w.check_seqlen)
+        if self.decode:
+            q, k, v = self.decode_inputs(2, w.check_seqlen, w.check_nheads, w.check_nheads_k, seed)
+            out, lse = numflash.attention_with_kvcache(
+                q, k, v, cache_seqlens=w.check_seqlen, config=cfg, return_lse=True, **mask
+            )
+            return [reference.check(q, k, v, out, lse, **mask)]
         q, k, v = random_inputs(
             self.xp, 1, w.check_seqlen, w.check_nheads, self.key.head_dim, self.dtype, seed
         )

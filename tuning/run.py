@@ -13,8 +13,10 @@ from numflash.config import CONFIG_TYPES, MAX_HEAD_DIM
 from numflash.device import (
     PORTABLE,
     PORTABLE_BACKWARD,
+    PORTABLE_DECODE,
     TENSOR_CORE,
     TENSOR_CORE_BACKWARD,
+    TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
 )
 from numflash.selection import default_config
@@ -71,8 +73,17 @@ def add_arguments(parser):
     parser.add_argument(
         "--family",
         default=TENSOR_CORE,
-        choices=[TENSOR_CORE, PORTABLE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, PORTABLE_BACKWARD],
-        help="the kernels to tune: the forward's (default) or the backward's",
+        choices=[
+            TENSOR_CORE,
+            PORTABLE,
+            TENSOR_CORE_BACKWARD,
+            WGMMA_BACKWARD,
+            PORTABLE_BACKWARD,
+            TENSOR_CORE_DECODE,
+            PORTABLE_DECODE,
+        ],
+        help="the kernels to tune: the forward's (default), the backward's or the KV cache's "
+        "(a decoding step over caches of --seqlens keys)",
     )
     parser.add_argument(
         "--head-dims",
@@ -139,7 +150,7 @@ def plan(args):
         for name, value in QUICK.items():
             setattr(args, name, value)
     if (
-        args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD)
+        args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, TENSOR_CORE_DECODE)
         and "float32" in args.dtypes
     ):
         raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
