@@ -1,4 +1,4 @@
-"""The benchmark scripts and the lab tools parse their arguments and import what they need:
+"""The benchmark scripts, the lab tools and the examples parse their arguments and import what they need:
 each one's --help, in a subprocess (CI runs none of them, and a broken import or option would
 otherwise surface only on the GPU machine)."""
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
     str(p.relative_to(ROOT))
-    for folder in ("benchmarks", "tools")
+    for folder in ("benchmarks", "tools", "examples")
     for p in (ROOT / folder).glob("*.py")
     if p.name != "peers.py"
 )

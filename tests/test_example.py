@@ -38,3 +38,15 @@ def test_example_learns_to_reverse_within_a_minute():
     elapsed = time.perf_counter() - start
     assert elapsed < 60, elapsed
     assert history[-1][1] < 0.25 * math.log(16), history[-1]
+
+
+@pytest.mark.gpu
+def test_decode_graph_example_generates_the_same_tokens_eagerly_and_from_its_graph():
+    """examples/decode_graph.py at tiny sizes: it exits with an error if the graph's tokens
+    differ from the eager loop's."""
+    import decode_graph
+
+    eager, graphed = decode_graph.main(
+        ["--layers", "2", "--batch", "3", "--prompt", "40", "--steps", "5", "--vocab", "64"]
+    )
+    assert eager[0].shape == (5, 3) and (eager[0] == graphed[0]).all()
