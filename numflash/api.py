@@ -58,11 +58,12 @@ def _capturing(stream=None):
     return cupy.cuda.runtime.streamIsCapturing(stream)
 
 
-def _refuse_under_capture(name):
+def _refuse_under_capture(name, planned=True):
     """A call without a plan cannot be captured: it may compile kernels and allocates buffers
-    that a graph would keep using after the call has freed them."""
+    that a graph would keep using after the call has freed them. ``planned``: whether calls
+    of ``name`` get plans at all."""
     if _capturing():
-        if name.startswith("attention_varlen"):
+        if not planned:
             raise RuntimeError(f"numflash.{name} cannot be captured into a CUDA graph yet")
         raise RuntimeError(
             f"numflash.{name} cannot be captured into a CUDA graph the first time it runs with "
@@ -255,7 +256,7 @@ def attention_varlen(
     Kernels run on CuPy's current stream; the call returns without synchronising. Not under
     stream capture yet (it allocates buffers a graph would outlive): refused there.
     """
-    _refuse_under_capture("attention_varlen")
+    _refuse_under_capture("attention_varlen", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
         q,
         k,
@@ -313,7 +314,7 @@ def attention_varlen_backward(
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
     under stream capture, as :func:`attention_varlen`.
     """
-    _refuse_under_capture("attention_varlen_backward")
+    _refuse_under_capture("attention_varlen_backward", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
         q,
         k,

@@ -554,7 +554,7 @@ def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
     if not isinstance(cfg, PortableConfig):
         raise NotImplementedError(f"variable-length batches run on the portable kernel; got {cfg}")
     q, k, v = (_kernel_input(x) for x in (q, k, v))
-    target = out if arrays.readable_in_place(out) else arrays.empty(out.shape, out.dtype, like=out)
+    target, direct = _output_target(out, p.head_dim, p)
     xp = arrays.array_module(q)
     views = {
         name: arrays.kernel_view(x[None] if x.ndim == 3 else x)
@@ -572,9 +572,8 @@ def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
     scalars = attention_scalars(p, p.scale * LOG2E) + (q.shape[0], k.shape[0])
     grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
     launch(grid, cfg.threads, arrays.current_stream(), 0, FORWARD_VARLEN.args(views, scalars))
-    if target is not out:
-        note_unrecorded_work()
-        arrays.bits(out)[...] = arrays.bits(target)
+    if not direct:
+        _copy_back(out, target, p)
 
 
 # -- backward ---------------------------------------------------------------------------------
