@@ -9,7 +9,8 @@ Each case runs a forward and a backward with the configurations it names (None: 
 choice) and checks both against the reference. Families: tensor-core and portable forward;
 mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (where the GPU
 has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
-contiguous caches with appends. ``--family NAME`` runs the cases of one family.
+contiguous caches with appends; the packed (varlen) portable kernels, also over device offsets
+that lie. ``--family NAME`` runs the cases of one family (``varlen`` for the packed ones).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -35,6 +36,7 @@ from numflash.config import (  # noqa: E402
 from numflash.device import current_device  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import test_varlen  # noqa: E402
 from support import (  # noqa: E402
     assert_gradients_match,
     assert_matches_reference,
@@ -159,6 +161,14 @@ def main(argv):
         run_and_check(case, config)
         cupy.cuda.Device().synchronize()
         print(f"ok {case} {config}", flush=True)
+    if family in (None, "varlen"):
+        for case in test_varlen.CASES:
+            test_varlen.test_varlen_matches_the_reference_per_sequence(case)
+            test_varlen.test_varlen_gradients_match_the_reference_and_repeat_bitwise(case)
+            cupy.cuda.Device().synchronize()
+            print(f"ok varlen {case}", flush=True)
+        test_varlen.test_device_offsets_that_lie_stay_inside_the_arrays()
+        print("ok varlen offsets that lie", flush=True)
 
 
 if __name__ == "__main__":
