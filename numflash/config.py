@@ -63,6 +63,10 @@ def _out_of_choices(cfg):
 class _Config:
     """What every configuration dataclass shares: its dict form, family included."""
 
+    #: The kernels keep per-thread rows in local memory by design (the portable families): local
+    #: memory there is no sign of spilled registers, which the autotuner refuses elsewhere.
+    LOCAL_ROWS: ClassVar[bool] = False
+
     def to_dict(self):
         return {"family": self.family, **asdict(self)}
 
@@ -187,6 +191,7 @@ class PortableConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE
+    LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 2  # 2: the rows of one sequence in a device function (varlen)
 
     @property
@@ -217,6 +222,7 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = PORTABLE_BACKWARD
+    LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 3  # 3: one sequence's keys or rows in a device function (varlen)
 
     def kernel_head_dim(self, head_dim):
@@ -375,6 +381,7 @@ class PortableDecodeConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE_DECODE
+    LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 2  # 2: the combine kernel takes one block per row
 
     @property

@@ -420,9 +420,10 @@ def test_shipped_configurations_match_the_kernels():
 # -- the KV-cache families -------------------------------------------------------------------------
 
 
-def test_decode_study_in_the_simulator_checks_and_records(cache_dirs):
+def test_decode_study_checks_and_records(cache_dirs):
     """Real Optuna over the portable KV-cache kernels: each trial is a decoding step checked
-    against the reference over the cache; the winner is what the next call of that size uses."""
+    against the reference over the cache; the winner is what the next call of that size uses.
+    On a GPU the kernel's rows live in local memory, which must not prune the trials."""
     from tuning.objective import Workload
     from tuning.study import tune_key
 
@@ -433,7 +434,7 @@ def test_decode_study_in_the_simulator_checks_and_records(cache_dirs):
     )
     result = tune_key(key, device, trials=2, workload=workload, timing=dict(warmup=1, runs=2))
     assert result.complete + result.rejected + result.pruned + result.failed == 2
-    assert result.rejected == 0 and result.best_config is not None
+    assert result.rejected == 0 and result.complete >= 1 and result.best_config is not None, result
     cache.record(device, {key: result.entry()})
     q = random_qkv(2, 1, 1, 4, 4, 8, "float32")[0]
     k_cache, v_cache = random_qkv(2, 30, 30, 1, 1, 8, "float32")[1:]
