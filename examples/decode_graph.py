@@ -5,9 +5,13 @@
 The model: a token embedding, ``--layers`` attention layers (a fused QKV projection, numflash's
 attention_with_kvcache over the layer's paged cache with the new token's k and v appended in
 place, an output projection and a residual connection), then a read-out to the vocabulary and
-a greedy choice of the next token. Weights are random fp16 and CuPy does the matmuls; the
-caches start filled with random keys and values for ``--prompt`` tokens. The lengths live on
-the device and advance there, so one captured step serves every token.
+a greedy choice of the next token. Weights are random fp16; the caches start filled with random
+keys and values for ``--prompt`` tokens. The lengths live on the device and advance there, so
+one captured step serves every token.
+
+The projections are a small CuPy RawKernel (fp16 weights read once, fp32 partial sums over
+slices of the inner dimension, added up by CuPy in a fixed order): CuPy refuses to call cuBLAS
+while a stream is capturing, so ``x @ w`` cannot be part of a graph.
 
 Prints tokens/s and the time per token of the eager loop (host and GPU) and of the graph, and
 checks that both generate the same tokens, bit for bit.
@@ -22,6 +26,61 @@ import numpy as np
 import numflash
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+_PROJECTION = r"""
+#include <cuda_fp16.h>
+// part[s, r, c] = sum over k in slice s of x[r, k] * w[k, c]; one thread per two columns.
+extern "C" __global__ void project(const __half* x, const __half* w, float* part,
+                                   int k_dim, int n, int k_chunk) {
+    extern __shared__ float xs[];  // ROWS x k_chunk
+    int k0 = blockIdx.y * k_chunk;
+    int len = min(k_chunk, k_dim - k0);
+    for (int i = threadIdx.x; i < ROWS * len; i += blockDim.x)
+        xs[i] = __half2float(x[(i / len) * k_dim + k0 + i % len]);
+    __syncthreads();
+    int col = 2 * (blockIdx.x * blockDim.x + threadIdx.x);
+    if (col >= n) return;
+    float acc[ROWS][2] = {};
+    const __half2* wp = reinterpret_cast<const __half2*>(w + (size_t)k0 * n + col);
+#pragma unroll 8
+    for (int j = 0; j < len; ++j) {
+        float2 wf = __half22float2(wp[(size_t)j * (n / 2)]);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            acc[r][0] += xs[r * len + j] * wf.x;
+            acc[r][1] += xs[r * len + j] * wf.y;
+        }
+    }
+    float* out = part + ((size_t)blockIdx.y * ROWS) * n + col;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        out[(size_t)r * n] = acc[r][0];
+        out[(size_t)r * n + 1] = acc[r][1];
+    }
+}
+"""
+_K_CHUNK = 256  # inner-dimension slice of one block
+_THREADS = 256
+
+
+class Projection:
+    """x (rows, k) fp16 @ w (k, n) fp16 -> fp32 (rows, n), without cuBLAS (capturable)."""
+
+    def __init__(self, rows):
+        module = xp.RawModule(code=_PROJECTION, options=(f"-DROWS={rows}",))
+        self.kernel = module.get_function("project")
+        self.rows = rows
+
+    def __call__(self, x, w):
+        (k, n), rows = w.shape, self.rows
+        assert x.shape == (rows, k) and n % 2 == 0 and x.flags.c_contiguous
+        splits = -(-k // _K_CHUNK)
+        part = xp.empty((splits, rows, n), dtype=xp.float32)
+        grid = (-(-n // (2 * _THREADS)), splits)
+        shared = rows * _K_CHUNK * 4
+        args = (x, w, part, np.int32(k), np.int32(n), np.int32(_K_CHUNK))
+        self.kernel(grid, (_THREADS,), args, shared_mem=shared)
+        return part.sum(axis=0), part
 
 
 class Decoder:
@@ -53,6 +112,7 @@ class Decoder:
         self.v_cache = [cache() for _ in range(layers)]
         self.lengths = xp.full((batch,), prompt, dtype=xp.int32)
         self.tokens = xp.asarray(np.random.default_rng(seed).integers(0, vocab, batch), xp.int32)
+        self.project = Projection(batch)
         #: A captured step's intermediate arrays: the graph keeps using their memory, so they
         #: must not go back to CuPy's pool (numflash keeps its own buffers for a captured plan).
         self.scratch = []
@@ -72,9 +132,11 @@ class Decoder:
         ``keep``: hold on to every intermediate array (while capturing a graph)."""
         batch = self.tokens.shape[0]
         x = self.embed[self.tokens]
-        held = [x]
+        held = [x]  # every array the step makes, the temporaries included
         for layer, (w_qkv, w_out) in enumerate(zip(self.w_qkv, self.w_out)):
-            qkv = (x @ w_qkv).reshape(batch, 1, HEADS + 2 * KV_HEADS, HEAD_DIM)
+            qkv32, part = self.project(x, w_qkv)
+            qkv = qkv32.astype(xp.float16).reshape(batch, 1, HEADS + 2 * KV_HEADS, HEAD_DIM)
+            held += [qkv32, part, qkv]
             q = qkv[:, :, :HEADS]
             k = qkv[:, :, HEADS : HEADS + KV_HEADS]
             v = qkv[:, :, HEADS + KV_HEADS :]
@@ -87,14 +149,18 @@ class Decoder:
                 cache_seqlens=self.lengths,
                 block_table=self.block_table,
             )
-            x = x + attended.reshape(batch, -1) @ w_out
-            held += [qkv, attended, x]
-        logits = x @ self.read_out
-        best = xp.argmax(logits, axis=-1).astype(xp.int32)
-        self.tokens[...] = best
+            projected, part = self.project(attended.reshape(batch, -1), w_out)
+            residual = x + projected
+            x = residual.astype(xp.float16)
+            held += [attended, projected, part, residual, x]
+        logits, part = self.project(x, self.read_out)
+        best = xp.argmax(logits, axis=-1)
+        best32 = best.astype(xp.int32)
+        held += [logits, part, best, best32]
+        self.tokens[...] = best32
         self.lengths += 1
         if keep:
-            self.scratch += held + [logits, best]
+            self.scratch += held
 
 
 def run(model, stream, steps, replay=None):

@@ -242,47 +242,24 @@ class PreparedLaunch:
     pointers of the arrays that change from call to call and launches through CuPy's
     binding of cuLaunchKernel (about a microsecond)."""
 
-    __slots__ = (
-        "function",
-        "grid",
-        "block",
-        "shared_bytes",
-        "buffer",
-        "pointers",
-        "address",
-        "patch",
-    )
+    __slots__ = ("head", "buffer", "pointers", "address", "patch", "_launch")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
-        self.function = function
-        self.grid = grid
-        self.block = block
-        self.shared_bytes = shared_bytes
+        from cupy_backends.cuda.api.driver import launchKernel
+
+        #: cuLaunchKernel's leading arguments: function, grid, block, dynamic shared bytes
+        self.head = (function, *grid, *block, shared_bytes)
         self.buffer = buffer  # the packed parameters (ctypes buffer)
         self.pointers = pointers  # the parameters' addresses (numpy uint64)
         self.address = int(pointers.ctypes.data)  # ... and where they are
         self.patch = patch  # ((byte offset of a data pointer, role index), ...)
+        self._launch = launchKernel
 
     def launch(self, stream, role_pointers):
-        from cupy_backends.cuda.api.driver import launchKernel
-
+        buffer = self.buffer
         for offset, role in self.patch:
-            _POINTER.pack_into(self.buffer, offset, role_pointers[role])
-        gx, gy, gz = self.grid
-        bx, by, bz = self.block
-        launchKernel(
-            self.function,
-            gx,
-            gy,
-            gz,
-            bx,
-            by,
-            bz,
-            self.shared_bytes,
-            stream,
-            self.address,
-            0,
-        )
+            _POINTER.pack_into(buffer, offset, role_pointers[role])
+        self._launch(*self.head, stream, self.address, 0)
 
 
 class Launcher:
