@@ -123,9 +123,12 @@ class Decoder:
     def save(self):
         return [x.copy() for x in self.state()]
 
-    def restore(self, saved):
-        for x, y in zip(self.state(), saved):
-            x[...] = y
+    def restore(self, saved, stream):
+        """Put the saved state back, on ``stream``: the steps run there, and a non-blocking
+        stream does not wait for work on the default one."""
+        with stream:
+            for x, y in zip(self.state(), saved):
+                x[...] = y
 
     def step(self, keep=False):
         """One token for every sequence: append its k and v in every layer, attend, advance.
@@ -202,14 +205,14 @@ def main(argv=None):
         args.page,
         args.vocab,
     )
-    stream = xp.cuda.Stream(non_blocking=True)
     start = model.save()
+    xp.cuda.Device().synchronize()  # the model was made on the default stream
+    stream = xp.cuda.Stream(non_blocking=True)
     with stream:
         model.step()  # compiles the kernels and makes numflash's plans for this stream
-        stream.synchronize()
-    model.restore(start)
+    model.restore(start, stream)
     eager = run(model, stream, args.steps)
-    model.restore(start)
+    model.restore(start, stream)
     with stream:
         stream.begin_capture()
         model.step(keep=True)

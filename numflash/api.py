@@ -172,11 +172,9 @@ def attention(
     if plan is not None:
         import cupy
 
-        if return_lse:
-            b, sq, h, _ = q.shape
-            out, lse = arrays.empty_together((q.shape, q.dtype), ((b, h, sq), np.float32))
-        else:
-            out, lse = cupy.empty(q.shape, q.dtype), None
+        b, sq, h, _ = q.shape
+        out = cupy.empty(q.shape, q.dtype)
+        lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
         pointers = (
             q.data.ptr,
             k.data.ptr,
@@ -431,9 +429,11 @@ def attention_backward(
     if key is None:
         return _attention_backward(*args)
     if plan is not None:
-        dq, dk, dv = arrays.empty_together(
-            (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype)
-        )
+        import cupy
+
+        dq = cupy.empty(q.shape, q.dtype)
+        dk = cupy.empty(k.shape, k.dtype)
+        dv = cupy.empty(v.shape, v.dtype)
         inputs = (dout, q, k, v, out, lse, dq, dk, dv)
         _replay(plan, key, [x.data.ptr for x in inputs])
         return dq, dk, dv
@@ -597,13 +597,11 @@ def attention_with_kvcache(
             for x in (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
         ]
         if plan.disjoint(pointers):  # else the full path refuses the call by name
-            if return_lse:
-                b, sq, h, _ = q.shape
-                out, lse = arrays.empty_together((q.shape, q.dtype), ((b, h, sq), np.float32))
-            else:
-                import cupy
+            import cupy
 
-                out, lse = cupy.empty(q.shape, q.dtype), None
+            b, sq, h, _ = q.shape
+            out = cupy.empty(q.shape, q.dtype)
+            lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
             pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
             _replay(plan, key, pointers)
             return (out, lse) if return_lse else out

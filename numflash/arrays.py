@@ -9,7 +9,6 @@ Kernels see every tensor as a flat 1-D array over the memory it spans plus its e
 so any strided view whose last dimension is contiguous is read in place.
 """
 
-import math
 from typing import NamedTuple
 
 import ml_dtypes
@@ -235,19 +234,3 @@ def current_stream():
     if SIMULATOR:
         return 0
     return _cupy().cuda.get_current_stream().ptr
-
-
-def empty_together(*specs):
-    """CuPy arrays of the (shape, dtype) ``specs``, carved from one allocation (each at a 256-byte
-    boundary): a replayed call asks the memory pool once instead of once per output. The memory
-    goes back to the pool when the last of them is freed."""
-    cupy = _cupy()
-    offsets, total = [], 0
-    for shape, dtype in specs:
-        offsets.append(total)
-        total += -(-math.prod(shape) * np.dtype(dtype).itemsize // 256) * 256
-    memory = cupy.cuda.alloc(total)
-    return [
-        cupy.ndarray(shape, dtype, memptr=memory + offset)
-        for (shape, dtype), offset in zip(specs, offsets)
-    ]
