@@ -1,0 +1,228 @@
+"""Variable-length benchmark: a packed batch beside numflash's dense call and SDPA on padding.
+
+One packed batch of ``--tokens`` tokens (32768) whose sequence lengths are drawn uniformly from
+``--min-len``..``--max-len`` (64-8192, fixed seed; the last one is cut to make the total), one
+process, numflash.timing.time_gpu (CUDA events, warm-up, median). For each dtype, head_dim and
+mask, forward ("fwd") and backward ("bwd", the gradients from saved forward outputs):
+
+- ``numflash-varlen``: attention_varlen / attention_varlen_backward on the packed rows;
+- ``numflash-dense``: attention / attention_backward at seqlen ``--dense-seqlen`` (4096), batch
+  tokens / seqlen: the speed the packed call is measured against;
+- ``sdpa-flash-padded``: SDPA's FlashAttention-2 on the same sequences padded to the longest
+  (batch = number of sequences), as a user without varlen would run them.
+
+TFLOP/s count useful FLOPs only: per sequence for the packed batch and the padded one (the
+padding's work is not counted), per batch row for the dense call.
+
+    python benchmarks/bench_varlen.py [--dtypes float16 bfloat16] [--head-dims 64 128]
+
+Writes benchmarks/results/varlen.json and varlen.md.
+"""
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+
+import cupy
+import numpy as np
+
+import numflash
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from bench_forward import DTYPES  # noqa: E402
+
+
+def draw_lengths(tokens, low, high, seed):
+    """Lengths uniform in [low, high] until they hold ``tokens`` (the last one cut)."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    while sum(lengths) < tokens:
+        lengths.append(int(rng.integers(low, high + 1)))
+    lengths[-1] -= sum(lengths) - tokens
+    return lengths
+
+
+def useful_flops(lengths, nheads, head_dim, causal, mode):
+    return sum(attention_flops(1, nheads, n, n, head_dim, causal, mode) for n in lengths)
+
+
+def varlen_runs(lengths, nheads, head_dim, dtype, causal):
+    """(forward, backward) of numflash's packed call."""
+    total = sum(lengths)
+    q, k, v = (x[0] for x in peers.random_qkv(1, total, nheads, head_dim, dtype))
+    dout = peers.random_qkv(1, total, nheads, head_dim, dtype, seed=5)[0][0]
+    offsets = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    longest = max(lengths)
+    args = (offsets, offsets, longest, longest)
+    out, lse = numflash.attention_varlen(q, k, v, *args, causal=causal, return_lse=True)
+
+    def fwd():
+        return numflash.attention_varlen(q, k, v, *args, causal=causal)
+
+    def bwd():
+        return numflash.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=causal)
+
+    return fwd, bwd
+
+
+def dense_runs(batch, seqlen, nheads, head_dim, dtype, causal):
+    q, k, v = peers.random_qkv(batch, seqlen, nheads, head_dim, dtype)
+    dout = peers.random_qkv(batch, seqlen, nheads, head_dim, dtype, seed=5)[0]
+    out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+
+    def fwd():
+        return numflash.attention(q, k, v, causal=causal)
+
+    def bwd():
+        return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+    return fwd, bwd
+
+
+def padded_sdpa_runs(lengths, nheads, head_dim, dtype, causal):
+    """SDPA FlashAttention-2 on (number of sequences, longest, ...): the rows past a sequence's
+    length are padding whose results a user would discard."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = peers.random_qkv(len(lengths), max(lengths), nheads, head_dim, dtype)
+    qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
+    dout = torch.randn_like(qt)
+
+    def forward():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+
+    saved = forward()
+
+    def bwd():
+        return torch.autograd.grad(saved, (qt, kt, vt), dout, retain_graph=True)
+
+    return forward, bwd
+
+
+def bench(args, lengths):
+    records = []
+    for dtype, hd, causal in itertools.product(args.dtypes, args.head_dims, [False, True]):
+        nheads = args.model_dim // hd
+        dense_batch = max(1, args.tokens // args.dense_seqlen)
+        providers = {
+            "numflash-varlen": (
+                lambda: varlen_runs(lengths, nheads, hd, DTYPES[dtype], causal),
+                lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
+            ),
+            "numflash-dense": (
+                lambda: dense_runs(
+                    dense_batch, args.dense_seqlen, nheads, hd, DTYPES[dtype], causal
+                ),
+                lambda mode: attention_flops(
+                    dense_batch, nheads, args.dense_seqlen, args.dense_seqlen, hd, causal, mode
+                ),
+            ),
+        }
+        if peers.torch_available():
+            providers["sdpa-flash-padded"] = (
+                lambda: padded_sdpa_runs(lengths, nheads, hd, DTYPES[dtype], causal),
+                lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
+            )
+        for provider, (make, flops) in providers.items():
+            runs = make()
+            for mode, run in zip(("fwd", "bwd"), runs):
+                t = time_gpu(run, warmup=2, runs=args.runs, max_total_ms=args.max_ms)
+                rec = dict(
+                    provider=provider,
+                    mode=mode,
+                    dtype=dtype,
+                    head_dim=hd,
+                    nheads=nheads,
+                    causal=causal,
+                    ms=t.median_ms,
+                    tflops=t.tflops(flops(mode)),
+                )
+                records.append(rec)
+                print(
+                    f"{provider:17s} {mode:3s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
+                    f"{t.median_ms:9.3f} ms {rec['tflops']:7.1f} TFLOP/s",
+                    flush=True,
+                )
+            del runs
+            cupy.get_default_memory_pool().free_all_blocks()
+    return records
+
+
+def markdown(records, device, lengths):
+    rows = {}
+    for r in records:
+        key = (r["mode"], r["dtype"], r["head_dim"], r["causal"])
+        rows.setdefault(key, {})[r["provider"]] = r
+    lines = [
+        f"Packed batch on {device}: {len(lengths)} sequences, {sum(lengths)} tokens, lengths "
+        f"{min(lengths)}-{max(lengths)}; useful TFLOP/s (median of CUDA-event timings). "
+        "vs dense: packed / numflash dense at the same head_dim, mask and dtype; "
+        "vs padded: SDPA FA2 time on the padded batch / packed time.",
+        "",
+        "| mode | dtype | head_dim | causal | packed | dense | SDPA FA2 padded | vs dense "
+        "| vs padded |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (mode, dtype, hd, causal), row in sorted(rows.items()):
+        packed, dense = row.get("numflash-varlen"), row.get("numflash-dense")
+        padded = row.get("sdpa-flash-padded")
+
+        def cell(r):
+            return f"{r['tflops']:.0f}" if r else "-"
+
+        vs_dense = f"{packed['tflops'] / dense['tflops']:.2f}" if packed and dense else "-"
+        vs_padded = f"{padded['ms'] / packed['ms']:.2f}x" if packed and padded else "-"
+        lines.append(
+            f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {cell(packed)} | "
+            f"{cell(dense)} | {cell(padded)} | {vs_dense} | {vs_padded} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens in the packed batch")
+    ap.add_argument("--min-len", type=int, default=64)
+    ap.add_argument("--max-len", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0, help="of the drawn lengths")
+    ap.add_argument("--dense-seqlen", type=int, default=4096)
+    ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--max-ms", type=float, default=3000.0, help="GPU time one timing may use")
+    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
+    dev = current_device()
+    records = bench(args, lengths)
+    versions = peers.versions()
+    result = {
+        "device": dev.name,
+        "compute_capability": list(dev.compute_capability),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions,
+        "command": "python " + " ".join(sys.argv),
+        "lengths": lengths,
+        "records": records,
+    }
+    with open(os.path.join(args.out_dir, "varlen.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    table = markdown(records, dev.name, lengths)
+    with open(os.path.join(args.out_dir, "varlen.md"), "w") as f:
+        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
