@@ -10,7 +10,8 @@ Measures, in one process:
 - the configuration lookup alone (``numflash.selected_config``);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
   runs for milliseconds, beside the kernel's time;
-- with ``--profile``, cProfile's view of where a call's host time goes.
+- with ``--profile``, cProfile's view of where a call's host time goes, and the parts of a
+  repeated KV-cache call timed alone (its key, the capture check, the output, the launches).
 """
 
 import argparse
@@ -63,6 +64,31 @@ def blocking(seqlen=32768):
     return host_ms, cupy.cuda.get_elapsed_time(start, stop), done_at_return
 
 
+def kvcache_parts(call, roles):
+    """{part: us} of a repeated attention_with_kvcache ``call`` (made once already), each part
+    timed alone as the fast path in numflash/api.py runs it. ``roles``: the call's arrays in
+    the plan's role order (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+    block_table), None where absent."""
+    from numflash import api
+
+    plan = list(api._plans._plans.values())[-1]  # the plan ``call`` made
+    stream = cupy.cuda.get_current_stream().ptr
+    q = roles[0]
+    out = cupy.empty(q.shape, q.dtype)
+    pointers = [0 if x is None else x.data.ptr for x in roles] + [out.data.ptr, 0]
+    present = [x for x in roles if x is not None]
+    return {
+        "launches": len(plan.launches),
+        "whole_call_us": per_call_us(call),
+        "array_keys_us": per_call_us(lambda: [api._array_key(x) for x in present]),
+        "device_and_stream_key_us": per_call_us(lambda: api._call_key("kvcache")),
+        "capture_check_us": per_call_us(api._capturing),
+        "output_us": per_call_us(lambda: cupy.empty(q.shape, q.dtype)),
+        "overlap_check_us": per_call_us(lambda: plan.disjoint(pointers)),
+        "replay_all_launches_us": per_call_us(lambda: plan.run(stream, pointers)),
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
@@ -91,11 +117,16 @@ def main():
     k_new, v_new = random_qkv(4, 1, 2, 64, "float16", seed=4)[:2]
     table = cupy.arange(64, dtype=cupy.int32).reshape(4, 16)
     lengths = cupy.full((4,), 100, dtype=cupy.int32)
-    results["attention_with_kvcache_us[float16]"] = per_call_us(
-        lambda: numflash.attention_with_kvcache(
+
+    def decode_step():
+        return numflash.attention_with_kvcache(
             qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table
         )
-    )
+
+    results["attention_with_kvcache_us[float16]"] = per_call_us(decode_step)
+    if args.profile:
+        roles = [qd, k_cache, v_cache, k_new, v_new, lengths, None, table]
+        results["attention_with_kvcache_parts"] = kvcache_parts(decode_step, roles)
     results["selected_config_us"] = per_call_us(
         lambda: numflash.selected_config(q, k, v), calls=20000
     )
