@@ -246,8 +246,9 @@ def attention_varlen(
             within each sequence's own lengths.
         return_lse: also return lse, float32 (nheads, total_q).
         out: optional output array (q's shape and dtype).
-        config: force a :class:`numflash.PortableConfig` (the only family that takes packed
-            batches so far); by default numflash chooses.
+        config: force a :class:`numflash.TensorCoreConfig` or :class:`numflash.PortableConfig`
+            as for :func:`attention`; by default numflash chooses as for a dense call of the
+            max lengths.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its

@@ -465,55 +465,72 @@ def _copy_back(out, target, p):
     arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]
 
 
-def _launch_forward(build, spec_key, cfg, p, q, k, v, out, lse, head_dim, scale_log2, shared):
+def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets):
+    """Launch a forward kernel over ``arrays_in`` = (q, k, v, out, lse): dense, or a packed
+    batch with ``offsets`` = (cu_q, cu_k) (the kernel of ``build`` is then the varlen one and
+    ``p`` holds the max lengths)."""
+    q, k, v, out, lse = arrays_in
     target, direct = _output_target(out, head_dim, p)
-    launch = launcher(spec_key, build, FORWARD, p.dtype)
-    views = {
-        name: arrays.kernel_view(x)
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
-    }
+    named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
+    scalars = attention_scalars(p, scale_log2)
+    if offsets is None:
+        spec = FORWARD
+        views = {name: arrays.kernel_view(x) for name, x in named}
+    else:
+        spec = FORWARD_VARLEN
+        xp = arrays.array_module(q)
+        views = {name: arrays.kernel_view(x[None] if x.ndim == 3 else x) for name, x in named}
+        views["cu_q"], views["cu_k"] = (
+            arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets
+        )
+        scalars += (q.shape[0], k.shape[0])
+    launch = launcher(spec_key, build, spec, p.dtype)
     grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
-    launch(
-        grid,
-        cfg.threads,
-        arrays.current_stream(),
-        shared,
-        FORWARD.args(views, attention_scalars(p, scale_log2)),
-    )
+    launch(grid, cfg.threads, arrays.current_stream(), shared, spec.args(views, scalars))
     if not direct:
         _copy_back(out, target, p)
 
 
-def _tensor_core_forward(cfg, p, q, k, v, out, lse):
+def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, scale = _positive_scale(q, p.scale)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
         q, k, v = (_padded(x, head_dim) for x in (q, k, v))
     # cp.async moves 16 bytes: rows must start on 16-byte boundaries.
     q, k, v = (_kernel_input(x, alignment_elements=8) for x in (q, k, v))
-    key = (TensorCoreConfig, head_dim, p.dtype, cfg)
+    varlen = offsets is not None
+    key = (TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
+    build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
-        lambda: forward_kernels.build(head_dim, p.dtype, *tiles),
+        lambda: build(head_dim, p.dtype, *tiles),
         key,
         cfg,
         p,
-        q,
-        k,
-        v,
-        out,
-        lse,
+        (q, k, v, out, lse),
         head_dim,
         scale * LOG2E,
         cfg.shared_memory_bytes(head_dim),
+        offsets,
     )
 
 
-def _portable_forward(cfg, p, q, k, v, out, lse):
+def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v = (_kernel_input(x) for x in (q, k, v))
-    key = (PortableConfig, p.head_dim, p.dtype, cfg)
-    build = lambda: forward_portable.build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n)  # noqa: E731
-    _launch_forward(build, key, cfg, p, q, k, v, out, lse, p.head_dim, p.scale * LOG2E, 0)
+    varlen = offsets is not None
+    key = (PortableConfig, p.head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    build = forward_portable.build_varlen if varlen else forward_portable.build
+    _launch_forward(
+        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n),
+        key,
+        cfg,
+        p,
+        (q, k, v, out, lse),
+        p.head_dim,
+        p.scale * LOG2E,
+        0,
+        offsets,
+    )
 
 
 #: One launch builder per forward family.
@@ -526,31 +543,9 @@ def forward(cfg, p, q, k, v, out, lse):
 
 
 def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
-    """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch with the
-    portable kernel; ``p`` holds the max lengths and the batch (validated arrays)."""
-    if not isinstance(cfg, PortableConfig):
-        raise NotImplementedError(f"variable-length batches run on the portable kernel; got {cfg}")
-    q, k, v = (_kernel_input(x) for x in (q, k, v))
-    target, direct = _output_target(out, p.head_dim, p)
-    xp = arrays.array_module(q)
-    views = {
-        name: arrays.kernel_view(x[None] if x.ndim == 3 else x)
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
-    }
-    views["cu_q"] = arrays.kernel_view(xp.ascontiguousarray(cu_q))
-    views["cu_k"] = arrays.kernel_view(xp.ascontiguousarray(cu_k))
-    key = (PortableConfig, "varlen", p.head_dim, p.dtype, cfg)
-    launch = launcher(
-        key,
-        lambda: forward_portable.build_varlen(p.head_dim, p.dtype, cfg.block_m, cfg.block_n),
-        FORWARD_VARLEN,
-        p.dtype,
-    )
-    scalars = attention_scalars(p, p.scale * LOG2E) + (q.shape[0], k.shape[0])
-    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
-    launch(grid, cfg.threads, arrays.current_stream(), 0, FORWARD_VARLEN.args(views, scalars))
-    if not direct:
-        _copy_back(out, target, p)
+    """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch; ``p``
+    holds the max lengths and the batch (validated arrays)."""
+    _FORWARD[type(cfg)](cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k))
 
 
 # -- backward ---------------------------------------------------------------------------------

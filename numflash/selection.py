@@ -176,11 +176,26 @@ def forward(problem, device):
     return _tuned_or_default(device.preferred_family(problem.dtype), problem, device)[0]
 
 
+def default_tensor_core_varlen_config(head_dim):
+    """The packed-batch forward's tiles where nothing is tuned: the dense defaults, except 64
+    query rows a block above head_dim 64. The varlen kernel keeps each sequence's lengths and
+    offsets in registers (the dense kernel reads them from its parameters), and at 128 rows
+    that is one register past 255: 8 bytes spilled on sm_90a. 64 x 32 is what the H200 tuned
+    for head_dim 128 (numflash/configs/sm_90.json)."""
+    cfg = default_tensor_core_config(head_dim)
+    if head_dim > 64:
+        return dataclasses.replace(cfg, block_m=64)
+    return cfg
+
+
 def forward_varlen(problem, device):
-    """The configuration of a packed-batch forward: the portable kernel's (the tensor-core
-    kernels take no sequence offsets yet), tuned or heuristic as for a dense call of the max
-    lengths."""
-    return _tuned_or_default(PORTABLE, problem, device)[0]
+    """The configuration of a packed-batch forward: the dense call's choice for the max
+    lengths (tuned entries are looked up by the max lengths' bucket), with the varlen kernel's
+    own tiles where that choice is the tensor-core heuristic."""
+    choice = forward(problem, device)
+    if choice.source == "heuristic" and isinstance(choice.config, TensorCoreConfig):
+        return Selection(default_tensor_core_varlen_config(problem.head_dim), "heuristic")
+    return choice
 
 
 def backward_varlen(problem, device):

@@ -17,7 +17,6 @@ from .config import (
     DECODE_CONFIGS,
     FORWARD_CONFIGS,
     MAX_HEAD_DIM,
-    PortableConfig,
     TensorCoreBackwardConfig,
 )
 from .kernels.jit import SIMULATOR
@@ -304,15 +303,8 @@ def check_forward_config(config, p, device):
 
 
 def check_varlen_config(config, p, device):
-    """A forced configuration of a packed-batch call: the portable forward's, so far."""
-    if config is None:
-        return None
-    if not isinstance(config, PortableConfig):
-        raise TypeError(
-            "config: variable-length batches run on numflash.PortableConfig so far; got "
-            f"{type(config).__name__}"
-        )
-    return _config_problems(config, p, device)
+    """A forced configuration of a packed-batch forward: any forward family's."""
+    return check_forward_config(config, p, device)
 
 
 def check_backward_config(config, p, deterministic, device):

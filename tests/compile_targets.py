@@ -31,6 +31,7 @@ from numflash.selection import (  # noqa: E402
     default_portable_backward_config,
     default_portable_config,
     default_tensor_core_config,
+    default_tensor_core_varlen_config,
 )
 
 forward_signature = launch.FORWARD.signature
@@ -104,18 +105,21 @@ def shipped_one(file, head_dim, dtype, config):
     ]
 
 
-def tensor_core_forward(hd, dtype):
-    cfg = default_tensor_core_config(hd)
-    kernel = forward.build(
-        hd, dtype, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers
-    )
+def tensor_core_forward(hd, dtype, varlen=False):
+    """The default tiles' dense kernel, or with ``varlen`` the packed-batch one (its own
+    default tiles)."""
+    cfg = (default_tensor_core_varlen_config if varlen else default_tensor_core_config)(hd)
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
+    kernel = (forward.build_varlen if varlen else forward.build)(hd, dtype, *tiles)
+    signature = (launch.FORWARD_VARLEN if varlen else launch.FORWARD).signature(dtype)
     return [
         {
             "family": "tensor-core",
+            "kernel": "varlen" if varlen else "dense",
             "head_dim": hd,
             "dtype": dtype,
             "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET),
+            **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=signature),
         }
         for cc in TENSOR_CORE_TARGETS
     ]
@@ -309,6 +313,7 @@ def jobs(quick):
     out = []
     for hd in [64, 128] if quick else [32, 64, 96, 128, 256]:
         out += [(tensor_core_forward, (hd, dtype)) for dtype in ("float16", "bfloat16")]
+    out += [(tensor_core_forward, (128, dtype, True)) for dtype in ("float16", "bfloat16")]
     out += [(shipped_one, item) for item in _shipped()]
     for hd, dtype in [(64, "float32"), (128, "float16"), (256, "bfloat16")]:
         out += [(portable_forward, (hd, dtype)), (portable_backward, (hd, dtype))]

@@ -22,6 +22,7 @@ class Case(NamedTuple):
     nheads_k: int
     head_dim: int
     mask: dict = {}
+    config: object = None  # None: numflash's choice (the portable kernel in the simulator)
 
 
 CASES = [
@@ -30,6 +31,11 @@ CASES = [
          mask=dict(causal=True)),
     Case("float32", (6, 17), (0, 17), nheads=2, nheads_k=2, head_dim=8,
          mask=dict(window_size=(3, 2))),
+    # the tensor-core kernel, forced (one and two 16-row tiles a warp, head_dim padded to 16)
+    Case("float16", (0, 1, 7, 20), (3, 1, 7, 25), nheads=2, nheads_k=1, head_dim=16,
+         config=numflash.TensorCoreConfig(16, 16, 1, 2, True)),
+    Case("bfloat16", (5, 0, 40), (9, 4, 33), nheads=2, nheads_k=2, head_dim=8,
+         mask=dict(causal=True), config=numflash.TensorCoreConfig(32, 16, 1, 2, False)),
 ]  # fmt: skip
 SMALL_CASES = list(CASES)  # also what compute-sanitizer runs (racecheck is slow)
 if not SIMULATOR:  # the issue's lengths, on the GPU
@@ -58,7 +64,11 @@ def _packed(case, rng):
     return q, k, v, xp.asarray(_offsets(case.lengths_q)), xp.asarray(_offsets(case.lengths_k))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths_q}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"{c.dtype}-{c.lengths_q}-{c.config.family if c.config else 'chosen'}",
+)
 def test_varlen_matches_the_reference_per_sequence(case):
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     q, k, v, cu_q, cu_k = _packed(case, rng)
@@ -73,6 +83,7 @@ def test_varlen_matches_the_reference_per_sequence(case):
         max(case.lengths_k),
         out=out,
         return_lse=True,
+        config=case.config,
         **case.mask,
     )
     assert lse.shape == (case.nheads, q.shape[0])
@@ -98,13 +109,17 @@ def test_varlen_matches_the_reference_per_sequence(case):
         assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.dtype}-{c.lengths_q}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"{c.dtype}-{c.lengths_q}-{c.config.family if c.config else 'chosen'}",
+)
 def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
     q, k, v, cu_q, cu_k = _packed(case, rng)
     lengths = (max(case.lengths_q), max(case.lengths_k))
     out, lse = numflash.attention_varlen(
-        q, k, v, cu_q, cu_k, *lengths, return_lse=True, **case.mask
+        q, k, v, cu_q, cu_k, *lengths, return_lse=True, config=case.config, **case.mask
     )
     dout = random_array(q.shape, case.dtype, rng)
     runs = [
@@ -149,7 +164,8 @@ def test_a_max_seqlen_below_a_sequence_cuts_it_and_writes_nothing_past():
     assert np.isnan(got[4 + 6 :]).all()  # the second sequence's rows past max_seqlen_q
 
 
-def test_device_offsets_that_lie_stay_inside_the_arrays():
+@pytest.mark.parametrize("forced", [None, numflash.TensorCoreConfig(16, 16, 1, 2, True)])
+def test_device_offsets_that_lie_stay_inside_the_arrays(forced):
     """Offsets past the arrays, decreasing or negative (which validation cannot see on the
     device) are clamped by the kernel: the simulator raises on any out-of-range index."""
     from numflash import launch, selection, validation
@@ -159,10 +175,10 @@ def test_device_offsets_that_lie_stay_inside_the_arrays():
     q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, 16), rng)
     p = validation.varlen_problem(q, k, v, cu_q, cu_k, 8, 8, False, None, (-1, -1))[-1]
     lying_q = xp.asarray(np.array([0, 50, -3], np.int32))
-    lying_k = xp.asarray(np.array([7, 2, 10**6], np.int32))
+    lying_k = xp.asarray(np.array([2, 7, 10**6], np.int32))  # 5 keys, then 1 past the end
     out = poisoned_like(q)
     lse = xp.empty((2, q.shape[0]), dtype=xp.float32)
-    cfg = selection.forward_varlen(p, current_device()).config
+    cfg = forced or selection.forward_varlen(p, current_device()).config
     launch.forward_varlen(cfg, p, q, k, v, out, lse, lying_q, lying_k)
     if not SIMULATOR:
         xp.cuda.Device().synchronize()  # a fault would surface here
@@ -184,7 +200,7 @@ HOST_OFFSETS = pytest.mark.skipif(not SIMULATOR, reason="offsets on the device a
         (dict(max_seqlen_q=0), ValueError, "max_seqlen_q must be >= 1"),
         (dict(max_seqlen_k=2.0), TypeError, "max_seqlen_k must be an int"),
         (dict(q=np.zeros((8, 2, 2, 16), np.float16)), ValueError, "q must have 3 dimensions"),
-        (dict(config=numflash.TensorCoreConfig()), TypeError, "run on numflash.PortableConfig"),
+        (dict(config=numflash.TensorCoreBackwardConfig()), TypeError, "config must be one of"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_refused_by_name(change, error, message):

@@ -74,6 +74,15 @@ def cases():
             kernel,
             launch.FORWARD.signature(dt),
         )
+    c = selection.default_tensor_core_config(128)
+    yield (
+        config.TensorCoreConfig.family,
+        "forward-varlen-128-bfloat16",
+        forward.build_varlen(
+            128, "bfloat16", c.block_m, c.block_n, c.num_warps, c.stages, c.q_in_registers
+        ),
+        launch.FORWARD_VARLEN.signature("bfloat16"),
+    )
     for hd, dt in [(64, "float32"), (128, "float16")]:
         yield (
             config.PortableConfig.family,

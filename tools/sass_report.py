@@ -10,6 +10,10 @@ key-tile loop of the forward. Where the loop branches between versions of its so
     python tools/sass_report.py --backward --config 64,8,2,0   # dK/dV with atomic dQ
     python tools/sass_report.py --wgmma --config 8,2   # the Hopper backward (num_warps,stages)
     python tools/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
+    python tools/sass_report.py --config 128,64,4,2,1 --dump new.sass   # diff two trees
+
+``--dump`` writes the instructions with their addresses and Numba's mangled names taken out,
+so that the SASS of one kernel built from two versions of the source can be compared with diff.
 """
 
 import argparse
@@ -79,6 +83,12 @@ def parse(text):
     return ops, labels
 
 
+def normalised(line):
+    """An instruction line without its address and with Numba's mangled symbols renamed."""
+    line = re.sub(r"/\*[0-9a-f]+\*/", "", line)
+    return re.sub(r"_ZN\w+", "<symbol>", line).strip()
+
+
 _MMA = ("HMMA", "HGMMA")  # mma.sync and wgmma
 
 
@@ -141,6 +151,7 @@ def main():
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--nvdisasm", default=None)
+    ap.add_argument("--dump", metavar="PATH", help="write the normalised instructions there")
     args = ap.parse_args()
     values = [int(x) for x in args.config.split(",")]
     from numflash import launch
@@ -178,6 +189,9 @@ def main():
         kernel = forward.build(args.head_dim, args.dtype, bm, bn, nw, st, bool(qr))
         signature = launch.FORWARD.signature(args.dtype)
     ops, labels = parse(sass(kernel, signature, args.arch, find_nvdisasm(args.nvdisasm)))
+    if args.dump:
+        with open(args.dump, "w") as f:
+            f.writelines(normalised(line) + "\n" for _, _, line in ops)
     loop = main_loop(ops, labels)
     for name, part in (("kernel", ops), ("main loop", loop)):
         counts = collections.Counter(op for _, op, _ in part)

@@ -21,8 +21,9 @@ Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256 (zero-padded 
 16 in shared memory); GQA/MQA; causal and sliding windows aligned bottom-right; any seqlen_q and
 seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.0+ and
 ``scale_log2 > 0``: the row max is taken on unscaled scores and the scale is folded into the
-fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Does not:
-dropout, softcapping, ALiBi, variable-length batches, KV cache.
+fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Packed batches of
+variable-length sequences run the same block body (:func:`build_varlen`). Does not: dropout,
+softcapping, ALiBi, KV cache (numflash.kernels.decode).
 """
 
 import functools
@@ -30,6 +31,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
+from .forward_portable import packed_sequence
 from .fragments import PACK, acc_index
 from .jit import device_function, kernel
 from .loads import row_loader
@@ -47,8 +49,9 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
-    """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
+def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+    """The device function that attends one block of query rows (all sizes compile-time),
+    shared by the dense and the packed (varlen) kernels."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
     BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
@@ -145,30 +148,37 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             if m0 + r < seqlen_q:
                 lse[lse_base + m0 + r] = NEG_INF
 
-    # -- the kernel -------------------------------------------------------------------------------
+    # -- one block of query rows of one sequence and head --------------------------------------
 
-    @kernel(launch_bounds=THREADS)
-    def forward(
+    @device_function
+    def attend_block(
         q,
         k,
         v,
         o,
         lse,
-        q_st,
-        k_st,
-        v_st,
-        o_st,
+        q_base,
+        k_base,
+        v_base,
+        o_base,
+        lse_base,
+        q_ss,
+        k_ss,
+        v_ss,
+        o_ss,
+        m_block,
         seqlen_q,
         seqlen_k,
-        heads_per_kv,
         scale_log2,
         window_left,
         window_right,
+        tid,
+        lane,
+        warp,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        o_sb, o_ss, o_sh = o_st
+        """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head), by thread ``tid``
+        (``lane`` of ``warp``) of the block: ``*_base`` is where the sequence's row 0 of this
+        head (its kv head for k, v) starts in each array."""
         smem = cuda.shared.array(0, uint16)
         qf = cuda.local.array(QF_REGS, uint32)
         pf = cuda.local.array(PF_REGS, uint32)
@@ -177,18 +187,8 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         m_i = cuda.local.array(ROWS, float32)
         l_i = cuda.local.array(ROWS, float32)
 
-        tid = cuda.threadIdx.x
-        lane = tid & 31
-        warp = tid >> 5
-        # The longest rows first: under a causal mask the last query blocks see the most keys.
-        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        batch = cuda.blockIdx.z
-        kv_head = head // heads_per_kv
         m0 = m_block * BLOCK_M
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-        o_base = batch * o_sb + head * o_sh
-        lse_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
 
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
         if n_hi <= n_lo:
@@ -200,9 +200,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
 
         # -- prologue: Q, then the first STAGES - 1 key/value tiles, each its own cp.async group
         smem_addr = ptx.shared_address(smem, 0)
-        q_first = batch * q_sb + head * q_sh + int64(m0) * q_ss
-        k_first = batch * k_sb + kv_head * k_sh + int64(first_tile * BLOCK_N) * k_ss
-        v_first = batch * v_sb + kv_head * v_sh + int64(first_tile * BLOCK_N) * v_ss
+        q_first = q_base + int64(m0) * q_ss
+        k_first = k_base + int64(first_tile * BLOCK_N) * k_ss
+        v_first = v_base + int64(first_tile * BLOCK_N) * v_ss
         k_step = int64(BLOCK_N) * k_ss  # elements from one key tile to the next
         v_step = int64(BLOCK_N) * v_ss
         zero_padding_columns(smem, tid)
@@ -278,4 +278,149 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
         write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
 
+    return attend_block
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+    """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
+    attend_block = _block_attender(
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers
+    )
+
+    @kernel(launch_bounds=32 * num_warps)
+    def forward(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+    ):
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        o_sb, o_ss, o_sh = o_st
+        tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
+        lane = tid & 31
+        warp = tid >> 5
+        # The longest rows first: under a causal mask the last query blocks see the most keys.
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        kv_head = head // heads_per_kv
+        attend_block(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            batch * q_sb + head * q_sh,
+            batch * k_sb + kv_head * k_sh,
+            batch * v_sb + kv_head * v_sh,
+            batch * o_sb + head * o_sh,
+            (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
+            q_ss,
+            k_ss,
+            v_ss,
+            o_ss,
+            m_block,
+            seqlen_q,
+            seqlen_k,
+            scale_log2,
+            window_left,
+            window_right,
+            tid,
+            lane,
+            warp,
+        )
+
     return forward
+
+
+@functools.lru_cache(maxsize=None)
+def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+    """The tensor-core forward over a packed batch: q (total_q, nheads, head_dim), k and v
+    (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
+    grid (ceil(max_seqlen_q / block_m), nheads, batch), lse (nheads, total_q). Offsets are
+    clamped to the arrays and lengths to max_seqlen: no read or write leaves q, k, v, o or
+    lse. The same block body as the dense kernel (:func:`build`)."""
+    attend_block = _block_attender(
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers
+    )
+    BLOCK_M = block_m
+
+    @kernel(launch_bounds=32 * num_warps)
+    def forward_varlen(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        cu_q,
+        cu_k,
+        q_st,
+        k_st,
+        v_st,
+        o_st,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_per_kv,
+        scale_log2,
+        window_left,
+        window_right,
+        total_q,
+        total_k,
+    ):
+        _, q_ss, q_sh = q_st
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, o_ss, o_sh = o_st
+        tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
+        lane = tid & 31
+        warp = tid >> 5
+        head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+        k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+        # The longest rows first, as in the dense kernel; blocks past the sequence's end exit.
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        if m_block * BLOCK_M >= seqlen_q:
+            return
+        kv_head = head // heads_per_kv
+        attend_block(
+            q,
+            k,
+            v,
+            o,
+            lse,
+            q_start * q_ss + head * q_sh,
+            k_start * k_ss + kv_head * k_sh,
+            k_start * v_ss + kv_head * v_sh,
+            q_start * o_ss + head * o_sh,
+            int64(head) * total_q + q_start,
+            q_ss,
+            k_ss,
+            v_ss,
+            o_ss,
+            m_block,
+            seqlen_q,
+            seqlen_k,
+            scale_log2,
+            window_left,
+            window_right,
+            tid,
+            lane,
+            warp,
+        )
+
+    return forward_varlen
