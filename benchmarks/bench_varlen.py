@@ -16,7 +16,7 @@ padding's work is not counted), per batch row for the dense call.
 
     python benchmarks/bench_varlen.py [--dtypes float16 bfloat16] [--head-dims 64 128]
 
-Writes benchmarks/results/varlen.json and varlen.md.
+Writes benchmarks/results/varlen.json and varlen.md (and partial.json while it runs).
 """
 
 import argparse
@@ -153,6 +153,8 @@ def bench(args, lengths):
                 )
             del runs
             cupy.get_default_memory_pool().free_all_blocks()
+            with open(os.path.join(args.out_dir, "partial.json"), "w") as f:
+                json.dump(records, f)  # what a run stopped early still leaves behind
     return records
 
 
@@ -221,6 +223,7 @@ def main():
     table = markdown(records, dev.name, lengths)
     with open(os.path.join(args.out_dir, "varlen.md"), "w") as f:
         f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    os.remove(os.path.join(args.out_dir, "partial.json"))
     print("\n" + table)
 
 
