@@ -98,35 +98,20 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
 
     @device_function
-    def load_slot(
-        smem_addr,
-        present,
-        stage,
-        k_cache,
-        v_cache,
-        n0,
-        n_end,
-        b,
-        k_head,
-        v_head,
-        kc_st,
-        vc_st,
-        sequence_found,
-        block_table,
-        page_size,
-        max_blocks,
-        slots,
-        tid,
-    ):
+    def load_slot(smem_addr, present, stage, n0, keys, tid):
         """cp.async keys n0 .. n0 + KEYS - 1 of sequence b into ring slot ``stage``; rows past
-        n_end or behind a bad cache slot or page are zero-filled and marked absent.
+        n_end or behind a bad cache slot or page are zero-filled and marked absent. ``keys``:
+        where the block's keys are, the same for every slot (see the kernel).
 
         CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
         whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows).
         ``k_head``, ``v_head``: the kv head's offset within a key row's cache slot or page,
         and (contiguous caches) the sequence's slot itself, valid when ``sequence_found``."""
-        kc_sb, kc_ss, kc_sh = kc_st
-        vc_sb, vc_ss, vc_sh = vc_st
+        k_cache, v_cache, kc_st, vc_st, block_table, geometry, place = keys
+        page_size, max_blocks, slots = geometry
+        b, n_end, k_head, v_head, sequence_found = place
+        kc_sb, kc_ss, _ = kc_st
+        vc_sb, vc_ss, _ = vc_st
         k_dst = smem_addr + uint32((K_BASE + stage * SLOT) * 2)
         v_dst = smem_addr + uint32((V_BASE + stage * SLOT) * 2)
         chunk = tid % CHUNKS
@@ -361,6 +346,11 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             k_head += slot * kc_sb
             v_head += slot * vc_sb
 
+        # where every slot's keys come from: the caches, the page table, this sequence's rows
+        geometry = (page_size, max_blocks, slots)
+        place = (b, n_end, k_head, v_head, sequence_found)
+        keys = (k_cache, v_cache, kc_st, vc_st, block_table, geometry, place)
+
         # -- prologue: Q rows (zero past the group), then STAGES - 1 slots, one group each
         smem_addr = ptx.shared_address(smem, 0)
         zero_padding_columns(smem, tid)
@@ -377,26 +367,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         ptx.cp_async_commit()
         for st in range(STAGES - 1):
             if st < n_tiles:
-                load_slot(
-                    smem_addr,
-                    present,
-                    st,
-                    k_cache,
-                    v_cache,
-                    n_begin + st * KEYS,
-                    n_end,
-                    b,
-                    k_head,
-                    v_head,
-                    kc_st,
-                    vc_st,
-                    sequence_found,
-                    block_table,
-                    page_size,
-                    max_blocks,
-                    slots,
-                    tid,
-                )
+                load_slot(smem_addr, present, st, n_begin + st * KEYS, keys, tid)
             ptx.cp_async_commit()
 
         q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
@@ -425,26 +396,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             ptx.cp_async_wait(PENDING)  # slot `stage` has landed for this thread's copies ...
             cuda.syncthreads()  # ... for every thread's, and the previous slot is free again
             if it + STAGES - 1 < n_tiles:
-                load_slot(
-                    smem_addr,
-                    present,
-                    stage - 1 if stage > 0 else STAGES - 1,
-                    k_cache,
-                    v_cache,
-                    n_begin + (it + STAGES - 1) * KEYS,
-                    n_end,
-                    b,
-                    k_head,
-                    v_head,
-                    kc_st,
-                    vc_st,
-                    sequence_found,
-                    block_table,
-                    page_size,
-                    max_blocks,
-                    slots,
-                    tid,
-                )
+                free = stage - 1 if stage > 0 else STAGES - 1  # the slot consumed last
+                load_slot(smem_addr, present, free, n_begin + (it + STAGES - 1) * KEYS, keys, tid)
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
