@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import optuna
 import pytest
-from support import random_qkv
+from support import random_qkv, xp
 
 import numflash
 from numflash import cache
@@ -447,3 +447,25 @@ def test_decode_workload_reads_the_benchmark_s_shape():
 
     w = Workload.for_key(cache.ProblemKey("tensor-core-decode", "float16", 128, "full", 4096))
     assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (64, 32, 8, 4096)
+
+
+def test_packed_forward_takes_the_dense_choice_or_its_own_heuristic(cache_dirs):
+    """attention_varlen's configuration: a tuned entry of the max lengths' bucket, as for a dense
+    call; where nothing is tuned, the varlen heuristic (64 rows above head_dim 64, where 128
+    rows spill in the varlen kernel)."""
+    from numflash import selection, validation
+
+    def packed_problem(head_dim, causal):
+        q = xp.zeros((8, 16, head_dim), np.float16)
+        cu = xp.asarray(np.array([0, 8], np.int32))
+        return validation.varlen_problem(q, q, q, cu, cu, 4096, 4096, causal, None, (-1, -1))[-1]
+
+    chosen = selection.forward_varlen(packed_problem(128, True), H200)
+    assert chosen.source == "heuristic"
+    assert chosen.config == TensorCoreConfig(64, 32, 4, 2, False)
+    assert not chosen.config.problems(128, H200)
+    chosen = selection.forward_varlen(packed_problem(64, False), H200)
+    assert chosen.config == selection.default_tensor_core_config(64)  # the dense tiles
+    cache.record(H200, {KEY: entry(CFG)})  # tuned: tensor-core fp16 hd128 causal s4096
+    chosen = selection.forward_varlen(packed_problem(128, True), H200)
+    assert chosen.config == CFG and chosen.source.startswith("user cache")
