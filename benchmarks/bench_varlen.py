@@ -35,6 +35,7 @@ from numflash.timing import attention_flops, time_gpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402
+from bench_backward import sdpa_runs  # noqa: E402
 from bench_forward import DTYPES  # noqa: E402
 
 
@@ -86,25 +87,11 @@ def dense_runs(batch, seqlen, nheads, head_dim, dtype, causal):
 
 
 def padded_sdpa_runs(lengths, nheads, head_dim, dtype, causal):
-    """SDPA FlashAttention-2 on (number of sequences, longest, ...): the rows past a sequence's
-    length are padding whose results a user would discard."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """(forward, backward) of SDPA FlashAttention-2 on (number of sequences, longest, ...): the
+    rows past a sequence's length are padding whose results a user would discard."""
     q, k, v = peers.random_qkv(len(lengths), max(lengths), nheads, head_dim, dtype)
-    qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-    dout = torch.randn_like(qt)
-
-    def forward():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    saved = forward()
-
-    def bwd():
-        return torch.autograd.grad(saved, (qt, kt, vt), dout, retain_graph=True)
-
-    return forward, bwd
+    bwd, _ = sdpa_runs(q, k, v, causal, "flash")
+    return peers.sdpa_forward(q, k, v, causal, "flash"), bwd
 
 
 def bench(args, lengths):
