@@ -61,6 +61,7 @@ extern "C" __global__ void project(const __half* x, const __half* w, float* part
 """
 _K_CHUNK = 256  # inner-dimension slice of one block
 _THREADS = 256
+MAX_BATCH = 48  # the rows' slice of x in 48 KiB of shared memory: 48 x 256 fp32
 
 
 class Projection:
@@ -197,6 +198,13 @@ def main(argv=None):
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=32000)
     args = ap.parse_args(argv)
+    if not 1 <= args.batch <= MAX_BATCH:
+        ap.error(f"--batch must be in [1, {MAX_BATCH}] (the projection kernel's shared memory)")
+    for name in ("layers", "prompt", "steps", "page"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1")
+    if args.vocab < 2 or args.vocab % 2:
+        ap.error("--vocab must be even and at least 2 (the projection writes column pairs)")
     model = Decoder(
         args.layers,
         args.batch,

@@ -50,3 +50,21 @@ def test_decode_graph_example_generates_the_same_tokens_eagerly_and_from_its_gra
         ["--layers", "2", "--batch", "3", "--prompt", "40", "--steps", "5", "--vocab", "64"]
     )
     assert eager[0].shape == (5, 3) and (eager[0] == graphed[0]).all()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch", "0"], "--batch must be in"),
+        (["--batch", "49"], "--batch must be in"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--vocab", "7"], "--vocab must be even"),
+    ],
+)
+def test_decode_graph_refuses_sizes_it_cannot_run(argv, message, capsys):
+    """Checked before anything touches the GPU (so this runs in the simulator too)."""
+    import decode_graph
+
+    with pytest.raises(SystemExit):
+        decode_graph.main(argv)
+    assert message in capsys.readouterr().err
