@@ -15,9 +15,7 @@ Writes benchmarks/results/backward.json and backward.md.
 """
 
 import argparse
-import datetime
 import itertools
-import json
 import os
 import sys
 
@@ -183,20 +181,8 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     dev = current_device()
     records = bench(args)
-    versions = peers.versions()
-    result = {
-        "device": dev.name,
-        "compute_capability": list(dev.compute_capability),
-        "date": datetime.date.today().isoformat(),
-        "versions": versions,
-        "command": "python " + " ".join(sys.argv),
-        "records": records,
-    }
-    with open(os.path.join(args.out_dir, "backward.json"), "w") as f:
-        json.dump(result, f, indent=1)
     table = markdown(records, dev.name)
-    with open(os.path.join(args.out_dir, "backward.md"), "w") as f:
-        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    peers.save_results(args.out_dir, "backward", dev, records, table)
     print("\n" + table)
 
 

@@ -19,8 +19,6 @@ Writes benchmarks/results/decode.json, decode.md and decode.png.
 """
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -266,20 +264,8 @@ def main():
     dev = current_device()
     print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
     records = bench(args)
-    versions = peers.versions()
-    result = {
-        "device": dev.name,
-        "compute_capability": list(dev.compute_capability),
-        "date": datetime.date.today().isoformat(),
-        "versions": versions,
-        "command": "python " + " ".join(sys.argv),
-        "records": records,
-    }
-    with open(os.path.join(args.out_dir, "decode.json"), "w") as f:
-        json.dump(result, f, indent=1)
     table = markdown(records, dev.name)
-    with open(os.path.join(args.out_dir, "decode.md"), "w") as f:
-        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    peers.save_results(args.out_dir, "decode", dev, records, table)
     print("\n" + table)
     try:
         plot(records, os.path.join(args.out_dir, "decode.png"))

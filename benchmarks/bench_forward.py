@@ -12,7 +12,6 @@ beyond its inputs, at its peak.
 """
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -313,21 +312,8 @@ def main():
     if args.merge:
         with open(args.merge) as f:
             records = json.load(f) + records
-    versions = peers.versions()
-    result = {
-        "device": dev.name,
-        "compute_capability": list(dev.compute_capability),
-        "date": datetime.date.today().isoformat(),
-        "versions": versions,
-        "command": "python " + " ".join(sys.argv),
-        "merged_from": args.merge,
-        "records": records,
-    }
-    with open(os.path.join(args.out_dir, "latest.json"), "w") as f:
-        json.dump(result, f, indent=1)
     table = markdown(records, dev.name)
-    with open(os.path.join(args.out_dir, "latest.md"), "w") as f:
-        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    peers.save_results(args.out_dir, "latest", dev, records, table, merged_from=args.merge)
     plots(records, args.out_dir)
     os.remove(os.path.join(args.out_dir, "partial.json"))
     print("\n" + table)

@@ -20,7 +20,6 @@ Writes benchmarks/results/varlen.json and varlen.md (and partial.json while it r
 """
 
 import argparse
-import datetime
 import itertools
 import json
 import os
@@ -195,21 +194,8 @@ def main():
     lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     dev = current_device()
     records = bench(args, lengths)
-    versions = peers.versions()
-    result = {
-        "device": dev.name,
-        "compute_capability": list(dev.compute_capability),
-        "date": datetime.date.today().isoformat(),
-        "versions": versions,
-        "command": "python " + " ".join(sys.argv),
-        "lengths": lengths,
-        "records": records,
-    }
-    with open(os.path.join(args.out_dir, "varlen.json"), "w") as f:
-        json.dump(result, f, indent=1)
     table = markdown(records, dev.name, lengths)
-    with open(os.path.join(args.out_dir, "varlen.md"), "w") as f:
-        f.write(f"<!-- {result['date']}, {dev.name}, {versions} -->\n\n" + table)
+    peers.save_results(args.out_dir, "varlen", dev, records, table, lengths=lengths)
     os.remove(os.path.join(args.out_dir, "partial.json"))
     print("\n" + table)
 

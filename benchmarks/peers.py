@@ -35,6 +35,30 @@ def versions():
     return found
 
 
+def save_results(out_dir, name, device, records, table, **extra):
+    """Write ``name``.json (device, date, versions, the command, ``extra``, the records) and
+    ``name``.md (``table`` under a comment naming the run) into ``out_dir``."""
+    import datetime
+    import json
+    import os
+    import sys
+
+    result = {
+        "device": device.name,
+        "compute_capability": list(device.compute_capability),
+        "date": datetime.date.today().isoformat(),
+        "versions": versions(),
+        "command": "python " + " ".join(sys.argv),
+        **extra,
+        "records": records,
+    }
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(f"<!-- {result['date']}, {device.name}, {result['versions']} -->\n\n" + table)
+    return result
+
+
 def numflash_forward(q, k, v, causal, config=None):
     """Allocates its output in every call, as SDPA and the naive version do, so that time and
     peak memory compare like with like."""
