@@ -582,41 +582,6 @@ def _preprocess(p, dout, out, lse):
     return lse, delta
 
 
-def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
-    q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
-    lse, delta = _preprocess(p, dout, out, lse)
-    views = {
-        name: arrays.kernel_view(x)
-        for name, x in (
-            ("q", q),
-            ("k", k),
-            ("v", v),
-            ("do", dout),
-            ("lse", lse),
-            ("delta", delta),
-            ("dq", dq),
-            ("dk", dk),
-            ("dv", dv),
-        )
-    }
-    scalars = attention_scalars(p, p.scale)
-    stream = arrays.current_stream()
-    d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
-    for kind, build, spec, grid, threads in (
-        ("dkdv", backward_portable.build_dkdv, PORTABLE_DKDV,
-         (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
-        ("dq", backward_portable.build_dq, DQ,
-         (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
-    ):  # fmt: skip
-        kernel = launcher(
-            (PortableBackwardConfig, d, dtype, cfg, kind),
-            lambda build=build: build(d, dtype, *tiles),
-            spec,
-            dtype,
-        )
-        kernel(grid, threads, stream, 0, spec.args(views, scalars))
-
-
 #: The portable backward over a packed batch: as FORWARD_VARLEN extends FORWARD.
 PORTABLE_DKDV_VARLEN = KernelSpec(
     arrays=PORTABLE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
@@ -630,54 +595,58 @@ DQ_VARLEN = KernelSpec(
 )
 
 
-def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
-    """dq, dk, dv of a packed batch with the portable kernels (dq, dk, dv zeroed first: rows
-    of no sequence, or past a max_seqlen, keep 0). D = rowsum(dO * O) is row by row, so the
-    dense preprocess kernel computes it over the packed rows as one sequence."""
-    if not isinstance(cfg, PortableBackwardConfig):
-        raise NotImplementedError(
-            f"variable-length batches run on the portable backward; got {cfg}"
-        )
+def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
+    """The portable dK/dV and dQ kernels: dense, or a packed batch with ``offsets`` = (cu_q,
+    cu_k) (``p`` then holds the max lengths; dq, dk, dv are zeroed first, so rows of no
+    sequence or past a max_seqlen keep 0). D = rowsum(dO * O) is row by row, so for a packed
+    batch the dense preprocess kernel computes it over the packed rows as one sequence."""
     q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
-    total_q, total_k = q.shape[0], k.shape[0]
-    packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
-    lse, delta = _preprocess(packed, dout[None], out[None], lse)
-    xp = arrays.array_module(q)
-    note_unrecorded_work()  # the zeroing
-    for g in (dq, dk, dv):
-        arrays.bits(g)[...] = 0
-    views = {
-        name: arrays.kernel_view(x[None] if x.ndim == 3 else x)
-        for name, x in (
-            ("q", q),
-            ("k", k),
-            ("v", v),
-            ("do", dout),
-            ("lse", lse),
-            ("delta", delta),
-            ("dq", dq),
-            ("dk", dk),
-            ("dv", dv),
+    scalars = attention_scalars(p, p.scale)
+    if offsets is None:
+        lse, delta = _preprocess(p, dout, out, lse)
+        specs, tag, views = (PORTABLE_DKDV, DQ), (), {}
+    else:
+        total_q, total_k = q.shape[0], k.shape[0]
+        packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
+        lse, delta = _preprocess(packed, dout[None], out[None], lse)
+        note_unrecorded_work()  # the zeroing
+        for g in (dq, dk, dv):
+            arrays.bits(g)[...] = 0
+        scalars += (total_q, total_k)
+        specs, tag = (PORTABLE_DKDV_VARLEN, DQ_VARLEN), ("varlen",)
+        xp = arrays.array_module(q)
+        views = dict(
+            zip(("cu_q", "cu_k"), (arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets))
         )
-    }
-    views["cu_q"] = arrays.kernel_view(xp.ascontiguousarray(cu_q))
-    views["cu_k"] = arrays.kernel_view(xp.ascontiguousarray(cu_k))
-    scalars = attention_scalars(p, p.scale) + (total_q, total_k)
+        q, k, v, dout, dq, dk, dv = (x[None] for x in (q, k, v, dout, dq, dk, dv))
+    for name, x in (("q", q), ("k", k), ("v", v), ("do", dout), ("lse", lse),
+                    ("delta", delta), ("dq", dq), ("dk", dk), ("dv", dv)):  # fmt: skip
+        views[name] = arrays.kernel_view(x)
     stream = arrays.current_stream()
     d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
+    extra = {"varlen": True} if offsets is not None else {}
     for kind, build, spec, grid, threads in (
-        ("dkdv", backward_portable.build_dkdv, PORTABLE_DKDV_VARLEN,
+        ("dkdv", backward_portable.build_dkdv, specs[0],
          (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
-        ("dq", backward_portable.build_dq, DQ_VARLEN,
+        ("dq", backward_portable.build_dq, specs[1],
          (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
     ):  # fmt: skip
         kernel = launcher(
-            (PortableBackwardConfig, "varlen", d, dtype, cfg, kind),
-            lambda build=build: build(d, dtype, *tiles, varlen=True),
+            (PortableBackwardConfig, *tag, d, dtype, cfg, kind),
+            lambda build=build: build(d, dtype, *tiles, **extra),
             spec,
             dtype,
         )
         kernel(grid, threads, stream, 0, spec.args(views, scalars))
+
+
+def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
+    """dq, dk, dv of a packed batch (the portable kernels so far)."""
+    if not isinstance(cfg, PortableBackwardConfig):
+        raise NotImplementedError(
+            f"variable-length batches run on the portable backward; got {cfg}"
+        )
+    _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
 
 
 def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
