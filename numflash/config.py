@@ -96,6 +96,30 @@ def _dynamic_shared_problems(smem, device):
     return []
 
 
+def _tensor_core_problems(cfg, head_dim, device, static_shared=0):
+    """Why a tensor-core forward or decode configuration (whose tiles are valid) cannot run
+    ``head_dim`` on ``device``: the GPU, shared memory (``static_shared`` bytes besides the
+    dynamic ones), threads, and fragment registers a thread would hold."""
+    out = []
+    if device is not None and not device.supports(cfg.family):
+        out.append(
+            f"{device.name} (compute capability {device.compute_capability}) has no "
+            "mma.sync/ldmatrix/cp.async; the tensor-core kernels need 8.0 or newer"
+        )
+    if static_shared > STATIC_SHARED_LIMIT:
+        out.append(f"needs {static_shared} bytes of static shared memory at head_dim={head_dim}")
+    out += _dynamic_shared_problems(cfg.shared_memory_bytes(head_dim) + static_shared, device)
+    if device is not None and cfg.threads > device.max_threads_per_block:
+        out.append(f"needs {cfg.threads} threads per block")
+    regs = cfg.fragment_registers(head_dim)
+    if regs > cfg.MAX_FRAGMENT_REGISTERS:
+        out.append(
+            f"holds {regs} fragment registers per thread at head_dim={head_dim} "
+            f"(at most {cfg.MAX_FRAGMENT_REGISTERS} fit without spilling)"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class TensorCoreConfig(_Config):
     """Tiles of the tensor-core forward kernel (:mod:`numflash.kernels.forward`).
@@ -162,21 +186,7 @@ class TensorCoreConfig(_Config):
             out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
         if out:
             return out
-        if device is not None and not device.supports(self.family):
-            out.append(
-                f"{device.name} (compute capability {device.compute_capability}) has no "
-                "mma.sync/ldmatrix/cp.async; the tensor-core kernel needs 8.0 or newer"
-            )
-        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim), device)
-        if device is not None and self.threads > device.max_threads_per_block:
-            out.append(f"needs {self.threads} threads per block")
-        regs = self.fragment_registers(head_dim)
-        if regs > self.MAX_FRAGMENT_REGISTERS:
-            out.append(
-                f"holds {regs} fragment registers per thread at head_dim={head_dim} "
-                f"(at most {self.MAX_FRAGMENT_REGISTERS} fit without spilling)"
-            )
-        return out
+        return _tensor_core_problems(self, head_dim, device)
 
 
 @dataclass(frozen=True)
@@ -450,24 +460,9 @@ class TensorCoreDecodeConfig(_Config):
             out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
         if out:
             return out
-        if device is not None and not device.supports(self.family):
-            out.append(
-                f"{device.name} (compute capability {device.compute_capability}) has no "
-                "mma.sync/ldmatrix/cp.async; the tensor-core kernels need 8.0 or newer"
-            )
-        static = self.static_shared_memory_bytes(head_dim)
-        if static > STATIC_SHARED_LIMIT:
-            out.append(f"needs {static} bytes of static shared memory at head_dim={head_dim}")
-        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim) + static, device)
-        if device is not None and self.threads > device.max_threads_per_block:
-            out.append(f"needs {self.threads} threads per block")
-        regs = self.fragment_registers(head_dim)
-        if regs > self.MAX_FRAGMENT_REGISTERS:
-            out.append(
-                f"holds {regs} fragment registers per thread at head_dim={head_dim} "
-                f"(at most {self.MAX_FRAGMENT_REGISTERS} fit without spilling)"
-            )
-        return out
+        return _tensor_core_problems(
+            self, head_dim, device, self.static_shared_memory_bytes(head_dim)
+        )
 
 
 CONFIG_TYPES = {
