@@ -110,30 +110,19 @@ def bench(args):
                 configs = [None] + ([] if kw else args.configs)
                 for cfg in configs:
                     for splits in args.num_splits if cfg is None and not kw else [0]:
+                        options = dict(
+                            cache_seqlens=lengths,
+                            causal=causal,
+                            num_splits=splits,
+                            config=cfg,
+                            **kw,
+                        )
 
-                        def run(kc=kc, vc=vc, kw=kw, cfg=cfg, splits=splits):
-                            return numflash.attention_with_kvcache(
-                                q,
-                                kc,
-                                vc,
-                                cache_seqlens=lengths,
-                                causal=causal,
-                                num_splits=splits,
-                                config=cfg,
-                                **kw,
-                            )
+                        def run(kc=kc, vc=vc, options=options):
+                            return numflash.attention_with_kvcache(q, kc, vc, **options)
 
                         try:
-                            chosen, used = numflash.selected_kvcache_config(
-                                q,
-                                kc,
-                                vc,
-                                cache_seqlens=lengths,
-                                causal=causal,
-                                num_splits=splits,
-                                config=cfg,
-                                **kw,
-                            )
+                            chosen, used = numflash.selected_kvcache_config(q, kc, vc, **options)
                         except ValueError as exc:  # a configuration this GPU cannot run
                             print(f"  skipped: {exc}"[:200], flush=True)
                             continue
