@@ -13,7 +13,8 @@ key-tile loop of the forward. Where the loop branches between versions of its so
     python tools/sass_report.py --config 128,64,4,2,1 --dump new.sass   # diff two trees
 
 ``--dump`` writes the instructions with their addresses and Numba's mangled names taken out,
-so that the SASS of one kernel built from two versions of the source can be compared with diff.
+so that the SASS of one kernel built from two versions of the source can be compared with diff;
+``--dump-loop`` the main loop's alone.
 """
 
 import argparse
@@ -152,6 +153,7 @@ def main():
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--nvdisasm", default=None)
     ap.add_argument("--dump", metavar="PATH", help="write the normalised instructions there")
+    ap.add_argument("--dump-loop", metavar="PATH", help="the same for the main loop alone")
     args = ap.parse_args()
     values = [int(x) for x in args.config.split(",")]
     from numflash import launch
@@ -193,6 +195,9 @@ def main():
         with open(args.dump, "w") as f:
             f.writelines(normalised(line) + "\n" for _, _, line in ops)
     loop = main_loop(ops, labels)
+    if args.dump_loop:
+        with open(args.dump_loop, "w") as f:
+            f.writelines(normalised(line) + "\n" for _, _, line in loop)
     for name, part in (("kernel", ops), ("main loop", loop)):
         counts = collections.Counter(op for _, op, _ in part)
         top = ", ".join(f"{op} {n}" for op, n in counts.most_common(10))
