@@ -306,11 +306,13 @@ def attention_varlen_backward(
     softmax_scale=None,
     window_size=(-1, -1),
     deterministic=False,
+    config=None,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments and its outputs out and lse (nheads, total_q). Portable kernels,
-    bitwise reproducible (``deterministic`` is accepted for flash-attn's signature). Rows of
-    no sequence, or past a max_seqlen, get zero gradients.
+    the forward's arguments and its outputs out and lse (nheads, total_q). The kernels and
+    ``deterministic`` as for :func:`attention_backward`, chosen as for a dense call of the max
+    lengths; ``config`` forces a backward configuration as there. Rows of no sequence, or past
+    a max_seqlen, get zero gradients.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
     under stream capture, as :func:`attention_varlen`.
@@ -333,10 +335,12 @@ def attention_varlen_backward(
     lse = validation.check_like(
         lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(p.nheads, q.shape[0])
     )
-    validation.check_flag(deterministic, "deterministic")
+    deterministic = validation.check_flag(deterministic, "deterministic")
     with _on_device(q):
         device = current_device()
-        cfg = selection.backward_varlen(p, device).config
+        cfg = validation.check_backward_config(config, p, deterministic, device)
+        if cfg is None:
+            cfg = selection.backward_varlen(p, device, deterministic).config
         xp = arrays.array_module(q)
         dq = xp.empty(q.shape, dtype=q.dtype)
         dk = xp.empty(k.shape, dtype=k.dtype)

@@ -641,21 +641,35 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
 
 
 def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
-    """dq, dk, dv of a packed batch (the portable kernels so far)."""
-    if not isinstance(cfg, PortableBackwardConfig):
-        raise NotImplementedError(
-            f"variable-length batches run on the portable backward; got {cfg}"
-        )
-    _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
+    """dq, dk, dv (total rows first) of a packed batch; ``p`` holds the max lengths."""
+    _BACKWARD[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
 
 
-def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
+#: The tensor-core dK/dV kernels over a packed batch: as FORWARD_VARLEN extends FORWARD.
+TENSOR_CORE_DKDV_VARLEN = KernelSpec(
+    arrays=TENSOR_CORE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
+    strided=TENSOR_CORE_DKDV.strided,
+    scalars=FORWARD_VARLEN.scalars,
+)
+
+
+def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
     """D, then the dK/dV kernel; dQ either accumulated there in fp32 by atomics and then scaled
-    and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim)`` gives
-    the family's (dK/dV, dQ) Launchers."""
+    and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim, varlen)``
+    gives the family's (dK/dV, dQ) Launchers. Dense, or a packed batch with ``offsets`` =
+    (cu_q, cu_k) as in _portable_backward."""
     xp = arrays.array_module(q)
     dout, out = (_kernel_input(x) for x in (dout, out))
-    lse, delta = _preprocess(p, dout, out, lse)
+    varlen = offsets is not None
+    if varlen:
+        total_q, total_k = q.shape[0], k.shape[0]
+        packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
+        lse, delta = _preprocess(packed, dout[None], out[None], lse)
+        note_unrecorded_work()  # the zeroing: rows of no sequence keep 0
+        for g in (dq, dk, dv):
+            arrays.bits(g)[...] = 0
+    else:
+        lse, delta = _preprocess(p, dout, out, lse)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
         q, k, v, dout = (_padded(x, head_dim) for x in (q, k, v, dout))
@@ -666,39 +680,30 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
         for g in (dq, dk, dv)
     )
     # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
-    acc_shape = (1, 1, 1, 1) if cfg.dq_separate else q.shape[:-1] + (head_dim,)
+    acc_shape = (1,) * q.ndim if cfg.dq_separate else q.shape[:-1] + (head_dim,)
     dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
     if not cfg.dq_separate:
         note_unrecorded_work()  # the zeroing, and dQ rounded after the kernels
-    views = {
-        name: arrays.kernel_view(x)
-        for name, x in (
-            ("q", q),
-            ("k", k),
-            ("v", v),
-            ("do", dout),
-            ("lse", lse),
-            ("delta", delta),
-            ("dq", dq_t),
-            ("dk", dk_t),
-            ("dv", dv_t),
-            ("dq_acc", dq_acc),
-        )
-    }
+    named = (("q", q), ("k", k), ("v", v), ("do", dout), ("dq", dq_t), ("dk", dk_t),
+             ("dv", dv_t), ("dq_acc", dq_acc))  # fmt: skip
+    views = {name: arrays.kernel_view(x[None] if varlen else x) for name, x in named}
+    views["lse"], views["delta"] = arrays.kernel_view(lse), arrays.kernel_view(delta)
     scalars = attention_scalars(p, p.scale)
+    specs = (TENSOR_CORE_DKDV, DQ)
+    if varlen:
+        views["cu_q"], views["cu_k"] = (
+            arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets
+        )
+        scalars += (total_q, total_k)
+        specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
-    dkdv, dq_kernel = kernels(head_dim)
+    dkdv, dq_kernel = kernels(head_dim, varlen)
     blocks = _ceil_div(p.seqlen_k, cfg.block_n) * cfg.head_split
-    dkdv(
-        (blocks, p.nheads_k, p.batch),
-        cfg.threads,
-        stream,
-        smem,
-        TENSOR_CORE_DKDV.args(views, scalars),
-    )
+    dkdv((blocks, p.nheads_k, p.batch), cfg.threads, stream, smem, specs[0].args(views, scalars))
     if cfg.dq_separate:
         blocks = _ceil_div(p.seqlen_q, cfg.block_n) * cfg.head_split
-        dq_kernel((blocks, p.nheads, p.batch), cfg.threads, stream, smem, DQ.args(views, scalars))
+        grid = (blocks, p.nheads, p.batch)
+        dq_kernel(grid, cfg.threads, stream, smem, specs[1].args(views, scalars))
     else:
         arrays.round_scaled_into(dq, dq_acc[..., : p.head_dim], p.scale)
     if not direct:
@@ -708,8 +713,23 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv):
         _copy_back(dv, dv_t, p)
 
 
-def _mma_backward(cfg, p, *tensors):
-    def kernels(head_dim):
+def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
+    """The (dK/dV, dQ) Launchers of a tensor-core backward family; ``build()`` gives its
+    backward.Kernels. dQ is None where the dK/dV kernel adds dQ up by atomics."""
+    key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    if varlen:
+        dkdv = launcher(
+            key + ("dkdv",), lambda: build().dkdv_varlen, TENSOR_CORE_DKDV_VARLEN, p.dtype
+        )
+        dq = launcher(key + ("dq",), lambda: build().dq_varlen, DQ_VARLEN, p.dtype)
+    else:
+        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype)
+        dq = launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype)
+    return dkdv, dq if cfg.dq_separate else None
+
+
+def _mma_backward(cfg, p, *tensors, offsets=None):
+    def kernels(head_dim, varlen):
         def build():
             return backward_mma.build_kernels(
                 head_dim,
@@ -721,26 +741,19 @@ def _mma_backward(cfg, p, *tensors):
                 cfg.head_split,
             )
 
-        key = (TensorCoreBackwardConfig, head_dim, p.dtype, cfg)
-        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype)
-        dq = launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype) if cfg.dq_separate else None
-        return dkdv, dq
+        return _tensor_core_launchers(TensorCoreBackwardConfig, build, head_dim, p, cfg, varlen)
 
-    tensor_core_backward(cfg, kernels, p, *tensors)
+    tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
 
-def _wgmma_backward(cfg, p, *tensors):
-    def kernels(head_dim):
+def _wgmma_backward(cfg, p, *tensors, offsets=None):
+    def kernels(head_dim, varlen):
         def build():
             return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
 
-        key = (WgmmaBackwardConfig, head_dim, p.dtype, cfg)
-        return (
-            launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype),
-            launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype),
-        )
+        return _tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 
-    tensor_core_backward(cfg, kernels, p, *tensors)
+    tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
 
 #: One launch builder per backward family.

@@ -176,31 +176,36 @@ def forward(problem, device):
     return _tuned_or_default(device.preferred_family(problem.dtype), problem, device)[0]
 
 
-def default_tensor_core_varlen_config(head_dim):
-    """The packed-batch forward's tiles where nothing is tuned: the dense defaults, except 64
-    query rows a block above head_dim 64. The varlen kernel keeps each sequence's lengths and
-    offsets in registers (the dense kernel reads them from its parameters), and at 128 rows
-    that is one register past 255: 8 bytes spilled on sm_90a. 64 x 32 is what the H200 tuned
-    for head_dim 128 (numflash/configs/sm_90.json)."""
-    cfg = default_tensor_core_config(head_dim)
-    if head_dim > 64:
-        return dataclasses.replace(cfg, block_m=64)
+def forward_varlen(problem, device):
+    """The configuration of a packed-batch forward: the dense call's choice for the max lengths
+    (tuned entries are looked up by the max lengths' bucket). At head_dim 128 the dense default
+    (128 rows) costs the varlen kernel one register past 255, 8 bytes spilled on sm_90a, and
+    is still the faster: on the H200 (fp16, 32768 tokens, benchmarks/bench_varlen.py --sweep)
+    causal 2.51 ms against 2.82 for 64 rows, non-causal equal (docs/performance.md)."""
+    return forward(problem, device)
+
+
+def default_tensor_core_varlen_backward_config(head_dim, device=None):
+    """The packed-batch mma.sync backward's tiles where nothing is tuned (head_dim as padded):
+    the dense defaults, except 32 query rows a block at head_dim 128. The varlen dK/dV kernel
+    keeps each sequence's offsets and lengths in registers, and at 64 x 8 warps that spills 56
+    bytes on sm_90a (255 registers; the dense kernel fits in 255); 32 x 8 warps fits in 254
+    (tests/compile_targets.py reports both)."""
+    cfg = default_tensor_core_backward_config(head_dim, device)
+    if head_dim == 128 and cfg.block_m == 64:
+        return dataclasses.replace(cfg, block_m=32)
     return cfg
 
 
-def forward_varlen(problem, device):
-    """The configuration of a packed-batch forward: the dense call's choice for the max
-    lengths (tuned entries are looked up by the max lengths' bucket), with the varlen kernel's
-    own tiles where that choice is the tensor-core heuristic."""
-    choice = forward(problem, device)
-    if choice.source == "heuristic" and isinstance(choice.config, TensorCoreConfig):
-        return Selection(default_tensor_core_varlen_config(problem.head_dim), "heuristic")
+def backward_varlen(problem, device, deterministic):
+    """The configuration of a packed-batch backward: the dense call's choice for the max
+    lengths (tuned entries are looked up by the max lengths' bucket), with the varlen kernels'
+    own tiles where that choice is the mma.sync heuristic."""
+    choice = backward(problem, device, deterministic)
+    if choice.source == "heuristic" and isinstance(choice.config, TensorCoreBackwardConfig):
+        head_dim = tensor_core_backward_head_dim(problem.head_dim)
+        return Selection(default_tensor_core_varlen_backward_config(head_dim, device), "heuristic")
     return choice
-
-
-def backward_varlen(problem, device):
-    """The configuration of a packed-batch backward: the portable kernels' so far."""
-    return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
 
 
 def _wgmma_backward_fits(problem, device):

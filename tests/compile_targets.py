@@ -31,7 +31,7 @@ from numflash.selection import (  # noqa: E402
     default_portable_backward_config,
     default_portable_config,
     default_tensor_core_config,
-    default_tensor_core_varlen_config,
+    default_tensor_core_varlen_backward_config,
 )
 
 forward_signature = launch.FORWARD.signature
@@ -106,9 +106,8 @@ def shipped_one(file, head_dim, dtype, config):
 
 
 def tensor_core_forward(hd, dtype, varlen=False):
-    """The default tiles' dense kernel, or with ``varlen`` the packed-batch one (its own
-    default tiles)."""
-    cfg = (default_tensor_core_varlen_config if varlen else default_tensor_core_config)(hd)
+    """The default tiles' dense kernel, or with ``varlen`` the packed-batch one."""
+    cfg = default_tensor_core_config(hd)
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     kernel = (forward.build_varlen if varlen else forward.build)(hd, dtype, *tiles)
     signature = (launch.FORWARD_VARLEN if varlen else launch.FORWARD).signature(dtype)
@@ -181,27 +180,38 @@ def portable_backward(hd, dtype):
 
 
 def mma_backward(hd, dtype, config):
-    cfg = (
-        config_from_dict(config) if config else default_config("tensor-core-backward", hd, None)[1]
-    )
-    built = backward_mma.build_kernels(
-        hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages, cfg.dq_separate, cfg.head_split
-    )
-    kernels = {"dkdv": (built.dkdv, launch.TENSOR_CORE_DKDV)}
+    """The dense kernels with ``config`` (None: the default) and the varlen ones with the same
+    one where given, else the varlen default."""
+    if config:
+        cfg = vcfg = config_from_dict(config)
+    else:
+        cfg = default_config("tensor-core-backward", hd, None)[1]
+        vcfg = default_tensor_core_varlen_backward_config(hd)
+
+    def built(c):
+        return backward_mma.build_kernels(
+            hd, dtype, c.block_m, c.num_warps, c.stages, c.dq_separate, c.head_split
+        )
+
+    kernels = {
+        "dkdv": (cfg, built(cfg).dkdv, launch.TENSOR_CORE_DKDV),
+        "dkdv-varlen": (vcfg, built(vcfg).dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
+    }
     if cfg.dq_separate:
-        kernels["dq"] = (built.dq, launch.DQ)
+        kernels["dq"] = (cfg, built(cfg).dq, launch.DQ)
+        kernels["dq-varlen"] = (vcfg, built(vcfg).dq_varlen, launch.DQ_VARLEN)
     return [
         {
             "family": "tensor-core-backward",
             "head_dim": hd,
             "dtype": dtype,
             "kernel": name,
-            "config": cfg.to_dict(),
+            "config": c.to_dict(),
             **report(
                 kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=spec.signature(dtype)
             ),
         }
-        for name, (kernel, spec) in kernels.items()
+        for name, (c, kernel, spec) in kernels.items()
         for cc in TENSOR_CORE_TARGETS
     ]
 
@@ -304,6 +314,8 @@ def wgmma_backward(hd, dtype, warps, stages):
         for name, kernel, spec in [
             ("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV),
             ("dq", kernels.dq, launch.DQ),
+            ("dkdv-varlen", kernels.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
+            ("dq-varlen", kernels.dq_varlen, launch.DQ_VARLEN),
         ]
     ]
 

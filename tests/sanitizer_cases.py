@@ -9,8 +9,9 @@ Each case runs a forward and a backward with the configurations it names (None: 
 choice) and checks both against the reference. Families: tensor-core and portable forward;
 mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (where the GPU
 has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
-contiguous caches with appends; the packed (varlen) portable kernels, also over device offsets
-that lie. ``--family NAME`` runs the cases of one family (``varlen`` for the packed ones).
+contiguous caches with appends; the packed (varlen) kernels, forward and backward (portable,
+mma.sync and wgmma), also over device offsets that lie. ``--family NAME`` runs the cases of
+one family (``varlen`` for the packed ones).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -168,8 +169,9 @@ def main(argv):
             test_varlen.test_varlen_gradients_match_the_reference_and_repeat_bitwise(case)
             cupy.cuda.Device().synchronize()
             print(f"ok varlen {case}", flush=True)
-        test_varlen.test_device_offsets_that_lie_stay_inside_the_arrays(None)
-        print("ok varlen offsets that lie", flush=True)
+        for name, configs in test_varlen.LYING_CONFIGS.items():
+            test_varlen.test_device_offsets_that_lie_stay_inside_the_arrays(*configs)
+            print(f"ok varlen offsets that lie ({name})", flush=True)
 
 
 if __name__ == "__main__":

@@ -375,7 +375,8 @@ def test_blocks_in_heavy_group_order_match_reference(mask):
     cfg = numflash.TensorCoreBackwardConfig(16, 1, 2, True)
     dq, dk, dv = (xp.empty(x.shape, x.dtype) for x in (q, k, v))
 
-    def launchers(head_dim):
+    def launchers(head_dim, varlen):
+        assert not varlen
         key = ("heavy_group=4", head_dim)
         return (
             launch.launcher(
@@ -535,6 +536,14 @@ def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path
     p64 = problem(*hd64, False, None, (-1, -1))[-1]
     assert selection.backward(p64, h200, False).config == numflash.WgmmaBackwardConfig()
     assert selection.backward(p64, a100, False).config == numflash.TensorCoreBackwardConfig()
+    # packed batches: the dense choice, but 32 query rows where the mma.sync heuristic takes 64
+    # at head_dim 128 (its varlen dK/dV kernel would spill)
+    hd128 = [random_array(x.shape[:-1] + (128,), "float16") for x in (q, k, v)]
+    p128 = problem(*hd128, False, None, (-1, -1))[-1]
+    assert selection.backward_varlen(p128, h200, True).config == numflash.WgmmaBackwardConfig()
+    varlen = selection.backward_varlen(p128, a100, True)
+    assert varlen == (numflash.TensorCoreBackwardConfig(32, 8, 2), "heuristic")
+    assert selection.backward_varlen(p64, a100, True).config == numflash.TensorCoreBackwardConfig()
 
     atomic = numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False)
     key = cache.ProblemKey.of("tensor-core-backward", "float16", 16, 5, 7, -1, -1)
@@ -545,6 +554,7 @@ def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path
         cfg, source = selection.backward(p, a100, True)
         assert cfg == numflash.TensorCoreBackwardConfig(16, 1, dq_separate=True)
         assert source == f"user cache {path}, dq_separate for deterministic=True"
+        assert selection.backward_varlen(p, a100, False) == (atomic, f"user cache {path}")
     finally:
         cache.reload()
 

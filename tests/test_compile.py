@@ -65,13 +65,20 @@ def test_tensor_core_mma_count_matches_the_tiles(compiled):
         print(f"partly rolled products (head_dim, dtype, target, mma, unrolled): {rolled}")
 
 
+#: (kernel, head_dim) -> bytes the default tiles may spill: the packed forward at head_dim 128
+#: keeps one register more than the dense kernel's 255 and was measured faster with that spill
+#: than with 64 rows and none (numflash.selection.forward_varlen).
+SPILL_ALLOWED = {("varlen", 128): 8}
+
+
 def test_default_configurations_spill_nothing(compiled):
     reports = [e for e in _entries(compiled, "tensor-core") if "resources" in e]
     assert reports
     for e in reports:
         r = e["resources"]
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, e
-        assert r["stack"] == 0, f"a register array went to local memory: {e}"
+        allowed = SPILL_ALLOWED.get((e["kernel"], e["head_dim"]), 0)
+        assert r["spill_stores"] <= allowed and r["spill_loads"] <= allowed, e
+        assert r["stack"] <= allowed, f"a register array went to local memory: {e}"
 
 
 def test_portable_kernel_compiles_without_tensor_core_instructions(compiled):
@@ -122,13 +129,13 @@ def test_tensor_core_backward_compiles_for_every_target(compiled):
         "sm_100a",
         "sm_120",
     }
-    assert {e["kernel"] for e in entries} == {"dkdv", "dq"}
+    assert {e["kernel"] for e in entries} == {"dkdv", "dq", "dkdv-varlen", "dq-varlen"}
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]
         warps, block_m = cfg["num_warps"], cfg["block_m"]
         part = hd // cfg["head_split"]  # the output columns of one block
         scores = 2 * (hd // 16) * (block_m // 8)  # S and dP (or S^T and dP^T) over all of hd
-        if e["kernel"] == "dq":
+        if e["kernel"].startswith("dq"):
             # Per warp and key tile: the scores, then dQ ((block_m/16) (part/8))
             assert e["counts"]["mma.sync.aligned.m16n8k16"] == scores + (block_m // 16) * (
                 part // 8
@@ -206,13 +213,14 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     pipeline or waited inside it (a 64-bit division by a run-time value did that once: a call
     to a helper routine, remark C7509)."""
     entries = _entries(compiled, "wgmma-backward")
+    kernels = ("dkdv", "dq", "dkdv-varlen", "dq-varlen")
     assert {(e["head_dim"], e["kernel"]) for e in entries} == {
-        (hd, kernel) for hd in (64, 128) for kernel in ("dkdv", "dq")
+        (hd, kernel) for hd in (64, 128) for kernel in kernels
     }
     for e in entries:
         assert e["target"] == "sm_90a"
         products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}
-        assert e["counts"]["wgmma.mma_async"] == products[e["kernel"]], e
+        assert e["counts"]["wgmma.mma_async"] == products[e["kernel"].split("-")[0]], e
         assert e["counts"]["fence.proxy.async"] >= 1, e
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
         remarks = e["resources"]["remarks"]

@@ -449,10 +449,9 @@ def test_decode_workload_reads_the_benchmark_s_shape():
     assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (64, 32, 8, 4096)
 
 
-def test_packed_forward_takes_the_dense_choice_or_its_own_heuristic(cache_dirs):
+def test_packed_forward_takes_the_dense_choice(cache_dirs):
     """attention_varlen's configuration: a tuned entry of the max lengths' bucket, as for a dense
-    call; where nothing is tuned, the varlen heuristic (64 rows above head_dim 64, where 128
-    rows spill in the varlen kernel)."""
+    call; where nothing is tuned, the dense heuristic."""
     from numflash import selection, validation
 
     def packed_problem(head_dim, causal):
@@ -462,7 +461,7 @@ def test_packed_forward_takes_the_dense_choice_or_its_own_heuristic(cache_dirs):
 
     chosen = selection.forward_varlen(packed_problem(128, True), H200)
     assert chosen.source == "heuristic"
-    assert chosen.config == TensorCoreConfig(64, 32, 4, 2, False)
+    assert chosen.config == selection.default_tensor_core_config(128)
     assert not chosen.config.problems(128, H200)
     chosen = selection.forward_varlen(packed_problem(64, False), H200)
     assert chosen.config == selection.default_tensor_core_config(64)  # the dense tiles

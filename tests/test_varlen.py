@@ -10,6 +10,7 @@ import pytest
 from support import poisoned_like, random_array, to_numpy, xp
 
 import numflash
+from numflash.device import current_device
 from numflash.kernels.jit import SIMULATOR
 from numflash.reference import check, check_backward
 
@@ -23,6 +24,11 @@ class Case(NamedTuple):
     head_dim: int
     mask: dict = {}
     config: object = None  # None: numflash's choice (the portable kernel in the simulator)
+    backward: object = None  # the backward's config, as ``config``
+
+
+TC = numflash.TensorCoreBackwardConfig
+WG = numflash.WgmmaBackwardConfig
 
 
 CASES = [
@@ -31,11 +37,18 @@ CASES = [
          mask=dict(causal=True)),
     Case("float32", (6, 17), (0, 17), nheads=2, nheads_k=2, head_dim=8,
          mask=dict(window_size=(3, 2))),
-    # the tensor-core kernel, forced (one and two 16-row tiles a warp, head_dim padded to 16)
+    # the tensor-core kernels, forced (one and two 16-row tiles a warp, head_dim padded to 16;
+    # the backward's dQ from its own kernel, and by atomics; several key and query blocks)
     Case("float16", (0, 1, 7, 20), (3, 1, 7, 25), nheads=2, nheads_k=1, head_dim=16,
-         config=numflash.TensorCoreConfig(16, 16, 1, 2, True)),
+         config=numflash.TensorCoreConfig(16, 16, 1, 2, True), backward=TC(16, 1, 2)),
     Case("bfloat16", (5, 0, 40), (9, 4, 33), nheads=2, nheads_k=2, head_dim=8,
-         mask=dict(causal=True), config=numflash.TensorCoreConfig(32, 16, 1, 2, False)),
+         mask=dict(causal=True), config=numflash.TensorCoreConfig(32, 16, 1, 2, False),
+         backward=TC(16, 1, 1, dq_separate=False)),
+    Case("float16", (19, 0, 40), (40, 6, 21), nheads=2, nheads_k=1, head_dim=16,
+         mask=dict(window_size=(9, 3)), backward=TC(16, 1, 2, dq_separate=False)),
+    # the Hopper backward (in the simulator ptx_sm90's Python wgmma)
+    Case("bfloat16", (0, 70, 1, 20), (3, 80, 1, 25), nheads=2, nheads_k=1, head_dim=64,
+         mask=dict(causal=True), backward=WG(4, 2)),
 ]  # fmt: skip
 SMALL_CASES = list(CASES)  # also what compute-sanitizer runs (racecheck is slow)
 if not SIMULATOR:  # the issue's lengths, on the GPU
@@ -44,6 +57,14 @@ if not SIMULATOR:  # the issue's lengths, on the GPU
              head_dim=128, mask=dict(causal=True)),
         Case("bfloat16", (113, 1023, 1), (200, 40, 1), nheads=4, nheads_k=4, head_dim=64,
              mask=dict(window_size=(50, 0))),
+        Case("float16", (0, 1, 7, 113, 1023), (5, 1, 7, 113, 1023), nheads=8, nheads_k=2,
+             head_dim=96, backward=TC(64, 8, 2)),
+        Case("bfloat16", (1023, 0, 113, 7), (517, 3, 113, 7), nheads=4, nheads_k=1,
+             head_dim=128, mask=dict(causal=True), backward=TC(64, 4, 2, dq_separate=False)),
+        Case("float16", (300, 1, 513), (257, 9, 1000), nheads=2, nheads_k=2, head_dim=256,
+             mask=dict(causal=True), backward=TC(32, 8, 2, head_split=2)),
+        Case("bfloat16", (113, 1023, 1), (200, 40, 1), nheads=4, nheads_k=4, head_dim=64,
+             mask=dict(window_size=(50, 0)), backward=WG(4, 1)),
     ]  # fmt: skip
 
 
@@ -109,12 +130,21 @@ def test_varlen_matches_the_reference_per_sequence(case):
         assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
 
 
+def _backward_config(case):
+    """The case's backward configuration; a skip where it asks for wgmma and the GPU has none."""
+    if isinstance(case.backward, WG) and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
+    return case.backward
+
+
 @pytest.mark.parametrize(
     "case",
     CASES,
-    ids=lambda c: f"{c.dtype}-{c.lengths_q}-{c.config.family if c.config else 'chosen'}",
+    ids=lambda c: f"{c.dtype}-{c.lengths_q}-{c.backward.family if c.backward else 'chosen'}",
 )
 def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
+    """Deterministic runs (every configuration but dQ by atomics) repeat bitwise."""
+    cfg = _backward_config(case)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
     q, k, v, cu_q, cu_k = _packed(case, rng)
     lengths = (max(case.lengths_q), max(case.lengths_k))
@@ -122,11 +152,23 @@ def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
         q, k, v, cu_q, cu_k, *lengths, return_lse=True, config=case.config, **case.mask
     )
     dout = random_array(q.shape, case.dtype, rng)
+    deterministic = getattr(cfg, "dq_separate", True)
     runs = [
         numflash.attention_varlen_backward(
-            dout, q, k, v, out, lse, cu_q, cu_k, *lengths, **case.mask
-        )
-        for _ in range(REPEATS)
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            *lengths,
+            **case.mask,
+            deterministic=deterministic,
+            config=cfg,
+        )  # fmt: skip
+        for _ in range(REPEATS if deterministic else 1)
     ]
     dq, dk, dv = runs[0]
     for other in runs[1:]:
@@ -164,15 +206,27 @@ def test_a_max_seqlen_below_a_sequence_cuts_it_and_writes_nothing_past():
     assert np.isnan(got[4 + 6 :]).all()  # the second sequence's rows past max_seqlen_q
 
 
-@pytest.mark.parametrize("forced", [None, numflash.TensorCoreConfig(16, 16, 1, 2, True)])
-def test_device_offsets_that_lie_stay_inside_the_arrays(forced):
-    """Offsets past the arrays, decreasing or negative (which validation cannot see on the
-    device) are clamped by the kernel: the simulator raises on any out-of-range index."""
-    from numflash import launch, selection, validation
-    from numflash.device import current_device
+#: (forward, backward) configurations run over lying offsets (None: numflash's choice).
+LYING_CONFIGS = {
+    "chosen": (None, None),
+    "tensor-core": (numflash.TensorCoreConfig(16, 16, 1, 2, True), TC(16, 1, 2)),
+    "atomic-dq": (None, TC(16, 1, 1, dq_separate=False)),
+    "wgmma": (None, WG(4, 2)),
+}
 
+
+@pytest.mark.parametrize("forced, backward", LYING_CONFIGS.values(), ids=LYING_CONFIGS)
+def test_device_offsets_that_lie_stay_inside_the_arrays(forced, backward):
+    """Offsets past the arrays, decreasing or negative (which validation cannot see on the
+    device) are clamped by the kernels, forward and backward: the simulator raises on any
+    out-of-range index."""
+    from numflash import launch, selection, validation
+
+    if isinstance(backward, WG) and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
     rng = np.random.default_rng(4)
-    q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, 16), rng)
+    hd = 64 if isinstance(backward, WG) else 16
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, hd), rng)
     p = validation.varlen_problem(q, k, v, cu_q, cu_k, 8, 8, False, None, (-1, -1))[-1]
     lying_q = xp.asarray(np.array([0, 50, -3], np.int32))
     lying_k = xp.asarray(np.array([2, 7, 10**6], np.int32))  # 5 keys, then 1 past the end
@@ -180,6 +234,11 @@ def test_device_offsets_that_lie_stay_inside_the_arrays(forced):
     lse = xp.empty((2, q.shape[0]), dtype=xp.float32)
     cfg = forced or selection.forward_varlen(p, current_device()).config
     launch.forward_varlen(cfg, p, q, k, v, out, lse, lying_q, lying_k)
+    out = random_array(q.shape, "float16", rng)  # the poison's NaNs would make every D NaN
+    lse = xp.asarray(rng.standard_normal((2, q.shape[0])).astype(np.float32))
+    grads = [xp.empty_like(x) for x in (q, k, v)]
+    cfg = backward or selection.backward(p, current_device(), True).config
+    launch.backward_varlen(cfg, p, out, q, k, v, out, lse, *grads, lying_q, lying_k)
     if not SIMULATOR:
         xp.cuda.Device().synchronize()  # a fault would surface here
 

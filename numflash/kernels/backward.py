@@ -32,6 +32,7 @@ from typing import NamedTuple
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
+from .forward_portable import packed_sequence
 from .fragments import PACK, acc_index, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
@@ -224,13 +225,13 @@ def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
 
 
 @device_function
-def lane_row_stats(lse, delta, batch, head, warp_row, lane, n_lo, seqlen_q, seqlen_k, wl, wr):
+def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_k, wl, wr):
     """The row statistics of this lane's two query rows, warp_row + lane // 4 and 8 rows below,
     as one group: (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), each row's log2-domain
     LSE, D and visible keys relative to the lane's first column of a key range starting at
-    ``n_lo`` (row_stats). row_ds takes the group as it is."""
+    ``n_lo`` (row_stats). ``row_base``: where the head's row 0 is in lse and delta. row_ds
+    takes the group as it is."""
     row0 = warp_row + (lane >> 2)
-    row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
     first_col = n_lo + (lane & 3) * 2
     return row_stats(lse, delta, row_base, row0, first_col, seqlen_q, seqlen_k, wl, wr) + row_stats(
         lse, delta, row_base, row0 + 8, first_col, seqlen_q, seqlen_k, wl, wr
@@ -283,33 +284,34 @@ def query_block_loader(load_pair, fetch_row_stats):
         delta,
         lse_r,
         d_r,
-        batch,
+        rows,
         head,
         m0,
         q_st,
         do_st,
-        nheads,
         seqlen_q,
         tid,
     ):
         """Start loading query rows m0.. of query head ``head``: their Q and dO into the stage
-        at ``stage_addr``, their LSE and D into registers (lse_r, d_r)."""
-        q_sb, q_ss, q_sh = q_st
-        do_sb, do_ss, do_sh = do_st
+        at ``stage_addr``, their LSE and D into registers (lse_r, d_r). ``rows``: where the
+        sequence's query rows start in q and in do, and (a, b, stride): head h's row 0 is at
+        (a + h) * stride + b in lse and delta."""
+        q_first, do_first, lse_a, lse_b, lse_stride = rows
+        _, q_ss, q_sh = q_st
+        _, do_ss, do_sh = do_st
         load_pair(
             stage_addr,
             q,
             do,
-            batch * q_sb + head * q_sh + int64(m0) * q_ss,
+            q_first + head * q_sh + int64(m0) * q_ss,
             q_ss,
-            batch * do_sb + head * do_sh + int64(m0) * do_ss,
+            do_first + head * do_sh + int64(m0) * do_ss,
             do_ss,
             seqlen_q - m0,
             tid,
         )
-        fetch_row_stats(
-            lse_r, d_r, lse, delta, (int64(batch) * nheads + head) * seqlen_q, m0, seqlen_q, tid
-        )
+        lse_base = (lse_a + head) * lse_stride + lse_b
+        fetch_row_stats(lse_r, d_r, lse, delta, lse_base, m0, seqlen_q, tid)
 
     return load_query_block
 
@@ -327,6 +329,8 @@ def next_query_block(head, m0, m_lo, m_hi, block_m):
 class Kernels(NamedTuple):
     dkdv: object  # dK and dV; with an atomic backend also dQ
     dq: object  # dQ alone, in a fixed order; None where the dK/dV kernel adds dQ up
+    dkdv_varlen: object  # the same two over a packed batch
+    dq_varlen: object
 
 
 class Backend(NamedTuple):
@@ -384,7 +388,14 @@ class Backend(NamedTuple):
 
 def build_kernels(backend):
     """The dK/dV kernel and (unless the backend adds dQ up by atomics) the dQ kernel, closed
-    over ``backend``; Numba compiles each on its first launch."""
+    over ``backend``, each dense and over a packed batch; Numba compiles each on its first
+    launch.
+
+    One block body per kernel (``dkdv_block``, ``dq_block``) takes where its sequence starts in
+    every array and its lengths; the dense kernels give it batch ``blockIdx.z``'s, the packed
+    ones (``*_varlen``) sequence ``blockIdx.z``'s from the cumulative offsets (clamped to the
+    arrays, the lengths to the max lengths), so no read or write leaves the arrays whatever
+    the offsets hold. A packed block past its sequence's end exits at once."""
     BLOCK_M, BLOCK_N, THREADS, STAGES = (
         backend.block_m,
         backend.block_n,
@@ -408,8 +419,8 @@ def build_kernels(backend):
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     load_query_block = query_block_loader(load_pair, fetch_row_stats)
 
-    @kernel(launch_bounds=THREADS)
-    def dkdv(
+    @device_function
+    def dkdv_block(
         q,
         k,
         v,
@@ -426,18 +437,26 @@ def build_kernels(backend):
         dk_st,
         dv_st,
         dq_st,
+        firsts,
+        rows,
         seqlen_q,
         seqlen_k,
         heads_per_kv,
         scale,
         window_left,
         window_right,
+        position,
     ):
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        dk_sb, dk_ss, dk_sh = dk_st
-        dv_sb, dv_ss, dv_sh = dv_st
-        dq_sb, dq_ss, dq_sh = dq_st
+        """dK and dV of one key block (and dQ's atomics). ``firsts``: where the sequence starts
+        in k, v, dk, dv and dq_acc; ``rows``: in q, do, lse and delta (load_query_block);
+        ``position``: block_position's (tid, lane, warp, n0, col_base, kv_head)."""
+        k_first, v_first, dk_first, dv_first, dq_first = firsts
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, dk_ss, dk_sh = dk_st
+        _, dv_ss, dv_sh = dv_st
+        _, dq_ss, dq_sh = dq_st
+        tid, lane, warp, n0, col_base, kv_head = position
         smem = cuda.shared.array(0, uint16)
         lse_tile = cuda.shared.array(STAT_TILE, float32)
         d_tile = cuda.shared.array(STAT_TILE, float32)
@@ -449,18 +468,12 @@ def build_kernels(backend):
         lse_r = cuda.local.array(STAT_LOADS, float32)
         d_r = cuda.local.array(STAT_LOADS, float32)
 
-        # n0: the block's first key. The first keys are seen by the most queries under a causal
-        # mask, the last ones under a left window alone.
-        tid, lane, warp, n0, col_base, kv_head, batch = block_position(
-            (window_left < 0) != (window_right < 0), window_right < 0
-        )
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left, window_right)
         scale_log2 = scale * float32(LOG2E)
         # The query blocks this key block sees, for every query head of the GQA group in turn.
         blocks_per_head = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M if m_hi > m_lo else 0
         n_blocks = heads_per_kv * blocks_per_head
-        nheads = cuda.gridDim.y * heads_per_kv
 
         # -- K and V of this block stay in shared memory for the whole kernel
         base = shared_base(smem)
@@ -468,9 +481,9 @@ def build_kernels(backend):
             base,
             k,
             v,
-            batch * k_sb + kv_head * k_sh + int64(n0) * k_ss,
+            k_first + kv_head * k_sh + int64(n0) * k_ss,
             k_ss,
-            batch * v_sb + kv_head * v_sh + int64(n0) * v_ss,
+            v_first + kv_head * v_sh + int64(n0) * v_ss,
             v_ss,
             seqlen_k - n0,
             warp,
@@ -490,22 +503,9 @@ def build_kernels(backend):
         first_stage = base + uint32(STAGE0)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
             load_query_block(
-                first_stage,
-                q,
-                do,
-                lse,
-                delta,
-                lse_r,
-                d_r,
-                batch,
-                next_head,
-                m_lo,
-                q_st,
-                do_st,
-                nheads,
-                seqlen_q,
-                tid,
-            )
+                first_stage, q, do, lse, delta, lse_r, d_r, rows, next_head, m_lo, q_st, do_st,
+                seqlen_q, tid,
+            )  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
         for it in range(n_blocks):
@@ -516,44 +516,18 @@ def build_kernels(backend):
             if STAGES == 1:  # load this block, then wait for it
                 cuda.syncthreads()  # every warp is done with the previous block
                 load_query_block(
-                    first_stage,
-                    q,
-                    do,
-                    lse,
-                    delta,
-                    lse_r,
-                    d_r,
-                    batch,
-                    head,
-                    m0,
-                    q_st,
-                    do_st,
-                    nheads,
-                    seqlen_q,
-                    tid,
-                )
+                    first_stage, q, do, lse, delta, lse_r, d_r, rows, head, m0, q_st, do_st,
+                    seqlen_q, tid,
+                )  # fmt: skip
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
                 landed()
             else:  # this block has landed; start the next one's loads into the other stage
                 landed()  # ... and every warp is done with block it - 1
                 if it + 1 < n_blocks:
                     load_query_block(
-                        first_stage + uint32((1 - stage) * STAGE_BYTES),
-                        q,
-                        do,
-                        lse,
-                        delta,
-                        lse_r,
-                        d_r,
-                        batch,
-                        next_head,
-                        next_m0,
-                        q_st,
-                        do_st,
-                        nheads,
-                        seqlen_q,
-                        tid,
-                    )
+                        first_stage + uint32((1 - stage) * STAGE_BYTES), q, do, lse, delta,
+                        lse_r, d_r, rows, next_head, next_m0, q_st, do_st, seqlen_q, tid,
+                    )  # fmt: skip
 
             query_block_step(
                 st,
@@ -581,7 +555,7 @@ def build_kernels(backend):
                     dpt,
                     dqa,
                     dq_acc,
-                    batch * dq_sb + head * dq_sh,
+                    dq_first + head * dq_sh,
                     dq_ss,
                     m0,
                     col_base,
@@ -595,25 +569,233 @@ def build_kernels(backend):
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
         row0 = n0 + warp * 16
         write_rows(
-            dk,
-            dk_acc,
-            batch * dk_sb + kv_head * dk_sh + col_base,
-            dk_ss,
-            row0,
-            lane,
-            seqlen_k,
-            scale,
+            dk, dk_acc, dk_first + kv_head * dk_sh + col_base, dk_ss, row0, lane, seqlen_k, scale
         )
         write_rows(
             dv,
             dv_acc,
-            batch * dv_sb + kv_head * dv_sh + col_base,
+            dv_first + kv_head * dv_sh + col_base,
             dv_ss,
             row0,
             lane,
             seqlen_k,
             float32(1.0),
         )
+
+    @device_function
+    def dq_block(
+        q,
+        k,
+        v,
+        do,
+        dq,
+        lse,
+        delta,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dq_st,
+        firsts,
+        lse_base,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+        position,
+    ):
+        """dQ = scale * sum over keys of dS K for BLOCK_N query rows, each element summed by
+        one thread in key order: deterministic. The dK/dV block with the roles swapped: Q and
+        dO stay in the slots that hold K and V there, and tiles of BLOCK_M keys and values
+        stream through the stages that hold Q and dO there. ``firsts``: where the sequence
+        starts in q, k, v, do and dq; ``lse_base``: where this head's row 0 is in lse and
+        delta; ``position``: block_position's (tid, lane, warp, m0, col_base, head)."""
+        q_first, k_first, v_first, do_first, dq_first = firsts
+        _, q_ss, q_sh = q_st
+        _, k_ss, k_sh = k_st
+        _, v_ss, v_sh = v_st
+        _, do_ss, do_sh = do_st
+        _, dq_ss, dq_sh = dq_st
+        tid, lane, warp, m0, col_base, head = position
+        smem = cuda.shared.array(0, uint16)
+        s = cuda.local.array(S_REGS, float32)
+        dp = cuda.local.array(S_REGS, float32)
+        acc = cuda.local.array(ACC_REGS, float32)
+
+        kv_head = divide(head, heads_per_kv)
+        last_row = min(m0 + BLOCK_N, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
+        scale_log2 = scale * float32(LOG2E)
+
+        # -- Q and dO of this block stay in shared memory for the whole kernel
+        base = shared_base(smem)
+        resident = load_resident(
+            base,
+            q,
+            do,
+            q_first + head * q_sh + int64(m0) * q_ss,
+            q_ss,
+            do_first + head * do_sh + int64(m0) * do_ss,
+            do_ss,
+            seqlen_q - m0,
+            warp,
+            lane,
+            col_base,
+            tid,
+        )
+
+        # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
+        warp_row = m0 + warp * 16
+        row_stats = lane_row_stats(
+            lse,
+            delta,
+            lse_base,
+            warp_row,
+            lane,
+            n_lo,
+            seqlen_q,
+            seqlen_k,
+            window_left,
+            window_right,
+        )
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+        k_at = k_first + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
+        v_at = v_first + kv_head * v_sh + int64(n_lo) * v_ss
+        first_stage = base + uint32(STAGE0)
+        if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
+            load_pair(first_stage, k, v, k_at, k_ss, v_at, v_ss, seqlen_k - n_lo, tid)
+        for it in range(n_tiles):
+            n0 = n_lo + it * BLOCK_M
+            stage = it % STAGES
+            if STAGES == 1:
+                cuda.syncthreads()  # every warp is done with the previous tile
+                load_pair(first_stage, k, v, k_at, k_ss, v_at, v_ss, seqlen_k - n0, tid)
+                landed()
+            else:
+                landed()  # tile `it` landed for all; every warp is done with it - 1
+                if it + 1 < n_tiles:
+                    load_pair(
+                        first_stage + uint32((1 - stage) * STAGE_BYTES),
+                        k,
+                        v,
+                        k_at + int64(BLOCK_M) * k_ss,
+                        k_ss,
+                        v_at + int64(BLOCK_M) * v_ss,
+                        v_ss,
+                        seqlen_k - n0 - BLOCK_M,
+                        tid,
+                    )
+            # the lanes' visible keys are relative to the first tile's columns: shifted there
+            key_tile_step(
+                s,
+                dp,
+                acc,
+                resident,
+                first_stage + uint32(stage * STAGE_BYTES),
+                row_stats,
+                int32(it * BLOCK_M),
+                scale_log2,
+            )
+            k_at += int64(BLOCK_M) * k_ss  # key tile it + 1
+            v_at += int64(BLOCK_M) * v_ss
+
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
+        write_rows(
+            dq, acc, dq_first + head * dq_sh + col_base, dq_ss, warp_row, lane, seqlen_q, scale
+        )
+
+    @kernel(launch_bounds=THREADS)
+    def dkdv(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq_acc,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dk_st,
+        dv_st,
+        dq_st,
+        seqlen_q,
+        seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+    ):
+        # n0: the block's first key. The first keys are seen by the most queries under a causal
+        # mask, the last ones under a left window alone.
+        tid, lane, warp, n0, col_base, kv_head, batch = block_position(
+            (window_left < 0) != (window_right < 0), window_right < 0
+        )
+        nheads = cuda.gridDim.y * heads_per_kv
+        dkdv_block(
+            q, k, v, do, lse, delta, dk, dv, dq_acc, q_st, k_st, v_st, do_st, dk_st, dv_st, dq_st,
+            (batch * k_st[0], batch * v_st[0], batch * dk_st[0], batch * dv_st[0],
+             batch * dq_st[0]),
+            (batch * q_st[0], batch * do_st[0], int64(batch) * nheads, 0, seqlen_q),
+            seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+            (tid, lane, warp, n0, col_base, kv_head),
+        )  # fmt: skip
+
+    @kernel(launch_bounds=THREADS)
+    def dkdv_varlen(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq_acc,
+        cu_q,
+        cu_k,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dk_st,
+        dv_st,
+        dq_st,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+        total_q,
+        total_k,
+    ):
+        """dkdv over a packed batch: q, do, dq_acc (total_q, nheads, head_dim), k, v, dk, dv
+        (total_k, nheads_k, head_dim) viewed with a batch of 1, lse and delta (nheads,
+        total_q); sequence b is rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike)."""
+        tid, lane, warp, n0, col_base, kv_head, b = block_position(
+            (window_left < 0) != (window_right < 0), window_right < 0
+        )
+        q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+        k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+        if n0 >= seqlen_k:
+            return  # past this sequence's keys: the whole block
+        dkdv_block(
+            q, k, v, do, lse, delta, dk, dv, dq_acc, q_st, k_st, v_st, do_st, dk_st, dv_st, dq_st,
+            (k_start * k_st[1], k_start * v_st[1], k_start * dk_st[1], k_start * dv_st[1],
+             q_start * dq_st[1]),
+            (q_start * q_st[1], q_start * do_st[1], int64(0), q_start, total_q),
+            seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+            (tid, lane, warp, n0, col_base, kv_head),
+        )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
     def dq_kernel(
@@ -636,109 +818,62 @@ def build_kernels(backend):
         window_left,
         window_right,
     ):
-        """dQ = scale * sum over keys of dS K for BLOCK_N query rows, each element summed by
-        one thread in key order: deterministic. The dK/dV kernel with the roles swapped: Q and
-        dO stay in the slots that hold K and V there, and tiles of BLOCK_M keys and values
-        stream through the stages that hold Q and dO there."""
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        do_sb, do_ss, do_sh = do_st
-        dq_sb, dq_ss, dq_sh = dq_st
-        smem = cuda.shared.array(0, uint16)
-        s = cuda.local.array(S_REGS, float32)
-        dp = cuda.local.array(S_REGS, float32)
-        acc = cuda.local.array(ACC_REGS, float32)
-
         # m0: the block's first query row. The last rows see the most keys under a causal mask,
         # the first ones under a left window alone.
         tid, lane, warp, m0, col_base, head, batch = block_position(
             (window_left < 0) != (window_right < 0), window_left < 0
         )
-        kv_head = divide(head, heads_per_kv)
-        last_row = min(m0 + BLOCK_N, seqlen_q) - 1
-        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
-        n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
-        scale_log2 = scale * float32(LOG2E)
+        dq_block(
+            q, k, v, do, dq, lse, delta, q_st, k_st, v_st, do_st, dq_st,
+            (batch * q_st[0], batch * k_st[0], batch * v_st[0], batch * do_st[0],
+             batch * dq_st[0]),
+            (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
+            seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+            (tid, lane, warp, m0, col_base, head),
+        )  # fmt: skip
 
-        # -- Q and dO of this block stay in shared memory for the whole kernel
-        base = shared_base(smem)
-        resident = load_resident(
-            base,
-            q,
-            do,
-            batch * q_sb + head * q_sh + int64(m0) * q_ss,
-            q_ss,
-            batch * do_sb + head * do_sh + int64(m0) * do_ss,
-            do_ss,
-            seqlen_q - m0,
-            warp,
-            lane,
-            col_base,
-            tid,
+    @kernel(launch_bounds=THREADS)
+    def dq_varlen(
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        cu_q,
+        cu_k,
+        q_st,
+        k_st,
+        v_st,
+        do_st,
+        dq_st,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads_per_kv,
+        scale,
+        window_left,
+        window_right,
+        total_q,
+        total_k,
+    ):
+        """dq_kernel over a packed batch (arrays as dkdv_varlen's)."""
+        tid, lane, warp, m0, col_base, head, b = block_position(
+            (window_left < 0) != (window_right < 0), window_left < 0
         )
+        q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
+        k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
+        if m0 >= seqlen_q:
+            return  # past this sequence's query rows: the whole block
+        dq_block(
+            q, k, v, do, dq, lse, delta, q_st, k_st, v_st, do_st, dq_st,
+            (q_start * q_st[1], k_start * k_st[1], k_start * v_st[1], q_start * do_st[1],
+             q_start * dq_st[1]),
+            int64(head) * total_q + q_start,
+            seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
+            (tid, lane, warp, m0, col_base, head),
+        )  # fmt: skip
 
-        # -- this lane's two query rows: LSE, D and visible keys (relative to its first column)
-        warp_row = m0 + warp * 16
-        row_stats = lane_row_stats(
-            lse,
-            delta,
-            batch,
-            head,
-            warp_row,
-            lane,
-            n_lo,
-            seqlen_q,
-            seqlen_k,
-            window_left,
-            window_right,
-        )
-        for i in range(ACC_REGS):
-            acc[i] = float32(0.0)
-
-        k_first = batch * k_sb + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
-        v_first = batch * v_sb + kv_head * v_sh + int64(n_lo) * v_ss
-        first_stage = base + uint32(STAGE0)
-        if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
-            load_pair(first_stage, k, v, k_first, k_ss, v_first, v_ss, seqlen_k - n_lo, tid)
-        for it in range(n_tiles):
-            n0 = n_lo + it * BLOCK_M
-            stage = it % STAGES
-            if STAGES == 1:
-                cuda.syncthreads()  # every warp is done with the previous tile
-                load_pair(first_stage, k, v, k_first, k_ss, v_first, v_ss, seqlen_k - n0, tid)
-                landed()
-            else:
-                landed()  # tile `it` landed for all; every warp is done with it - 1
-                if it + 1 < n_tiles:
-                    load_pair(
-                        first_stage + uint32((1 - stage) * STAGE_BYTES),
-                        k,
-                        v,
-                        k_first + int64(BLOCK_M) * k_ss,
-                        k_ss,
-                        v_first + int64(BLOCK_M) * v_ss,
-                        v_ss,
-                        seqlen_k - n0 - BLOCK_M,
-                        tid,
-                    )
-            # the lanes' visible keys are relative to the first tile's columns: shifted there
-            key_tile_step(
-                s,
-                dp,
-                acc,
-                resident,
-                first_stage + uint32(stage * STAGE_BYTES),
-                row_stats,
-                int32(it * BLOCK_M),
-                scale_log2,
-            )
-            k_first += int64(BLOCK_M) * k_ss  # key tile it + 1
-            v_first += int64(BLOCK_M) * v_ss
-
-        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no key tile)
-        write_rows(
-            dq, acc, batch * dq_sb + head * dq_sh + col_base, dq_ss, warp_row, lane, seqlen_q, scale
-        )
-
-    return Kernels(dkdv, None if DQ_ATOMIC else dq_kernel)
+    if DQ_ATOMIC:
+        return Kernels(dkdv, None, dkdv_varlen, None)
+    return Kernels(dkdv, dq_kernel, dkdv_varlen, dq_varlen)
