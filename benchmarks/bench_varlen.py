@@ -14,12 +14,16 @@ mask, forward ("fwd") and backward ("bwd", the gradients from saved forward outp
 TFLOP/s count useful FLOPs only: per sequence for the packed batch and the padded one (the
 padding's work is not counted), per batch row for the dense call.
 
-    python benchmarks/bench_varlen.py [--dtypes float16 bfloat16] [--head-dims 64 128]
+    python benchmarks/bench_varlen.py [--dtypes float16 bfloat16] [--head-dims 64 128] [--sweep]
+
+``--sweep`` also times the packed call with other tilings (``sweep_configs``) and tables the
+chosen configuration's time against the fastest of them.
 
 Writes benchmarks/results/varlen.json and varlen.md (and partial.json while it runs).
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -52,8 +56,8 @@ def useful_flops(lengths, nheads, head_dim, causal, mode):
     return sum(attention_flops(1, nheads, n, n, head_dim, causal, mode) for n in lengths)
 
 
-def varlen_runs(lengths, nheads, head_dim, dtype, causal):
-    """(forward, backward) of numflash's packed call."""
+def varlen_runs(lengths, nheads, head_dim, dtype, causal, config=None, backward_config=None):
+    """(forward, backward) of numflash's packed call (with these configurations if given)."""
     total = sum(lengths)
     q, k, v = (x[0] for x in peers.random_qkv(1, total, nheads, head_dim, dtype))
     dout = peers.random_qkv(1, total, nheads, head_dim, dtype, seed=5)[0][0]
@@ -63,10 +67,12 @@ def varlen_runs(lengths, nheads, head_dim, dtype, causal):
     out, lse = numflash.attention_varlen(q, k, v, *args, causal=causal, return_lse=True)
 
     def fwd():
-        return numflash.attention_varlen(q, k, v, *args, causal=causal)
+        return numflash.attention_varlen(q, k, v, *args, causal=causal, config=config)
 
     def bwd():
-        return numflash.attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=causal)
+        return numflash.attention_varlen_backward(
+            dout, q, k, v, out, lse, *args, causal=causal, config=backward_config
+        )
 
     return fwd, bwd
 
@@ -93,6 +99,28 @@ def padded_sdpa_runs(lengths, nheads, head_dim, dtype, causal):
     return peers.sdpa_forward(q, k, v, causal, "flash"), bwd
 
 
+def sweep_configs(dtype, head_dim):
+    """(forward, backward) configurations a packed call is also timed with under ``--sweep``:
+    every tensor-core forward tiling shipped for this dtype and head_dim (any length bucket),
+    the heuristic and the same with 64 query rows a block; the backward defaults of both tensor-core families and their
+    neighbours."""
+    from numflash import cache, selection
+    from numflash.config import TensorCoreBackwardConfig, WgmmaBackwardConfig, config_from_dict
+
+    device = current_device()
+    default = selection.default_tensor_core_config(head_dim)
+    forward = {default, dataclasses.replace(default, block_m=64)}
+    for key, entry in cache.shipped_entries(device.arch).items():
+        if (key.family, key.dtype, key.head_dim) == ("tensor-core", dtype, head_dim):
+            forward.add(config_from_dict(entry["config"]))
+    backward = [TensorCoreBackwardConfig(64, 8, 2), TensorCoreBackwardConfig(64, 4, 2),
+                TensorCoreBackwardConfig(32, 4, 2)]  # fmt: skip
+    if device.has_wgmma and head_dim in (64, 128):
+        backward += [WgmmaBackwardConfig(8, 2), WgmmaBackwardConfig(4, 2),
+                     WgmmaBackwardConfig(8, 1)]  # fmt: skip
+    return sorted(forward, key=repr), backward
+
+
 def bench(args, lengths):
     records = []
     for dtype, hd, causal in itertools.product(args.dtypes, args.head_dims, [False, True]):
@@ -112,6 +140,21 @@ def bench(args, lengths):
                 ),
             ),
         }
+        if args.sweep:
+            forward, backward = sweep_configs(dtype, hd)
+            for i, cfg in enumerate(forward + backward):
+                is_forward = i < len(forward)
+                providers[f"sweep {cfg!r}"] = (
+                    lambda cfg=cfg, is_forward=is_forward: (
+                        varlen_runs(lengths, nheads, hd, DTYPES[dtype], causal, config=cfg)[:1]
+                        if is_forward
+                        else (None,)
+                        + varlen_runs(
+                            lengths, nheads, hd, DTYPES[dtype], causal, backward_config=cfg
+                        )[1:]
+                    ),
+                    lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
+                )
         if peers.torch_available():
             providers["sdpa-flash-padded"] = (
                 lambda: padded_sdpa_runs(lengths, nheads, hd, DTYPES[dtype], causal),
@@ -120,7 +163,9 @@ def bench(args, lengths):
         for provider, (make, flops) in providers.items():
             runs = make()
             for mode, run in zip(("fwd", "bwd"), runs):
-                t = time_gpu(run, warmup=2, runs=args.runs, max_total_ms=args.max_ms)
+                if run is None:
+                    continue
+                t = time_gpu(run, warmup=5, runs=args.runs, max_total_ms=args.max_ms)
                 rec = dict(
                     provider=provider,
                     mode=mode,
@@ -133,7 +178,7 @@ def bench(args, lengths):
                 )
                 records.append(rec)
                 print(
-                    f"{provider:17s} {mode:3s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
+                    f"{provider[:17]:17s} {mode:3s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
                     f"{t.median_ms:9.3f} ms {rec['tflops']:7.1f} TFLOP/s",
                     flush=True,
                 )
@@ -172,6 +217,28 @@ def markdown(records, device, lengths):
             f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {cell(packed)} | "
             f"{cell(dense)} | {cell(padded)} | {vs_dense} | {vs_padded} |"
         )
+    swept = {key: row for key, row in rows.items() if any(p.startswith("sweep") for p in row)}
+    if swept:
+        lines += [
+            "",
+            "The configuration numflash chose (from the dense keys of the max lengths) beside "
+            "the fastest of the tilings swept: chosen time / fastest time.",
+            "",
+            "| mode | dtype | head_dim | causal | chosen ms | fastest ms | fastest | ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for (mode, dtype, hd, causal), row in sorted(swept.items()):
+            chosen = row.get("numflash-varlen")
+            name, best = min(
+                ((p, r) for p, r in row.items() if p.startswith("sweep")),
+                key=lambda item: item[1]["ms"],
+            )
+            if chosen:
+                lines.append(
+                    f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | "
+                    f"{chosen['ms']:.3f} | {best['ms']:.3f} | {name[6:]} | "
+                    f"{chosen['ms'] / best['ms']:.2f} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -189,6 +256,12 @@ def main():
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--max-ms", type=float, default=3000.0, help="GPU time one timing may use")
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time the packed call with other tilings (sweep_configs): is the choice "
+        "reused from the dense keys as good?",
+    )
     args = ap.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
