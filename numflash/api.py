@@ -36,14 +36,29 @@ def _window_key(window_size):
     return (window_size.__class__, *map(type, window_size), window_size)
 
 
+class _Cupy:
+    """CuPy's functions the repeated-call path uses, bound on first use (a GPU call) instead of
+    an import statement and attribute lookups in every call."""
+
+    empty = get_device = current_stream = stream_is_capturing = None
+
+    @classmethod
+    def bind(cls):
+        import cupy
+
+        cls.empty = cupy.empty
+        cls.get_device = cupy.cuda.runtime.getDevice
+        cls.current_stream = cupy.cuda.get_current_stream
+        cls.stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
+
+
 def _call_key(*parts):
     """The signature key of a call on the current device and stream (callers catch the
-    AttributeError of arrays other than CuPy's and the TypeError of unhashable arguments)."""
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, *parts)
-    hash(key)  # TypeError for an unhashable argument
-    return key
+    AttributeError of arrays other than CuPy's, and the TypeError an unhashable argument
+    raises where the key is first hashed, in PlanCache.get)."""
+    if _Cupy.get_device is None:
+        _Cupy.bind()
+    return (_Cupy.get_device(), _Cupy.current_stream().ptr, *parts)
 
 
 def _capturing(stream=None):
@@ -51,11 +66,11 @@ def _capturing(stream=None):
     graph (False in the simulator)."""
     if SIMULATOR:
         return False
-    import cupy
-
+    if _Cupy.get_device is None:
+        _Cupy.bind()
     if stream is None:
-        stream = cupy.cuda.get_current_stream().ptr
-    return cupy.cuda.runtime.streamIsCapturing(stream)
+        stream = _Cupy.current_stream().ptr
+    return _Cupy.stream_is_capturing(stream)
 
 
 def _refuse_under_capture(name, planned=True):
@@ -147,7 +162,7 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream; ``out`` not given) replays
     the launches of the first (numflash.plans).
     """
-    key = None
+    key = plan = None
     if out is None and not SIMULATOR:
         try:
             key = _call_key(
@@ -162,19 +177,17 @@ def attention(
                 config,
                 cache.generation,
             )
+            plan = _plans.get(key)
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
-    plan = None if key is None else _plans.get(key)
     if plan is None:
         _refuse_under_capture("attention")
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     if plan is not None:
-        import cupy
-
         b, sq, h, _ = q.shape
-        out = cupy.empty(q.shape, q.dtype)
-        lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
+        out = _Cupy.empty(q.shape, q.dtype)
+        lse = _Cupy.empty((b, h, sq), np.float32) if return_lse else None
         pointers = (
             q.data.ptr,
             k.data.ptr,
@@ -407,7 +420,7 @@ def attention_backward(
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
     call replays the launches of the first (numflash.plans).
     """
-    key = None
+    key = plan = None
     if not SIMULATOR:
         try:
             key = _call_key(
@@ -425,20 +438,19 @@ def attention_backward(
                 config,
                 cache.generation,
             )
+            plan = _plans.get(key)
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    plan = None if key is None else _plans.get(key)
     if plan is None:
         _refuse_under_capture("attention_backward")
     if key is None:
         return _attention_backward(*args)
     if plan is not None:
-        import cupy
-
-        dq = cupy.empty(q.shape, q.dtype)
-        dk = cupy.empty(k.shape, k.dtype)
-        dv = cupy.empty(v.shape, v.dtype)
+        empty = _Cupy.empty
+        dq = empty(q.shape, q.dtype)
+        dk = empty(k.shape, k.dtype)
+        dv = empty(v.shape, v.dtype)
         inputs = (dout, q, k, v, out, lse, dq, dk, dv)
         _replay(plan, key, [x.data.ptr for x in inputs])
         return dq, dk, dv
@@ -563,7 +575,7 @@ def attention_with_kvcache(
 
     Kernels run on CuPy's current stream; the call returns without synchronising.
     """
-    key = None
+    key = plan = None
     if out is None and not SIMULATOR:
         try:
             key = _call_key(
@@ -586,11 +598,11 @@ def attention_with_kvcache(
                 config,
                 cache.generation,
             )
+            plan = _plans.get(key)
         except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
             key = None
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
-    plan = None if key is None else _plans.get(key)
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
     if key is None:
@@ -602,11 +614,9 @@ def attention_with_kvcache(
             for x in (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
         ]
         if plan.disjoint(pointers):  # else the full path refuses the call by name
-            import cupy
-
             b, sq, h, _ = q.shape
-            out = cupy.empty(q.shape, q.dtype)
-            lse = cupy.empty((b, h, sq), cupy.float32) if return_lse else None
+            out = _Cupy.empty(q.shape, q.dtype)
+            lse = _Cupy.empty((b, h, sq), np.float32) if return_lse else None
             pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
             _replay(plan, key, pointers)
             return (out, lse) if return_lse else out
