@@ -234,31 +234,29 @@ def note_unrecorded_work():
         _recording.record.unrecorded_work = True
 
 
-_POINTER = struct.Struct("=Q")
-
-
 class PreparedLaunch:
     """One recorded launch with its parameters packed once; :meth:`launch` patches the
     pointers of the arrays that change from call to call and launches through CuPy's
     binding of cuLaunchKernel (about a microsecond)."""
 
-    __slots__ = ("head", "buffer", "pointers", "address", "patch", "_launch")
+    __slots__ = ("head", "buffer", "slots", "pointers", "address", "patch", "_launch")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         from cupy_backends.cuda.api.driver import launchKernel
 
         #: cuLaunchKernel's leading arguments: function, grid, block, dynamic shared bytes
         self.head = (function, *grid, *block, shared_bytes)
-        self.buffer = buffer  # the packed parameters (ctypes buffer)
+        self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
+        self.slots = memoryview(buffer).cast("B").cast("Q")  # ... as uint64s, to patch
         self.pointers = pointers  # the parameters' addresses (numpy uint64)
         self.address = int(pointers.ctypes.data)  # ... and where they are
-        self.patch = patch  # ((byte offset of a data pointer, role index), ...)
+        self.patch = patch  # ((slot of a data pointer, role index), ...)
         self._launch = launchKernel
 
     def launch(self, stream, role_pointers):
-        buffer = self.buffer
-        for offset, role in self.patch:
-            _POINTER.pack_into(buffer, offset, role_pointers[role])
+        slots = self.slots
+        for slot, role in self.patch:
+            slots[slot] = role_pointers[role]
         self._launch(*self.head, stream, self.address, 0)
 
 
@@ -338,7 +336,7 @@ class Launcher:
         slot = 0
         for position, kind in enumerate(self._kinds):
             if kind == 7 and position in roles:
-                patch.append((8 * (slot + 4), roles[position]))  # the array's data pointer
+                patch.append((slot + 4, roles[position]))  # the array's data pointer
             slot += abs(kind)
         return PreparedLaunch(
             int(self._function()),
