@@ -425,7 +425,7 @@ class TensorCoreDecodeConfig(_Config):
     stages: int = knob(2, (2, 3, 4))
 
     family: ClassVar[str] = TENSOR_CORE_DECODE
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2  # 2: the append and the combine in the kernel
     #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
     MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
 
@@ -445,9 +445,11 @@ class TensorCoreDecodeConfig(_Config):
         return 2 * elements
 
     def static_shared_memory_bytes(self, head_dim):
-        """The per-slot key flags and the buffer the warps' rows are merged through."""
+        """The per-slot key flags and the buffer the warps' rows are merged through (then the
+        splits' weights of the combine)."""
         keys = self.num_warps * self.block_n
-        return 4 * self.stages * keys + 4 * decode.ROWS * round_up(head_dim, 16) + 8 * decode.ROWS
+        merge = decode.ROWS * max(round_up(head_dim, 16), decode.MAX_SPLITS)
+        return 4 * self.stages * keys + 4 * merge + 8 * decode.ROWS
 
     def fragment_registers(self, head_dim):
         hd = round_up(head_dim, 16)

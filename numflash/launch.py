@@ -267,8 +267,8 @@ class Launcher:
     through the driver with the arguments packed here from the CuPy arrays' pointers. Numba's
     own launch is not used: it adopts each CuPy array through ``__cuda_array_interface__``,
     which synchronises the array's stream (the host would wait for all queued work at every
-    call) and costs tens of microseconds per array. A launch needing more than 48 KiB of
-    dynamic shared memory first raises the kernel's opt-in limit on that device.
+    call) and costs tens of microseconds per array. A launch whose dynamic and static shared
+    memory together exceed 48 KiB first raises the kernel's opt-in limit on that device.
     """
 
     def __init__(self, dispatcher, argtypes):
@@ -282,6 +282,7 @@ class Launcher:
             slots = sum(abs(kind) for kind in self._kinds)
             self._offsets = np.arange(slots, dtype=np.uint64) * 8
         self._shared_opt_in = {}  # device id -> bytes allowed
+        self._static = None  # static shared memory bytes, once compiled
         self._functions = {}  # device id -> CUfunction
 
     def compiled(self):
@@ -291,12 +292,19 @@ class Launcher:
                     self._compiled = self.dispatcher.compile(self.argtypes)
         return self._compiled
 
+    def _static_shared(self):
+        """The kernel's static shared memory in bytes: without an opt-in, dynamic shared memory
+        may take what the static part leaves of DEFAULT_SHARED_LIMIT."""
+        if self._static is None:
+            self._static = self.compiled().shared_mem_per_block
+        return self._static
+
     def _allow_shared(self, nbytes):
         """Raise the kernel's dynamic shared memory limit on the current device to ``nbytes``."""
         import cupy
 
         dev = cupy.cuda.runtime.getDevice()
-        if self._shared_opt_in.get(dev, DEFAULT_SHARED_LIMIT) < nbytes:
+        if self._shared_opt_in.get(dev, DEFAULT_SHARED_LIMIT - self._static_shared()) < nbytes:
             from numba.cuda.cudadrv.driver import driver
 
             cufunc = self.compiled()._codelibrary.get_cufunc()
@@ -309,7 +317,7 @@ class Launcher:
         if SIMULATOR:
             self.dispatcher[grid, block, stream, shared_bytes](*args)
             return
-        if shared_bytes > DEFAULT_SHARED_LIMIT:
+        if shared_bytes > DEFAULT_SHARED_LIMIT - self._static_shared():
             self._allow_shared(shared_bytes)
         buffer, pointers = self._pack(args)
         gx, gy, gz = _dim3(grid)
@@ -792,11 +800,14 @@ COMBINE = KernelSpec(
     scalars=(("seqlen_q", "int32"), ("nheads", "int32"), ("num_splits", "int32")),
 )
 
-#: The tensor-core KV-cache kernel: SPLIT_ATTENTION's arrays and the output it writes itself
-#: with one split; its chunks are computed per block.
+#: The tensor-core KV-cache kernel, the whole call in one launch: SPLIT_ATTENTION's arrays,
+#: the output it writes (itself with one split, by its row groups' last blocks with several),
+#: the new rows it appends and its row groups' arrival counters; its chunks are computed per
+#: block.
 DECODE = KernelSpec(
-    arrays=SPLIT_ATTENTION.arrays + (("out", "elem"), ("lse", "float32")),
-    strided=("q", "k_cache", "v_cache", "out"),
+    arrays=SPLIT_ATTENTION.arrays
+    + (("out", "elem"), ("lse", "float32"), ("k", "elem"), ("v", "elem"), ("counters", "int32")),
+    strided=("q", "k_cache", "v_cache", "out", "k", "v"),
     scalars=SPLIT_ATTENTION.scalars[:-1],
 )
 
@@ -805,7 +816,8 @@ def kvcache(
     cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
 ):
     """Append k, v (when given), then attention of q over each sequence's keys split
-    ``num_splits`` ways, the partials combined into out and lse. Index arrays may be None:
+    ``num_splits`` ways, the partials combined into out and lse: one launch of the tensor-core
+    kernel, or the portable append, split and combine kernels. Index arrays may be None:
     ``seqlens`` (a device array unless p.cache_seqlens is an int), ``batch_idx`` (the
     identity), ``block_table`` (contiguous cache); stand-ins of ``batch`` int32s are made for
     them, nothing the size of the cache."""
@@ -826,20 +838,21 @@ def kvcache(
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
+    portable = isinstance(cfg, PortableDecodeConfig)
     if k is not None and p.seqlen_new:
         k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
-        append = launcher(
-            (PORTABLE_DECODE_APPEND, d, dtype, paged),
-            lambda: decode_portable.build_append(d, dtype, paged),
-            APPEND,
-            dtype,
-        )
-        append((p.seqlen_new, p.nheads_k, p.batch), d, stream, 0, APPEND.args(views, geometry))
+        if portable:
+            append = launcher(
+                (PORTABLE_DECODE_APPEND, d, dtype, paged),
+                lambda: decode_portable.build_append(d, dtype, paged),
+                APPEND,
+                dtype,
+            )
+            append((p.seqlen_new, p.nheads_k, p.batch), d, stream, 0, APPEND.args(views, geometry))
     target, direct = _output_target(out, d, p)
-    # The tensor-core kernel writes out and lse itself when it runs unsplit.
-    combined = num_splits > 1 or isinstance(cfg, PortableDecodeConfig)
-    if combined:  # partials of (split, batch, head, position), fp32
+    # partials of (split, batch, head, position), fp32: the portable kernels' always
+    if num_splits > 1 or portable:
         o_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q, d), dtype=xp.float32)
         lse_part = xp.empty((num_splits, p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
     else:
@@ -851,7 +864,7 @@ def kvcache(
         lse=arrays.kernel_view(lse),
     )
     _KVCACHE[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
-    if combined:
+    if portable:
         combine = launcher(
             (PORTABLE_DECODE_COMBINE, d, dtype),
             lambda: decode_portable.build_combine(d, dtype),
@@ -902,10 +915,25 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
 
 
 def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
-    """The tensor-core kernel: output and LSE itself with one split, else partials."""
+    """The tensor-core kernel: the append, the attention and (several splits) the combine in
+    one launch."""
     d, dtype = p.head_dim, p.dtype
+    xp = arrays.array_module(q)
     q, scale = _positive_scale(q, p.scale)
     views["q"] = arrays.kernel_view(_kernel_input(q, alignment_elements=8))
+    if "k" not in views:  # nothing to append (seqlen_new is 0): never read
+        views["k"] = views["v"] = views["q"]
+    rows = _ceil_div(p.heads_per_kv * p.seqlen_q, decode_kernels.ROWS)
+    if num_splits > 1:
+        if num_splits > decode_kernels.MAX_SPLITS:
+            raise ValueError(f"at most {decode_kernels.MAX_SPLITS} splits; got {num_splits}")
+        # One arrival counter per row group. Zeroed here once: every launch leaves them zero,
+        # so a plan's replays reuse them as they are.
+        views["counters"] = arrays.kernel_view(
+            xp.zeros((p.batch * p.nheads_k * rows,), dtype=xp.int32)
+        )
+    else:
+        views["counters"] = views["seqlens"]  # never touched with one split
     tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
     launch = launcher(
         (TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
@@ -923,7 +951,6 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         *geometry,
         num_splits,
     )
-    rows = _ceil_div(p.heads_per_kv * p.seqlen_q, decode_kernels.ROWS)
     launch(
         (num_splits * rows, p.nheads_k, p.batch),
         cfg.threads,

@@ -16,8 +16,9 @@ A plan is made only when that replay is exact:
 - the full path did no device work besides the recorded launches (a copy back, a fill) that
   the replay would skip (:func:`numflash.launch.note_unrecorded_work`);
 - the arrays the full path made for itself (split partials, stand-in index arrays, an lse
-  nobody asked for) keep their contents' meaning from call to call: they are kept by the plan
-  and reused. Plans are per stream, so a reused buffer is only ever touched in stream order.
+  nobody asked for, the decode kernel's arrival counters, which every launch leaves zero) keep
+  their contents' meaning from call to call: they are kept by the plan and reused. Plans are
+  per stream, so a reused buffer is only ever touched in stream order.
 
 The signature key holds every argument that validation or the choice of kernel reads, with its
 type, so a call reaching a plan is one the full path accepted before.

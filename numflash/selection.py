@@ -29,6 +29,7 @@ from .device import (
     TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
 )
+from .kernels import decode
 
 Selection = cache.Selection
 
@@ -243,8 +244,9 @@ def backward(problem, device, deterministic):
 
 
 #: Most splits of one sequence's keys (flash-attn's bound too): past this, combining the
-#: partials costs more than the parallelism gains.
-MAX_SPLITS = 128
+#: partials costs more than the parallelism gains. The tensor-core decode kernel sizes its
+#: combine's shared memory for it.
+MAX_SPLITS = decode.MAX_SPLITS
 
 
 def decode_family(problem, device):

@@ -42,6 +42,9 @@ CASES = [
          page_size=1, num_splits=4),
     Case("float16", (40, 17), seqlen_q=2, seqlen_new=1, nheads=4, nheads_k=2, head_dim=32,
          page_size=16, mask=dict(window_size=(9, 0)), num_splits=2),
+    # two row groups of 16 (8 heads x 3 positions) split three ways, appending 3 rows
+    Case("bfloat16", (20, 5), seqlen_q=3, seqlen_new=3, nheads=8, nheads_k=1, head_dim=16,
+         page_size=4, mask=dict(causal=True), num_splits=3),
 ]  # fmt: skip
 if not SIMULATOR:  # the lengths of the grid, on the GPU
     CASES += [

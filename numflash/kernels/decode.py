@@ -10,8 +10,14 @@ row through the cache slot or the block table (any page size). Each warp takes i
 keys of every slot and runs FlashAttention-2's step on them (:mod:`.warp_step`: S = Q K^T,
 online softmax, O += P V with fp32 accumulators); at the end the warps' rows are merged through
 shared memory. With one split the block writes the output and LSE itself; with several it writes
-fp32 partials (O normalised within the split, and its LSE) that
-:func:`numflash.kernels.decode_portable.build_combine` weights by exp(LSE_s - LSE).
+fp32 partials (O normalised within the split, and its LSE), counts itself in at its row group's
+counter, and the last block of the group to arrive weights the partials by exp(LSE_s - LSE)
+into the output (and sets the counter back to zero for the next launch).
+
+New rows (k, v) are written into the cache by the blocks themselves, so a decoding step is one
+launch: the first block of each (kv head, sequence) writes them all, and every block that reads
+some of them writes those first, so that what it reads is in place whichever block runs first
+(the copies are of the same bytes).
 
 A split covers an equal share of the keys its rows can see (window and causal bounds included),
 rounded to whole slots, so a sliding window over a long cache reads only the window. Keys past
@@ -26,19 +32,24 @@ capability 8.0+.
 """
 
 import functools
+import math
 
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .decode_portable import address_function, sequence_length
+from .forward_portable import FROM_F32
 from .fragments import PACK, acc_index
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, shift_of
+from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
 from .warp_step import warp_step
 
 #: Query rows of a block: one 16-row mma tile.
 ROWS = 16
+#: Most splits a launch may have (numflash.selection caps the count here): the last block of a
+#: row group keeps every split's weight of its rows in shared memory.
+MAX_SPLITS = 128
 
 
 def shared_memory_layout(head_dim, block_n, num_warps, stages):
@@ -55,7 +66,8 @@ def shared_memory_layout(head_dim, block_n, num_warps, stages):
 def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
     batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
-    shared memory."""
+    shared memory; with several splits, ``counters`` holds one zero int32 per row group
+    (batch, kv head, block of 16 rows), and every launch leaves them zero."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16
     BLOCK_N, NUM_WARPS, STAGES = block_n, num_warps, stages
@@ -77,10 +89,12 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     S_REGS = N_TILES * 4
     ACC_REGS = D_TILES * 4
     FLAGS = STAGES * KEYS  # shared-array sizes must be plain constants
-    MERGE = ROWS * HD_PAD
+    MERGE = ROWS * max(HD_PAD, MAX_SPLITS)  # the warps' rows, then the splits' weights
     ML = 2 * ROWS
+    COMBINED = (ROWS * HEAD_DIM + THREADS - 1) // THREADS  # output elements a thread combines
     cache_slot = address_function(False)  # (found, slot, row) of a contiguous cache's key
     pack = PACK[dtype_name]
+    from_f32 = FROM_F32[dtype_name]
     # Past head_dim 128 the query fragments would not fit beside the accumulators: they are
     # read from shared memory at every tile instead.
     Q_IN_REGS = HD_PAD <= 128
@@ -267,6 +281,107 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                     if (lane & 3) == 0:
                         lse_part[at] = row_lse
 
+    @device_function
+    def write_new_rows(k, v, k_st, v_st, keys, lo, hi, start, kv_head, tid):
+        """Cache rows lo .. hi - 1 of this kv head from the new rows (row j is k's and v's row
+        j - start), where the row has a cache slot or page."""
+        k_cache, v_cache, kc_st, vc_st, block_table, geometry, place = keys
+        page_size, max_blocks, slots = geometry
+        b, _, k_head, v_head, sequence_found = place
+        kc_sb, kc_ss, _ = kc_st
+        vc_sb, vc_ss, _ = vc_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        for e in range(tid, (hi - lo) * HEAD_DIM, THREADS):
+            r = e // HEAD_DIM
+            d = e - r * HEAD_DIM
+            j = lo + r
+            found = sequence_found
+            k_at = k_head + int64(j) * kc_ss
+            v_at = v_head + int64(j) * vc_ss
+            if PAGED:
+                index = j // page_size
+                page = block_table[int64(b) * max_blocks + index]
+                found = (page >= 0) & (page < slots)
+                row = int64(j - index * page_size)
+                k_at = int64(page) * kc_sb + row * kc_ss + k_head
+                v_at = int64(page) * vc_sb + row * vc_ss + v_head
+            if found:
+                i = int64(j - start)
+                k_cache[k_at + d] = k[b * k_sb + i * k_ss + kv_head * k_sh + d]
+                v_cache[v_at + d] = v[b * v_sb + i * v_ss + kv_head * v_sh + d]
+
+    @device_function
+    def combine_partials(
+        o_part, lse_part, out, lse, o_st, weights, b, kv_head, rr0, rows, seqlen_q,
+        heads_per_kv, num_splits, tid, lane, warp,
+    ):  # fmt: skip
+        """The output and LSE of the block's rows from every split's partial: out = sum_s
+        exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); rows that see no key get 0 and
+        -inf. Each warp finds the weights of its rows (``weights``: ROWS x MAX_SPLITS in shared
+        memory), then each thread adds up COMBINED output elements, all of them at once per
+        split so that their loads are in flight together."""
+        o_sb, o_ss, o_sh = o_st
+        nheads = cuda.gridDim.y * heads_per_kv
+        split_rows = int64(cuda.gridDim.z) * nheads * seqlen_q  # from one split to the next
+        for r in range(warp, ROWS, NUM_WARPS):
+            rr = rr0 + r
+            if rr < rows:
+                g = rr // seqlen_q
+                i = rr - g * seqlen_q
+                first = (int64(b) * nheads + kv_head * heads_per_kv + g) * seqlen_q + i
+                m = NEG_INF
+                for s_ in range(lane, num_splits, 32):
+                    m = max(m, lse_part[first + s_ * split_rows])
+                for o in (16, 8, 4, 2, 1):
+                    m = max(m, ptx.shfl_xor(m, o))
+                shift = m if m != NEG_INF else float32(0.0)
+                total = float32(0.0)
+                for s_ in range(lane, num_splits, 32):
+                    w = ptx.exp2((lse_part[first + s_ * split_rows] - shift) * float32(LOG2E))
+                    weights[r * MAX_SPLITS + s_] = w
+                    total += w
+                for o in (16, 8, 4, 2, 1):
+                    total += ptx.shfl_xor(total, o)
+                inv = inverse_sum(total)
+                for s_ in range(lane, num_splits, 32):
+                    weights[r * MAX_SPLITS + s_] *= inv
+                if lane == 0:
+                    if total == float32(0.0):
+                        lse[first] = NEG_INF
+                    else:
+                        lse[first] = shift + float32(LN2) * float32(math.log2(total))
+        cuda.syncthreads()
+        values = cuda.local.array(COMBINED, float32)
+        at = cuda.local.array(COMBINED, int64)
+        for c in range(COMBINED):
+            values[c] = float32(0.0)
+            e = tid + c * THREADS
+            r = e // HEAD_DIM
+            rr = rr0 + r
+            at[c] = int64(-1)
+            if r < ROWS and rr < rows:
+                g = rr // seqlen_q
+                i = rr - g * seqlen_q
+                row_at = (int64(b) * nheads + kv_head * heads_per_kv + g) * seqlen_q + i
+                at[c] = row_at * HEAD_DIM + (e - r * HEAD_DIM)
+        for s_ in range(num_splits):
+            for c in range(COMBINED):
+                if at[c] >= 0:
+                    r = (tid + c * THREADS) // HEAD_DIM
+                    part = o_part[at[c] + s_ * split_rows * HEAD_DIM]
+                    values[c] += weights[r * MAX_SPLITS + s_] * part
+        for c in range(COMBINED):
+            if at[c] >= 0:
+                e = tid + c * THREADS
+                r = e // HEAD_DIM
+                d = e - r * HEAD_DIM
+                rr = rr0 + r
+                g = rr // seqlen_q
+                i = rr - g * seqlen_q
+                head = kv_head * heads_per_kv + g
+                out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(values[c])
+
     @kernel(launch_bounds=THREADS)
     def decode(
         q,
@@ -279,10 +394,15 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         lse_part,
         out,
         lse,
+        k,
+        v,
+        counters,
         q_st,
         kc_st,
         vc_st,
         o_st,
+        k_st,
+        v_st,
         seqlen_q,
         seqlen_new,
         heads_per_kv,
@@ -350,6 +470,20 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         geometry = (page_size, max_blocks, slots)
         place = (b, n_end, k_head, v_head, sequence_found)
         keys = (k_cache, v_cache, kc_st, vc_st, block_table, geometry, place)
+
+        # -- the new rows into the cache: all of them by the group's first block, and those this
+        # block reads by itself (before its copies read them back)
+        if seqlen_new > 0:
+            start = seqlens[b]
+            lo = start
+            hi = start + seqlen_new
+            if split != 0 or rr0 != 0:
+                lo = max(lo, n_begin)
+                hi = min(hi, n_end)
+            write_new_rows(
+                k, v, k_st, v_st, keys, max(lo, 0), min(hi, capacity), start, kv_head, tid
+            )
+            cuda.syncthreads()
 
         # -- prologue: Q rows (zero past the group), then STAGES - 1 slots, one group each
         smem_addr = ptx.shared_address(smem, 0)
@@ -428,5 +562,22 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 num_splits,
                 lane,
             )
+        if num_splits > 1:  # -- the last split block of the row group to arrive combines
+            cuda.threadfence()  # this block's partial is visible to every block ...
+            cuda.syncthreads()  # ... before it counts itself in
+            if tid == 0:
+                group = (int64(b) * cuda.gridDim.y + kv_head) * (cuda.gridDim.x // num_splits)
+                group += cuda.blockIdx.x // num_splits
+                last = cuda.atomic.add(counters, group, 1) == num_splits - 1
+                if last:
+                    counters[group] = 0  # every split has arrived: ready for the next launch
+                present[0] = int32(1) if last else int32(0)
+            cuda.syncthreads()
+            if present[0] == 1:
+                cuda.threadfence()  # the other blocks' partials, published before they counted
+                combine_partials(
+                    o_part, lse_part, out, lse, o_st, merge_acc, b, kv_head, rr0, rows,
+                    seqlen_q, heads_per_kv, num_splits, tid, lane, warp,
+                )  # fmt: skip
 
     return decode
