@@ -9,6 +9,7 @@ key-tile loop of the forward. Where the loop branches between versions of its so
     python tools/sass_report.py --backward --config 64,8,2 --head-dim 128 [--dq-kernel]
     python tools/sass_report.py --backward --config 64,8,2,0   # dK/dV with atomic dQ
     python tools/sass_report.py --wgmma --config 8,2   # the Hopper backward (num_warps,stages)
+    python tools/sass_report.py --decode --config 16,8,2,1   # KV cache (block_n,warps,stages,paged)
     python tools/sass_report.py --config 128,32,4,2,0 --head-dim 128 --nvdisasm PATH
     python tools/sass_report.py --config 128,64,4,2,1 --dump new.sass   # diff two trees
 
@@ -129,6 +130,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backward", action="store_true", help="the mma.sync backward")
     ap.add_argument("--wgmma", action="store_true", help="the Hopper (wgmma) backward")
+    ap.add_argument("--decode", action="store_true", help="the tensor-core KV-cache kernel")
     ap.add_argument(
         "--dq-kernel",
         action="store_true",
@@ -139,7 +141,7 @@ def main():
         required=True,
         help="backward: block_m,num_warps,stages[,dq_separate[,head_split]] "
         "(TensorCoreBackwardConfig's fields; dq_separate 0 or 1, default 1); "
-        "wgmma: num_warps,stages; "
+        "wgmma: num_warps,stages; decode: block_n,num_warps,stages,paged (0 or 1); "
         "forward: block_m,block_n,num_warps,stages,q_in_registers",
     )
     ap.add_argument("--head-dim", type=int, default=128)
@@ -184,6 +186,12 @@ def main():
                 heavy_group=args.heavy_group,
             )
         kernel = kernels.dq if dq else kernels.dkdv
+    elif args.decode:
+        from numflash.kernels import decode
+
+        bn, nw, st, paged = values
+        kernel = decode.build(args.head_dim, args.dtype, bn, nw, st, bool(paged))
+        signature = launch.DECODE.signature(args.dtype)
     else:
         from numflash.kernels import forward
 

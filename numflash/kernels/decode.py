@@ -112,20 +112,46 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
 
     @device_function
+    def cache_row(j, keys, wanted):
+        """(found, k_at, v_at): where key j of the block's sequence is in k_cache and v_cache
+        (this kv head's row), through the block table (paged; looked up only if ``wanted``)
+        or in the sequence's cache slot; found is False where the row is not ``wanted`` or
+        has no valid slot or page. ``k_head``, ``v_head`` (in ``keys``): the kv head's offset
+        within a key row's cache slot or page, and (contiguous caches) the sequence's slot
+        itself, valid when ``sequence_found``."""
+        _, _, kc_st, vc_st, block_table, geometry, place = keys
+        page_size, max_blocks, slots = geometry
+        b, _, k_head, v_head, sequence_found = place
+        kc_sb, kc_ss, _ = kc_st
+        vc_sb, vc_ss, _ = vc_st
+        found = wanted
+        k_at = int64(0)
+        v_at = int64(0)
+        if PAGED:
+            if found:
+                index = j // page_size
+                page = block_table[int64(b) * max_blocks + index]
+                found = (page >= 0) & (page < slots)
+                row = int64(j - index * page_size)
+                k_at = int64(page) * kc_sb + row * kc_ss + k_head
+                v_at = int64(page) * vc_sb + row * vc_ss + v_head
+        else:
+            found = found and sequence_found
+            k_at = k_head + int64(j) * kc_ss
+            v_at = v_head + int64(j) * vc_ss
+        return found, k_at, v_at
+
+    @device_function
     def load_slot(smem_addr, present, stage, n0, keys, tid):
         """cp.async keys n0 .. n0 + KEYS - 1 of sequence b into ring slot ``stage``; rows past
         n_end or behind a bad cache slot or page are zero-filled and marked absent. ``keys``:
         where the block's keys are, the same for every slot (see the kernel).
 
         CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
-        whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows).
-        ``k_head``, ``v_head``: the kv head's offset within a key row's cache slot or page,
-        and (contiguous caches) the sequence's slot itself, valid when ``sequence_found``."""
-        k_cache, v_cache, kc_st, vc_st, block_table, geometry, place = keys
-        page_size, max_blocks, slots = geometry
-        b, n_end, k_head, v_head, sequence_found = place
-        kc_sb, kc_ss, _ = kc_st
-        vc_sb, vc_ss, _ = vc_st
+        whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows);
+        each row's address comes from cache_row."""
+        k_cache, v_cache = keys[0], keys[1]
+        n_end = keys[6][1]
         k_dst = smem_addr + uint32((K_BASE + stage * SLOT) * 2)
         v_dst = smem_addr + uint32((V_BASE + stage * SLOT) * 2)
         chunk = tid % CHUNKS
@@ -140,21 +166,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 for p in range(GROUP):
                     r = first + (g + p) * ROWS_PER_PASS
                     j = n0 + r
-                    found = j < n_end and r < KEYS
-                    k_at = int64(0)
-                    v_at = int64(0)
-                    if PAGED:
-                        if found:
-                            index = j // page_size
-                            page = block_table[int64(b) * max_blocks + index]
-                            found = (page >= 0) & (page < slots)
-                            row = int64(j - index * page_size)
-                            k_at = int64(page) * kc_sb + row * kc_ss + k_head
-                            v_at = int64(page) * vc_sb + row * vc_ss + v_head
-                    else:
-                        found = found and sequence_found
-                        k_at = k_head + int64(j) * kc_ss
-                        v_at = v_head + int64(j) * vc_ss
+                    found, k_at, v_at = cache_row(j, keys, j < n_end and r < KEYS)
                     k_rows[p] = k_at if found else int64(0)
                     v_rows[p] = v_at if found else int64(0)
                     sizes[p] = uint32(16) if found else uint32(0)
@@ -285,27 +297,15 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     def write_new_rows(k, v, k_st, v_st, keys, lo, hi, start, kv_head, tid):
         """Cache rows lo .. hi - 1 of this kv head from the new rows (row j is k's and v's row
         j - start), where the row has a cache slot or page."""
-        k_cache, v_cache, kc_st, vc_st, block_table, geometry, place = keys
-        page_size, max_blocks, slots = geometry
-        b, _, k_head, v_head, sequence_found = place
-        kc_sb, kc_ss, _ = kc_st
-        vc_sb, vc_ss, _ = vc_st
+        k_cache, v_cache = keys[0], keys[1]
+        b = keys[6][0]
         k_sb, k_ss, k_sh = k_st
         v_sb, v_ss, v_sh = v_st
         for e in range(tid, (hi - lo) * HEAD_DIM, THREADS):
             r = e // HEAD_DIM
             d = e - r * HEAD_DIM
             j = lo + r
-            found = sequence_found
-            k_at = k_head + int64(j) * kc_ss
-            v_at = v_head + int64(j) * vc_ss
-            if PAGED:
-                index = j // page_size
-                page = block_table[int64(b) * max_blocks + index]
-                found = (page >= 0) & (page < slots)
-                row = int64(j - index * page_size)
-                k_at = int64(page) * kc_sb + row * kc_ss + k_head
-                v_at = int64(page) * vc_sb + row * vc_ss + v_head
+            found, k_at, v_at = cache_row(j, keys, True)
             if found:
                 i = int64(j - start)
                 k_cache[k_at + d] = k[b * k_sb + i * k_ss + kv_head * k_sh + d]
