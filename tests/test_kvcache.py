@@ -45,6 +45,10 @@ CASES = [
     # two row groups of 16 (8 heads x 3 positions) split three ways, appending 3 rows
     Case("bfloat16", (20, 5), seqlen_q=3, seqlen_new=3, nheads=8, nheads_k=1, head_dim=16,
          page_size=4, mask=dict(causal=True), num_splits=3),
+    # more splits than a warp has lanes (35 of 37 with keys for the tensor-core kernel's
+    # 32-key slots, the last two with none)
+    Case("float16", (1100, 0), seqlen_q=1, seqlen_new=1, nheads=2, nheads_k=1, head_dim=8,
+         num_splits=37),
 ]  # fmt: skip
 if not SIMULATOR:  # the lengths of the grid, on the GPU
     CASES += [
