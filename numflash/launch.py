@@ -471,6 +471,17 @@ def _copy_back(out, target, p):
     arrays.bits(out)[...] = arrays.bits(target)[..., : p.head_dim]
 
 
+def _packed_offsets(offsets, q, k):
+    """A packed batch's kernel arguments beyond the dense ones: the views of its offsets
+    (cu_q, cu_k), and the scalars after the attention scalars, the arrays' row counts."""
+    xp = arrays.array_module(q)
+    views = {
+        name: arrays.kernel_view(xp.ascontiguousarray(x))
+        for name, x in zip(("cu_q", "cu_k"), offsets)
+    }
+    return views, (q.shape[0], k.shape[0])
+
+
 def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets):
     """Launch a forward kernel over ``arrays_in`` = (q, k, v, out, lse): dense, or a packed
     batch with ``offsets`` = (cu_q, cu_k) (the kernel of ``build`` is then the varlen one and
@@ -484,12 +495,9 @@ def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, sh
         views = {name: arrays.kernel_view(x) for name, x in named}
     else:
         spec = FORWARD_VARLEN
-        xp = arrays.array_module(q)
-        views = {name: arrays.kernel_view(x[None] if x.ndim == 3 else x) for name, x in named}
-        views["cu_q"], views["cu_k"] = (
-            arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets
-        )
-        scalars += (q.shape[0], k.shape[0])
+        views, totals = _packed_offsets(offsets, q, k)
+        views.update((name, arrays.kernel_view(x[None] if x.ndim == 3 else x)) for name, x in named)
+        scalars += totals
     launch = launcher(spec_key, build, spec, p.dtype)
     grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
     launch(grid, cfg.threads, arrays.current_stream(), shared, spec.args(views, scalars))
@@ -588,6 +596,20 @@ def _preprocess(p, dout, out, lse):
     return lse, delta
 
 
+def _row_statistics(p, dout, out, lse, grads, offsets):
+    """(lse, D) of a backward (_preprocess). For a packed batch (``offsets`` given) D is row
+    by row, so the dense preprocess kernel computes it over the packed rows as one sequence,
+    and the gradients ``grads`` are zeroed: rows of no sequence, or past a max_seqlen, keep 0."""
+    if offsets is None:
+        return _preprocess(p, dout, out, lse)
+    packed = dataclasses.replace(p, batch=1, seqlen_q=dout.shape[0], seqlen_k=grads[1].shape[0])
+    statistics = _preprocess(packed, dout[None], out[None], lse)
+    note_unrecorded_work()  # the zeroing
+    for g in grads:
+        arrays.bits(g)[...] = 0
+    return statistics
+
+
 #: The portable backward over a packed batch: as FORWARD_VARLEN extends FORWARD.
 PORTABLE_DKDV_VARLEN = KernelSpec(
     arrays=PORTABLE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
@@ -603,27 +625,16 @@ DQ_VARLEN = KernelSpec(
 
 def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
     """The portable dK/dV and dQ kernels: dense, or a packed batch with ``offsets`` = (cu_q,
-    cu_k) (``p`` then holds the max lengths; dq, dk, dv are zeroed first, so rows of no
-    sequence or past a max_seqlen keep 0). D = rowsum(dO * O) is row by row, so for a packed
-    batch the dense preprocess kernel computes it over the packed rows as one sequence."""
+    cu_k) (``p`` then holds the max lengths; see _row_statistics)."""
     q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
     scalars = attention_scalars(p, p.scale)
+    lse, delta = _row_statistics(p, dout, out, lse, (dq, dk, dv), offsets)
     if offsets is None:
-        lse, delta = _preprocess(p, dout, out, lse)
         specs, tag, views = (PORTABLE_DKDV, DQ), (), {}
     else:
-        total_q, total_k = q.shape[0], k.shape[0]
-        packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
-        lse, delta = _preprocess(packed, dout[None], out[None], lse)
-        note_unrecorded_work()  # the zeroing
-        for g in (dq, dk, dv):
-            arrays.bits(g)[...] = 0
-        scalars += (total_q, total_k)
+        views, totals = _packed_offsets(offsets, q, k)
+        scalars += totals
         specs, tag = (PORTABLE_DKDV_VARLEN, DQ_VARLEN), ("varlen",)
-        xp = arrays.array_module(q)
-        views = dict(
-            zip(("cu_q", "cu_k"), (arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets))
-        )
         q, k, v, dout, dq, dk, dv = (x[None] for x in (q, k, v, dout, dq, dk, dv))
     for name, x in (("q", q), ("k", k), ("v", v), ("do", dout), ("lse", lse),
                     ("delta", delta), ("dq", dq), ("dk", dk), ("dv", dv)):  # fmt: skip
@@ -667,15 +678,7 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, o
     xp = arrays.array_module(q)
     dout, out = (_kernel_input(x) for x in (dout, out))
     varlen = offsets is not None
-    if varlen:
-        total_q, total_k = q.shape[0], k.shape[0]
-        packed = dataclasses.replace(p, batch=1, seqlen_q=total_q, seqlen_k=total_k)
-        lse, delta = _preprocess(packed, dout[None], out[None], lse)
-        note_unrecorded_work()  # the zeroing: rows of no sequence keep 0
-        for g in (dq, dk, dv):
-            arrays.bits(g)[...] = 0
-    else:
-        lse, delta = _preprocess(p, dout, out, lse)
+    lse, delta = _row_statistics(p, dout, out, lse, (dq, dk, dv), offsets)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
         q, k, v, dout = (_padded(x, head_dim) for x in (q, k, v, dout))
@@ -697,10 +700,9 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, o
     scalars = attention_scalars(p, p.scale)
     specs = (TENSOR_CORE_DKDV, DQ)
     if varlen:
-        views["cu_q"], views["cu_k"] = (
-            arrays.kernel_view(xp.ascontiguousarray(x)) for x in offsets
-        )
-        scalars += (total_q, total_k)
+        offset_views, totals = _packed_offsets(offsets, q, k)
+        views.update(offset_views)
+        scalars += totals
         specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     dkdv, dq_kernel = kernels(head_dim, varlen)
