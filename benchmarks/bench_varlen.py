@@ -141,20 +141,19 @@ def bench(args, lengths):
             ),
         }
         if args.sweep:
+
+            def swept(forced):
+                """The packed call's run of the forced configuration's mode alone."""
+                fwd, bwd = varlen_runs(lengths, nheads, hd, DTYPES[dtype], causal, **forced)
+                return (fwd, None) if "config" in forced else (None, bwd)
+
             forward, backward = sweep_configs(dtype, hd)
-            for i, cfg in enumerate(forward + backward):
-                is_forward = i < len(forward)
-                providers[f"sweep {cfg!r}"] = (
-                    lambda cfg=cfg, is_forward=is_forward: (
-                        varlen_runs(lengths, nheads, hd, DTYPES[dtype], causal, config=cfg)[:1]
-                        if is_forward
-                        else (None,)
-                        + varlen_runs(
-                            lengths, nheads, hd, DTYPES[dtype], causal, backward_config=cfg
-                        )[1:]
-                    ),
-                    lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
-                )
+            for argument, configs in (("config", forward), ("backward_config", backward)):
+                for cfg in configs:
+                    providers[f"sweep {cfg!r}"] = (
+                        lambda forced={argument: cfg}: swept(forced),
+                        lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
+                    )
         if peers.torch_available():
             providers["sdpa-flash-padded"] = (
                 lambda: padded_sdpa_runs(lengths, nheads, hd, DTYPES[dtype], causal),
