@@ -2,11 +2,17 @@
 
 import numpy as np
 import pytest
-from support import assert_gradients_match, random_array, random_qkv, to_numpy, xp
+from support import (
+    assert_gradients_match,
+    random_array,
+    random_qkv,
+    to_numpy,
+    wgmma_or_skip,
+    xp,
+)
 
 import numflash
 from numflash.arrays import to_float64
-from numflash.device import current_device
 from numflash.reference import attention_backward_reference, attention_reference
 
 MASKS = {
@@ -207,20 +213,13 @@ TC_SIM_CASES = [
 ]
 
 
-def _tensor_core_backward_config(cfg):
-    """The configuration of a test case; a skip where it asks for wgmma and the GPU has none."""
-    if isinstance(cfg, WG) and not current_device().has_wgmma:
-        pytest.skip("wgmma needs compute capability 9.x")
-    return cfg
-
-
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_SIM_CASES)
 def test_tensor_core_backward_matches_reference(
     dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles
 ):
     """The tensor-core kernels' own source (mma.sync, and wgmma where asked), in the simulator
     on CI and on the GPU."""
-    cfg = _tensor_core_backward_config(tiles)
+    cfg = wgmma_or_skip(tiles)
     q, k, v = random_qkv(1, seqlen_q, seqlen_k, gqa, 1, head_dim, dtype)
     dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=cfg)
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])
@@ -349,7 +348,7 @@ TC_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,head_dim,seqlen_q,seqlen_k,gqa,mask,tiles", TC_GPU_CASES)
 def test_tensor_core_backward_on_gpu(dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, tiles):
-    cfg = _tensor_core_backward_config(tiles)
+    cfg = wgmma_or_skip(tiles)
     q, k, v = random_qkv(2, seqlen_q, seqlen_k, 2 * gqa, 2, head_dim, dtype)
     dout, dq, dk, dv = _run(q, k, v, MASKS[mask], config=cfg)
     assert_gradients_match(dout, q, k, v, dq, dk, dv, **MASKS[mask])

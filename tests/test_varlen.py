@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from support import poisoned_like, random_array, to_numpy, xp
+from support import poisoned_like, random_array, to_numpy, wgmma_or_skip, xp
 
 import numflash
 from numflash.device import current_device
@@ -130,13 +130,6 @@ def test_varlen_matches_the_reference_per_sequence(case):
         assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
 
 
-def _backward_config(case):
-    """The case's backward configuration; a skip where it asks for wgmma and the GPU has none."""
-    if isinstance(case.backward, WG) and not current_device().has_wgmma:
-        pytest.skip("wgmma needs compute capability 9.x")
-    return case.backward
-
-
 @pytest.mark.parametrize(
     "case",
     CASES,
@@ -144,7 +137,7 @@ def _backward_config(case):
 )
 def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
     """Deterministic runs (every configuration but dQ by atomics) repeat bitwise."""
-    cfg = _backward_config(case)
+    cfg = wgmma_or_skip(case.backward)
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
     q, k, v, cu_q, cu_k = _packed(case, rng)
     lengths = (max(case.lengths_q), max(case.lengths_k))
@@ -222,8 +215,7 @@ def test_device_offsets_that_lie_stay_inside_the_arrays(forced, backward):
     out-of-range index."""
     from numflash import launch, selection, validation
 
-    if isinstance(backward, WG) and not current_device().has_wgmma:
-        pytest.skip("wgmma needs compute capability 9.x")
+    wgmma_or_skip(backward)
     rng = np.random.default_rng(4)
     hd = 64 if isinstance(backward, WG) else 16
     q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, hd), rng)

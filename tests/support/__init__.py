@@ -16,6 +16,19 @@ DTYPES = {"float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.d
 _seed = [1234]
 
 
+def wgmma_or_skip(config):
+    """``config``; a pytest skip where it is a wgmma backward configuration and the GPU (or the
+    simulated one) has no wgmma."""
+    import pytest
+
+    from numflash import WgmmaBackwardConfig
+    from numflash.device import current_device
+
+    if isinstance(config, WgmmaBackwardConfig) and not current_device().has_wgmma:
+        pytest.skip("wgmma needs compute capability 9.x")
+    return config
+
+
 def fresh_rng():
     """A new generator per call: every check draws inputs nobody has seen before."""
     _seed[0] += 1
