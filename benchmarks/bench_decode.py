@@ -14,7 +14,8 @@ merit is the KV bytes read per second (batch x cache length x kv heads x head_di
 the element size) and its fraction of the HBM peak (--hbm-tbs, the H200's 4.8 TB/s).
 
 ``--configs`` times numflash's tensor-core kernel with each block_n,num_warps,stages besides the
-configuration it chooses; ``--num-splits`` likewise for split counts (0: numflash chooses).
+configuration it chooses, on every layout; ``--num-splits`` likewise for split counts on the
+contiguous cache (0: numflash chooses).
 Writes benchmarks/results/decode.json, decode.md and decode.png.
 """
 
@@ -107,7 +108,7 @@ def bench(args):
                 kp, vp, table = paged_copy(k_cache, v_cache, page)
                 layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
             for layout, kc, vc, kw in layouts:
-                configs = [None] + ([] if kw else args.configs)
+                configs = [None] + args.configs
                 for cfg in configs:
                     for splits in args.num_splits if cfg is None and not kw else [0]:
                         options = dict(

@@ -422,10 +422,12 @@ class TensorCoreDecodeConfig(_Config):
 
     block_n: int = knob(16, (16, 32, 64))
     num_warps: int = knob(8, (1, 2, 4, 8))
-    stages: int = knob(2, (2, 3, 4))
+    stages: int = knob(2, (2, 3, 4, 5, 6))
 
     family: ClassVar[str] = TENSOR_CORE_DECODE
-    REVISION: ClassVar[int] = 2  # 2: the append and the combine in the kernel
+    #: 2: the append and the combine in the kernel; 3: pages fetched a slot ahead, the merge
+    #: buffer in the ring's memory
+    REVISION: ClassVar[int] = 3
     #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
     MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
 
@@ -438,18 +440,16 @@ class TensorCoreDecodeConfig(_Config):
         return head_dim
 
     def shared_memory_bytes(self, head_dim):
-        """Dynamic shared memory: the Q tile and ``stages`` K and V slots."""
+        """Dynamic shared memory: the Q tile and ``stages`` K and V slots (then the fp32 merge
+        buffer, in the same memory)."""
         *_, elements = decode.shared_memory_layout(
             head_dim, self.block_n, self.num_warps, self.stages
         )
         return 2 * elements
 
     def static_shared_memory_bytes(self, head_dim):
-        """The per-slot key flags and the buffer the warps' rows are merged through (then the
-        splits' weights of the combine)."""
-        keys = self.num_warps * self.block_n
-        merge = decode.ROWS * max(round_up(head_dim, 16), decode.MAX_SPLITS)
-        return 4 * self.stages * keys + 4 * merge + 8 * decode.ROWS
+        """The per-slot key flags and the rows' running max and sum of the warps' merge."""
+        return 4 * self.stages * self.num_warps * self.block_n + 8 * decode.ROWS
 
     def fragment_registers(self, head_dim):
         hd = round_up(head_dim, 16)

@@ -129,6 +129,8 @@ KVCACHE_CASES = [
      TensorCoreDecodeConfig(16, 4, 2)),
     (KVCase("float16", (9, 70), seqlen_q=3, seqlen_new=2, nheads=4, nheads_k=2, head_dim=40,
             permute=True), TensorCoreDecodeConfig(16, 1, 4)),
+    (KVCase("float16", (700, 1000), seqlen_q=1, seqlen_new=1, nheads=8, nheads_k=2,
+            head_dim=128, page_size=5), TensorCoreDecodeConfig(16, 8, 3)),
     (KVCase("bfloat16", (33, 2), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=64,
             page_size=16), PortableDecodeConfig()),
 ]  # fmt: skip

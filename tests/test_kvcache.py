@@ -49,6 +49,10 @@ CASES = [
     # 32-key slots, the last two with none)
     Case("float16", (1100, 0), seqlen_q=1, seqlen_new=1, nheads=2, nheads_k=1, head_dim=8,
          num_splits=37),
+    # one split of ten slots of pages of 5: the tensor-core kernel fetches each slot's pages
+    # while the previous slot loads
+    Case("bfloat16", (300, 45), seqlen_q=1, seqlen_new=1, nheads=2, nheads_k=1, head_dim=16,
+         page_size=5, num_splits=1),
 ]  # fmt: skip
 if not SIMULATOR:  # the lengths of the grid, on the GPU
     CASES += [
@@ -106,6 +110,8 @@ KERNELS = {
     "default": None,
     "portable": numflash.PortableDecodeConfig(),
     "tensor-core": numflash.TensorCoreDecodeConfig(block_n=16, num_warps=2, stages=2),
+    # a deeper ring and several rows a thread per slot: pages fetched a slot ahead, 4 stages
+    "tensor-core-deep": numflash.TensorCoreDecodeConfig(block_n=32, num_warps=1, stages=4),
 }
 
 
@@ -114,7 +120,7 @@ def _config(kernel, case):
     config = KERNELS[kernel]
     if kernel == "portable" and SIMULATOR:
         pytest.skip("the simulator's default kernel")
-    if kernel == "tensor-core" and (case.dtype == "float32" or case.head_dim % 8):
+    if kernel.startswith("tensor-core") and (case.dtype == "float32" or case.head_dim % 8):
         pytest.skip("the tensor-core kernel takes fp16/bf16 and head_dim a multiple of 8")
     return config
 

@@ -54,12 +54,20 @@ MAX_SPLITS = 128
 
 def shared_memory_layout(head_dim, block_n, num_warps, stages):
     """(row pitch, K offset, V offset, total 16-bit elements) of the dynamic shared memory: the
-    Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows."""
+    Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows. Once
+    the keys are done the same memory holds fp32 rows: the warps' rows being merged, then the
+    splits' weights (``merge_floats``)."""
     row = (head_dim + 15) // 16 * 16 + 8  # +16 bytes: the 8 rows of an ldmatrix in other banks
     keys = num_warps * block_n
     k_base = ROWS * row
     v_base = k_base + stages * keys * row
-    return row, k_base, v_base, v_base + stages * keys * row
+    return row, k_base, v_base, max(v_base + stages * keys * row, 2 * merge_floats(head_dim))
+
+
+def merge_floats(head_dim):
+    """fp32 values of the merge buffer: ROWS rows of the padded head_dim (the warps' merge), or
+    of MAX_SPLITS weights (the combine)."""
+    return ROWS * max((head_dim + 15) // 16 * 16, MAX_SPLITS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,8 +86,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     D_TILES = HD_PAD // 8
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a cache row
     ROWS_PER_PASS = THREADS // CHUNKS  # rows one pass of the block's threads loads
-    PASSES = (KEYS + ROWS_PER_PASS - 1) // ROWS_PER_PASS
-    GROUP = min(PASSES, 4)  # passes whose row addresses are found before their copies start
+    PASSES = (KEYS + ROWS_PER_PASS - 1) // ROWS_PER_PASS  # rows of a slot one thread copies
     PAGED = paged
     ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_n, num_warps, stages)
     SLOT = KEYS * ROW
@@ -89,7 +96,6 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     S_REGS = N_TILES * 4
     ACC_REGS = D_TILES * 4
     FLAGS = STAGES * KEYS  # shared-array sizes must be plain constants
-    MERGE = ROWS * max(HD_PAD, MAX_SPLITS)  # the warps' rows, then the splits' weights
     ML = 2 * ROWS
     COMBINED = (ROWS * HEAD_DIM + THREADS - 1) // THREADS  # output elements a thread combines
     cache_slot = address_function(False)  # (found, slot, row) of a contiguous cache's key
@@ -112,29 +118,41 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
 
     @device_function
-    def cache_row(j, keys, wanted):
+    def page_index(j, geometry):
+        """(block-table column, row within the page) of key j: a shift and a mask for a power
+        of two page size (page_shift >= 0), else one 32-bit division."""
+        page_size, _, _, page_shift = geometry
+        if page_shift >= 0:
+            index = uint32(j) >> uint32(page_shift)
+        else:
+            index = uint32(j) // uint32(page_size)
+        return int64(index), int64(uint32(j) - index * uint32(page_size))
+
+    @device_function
+    def table_entry(j, keys):
+        """The block-table entry (page) of key j of the block's sequence; j < capacity."""
+        block_table, geometry = keys[4], keys[5]
+        index, _ = page_index(j, geometry)
+        return block_table[int64(keys[6][0]) * geometry[1] + index]
+
+    @device_function
+    def cache_row(j, keys, wanted, page):
         """(found, k_at, v_at): where key j of the block's sequence is in k_cache and v_cache
-        (this kv head's row), through the block table (paged; looked up only if ``wanted``)
-        or in the sequence's cache slot; found is False where the row is not ``wanted`` or
-        has no valid slot or page. ``k_head``, ``v_head`` (in ``keys``): the kv head's offset
-        within a key row's cache slot or page, and (contiguous caches) the sequence's slot
-        itself, valid when ``sequence_found``."""
-        _, _, kc_st, vc_st, block_table, geometry, place = keys
-        page_size, max_blocks, slots = geometry
-        b, _, k_head, v_head, sequence_found = place
+        (this kv head's row): in ``page`` (paged: its block-table entry) or in the sequence's
+        cache slot; found is False where the row is not ``wanted`` or has no valid slot or
+        page. ``k_head``, ``v_head`` (in ``keys``): the kv head's offset within a key row's
+        cache slot or page, and (contiguous caches) the sequence's slot itself, valid when
+        ``sequence_found``."""
+        _, _, kc_st, vc_st, _, geometry, place = keys
+        _, k_head, v_head, sequence_found = place[1:]
         kc_sb, kc_ss, _ = kc_st
         vc_sb, vc_ss, _ = vc_st
         found = wanted
-        k_at = int64(0)
-        v_at = int64(0)
         if PAGED:
-            if found:
-                index = j // page_size
-                page = block_table[int64(b) * max_blocks + index]
-                found = (page >= 0) & (page < slots)
-                row = int64(j - index * page_size)
-                k_at = int64(page) * kc_sb + row * kc_ss + k_head
-                v_at = int64(page) * vc_sb + row * vc_ss + v_head
+            found = found and page >= 0 and page < geometry[2]
+            _, row = page_index(j, geometry)
+            k_at = int64(page) * kc_sb + row * kc_ss + k_head
+            v_at = int64(page) * vc_sb + row * vc_ss + v_head
         else:
             found = found and sequence_found
             k_at = k_head + int64(j) * kc_ss
@@ -142,10 +160,27 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         return found, k_at, v_at
 
     @device_function
-    def load_slot(smem_addr, present, stage, n0, keys, tid):
+    def slot_pages(pages, n0, keys, tid):
+        """Paged caches: the block-table entries of this thread's rows of the slot of keys n0 ..
+        n0 + KEYS - 1 (-1 past n_end), fetched one slot ahead of that slot's copies so that the
+        copies do not wait for them."""
+        if PAGED:
+            n_end = keys[6][1]
+            first = tid // CHUNKS
+            for p in range(PASSES):
+                r = first + p * ROWS_PER_PASS
+                j = n0 + r
+                page = int32(-1)
+                if first < ROWS_PER_PASS and r < KEYS and j < n_end:
+                    page = table_entry(j, keys)
+                pages[p] = page
+
+    @device_function
+    def load_slot(smem_addr, present, stage, n0, keys, pages, tid):
         """cp.async keys n0 .. n0 + KEYS - 1 of sequence b into ring slot ``stage``; rows past
         n_end or behind a bad cache slot or page are zero-filled and marked absent. ``keys``:
-        where the block's keys are, the same for every slot (see the kernel).
+        where the block's keys are, the same for every slot (see the kernel); ``pages``: this
+        thread's rows' pages (slot_pages; paged caches).
 
         CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
         whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows);
@@ -157,27 +192,18 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         chunk = tid % CHUNKS
         first = tid // CHUNKS
         if first < ROWS_PER_PASS:
-            # Addresses first, cp.async after: the block-table loads of every pass are in
-            # flight together instead of each waiting behind the previous pass's copies.
-            k_rows = cuda.local.array(GROUP, int64)
-            v_rows = cuda.local.array(GROUP, int64)
-            sizes = cuda.local.array(GROUP, uint32)
-            for g in range(0, PASSES, GROUP):
-                for p in range(GROUP):
-                    r = first + (g + p) * ROWS_PER_PASS
-                    j = n0 + r
-                    found, k_at, v_at = cache_row(j, keys, j < n_end and r < KEYS)
-                    k_rows[p] = k_at if found else int64(0)
-                    v_rows[p] = v_at if found else int64(0)
-                    sizes[p] = uint32(16) if found else uint32(0)
-                for p in range(GROUP):
-                    r = first + (g + p) * ROWS_PER_PASS
-                    if r < KEYS:
-                        dst = uint32((r * ROW + chunk * 8) * 2)
-                        ptx.cp_async_16(k_dst + dst, k_cache, k_rows[p] + chunk * 8, sizes[p])
-                        ptx.cp_async_16(v_dst + dst, v_cache, v_rows[p] + chunk * 8, sizes[p])
-                        if chunk == 0:
-                            present[stage * KEYS + r] = int32(1) if sizes[p] else int32(0)
+            for p in range(PASSES):
+                r = first + p * ROWS_PER_PASS
+                j = n0 + r
+                if r < KEYS:
+                    found, k_at, v_at = cache_row(j, keys, j < n_end, pages[p])
+                    size = uint32(16) if found else uint32(0)
+                    dst = uint32((r * ROW + chunk * 8) * 2)
+                    at = chunk * 8
+                    ptx.cp_async_16(k_dst + dst, k_cache, (k_at if found else 0) + at, size)
+                    ptx.cp_async_16(v_dst + dst, v_cache, (v_at if found else 0) + at, size)
+                    if chunk == 0:
+                        present[stage * KEYS + r] = int32(1) if found else int32(0)
 
     @device_function
     def mask_scores(s, present, stage, warp, lane, n0, lo0, hi0, lo1, hi1):
@@ -305,7 +331,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             r = e // HEAD_DIM
             d = e - r * HEAD_DIM
             j = lo + r
-            found, k_at, v_at = cache_row(j, keys, True)
+            page = table_entry(j, keys) if PAGED else int32(0)
+            found, k_at, v_at = cache_row(j, keys, True, page)
             if found:
                 i = int64(j - start)
                 k_cache[k_at + d] = k[b * k_sb + i * k_ss + kv_head * k_sh + d]
@@ -418,9 +445,10 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         q_sb, q_ss, q_sh = q_st
         smem = cuda.shared.array(0, uint16)
         present = cuda.shared.array(FLAGS, int32)
-        merge_acc = cuda.shared.array(MERGE, float32)
+        merge_acc = cuda.shared.array(0, float32)  # the same memory as smem, once the keys are done
         merge_ml = cuda.shared.array(ML, float32)
         qf = cuda.local.array(QF_REGS, uint32)
+        pages = cuda.local.array(PASSES, int32)
         pf = cuda.local.array(4, uint32)
         s = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
@@ -445,12 +473,12 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             first_i = 0
             last_i = seqlen_q - 1
         n_lo, n_hi = block_key_range(first_i, last_i, seqlen_q, seqlen_k, window_left, window_right)
-        n_lo = max(n_lo, 0)
-        span = max(n_hi - n_lo, 0)
+        n_lo = int32(max(n_lo, 0))
+        span = max(int32(n_hi) - n_lo, 0)
         chunk = (span + num_splits - 1) // num_splits
         chunk = (chunk + KEYS - 1) // KEYS * KEYS
-        n_begin = n_lo + split * chunk
-        n_end = min(n_begin + chunk, n_hi)
+        n_begin = int32(n_lo + split * chunk)
+        n_end = int32(min(n_begin + chunk, n_hi))
         n_tiles = int32(0)
         if n_end > n_begin:
             n_tiles = int32((n_end - n_begin + KEYS - 1) // KEYS)
@@ -467,7 +495,12 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             v_head += slot * vc_sb
 
         # where every slot's keys come from: the caches, the page table, this sequence's rows
-        geometry = (page_size, max_blocks, slots)
+        page_shift = int32(-1)  # log2(page_size) when it is a power of two
+        if PAGED and page_size > 0 and (page_size & (page_size - 1)) == 0:
+            page_shift = int32(0)
+            while (1 << page_shift) < page_size:
+                page_shift += 1
+        geometry = (page_size, max_blocks, slots, page_shift)
         place = (b, n_end, k_head, v_head, sequence_found)
         keys = (k_cache, v_cache, kc_st, vc_st, block_table, geometry, place)
 
@@ -501,8 +534,10 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         ptx.cp_async_commit()
         for st in range(STAGES - 1):
             if st < n_tiles:
-                load_slot(smem_addr, present, st, n_begin + st * KEYS, keys, tid)
+                slot_pages(pages, n_begin + st * KEYS, keys, tid)
+                load_slot(smem_addr, present, st, n_begin + st * KEYS, keys, pages, tid)
             ptx.cp_async_commit()
+        slot_pages(pages, n_begin + (STAGES - 1) * KEYS, keys, tid)  # the loop's first slot
 
         q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
         k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
@@ -531,7 +566,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             cuda.syncthreads()  # ... for every thread's, and the previous slot is free again
             if it + STAGES - 1 < n_tiles:
                 free = stage - 1 if stage > 0 else STAGES - 1  # the slot consumed last
-                load_slot(smem_addr, present, free, n_begin + (it + STAGES - 1) * KEYS, keys, tid)
+                n0 = n_begin + (it + STAGES - 1) * KEYS
+                load_slot(smem_addr, present, free, n0, keys, pages, tid)
+                slot_pages(pages, n0 + KEYS, keys, tid)  # the next slot's, while this one loads
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
@@ -540,7 +577,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             mma_pv(s, pf, acc, slot_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 
-        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
+        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits ...
+        cuda.syncthreads()  # ... and every warp is done with the slots that merge_acc reuses
         merge_warps(acc, m_i, l_i, merge_acc, merge_ml, warp, lane)
         if warp == 0:
             write_rows(
