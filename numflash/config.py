@@ -425,8 +425,8 @@ class TensorCoreDecodeConfig(_Config):
     stages: int = knob(2, (2, 3, 4, 5, 6))
 
     family: ClassVar[str] = TENSOR_CORE_DECODE
-    #: 2: the append and the combine in the kernel; 3: pages fetched a slot ahead, the merge
-    #: buffer in the ring's memory
+    #: 2: the append and the combine in the kernel; 3: pages fetched a slot ahead, the warps
+    #: merged at once in the ring's memory
     REVISION: ClassVar[int] = 3
     #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
     MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
@@ -448,8 +448,11 @@ class TensorCoreDecodeConfig(_Config):
         return 2 * elements
 
     def static_shared_memory_bytes(self, head_dim):
-        """The per-slot key flags and the rows' running max and sum of the warps' merge."""
-        return 4 * self.stages * self.num_warps * self.block_n + 8 * decode.ROWS
+        """Each slot's and slot row's absent flags, every warp's rows' running max and sum for
+        the merge, and two key tiles' row addresses (paged caches; reserved for both)."""
+        keys = self.num_warps * self.block_n
+        flags = self.stages * (keys + 1)
+        return 4 * flags + 8 * decode.ROWS * self.num_warps + 32 * keys
 
     def fragment_registers(self, head_dim):
         hd = round_up(head_dim, 16)

@@ -103,11 +103,26 @@ def default_portable_decode_config(head_dim):
     return PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
 
 
-def default_tensor_core_decode_config(head_dim):
-    """16 keys a warp, 8 warps, two slots: on the H200 (fp16, head_dim 128) the fastest or
-    within 10% of it on each of the four decode shapes of benchmarks/bench_decode.py
-    (docs/performance.md, "Decode tiles"); not measured at other head dims."""
-    return TensorCoreDecodeConfig(block_n=16, num_warps=8, stages=2)
+#: The tensor-core decode tiles to try, best first (block_n, num_warps, stages), for a grid of
+#: fewer blocks than two per multiprocessor and for more. On the H200 (fp16, head_dim 128,
+#: benchmarks/bench_decode.py, docs/performance.md "Decode tiles"): 8 warps and 3 slots (one
+#: block per SM) were fastest at batch 1, 8 and the speculative step; at batch 64 (512 blocks)
+#: 4 warps and 3 slots, two blocks per SM overlapping each other's start and end. The later
+#: entries are for head dims whose slots do not fit (not timed).
+DECODE_TILES_FEW_BLOCKS = ((16, 8, 3), (16, 8, 2), (16, 4, 3), (16, 4, 2), (16, 2, 2))
+DECODE_TILES_MANY_BLOCKS = ((16, 4, 3), (16, 4, 2), (16, 2, 2))
+
+
+def default_tensor_core_decode_config(head_dim, device=None, blocks=None):
+    """The first of the decode tiles for ``blocks`` thread blocks (a call's batch x kv heads x
+    row blocks; None: few) whose shared memory fits ``device``."""
+    many = device is not None and blocks is not None and blocks >= 2 * device.multiprocessors
+    tiles = DECODE_TILES_MANY_BLOCKS if many else DECODE_TILES_FEW_BLOCKS
+    for t in tiles:
+        config = TensorCoreDecodeConfig(*t)
+        if device is None or not config.problems(head_dim, device):
+            return config
+    return config
 
 
 def default_config(family, head_dim, device):
@@ -126,7 +141,7 @@ def default_config(family, head_dim, device):
     if family == PORTABLE_DECODE:
         return run_dim, default_portable_decode_config(run_dim)
     if family == TENSOR_CORE_DECODE:
-        return run_dim, default_tensor_core_decode_config(run_dim)
+        return run_dim, default_tensor_core_decode_config(run_dim, device)
     return run_dim, default_tensor_core_config(run_dim)
 
 
@@ -247,6 +262,8 @@ def backward(problem, device, deterministic):
 #: partials costs more than the parallelism gains. The tensor-core decode kernel sizes its
 #: combine's shared memory for it.
 MAX_SPLITS = decode.MAX_SPLITS
+#: Query rows of a tensor-core decode block.
+DECODE_ROWS = decode.ROWS
 
 
 def decode_family(problem, device):
@@ -262,6 +279,12 @@ def decode_family(problem, device):
     return PORTABLE_DECODE
 
 
+def _row_blocks(problem, rows):
+    """Thread blocks of a decode call without splits: batch x kv heads x blocks of ``rows``
+    of the GQA group's (head, query position) rows."""
+    return problem.batch * problem.nheads_k * -(-problem.heads_per_kv * problem.seqlen_q // rows)
+
+
 def _block_shape(config, problem, device):
     """(query rows, keys per tile, blocks of this configuration one multiprocessor holds)."""
     if isinstance(config, TensorCoreDecodeConfig):
@@ -271,7 +294,7 @@ def _block_shape(config, problem, device):
         # and the driver reserves 1 KiB of it per block.
         by_smem = (device.max_shared_per_block + 1024) // (smem + 1024)
         resident = max(1, min(by_smem, 2048 // config.threads))
-        return 16, config.num_warps * config.block_n, resident
+        return DECODE_ROWS, config.num_warps * config.block_n, resident
     return config.block_m, config.block_n, 1
 
 
@@ -282,7 +305,7 @@ def split_count(config, problem, device):
     decoding is bound by memory, and idle multiprocessors leave bandwidth unused), each split keeping
     at least one key tile, at most MAX_SPLITS."""
     rows, keys_per_tile, resident = _block_shape(config, problem, device)
-    blocks = problem.batch * problem.nheads_k * -(-problem.heads_per_kv * problem.seqlen_q // rows)
+    blocks = _row_blocks(problem, rows)
     wave = device.multiprocessors * resident
     if blocks >= 0.8 * wave:
         return 1
@@ -307,6 +330,10 @@ def decode(problem, device, config=None):
         choice = Selection(config, "forced")
     else:
         choice = _tuned_or_default(decode_family(problem, device), problem, device)[0]
+        if choice.source == "heuristic" and isinstance(choice.config, TensorCoreDecodeConfig):
+            blocks = _row_blocks(problem, DECODE_ROWS)
+            config = default_tensor_core_decode_config(problem.head_dim, device, blocks)
+            choice = Selection(config, "heuristic")
     if problem.num_splits > 0:
         return choice, min(problem.num_splits, MAX_SPLITS)
     return choice, split_count(choice.config, problem, device)

@@ -110,8 +110,9 @@ KERNELS = {
     "default": None,
     "portable": numflash.PortableDecodeConfig(),
     "tensor-core": numflash.TensorCoreDecodeConfig(block_n=16, num_warps=2, stages=2),
-    # a deeper ring and several rows a thread per slot: pages fetched a slot ahead, 4 stages
-    "tensor-core-deep": numflash.TensorCoreDecodeConfig(block_n=32, num_warps=1, stages=4),
+    # a deeper ring, several rows a thread per slot and more key rows than threads (each
+    # thread finds two rows' places in a paged cache)
+    "tensor-core-deep": numflash.TensorCoreDecodeConfig(block_n=64, num_warps=1, stages=3),
 }
 
 

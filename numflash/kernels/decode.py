@@ -39,7 +39,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from . import ptx
 from .decode_portable import address_function, sequence_length
 from .forward_portable import FROM_F32
-from .fragments import PACK, acc_index
+from .fragments import acc_index
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
 from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
@@ -47,6 +47,8 @@ from .warp_step import warp_step
 
 #: Query rows of a block: one 16-row mma tile.
 ROWS = 16
+#: A paged key row's state in slot_addresses' table.
+FOUND, PAST_END, BAD_PAGE = 0, 1, 2
 #: Most splits a launch may have (numflash.selection caps the count here): the last block of a
 #: row group keeps every split's weight of its rows in shared memory.
 MAX_SPLITS = 128
@@ -55,19 +57,20 @@ MAX_SPLITS = 128
 def shared_memory_layout(head_dim, block_n, num_warps, stages):
     """(row pitch, K offset, V offset, total 16-bit elements) of the dynamic shared memory: the
     Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows. Once
-    the keys are done the same memory holds fp32 rows: the warps' rows being merged, then the
-    splits' weights (``merge_floats``)."""
+    the keys are done the same memory holds fp32 rows: every warp's rows being merged, then
+    the splits' weights (``merge_floats``)."""
     row = (head_dim + 15) // 16 * 16 + 8  # +16 bytes: the 8 rows of an ldmatrix in other banks
     keys = num_warps * block_n
     k_base = ROWS * row
     v_base = k_base + stages * keys * row
-    return row, k_base, v_base, max(v_base + stages * keys * row, 2 * merge_floats(head_dim))
+    ring = v_base + stages * keys * row
+    return row, k_base, v_base, max(ring, 2 * merge_floats(head_dim, num_warps))
 
 
-def merge_floats(head_dim):
-    """fp32 values of the merge buffer: ROWS rows of the padded head_dim (the warps' merge), or
-    of MAX_SPLITS weights (the combine)."""
-    return ROWS * max((head_dim + 15) // 16 * 16, MAX_SPLITS)
+def merge_floats(head_dim, num_warps):
+    """fp32 values of the merge buffer: each warp's ROWS rows (head_dim padded, MERGE_PITCH),
+    or ROWS rows of MAX_SPLITS weights (the combine)."""
+    return ROWS * max(num_warps * ((head_dim + 15) // 16 * 16 + 8), MAX_SPLITS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,11 +98,17 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     QF_REGS = K_STEPS * 4
     S_REGS = N_TILES * 4
     ACC_REGS = D_TILES * 4
-    FLAGS = STAGES * KEYS  # shared-array sizes must be plain constants
-    ML = 2 * ROWS
+    FLAGS = STAGES * KEYS
+    ABSENT = FLAGS + STAGES  # shared-array sizes must be plain constants
+    ADDRESSES = 4 * KEYS  # two tiles' (k_at, v_at) pairs
+    STATES = 2 * KEYS
+    ADDRESS_ROUNDS = (KEYS + THREADS - 1) // THREADS  # rows of a tile one thread finds
+    ML = 2 * ROWS * NUM_WARPS  # each warp's rows' running max and sum
+    MERGE_PITCH = HD_PAD + 8  # fp32 row pitch of the merge (merge_floats): 2-way bank conflicts
     COMBINED = (ROWS * HEAD_DIM + THREADS - 1) // THREADS  # output elements a thread combines
+    SPLIT_UNROLL = max(1, 32 // COMBINED)  # splits a thread loads before adding any up
+    PARTS = SPLIT_UNROLL * COMBINED  # local-array sizes must be plain constants
     cache_slot = address_function(False)  # (found, slot, row) of a contiguous cache's key
-    pack = PACK[dtype_name]
     from_f32 = FROM_F32[dtype_name]
     # Past head_dim 128 the query fragments would not fit beside the accumulators: they are
     # read from shared memory at every tile instead.
@@ -118,31 +127,27 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
 
     @device_function
-    def page_index(j, geometry):
-        """(block-table column, row within the page) of key j: a shift and a mask for a power
-        of two page size (page_shift >= 0), else one 32-bit division."""
-        page_size, _, _, page_shift = geometry
+    def table_entry(j, keys):
+        """(page, row within it) of key j of the block's sequence (j < capacity), its page from
+        the block table: a shift for a power of two page size (page_shift >= 0), else one
+        32-bit division."""
+        block_table, geometry = keys[4], keys[5]
+        page_size, max_blocks, _, page_shift = geometry
         if page_shift >= 0:
             index = uint32(j) >> uint32(page_shift)
         else:
             index = uint32(j) // uint32(page_size)
-        return int64(index), int64(uint32(j) - index * uint32(page_size))
+        page = block_table[int64(keys[6][0]) * max_blocks + int64(index)]
+        return page, int32(uint32(j) - index * uint32(page_size))
 
     @device_function
-    def table_entry(j, keys):
-        """The block-table entry (page) of key j of the block's sequence; j < capacity."""
-        block_table, geometry = keys[4], keys[5]
-        index, _ = page_index(j, geometry)
-        return block_table[int64(keys[6][0]) * geometry[1] + index]
-
-    @device_function
-    def cache_row(j, keys, wanted, page):
+    def cache_row(j, keys, wanted, page, row):
         """(found, k_at, v_at): where key j of the block's sequence is in k_cache and v_cache
-        (this kv head's row): in ``page`` (paged: its block-table entry) or in the sequence's
-        cache slot; found is False where the row is not ``wanted`` or has no valid slot or
-        page. ``k_head``, ``v_head`` (in ``keys``): the kv head's offset within a key row's
-        cache slot or page, and (contiguous caches) the sequence's slot itself, valid when
-        ``sequence_found``."""
+        (this kv head's row): row ``row`` of ``page`` (paged: table_entry's) or in the
+        sequence's cache slot; found is False where the row is not ``wanted`` or has no valid
+        slot or page. ``k_head``, ``v_head`` (in ``keys``): the kv head's offset within a key
+        row's cache slot or page, and (contiguous caches) the sequence's slot itself, valid
+        when ``sequence_found``."""
         _, _, kc_st, vc_st, _, geometry, place = keys
         _, k_head, v_head, sequence_found = place[1:]
         kc_sb, kc_ss, _ = kc_st
@@ -150,9 +155,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         found = wanted
         if PAGED:
             found = found and page >= 0 and page < geometry[2]
-            _, row = page_index(j, geometry)
-            k_at = int64(page) * kc_sb + row * kc_ss + k_head
-            v_at = int64(page) * vc_sb + row * vc_ss + v_head
+            k_at = int64(page) * kc_sb + int64(row) * kc_ss + k_head
+            v_at = int64(page) * vc_sb + int64(row) * vc_ss + v_head
         else:
             found = found and sequence_found
             k_at = k_head + int64(j) * kc_ss
@@ -160,60 +164,85 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         return found, k_at, v_at
 
     @device_function
-    def slot_pages(pages, n0, keys, tid):
-        """Paged caches: the block-table entries of this thread's rows of the slot of keys n0 ..
-        n0 + KEYS - 1 (-1 past n_end), fetched one slot ahead of that slot's copies so that the
-        copies do not wait for them."""
-        if PAGED:
-            n_end = keys[6][1]
-            first = tid // CHUNKS
-            for p in range(PASSES):
-                r = first + p * ROWS_PER_PASS
-                j = n0 + r
-                page = int32(-1)
-                if first < ROWS_PER_PASS and r < KEYS and j < n_end:
-                    page = table_entry(j, keys)
-                pages[p] = page
+    def slot_addresses(addresses, states, tile, n0, keys, tid):
+        """Paged caches: where each key row of tile ``tile`` (keys n0 .. n0 + KEYS - 1) is in
+        k_cache and v_cache, one thread a row, into buffer tile % 2 of ``addresses`` (k_at,
+        v_at pairs; 0 where not found) and ``states`` (FOUND, PAST_END or BAD_PAGE). Found a
+        slot ahead of the tile's copies, so that these wait neither for the block table nor
+        for the arithmetic, which is done once a row instead of by each of its CHUNKS copying
+        threads."""
+        n_end = keys[6][1]
+        base = (tile & 1) * KEYS
+        for i in range(ADDRESS_ROUNDS):
+            r = tid + i * THREADS
+            if r >= KEYS:
+                break
+            j = int32(n0 + r)
+            k_at = int64(0)
+            v_at = int64(0)
+            state = PAST_END
+            if j < n_end:
+                page, row = table_entry(j, keys)
+                found, k_found, v_found = cache_row(j, keys, True, page, row)
+                state = BAD_PAGE
+                if found:
+                    k_at = k_found
+                    v_at = v_found
+                    state = FOUND
+            addresses[2 * (base + r)] = k_at
+            addresses[2 * (base + r) + 1] = v_at
+            states[base + r] = state
 
     @device_function
-    def load_slot(smem_addr, present, stage, n0, keys, pages, tid):
-        """cp.async keys n0 .. n0 + KEYS - 1 of sequence b into ring slot ``stage``; rows past
-        n_end or behind a bad cache slot or page are zero-filled and marked absent. ``keys``:
-        where the block's keys are, the same for every slot (see the kernel); ``pages``: this
-        thread's rows' pages (slot_pages; paged caches).
+    def load_slot(smem_addr, absent, addresses, states, stage, tile, n0, keys, tid):
+        """cp.async keys n0 .. n0 + KEYS - 1 (the block's key tile ``tile``) of sequence b into
+        ring slot ``stage``; rows past n_end or behind a bad page are zero-filled. A row behind
+        a bad page is marked absent, ``absent[stage * KEYS + row] = tile``, and so is the slot,
+        ``absent[FLAGS + stage] = tile`` (a tile number needs no reset between uses of a slot).
+        ``keys``: where the block's keys are, the same for every slot (see the kernel);
+        ``addresses``, ``states``: the rows' places in the caches (slot_addresses; paged).
 
         CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
         whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows);
-        each row's address comes from cache_row."""
+        each row's address comes from slot_addresses (paged) or cache_row."""
         k_cache, v_cache = keys[0], keys[1]
         n_end = keys[6][1]
         k_dst = smem_addr + uint32((K_BASE + stage * SLOT) * 2)
         v_dst = smem_addr + uint32((V_BASE + stage * SLOT) * 2)
-        chunk = tid % CHUNKS
-        first = tid // CHUNKS
+        chunk = int32(tid % CHUNKS)
+        first = int32(tid // CHUNKS)
+        row0 = (tile & 1) * KEYS + first  # this thread's first row in the address buffers
         if first < ROWS_PER_PASS:
             for p in range(PASSES):
-                r = first + p * ROWS_PER_PASS
-                j = n0 + r
-                if r < KEYS:
-                    found, k_at, v_at = cache_row(j, keys, j < n_end, pages[p])
+                r = first + int32(p * ROWS_PER_PASS)
+                j = int32(n0 + r)
+                if p < PASSES - 1 or KEYS % ROWS_PER_PASS == 0 or r < KEYS:
+                    if PAGED:
+                        k_at = addresses[2 * (row0 + p * ROWS_PER_PASS)]
+                        v_at = addresses[2 * (row0 + p * ROWS_PER_PASS) + 1]
+                        state = states[row0 + p * ROWS_PER_PASS]
+                        found = state == FOUND
+                        if chunk == 0 and state == BAD_PAGE:
+                            absent[stage * KEYS + r] = tile
+                            absent[FLAGS + stage] = tile
+                    else:
+                        found, k_at, v_at = cache_row(j, keys, j < n_end, 0, 0)
+                        k_at = k_at if found else 0
+                        v_at = v_at if found else 0
                     size = uint32(16) if found else uint32(0)
                     dst = uint32((r * ROW + chunk * 8) * 2)
-                    at = chunk * 8
-                    ptx.cp_async_16(k_dst + dst, k_cache, (k_at if found else 0) + at, size)
-                    ptx.cp_async_16(v_dst + dst, v_cache, (v_at if found else 0) + at, size)
-                    if chunk == 0:
-                        present[stage * KEYS + r] = int32(1) if found else int32(0)
+                    ptx.cp_async_16(k_dst + dst, k_cache, k_at + chunk * 8, size)
+                    ptx.cp_async_16(v_dst + dst, v_cache, v_at + chunk * 8, size)
 
     @device_function
-    def mask_scores(s, present, stage, warp, lane, n0, lo0, hi0, lo1, hi1):
+    def mask_scores(s, absent, stage, tile, warp, lane, n0, lo0, hi0, lo1, hi1):
         """-inf for this lane's scores of keys its rows do not see ([lo_h, hi_h) for row half
         h) or that are absent."""
         for nt in range(N_TILES):
             for e in range(2):
                 c = warp * BLOCK_N + nt * 8 + (lane & 3) * 2 + e  # key within the slot
                 j = n0 + c
-                here = present[stage * KEYS + c] == 1
+                here = (not PAGED) or absent[stage * KEYS + c] != tile
                 i = acc_index(nt, 0) + e
                 s[i] = s[i] if here and lo0 <= j and j < hi0 else NEG_INF
                 i = acc_index(nt, 1) + e
@@ -221,103 +250,74 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
 
     @device_function
     def row_keys(rr, rows, seqlen_q, seqlen_k, wl, wr, n_end):
-        """[lo, hi) of the keys block row ``rr`` sees (empty for a padding row)."""
+        """[lo, hi) of the keys block row ``rr`` sees. A padding row (zero Q, never written)
+        sees every key of the split, so that it does not keep its warp's tiles from skipping
+        the mask."""
         if rr >= rows:
-            return 0, 0
+            return 0, n_end
         i = rr - (rr // seqlen_q) * seqlen_q
         lo, hi = visible_keys(i, seqlen_q, seqlen_k, wl, wr)
         return lo, min(hi, n_end)
 
     @device_function
-    def merge_warps(acc, m_i, l_i, merge_acc, merge_ml, warp, lane):
-        """Warp 0's rows absorb every other warp's (acc, m, l), one warp at a time through
-        shared memory; every thread of the block calls this."""
+    def publish_warp(acc, m_i, l_i, merged, merge_ml, warp, lane):
+        """This warp's rows into shared memory: its accumulators (unnormalised) at rows
+        warp * ROWS ..., its rows' running max and sum in merge_ml."""
         for h in range(2):  # whole-row sums (each lane held a quarter of its row's)
             l_i[h] += ptx.shfl_xor(l_i[h], 1)
             l_i[h] += ptx.shfl_xor(l_i[h], 2)
-        for w in range(1, NUM_WARPS):
-            if warp == w:
-                for h in range(2):
-                    row = (lane >> 2) + 8 * h
-                    for dt in range(D_TILES):
-                        col = dt * 8 + (lane & 3) * 2
-                        i = acc_index(dt, h)
-                        merge_acc[row * HD_PAD + col] = acc[i]
-                        merge_acc[row * HD_PAD + col + 1] = acc[i + 1]
-                    if (lane & 3) == 0:
-                        merge_ml[row] = m_i[h]
-                        merge_ml[ROWS + row] = l_i[h]
-            cuda.syncthreads()
-            if warp == 0:
-                for h in range(2):
-                    row = (lane >> 2) + 8 * h
-                    m_w = merge_ml[row]
-                    m_new = max(m_i[h], m_w)
-                    shift = shift_of(m_new)
-                    mine = ptx.exp2(m_i[h] - shift)
-                    theirs = ptx.exp2(m_w - shift)
-                    m_i[h] = m_new
-                    l_i[h] = l_i[h] * mine + merge_ml[ROWS + row] * theirs
-                    for dt in range(D_TILES):
-                        col = dt * 8 + (lane & 3) * 2
-                        i = acc_index(dt, h)
-                        acc[i] = acc[i] * mine + merge_acc[row * HD_PAD + col] * theirs
-                        acc[i + 1] = acc[i + 1] * mine + merge_acc[row * HD_PAD + col + 1] * theirs
-            cuda.syncthreads()
+        for h in range(2):
+            row = (lane >> 2) + 8 * h
+            at = (warp * ROWS + row) * MERGE_PITCH
+            for dt in range(D_TILES):
+                col = dt * 8 + (lane & 3) * 2
+                i = acc_index(dt, h)
+                merged[at + col] = acc[i]
+                merged[at + col + 1] = acc[i + 1]
+            if (lane & 3) == 0:
+                merge_ml[(warp * ROWS + row) * 2] = m_i[h]
+                merge_ml[(warp * ROWS + row) * 2 + 1] = l_i[h]
 
     @device_function
-    def write_rows(
-        acc,
-        m_i,
-        l_i,
-        out,
-        lse,
-        o_part,
-        lse_part,
-        o_st,
-        b,
-        kv_head,
-        rr0,
-        rows,
-        seqlen_q,
-        heads_per_kv,
-        split,
-        num_splits,
-        lane,
-    ):
-        """Warp 0's merged rows: the output and LSE (one split) or the split's fp32 partial."""
+    def merge_and_write(
+        merged, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows, seqlen_q,
+        heads_per_kv, split, num_splits, tid,
+    ):  # fmt: skip
+        """Every thread merges COMBINED of the block's output elements across the warps'
+        published rows (weights exp2(m_w - m)) and writes them: the output and LSE with one
+        split, else the split's fp32 partial (O normalised within the split, and its LSE)."""
         o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
-        for h in range(2):
-            rr = rr0 + (lane >> 2) + 8 * h
-            if rr < rows:
+        for c in range(COMBINED):
+            e = tid + c * THREADS
+            r = e // HEAD_DIM
+            d = e - r * HEAD_DIM
+            rr = rr0 + r
+            if r < ROWS and rr < rows:
+                m = NEG_INF
+                for w in range(NUM_WARPS):
+                    m = max(m, merge_ml[(w * ROWS + r) * 2])
+                shift = shift_of(m)
+                total = float32(0.0)
+                value = float32(0.0)
+                for w in range(NUM_WARPS):
+                    weight = ptx.exp2(merge_ml[(w * ROWS + r) * 2] - shift)
+                    total += merge_ml[(w * ROWS + r) * 2 + 1] * weight
+                    value += merged[(w * ROWS + r) * MERGE_PITCH + d] * weight
+                value *= inverse_sum(total)
                 g = rr // seqlen_q
                 i = rr - g * seqlen_q
                 head = kv_head * heads_per_kv + g
                 row_at = (int64(b) * nheads + head) * seqlen_q + i  # (batch, head, position)
-                inv_l = inverse_sum(l_i[h])
-                row_lse = final_lse(m_i[h], l_i[h])
                 if num_splits == 1:
-                    out_at = b * o_sb + i * o_ss + head * o_sh
-                    for dt in range(D_TILES):
-                        col = dt * 8 + (lane & 3) * 2
-                        if col < HEAD_DIM:
-                            k = acc_index(dt, h)
-                            pair = pack(acc[k] * inv_l, acc[k + 1] * inv_l)
-                            out[out_at + col] = uint16(pair & uint32(0xFFFF))
-                            out[out_at + col + 1] = uint16(pair >> uint32(16))
-                    if (lane & 3) == 0:
-                        lse[row_at] = row_lse
+                    out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value)
+                    if d == 0:
+                        lse[row_at] = final_lse(m, total)
                 else:
                     at = int64(split) * cuda.gridDim.z * nheads * seqlen_q + row_at
-                    for dt in range(D_TILES):
-                        col = dt * 8 + (lane & 3) * 2
-                        if col < HEAD_DIM:
-                            k = acc_index(dt, h)
-                            o_part[at * HEAD_DIM + col] = acc[k] * inv_l
-                            o_part[at * HEAD_DIM + col + 1] = acc[k + 1] * inv_l
-                    if (lane & 3) == 0:
-                        lse_part[at] = row_lse
+                    o_part[at * HEAD_DIM + d] = value
+                    if d == 0:
+                        lse_part[at] = final_lse(m, total)
 
     @device_function
     def write_new_rows(k, v, k_st, v_st, keys, lo, hi, start, kv_head, tid):
@@ -331,8 +331,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             r = e // HEAD_DIM
             d = e - r * HEAD_DIM
             j = lo + r
-            page = table_entry(j, keys) if PAGED else int32(0)
-            found, k_at, v_at = cache_row(j, keys, True, page)
+            page, row = table_entry(j, keys) if PAGED else (int32(0), int32(0))
+            found, k_at, v_at = cache_row(j, keys, True, page, row)
             if found:
                 i = int64(j - start)
                 k_cache[k_at + d] = k[b * k_sb + i * k_ss + kv_head * k_sh + d]
@@ -346,8 +346,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         """The output and LSE of the block's rows from every split's partial: out = sum_s
         exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); rows that see no key get 0 and
         -inf. Each warp finds the weights of its rows (``weights``: ROWS x MAX_SPLITS in shared
-        memory), then each thread adds up COMBINED output elements, all of them at once per
-        split so that their loads are in flight together."""
+        memory), then each thread adds up COMBINED output elements, loading them from
+        SPLIT_UNROLL splits at once so that those loads are in flight together."""
         o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
         split_rows = int64(cuda.gridDim.z) * nheads * seqlen_q  # from one split to the next
@@ -392,12 +392,18 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 i = rr - g * seqlen_q
                 row_at = (int64(b) * nheads + kv_head * heads_per_kv + g) * seqlen_q + i
                 at[c] = row_at * HEAD_DIM + (e - r * HEAD_DIM)
-        for s_ in range(num_splits):
-            for c in range(COMBINED):
-                if at[c] >= 0:
-                    r = (tid + c * THREADS) // HEAD_DIM
-                    part = o_part[at[c] + s_ * split_rows * HEAD_DIM]
-                    values[c] += weights[r * MAX_SPLITS + s_] * part
+        parts = cuda.local.array(PARTS, float32)
+        for s0 in range(0, num_splits, SPLIT_UNROLL):  # SPLIT_UNROLL splits' loads in flight
+            for u in range(SPLIT_UNROLL):
+                for c in range(COMBINED):
+                    parts[u * COMBINED + c] = float32(0.0)
+                    if at[c] >= 0 and s0 + u < num_splits:
+                        parts[u * COMBINED + c] = o_part[at[c] + (s0 + u) * split_rows * HEAD_DIM]
+            for u in range(SPLIT_UNROLL):
+                if s0 + u < num_splits:
+                    for c in range(COMBINED):
+                        r = (tid + c * THREADS) // HEAD_DIM
+                        values[c] += weights[r * MAX_SPLITS + s0 + u] * parts[u * COMBINED + c]
         for c in range(COMBINED):
             if at[c] >= 0:
                 e = tid + c * THREADS
@@ -444,11 +450,14 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     ):
         q_sb, q_ss, q_sh = q_st
         smem = cuda.shared.array(0, uint16)
-        present = cuda.shared.array(FLAGS, int32)
+        # paged: the tile each slot row was last found absent in, then each slot's
+        # (mask_scores, load_slot); the last split block's flag (the combine)
+        absent = cuda.shared.array(ABSENT, int32)
         merge_acc = cuda.shared.array(0, float32)  # the same memory as smem, once the keys are done
         merge_ml = cuda.shared.array(ML, float32)
         qf = cuda.local.array(QF_REGS, uint32)
-        pages = cuda.local.array(PASSES, int32)
+        addresses = cuda.shared.array(ADDRESSES, int64)  # paged: two tiles' rows (slot_addresses)
+        states = cuda.shared.array(STATES, int32)
         pf = cuda.local.array(4, uint32)
         s = cuda.local.array(S_REGS, float32)
         acc = cuda.local.array(ACC_REGS, float32)
@@ -479,9 +488,6 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         chunk = (chunk + KEYS - 1) // KEYS * KEYS
         n_begin = int32(n_lo + split * chunk)
         n_end = int32(min(n_begin + chunk, n_hi))
-        n_tiles = int32(0)
-        if n_end > n_begin:
-            n_tiles = int32((n_end - n_begin + KEYS - 1) // KEYS)
 
         # -- where this kv head's rows are: within any page, or in the sequence's cache slot
         kc_sb, kc_ss, kc_sh = kc_st
@@ -493,6 +499,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             sequence_found, slot, _ = cache_slot(b, 0, batch_idx, block_table, 0, 0, slots)
             k_head += slot * kc_sb
             v_head += slot * vc_sb
+        n_tiles = int32(0)  # none without a cache slot: every row sees no key
+        if n_end > n_begin and sequence_found:
+            n_tiles = int32((n_end - n_begin + KEYS - 1) // KEYS)
 
         # where every slot's keys come from: the caches, the page table, this sequence's rows
         page_shift = int32(-1)  # log2(page_size) when it is a power of two
@@ -519,6 +528,10 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             cuda.syncthreads()
 
         # -- prologue: Q rows (zero past the group), then STAGES - 1 slots, one group each
+        if PAGED:
+            for i in range(tid, ABSENT, THREADS):
+                absent[i] = int32(-1)
+            cuda.syncthreads()
         smem_addr = ptx.shared_address(smem, 0)
         zero_padding_columns(smem, tid)
         for c in range(tid, ROWS * CHUNKS, THREADS):
@@ -533,11 +546,15 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             ptx.cp_async_16(dst, q, at if valid else int64(0), uint32(16) if valid else uint32(0))
         ptx.cp_async_commit()
         for st in range(STAGES - 1):
+            n0 = n_begin + st * KEYS
+            if PAGED:
+                slot_addresses(addresses, states, st, n0, keys, tid)
+                cuda.syncthreads()
             if st < n_tiles:
-                slot_pages(pages, n_begin + st * KEYS, keys, tid)
-                load_slot(smem_addr, present, st, n_begin + st * KEYS, keys, pages, tid)
+                load_slot(smem_addr, absent, addresses, states, st, st, n0, keys, tid)
             ptx.cp_async_commit()
-        slot_pages(pages, n_begin + (STAGES - 1) * KEYS, keys, tid)  # the loop's first slot
+        if PAGED:  # the loop's first tile (its buffer was read before the last barrier)
+            slot_addresses(addresses, states, STAGES - 1, n_begin + (STAGES - 1) * KEYS, keys, tid)
 
         q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
         k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
@@ -554,6 +571,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         lo1, hi1 = row_keys(
             rr0 + (lane >> 2) + 8, rows, seqlen_q, seqlen_k, window_left, window_right, n_end
         )
+        lo_both = max(lo0, lo1)  # the keys both of this lane's rows see
+        hi_both = min(hi0, hi1)
         for h in range(2):
             m_i[h] = NEG_INF
             l_i[h] = float32(0.0)
@@ -567,39 +586,33 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             if it + STAGES - 1 < n_tiles:
                 free = stage - 1 if stage > 0 else STAGES - 1  # the slot consumed last
                 n0 = n_begin + (it + STAGES - 1) * KEYS
-                load_slot(smem_addr, present, free, n0, keys, pages, tid)
-                slot_pages(pages, n0 + KEYS, keys, tid)  # the next slot's, while this one loads
+                load_slot(
+                    smem_addr, absent, addresses, states, free, it + STAGES - 1, n0, keys, tid
+                )
+                if PAGED:  # the next tile's, into the other buffer, while this one loads
+                    slot_addresses(addresses, states, it + STAGES, n0 + KEYS, keys, tid)
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
-            mask_scores(s, present, stage, warp, lane, n_begin + it * KEYS, lo0, hi0, lo1, hi1)
+            n0 = n_begin + it * KEYS
+            k0 = n0 + warp * BLOCK_N  # this warp's first key of the slot
+            seen = lo_both <= k0 and k0 + BLOCK_N <= hi_both  # by both rows: nothing to mask ...
+            if PAGED:
+                seen = seen and absent[FLAGS + stage] != it  # ... unless a page was bad
+            if not seen:
+                mask_scores(s, absent, stage, it, warp, lane, n0, lo0, hi0, lo1, hi1)
             online_softmax(s, m_i, l_i, acc, scale_log2)
             mma_pv(s, pf, acc, slot_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits ...
         cuda.syncthreads()  # ... and every warp is done with the slots that merge_acc reuses
-        merge_warps(acc, m_i, l_i, merge_acc, merge_ml, warp, lane)
-        if warp == 0:
-            write_rows(
-                acc,
-                m_i,
-                l_i,
-                out,
-                lse,
-                o_part,
-                lse_part,
-                o_st,
-                b,
-                kv_head,
-                rr0,
-                rows,
-                seqlen_q,
-                heads_per_kv,
-                split,
-                num_splits,
-                lane,
-            )
+        publish_warp(acc, m_i, l_i, merge_acc, merge_ml, warp, lane)
+        cuda.syncthreads()
+        merge_and_write(
+            merge_acc, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows,
+            seqlen_q, heads_per_kv, split, num_splits, tid,
+        )  # fmt: skip
         if num_splits > 1:  # -- the last split block of the row group to arrive combines
             cuda.threadfence()  # this block's partial is visible to every block ...
             cuda.syncthreads()  # ... before it counts itself in
@@ -609,9 +622,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 last = cuda.atomic.add(counters, group, 1) == num_splits - 1
                 if last:
                     counters[group] = 0  # every split has arrived: ready for the next launch
-                present[0] = int32(1) if last else int32(0)
+                absent[0] = int32(1) if last else int32(0)
             cuda.syncthreads()
-            if present[0] == 1:
+            if absent[0] == 1:
                 cuda.threadfence()  # the other blocks' partials, published before they counted
                 combine_partials(
                     o_part, lse_part, out, lse, o_st, merge_acc, b, kv_head, rr0, rows,
