@@ -47,7 +47,7 @@ from .warp_step import warp_step
 
 #: Query rows of a block: one 16-row mma tile.
 ROWS = 16
-#: A paged key row's state in slot_addresses' table.
+#: A paged key row's state in store_addresses' table.
 FOUND, PAST_END, BAD_PAGE = 0, 1, 2
 #: Most splits a launch may have (numflash.selection caps the count here): the last block of a
 #: row group keeps every split's weight of its rows in shared memory.
@@ -164,34 +164,43 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         return found, k_at, v_at
 
     @device_function
-    def slot_addresses(addresses, states, tile, n0, keys, tid):
-        """Paged caches: where each key row of tile ``tile`` (keys n0 .. n0 + KEYS - 1) is in
-        k_cache and v_cache, one thread a row, into buffer tile % 2 of ``addresses`` (k_at,
-        v_at pairs; 0 where not found) and ``states`` (FOUND, PAST_END or BAD_PAGE). Found a
-        slot ahead of the tile's copies, so that these wait neither for the block table nor
-        for the arithmetic, which is done once a row instead of by each of its CHUNKS copying
-        threads."""
+    def tile_pages(pages, page_rows, n0, keys, tid):
+        """Paged caches: the block-table entries (pages) and rows within them of this thread's
+        rows of the tile of keys n0 .. n0 + KEYS - 1, one thread a row (page_rows -1 past
+        n_end). The table loads are left in flight: store_addresses uses them a loop
+        iteration later, so that no warp waits for them."""
         n_end = keys[6][1]
+        for i in range(ADDRESS_ROUNDS):
+            r = tid + i * THREADS
+            j = int32(n0 + r)
+            pages[i] = int32(-1)
+            page_rows[i] = int32(-1)
+            if r < KEYS and j < n_end:
+                pages[i], page_rows[i] = table_entry(j, keys)
+
+    @device_function
+    def store_addresses(addresses, states, tile, pages, page_rows, keys, tid):
+        """Paged caches: where each key row of tile ``tile`` is in k_cache and v_cache (from
+        tile_pages), into buffer tile % 2 of ``addresses`` (k_at, v_at pairs; 0 where not
+        found) and ``states`` (FOUND, PAST_END or BAD_PAGE). Done a tile ahead of the tile's
+        copies and once a row, not by each of its CHUNKS copying threads."""
         base = (tile & 1) * KEYS
         for i in range(ADDRESS_ROUNDS):
             r = tid + i * THREADS
-            if r >= KEYS:
-                break
-            j = int32(n0 + r)
-            k_at = int64(0)
-            v_at = int64(0)
-            state = PAST_END
-            if j < n_end:
-                page, row = table_entry(j, keys)
-                found, k_found, v_found = cache_row(j, keys, True, page, row)
-                state = BAD_PAGE
-                if found:
-                    k_at = k_found
-                    v_at = v_found
-                    state = FOUND
-            addresses[2 * (base + r)] = k_at
-            addresses[2 * (base + r) + 1] = v_at
-            states[base + r] = state
+            if r < KEYS:
+                k_at = int64(0)
+                v_at = int64(0)
+                state = PAST_END
+                if page_rows[i] >= 0:
+                    found, k_found, v_found = cache_row(0, keys, True, pages[i], page_rows[i])
+                    state = BAD_PAGE
+                    if found:
+                        k_at = k_found
+                        v_at = v_found
+                        state = FOUND
+                addresses[2 * (base + r)] = k_at
+                addresses[2 * (base + r) + 1] = v_at
+                states[base + r] = state
 
     @device_function
     def load_slot(smem_addr, absent, addresses, states, stage, tile, n0, keys, tid):
@@ -200,11 +209,11 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         a bad page is marked absent, ``absent[stage * KEYS + row] = tile``, and so is the slot,
         ``absent[FLAGS + stage] = tile`` (a tile number needs no reset between uses of a slot).
         ``keys``: where the block's keys are, the same for every slot (see the kernel);
-        ``addresses``, ``states``: the rows' places in the caches (slot_addresses; paged).
+        ``addresses``, ``states``: the rows' places in the caches (store_addresses; paged).
 
         CHUNKS adjacent threads read one row, a 16-byte chunk each, so a warp's pass reads
         whole rows (full 128-byte lines: half the L2 requests of 32-byte pieces of many rows);
-        each row's address comes from slot_addresses (paged) or cache_row."""
+        each row's address comes from store_addresses (paged) or cache_row."""
         k_cache, v_cache = keys[0], keys[1]
         n_end = keys[6][1]
         k_dst = smem_addr + uint32((K_BASE + stage * SLOT) * 2)
@@ -456,7 +465,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         merge_acc = cuda.shared.array(0, float32)  # the same memory as smem, once the keys are done
         merge_ml = cuda.shared.array(ML, float32)
         qf = cuda.local.array(QF_REGS, uint32)
-        addresses = cuda.shared.array(ADDRESSES, int64)  # paged: two tiles' rows (slot_addresses)
+        addresses = cuda.shared.array(ADDRESSES, int64)  # paged: two tiles' rows (store_addresses)
+        pages = cuda.local.array(ADDRESS_ROUNDS, int32)  # paged: the tile after next's pages ...
+        page_rows = cuda.local.array(ADDRESS_ROUNDS, int32)  # ... and rows in them (tile_pages)
         states = cuda.shared.array(STATES, int32)
         pf = cuda.local.array(4, uint32)
         s = cuda.local.array(S_REGS, float32)
@@ -548,13 +559,17 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         for st in range(STAGES - 1):
             n0 = n_begin + st * KEYS
             if PAGED:
-                slot_addresses(addresses, states, st, n0, keys, tid)
+                tile_pages(pages, page_rows, n0, keys, tid)
+                store_addresses(addresses, states, st, pages, page_rows, keys, tid)
                 cuda.syncthreads()
             if st < n_tiles:
                 load_slot(smem_addr, absent, addresses, states, st, st, n0, keys, tid)
             ptx.cp_async_commit()
-        if PAGED:  # the loop's first tile (its buffer was read before the last barrier)
-            slot_addresses(addresses, states, STAGES - 1, n_begin + (STAGES - 1) * KEYS, keys, tid)
+        if PAGED:  # the loop's first tile (its buffer was read before the last barrier), and
+            # the pages of the tile after it
+            tile_pages(pages, page_rows, n_begin + (STAGES - 1) * KEYS, keys, tid)
+            store_addresses(addresses, states, STAGES - 1, pages, page_rows, keys, tid)
+            tile_pages(pages, page_rows, n_begin + STAGES * KEYS, keys, tid)
 
         q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
         k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
@@ -589,8 +604,10 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 load_slot(
                     smem_addr, absent, addresses, states, free, it + STAGES - 1, n0, keys, tid
                 )
-                if PAGED:  # the next tile's, into the other buffer, while this one loads
-                    slot_addresses(addresses, states, it + STAGES, n0 + KEYS, keys, tid)
+                if PAGED:  # the next tile's places, into the other buffer, while this one
+                    # loads (its pages were loaded an iteration ago); then the pages after it
+                    store_addresses(addresses, states, it + STAGES, pages, page_rows, keys, tid)
+                    tile_pages(pages, page_rows, n0 + 2 * KEYS, keys, tid)
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
