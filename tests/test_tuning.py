@@ -468,3 +468,21 @@ def test_packed_forward_takes_the_dense_choice(cache_dirs):
     cache.record(H200, {KEY: entry(CFG)})  # tuned: tensor-core fp16 hd128 causal s4096
     chosen = selection.forward_varlen(packed_problem(128, True), H200)
     assert chosen.config == CFG and chosen.source.startswith("user cache")
+
+
+def test_decode_defaults_fit_every_head_dim_and_follow_the_grid():
+    from numflash.config import TensorCoreDecodeConfig
+    from numflash.selection import default_config, default_tensor_core_decode_config
+
+    # one block per SM (8 warps, 3 slots) for a grid that does not fill two per SM; two blocks
+    # per SM (4 warps) for one that does (the H200's 132 SMs: 264 blocks)
+    assert default_tensor_core_decode_config(128, H200, 128) == TensorCoreDecodeConfig(16, 8, 3)
+    assert default_tensor_core_decode_config(128, H200, 264) == TensorCoreDecodeConfig(16, 4, 3)
+    small = dataclasses.replace(H200, max_shared_per_block=99 * 1024)
+    for device in (H200, A100, small):
+        for hd in (8, 64, 96, 128, 192, 256):
+            for blocks in (None, 8, 10_000):
+                cfg = default_tensor_core_decode_config(hd, device, blocks)
+                assert not cfg.problems(hd, device), (device.name, hd, blocks, cfg)
+    # 8 warps of 128-key slots do not fit at head_dim 256 on the H200: fewer warps do
+    assert default_config("tensor-core-decode", 256, H200)[1] == TensorCoreDecodeConfig(16, 4, 3)
