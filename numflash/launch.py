@@ -156,8 +156,7 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 
 
 def _param_layout(argtypes):
-    """(struct format, slots per argument, bytes of each parameter) of the kernel parameters
-    in Numba's ABI.
+    """(struct format, slots per argument) of the kernel parameters in Numba's ABI.
 
     A 1-D C-contiguous array is seven parameters (meminfo, parent, nitems, itemsize, data,
     shape[0], strides[0]); a tuple of n scalars is n parameters; a scalar is one, of its C
@@ -188,8 +187,7 @@ def _param_layout(argtypes):
             kinds.append(1)
         else:
             raise TypeError(f"no direct launch for argument type {ty}")
-    sizes = [8 if c in "Qqd" else 4 for c in fmt.replace("4x", "")[1:]]
-    return fmt, kinds, sizes
+    return fmt, kinds
 
 
 def _driver():
@@ -236,51 +234,30 @@ def note_unrecorded_work():
         _recording.record.unrecorded_work = True
 
 
-#: cuLaunchKernel's ``extra`` markers: the parameter buffer's address and its size follow.
-_BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
-
-
-def parameter_buffer(slots, layout):
-    """The kernel's parameter buffer from ``slots`` (bytes: one 8-byte slot a parameter, as
-    Launcher._pack makes them) laid out at ``layout``'s (offset, size) of each parameter
-    (cuFuncGetParamInfo's), the buffer's size rounded up to 8 bytes."""
-    size = -(-max(offset + n for offset, n in layout) // 8) * 8
-    out = bytearray(size)
-    for i, (offset, n) in enumerate(layout):
-        out[offset : offset + n] = slots[8 * i : 8 * i + n]
-    return bytes(out)
-
-
 class PreparedLaunch:
     """One recorded launch with its parameters packed once; :meth:`launch` patches the
     pointers of the arrays that change from call to call and launches through CuPy's
-    binding of cuLaunchKernel.
+    binding of cuLaunchKernel (about a microsecond)."""
 
-    Where the driver gives the kernel's parameter layout, the parameters go as one buffer
-    (cuLaunchKernel's ``extra``), which the driver copies at once instead of parameter by
-    parameter (a Numba kernel has seven parameters an array: 120 for the KV-cache kernel);
-    else as the array of the parameters' addresses."""
+    __slots__ = ("head", "buffer", "slots", "pointers", "address", "patch", "_launch")
 
-    __slots__ = ("head", "buffer", "slots", "keep", "params", "extra", "patch", "_launch")
-
-    def __init__(self, function, grid, block, shared_bytes, buffer, patch, params, extra, keep):
+    def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         from cupy_backends.cuda.api.driver import launchKernel
 
         #: cuLaunchKernel's leading arguments: function, grid, block, dynamic shared bytes
         self.head = (function, *grid, *block, shared_bytes)
-        self.buffer = buffer  # the packed parameters (ctypes buffer)
+        self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
         self.slots = memoryview(buffer).cast("B").cast("Q")  # ... as uint64s, to patch
-        self.patch = patch  # ((uint64 index of a data pointer, role index), ...)
-        self.params = params  # cuLaunchKernel's kernelParams address, or 0
-        self.extra = extra  # ... and its extra address, or 0
-        self.keep = keep  # what those addresses point into
+        self.pointers = pointers  # the parameters' addresses (numpy uint64)
+        self.address = int(pointers.ctypes.data)  # ... and where they are
+        self.patch = patch  # ((slot of a data pointer, role index), ...)
         self._launch = launchKernel
 
     def launch(self, stream, role_pointers):
         slots = self.slots
         for slot, role in self.patch:
             slots[slot] = role_pointers[role]
-        self._launch(*self.head, stream, self.params, self.extra)
+        self._launch(*self.head, stream, self.address, 0)
 
 
 class Launcher:
@@ -300,7 +277,7 @@ class Launcher:
         self._compiled = None
         self._lock = threading.Lock()
         if not SIMULATOR:
-            self._format, self._kinds, self._sizes = _param_layout(argtypes)
+            self._format, self._kinds = _param_layout(argtypes)
             self._struct = struct.Struct(self._format)
             slots = sum(abs(kind) for kind in self._kinds)
             self._offsets = np.arange(slots, dtype=np.uint64) * 8
@@ -369,48 +346,15 @@ class Launcher:
             if kind == 7 and position in roles:
                 patch.append((slot + 4, roles[position]))  # the array's data pointer
             slot += abs(kind)
-        function = self._function()
-        layout = self._parameter_layout(function)
-        if layout is None:  # the parameters' addresses
-            params, extra, keep = int(pointers.ctypes.data), 0, pointers
-        else:  # one buffer in the kernel's layout, its pointers patched at their offsets
-            packed = parameter_buffer(buffer.raw, layout)
-            buffer = ctypes.create_string_buffer(packed, len(packed))
-            patch = [(layout[slot][0] // 8, role) for slot, role in patch]
-            size = np.array([len(packed)], dtype=np.uint64)
-            extra = np.array(
-                [_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE, size.ctypes.data, _END],
-                dtype=np.uint64,
-            )
-            params, keep = 0, (size, extra)
-            extra = int(extra.ctypes.data)
         return PreparedLaunch(
-            int(function),
+            int(self._function()),
             _dim3(grid),
             _dim3(block),
             shared_bytes,
             buffer,
+            pointers,
             tuple(patch),
-            params,
-            extra,
-            keep,
         )
-
-    def _parameter_layout(self, function):
-        """[(offset, size)] of each kernel parameter from the driver (cuFuncGetParamInfo,
-        CUDA 12.4+), or None where it cannot say or disagrees with the parameter sizes
-        _param_layout expects, or a data pointer would not be 8-byte aligned."""
-        driver = _driver()
-        layout = []
-        try:
-            for i, expected in enumerate(self._sizes):
-                err, offset, size = driver.cuFuncGetParamInfo(function, i)
-                if err != driver.CUresult.CUDA_SUCCESS or size != expected or offset % size:
-                    return None
-                layout.append((int(offset), int(size)))
-        except (AttributeError, TypeError):  # bindings older than the call
-            return None
-        return layout
 
     def _pack(self, args):
         """(buffer, parameter addresses) of ``args`` in Numba's ABI."""

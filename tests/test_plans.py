@@ -29,9 +29,6 @@ def test_repeated_attention_replays_and_equals_the_full_path():
             for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
                 assert (_bits(a) == _bits(b)).all(), f"trial {trial}, return_lse={return_lse}"
     assert _plan_count() == 2  # one plan per return_lse
-    # the H200's driver (CUDA 13) gives the parameter layout: replays pass one buffer
-    for plan in api._plans._plans.values():
-        assert all(p.extra and not p.params for p in plan.launches)
 
 
 def test_no_plan_where_the_full_path_copies_an_input():
