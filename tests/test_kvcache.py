@@ -221,6 +221,40 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
     assert not np.isnan(to_numpy(out).astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kernel, splits):
+    """A NaN in one cached key: the query rows that see it get NaN outputs and lse (the exact
+    result, never hidden by the merge of warps or of splits), the rows that do not stay
+    exact. The tensor-core kernel's padding rows (16 a block, here 2 of them real) see every
+    key; their NaNs must not reach the real rows."""
+    rng = np.random.default_rng(5)
+    length = 150
+    q = random_array((2, 2, 1, 16), "float16", rng)  # 2 query positions, 1 head: 2 rows
+    k_cache, v_cache = (random_array((2, length, 1, 16), "float16", rng) for _ in range(2))
+    k_host = to_numpy(k_cache)
+    k_host[0, length - 1, 0, 5] = np.nan  # sequence 0's last key: only its last row sees it
+    k_cache = xp.asarray(k_host)
+    lengths = xp.asarray(np.array([length, length], np.int32))
+    out, lse = numflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths, causal=True, return_lse=True,
+        num_splits=splits, config=KERNELS[kernel],
+    )  # fmt: skip
+    out32 = to_numpy(out).astype(np.float32)
+    lse32 = to_numpy(lse)
+    assert np.isnan(out32[0, 1]).all() and np.isnan(lse32[0, 0, 1])
+    finite = [out32[0, 0], out32[1], lse32[0, 0, :1], lse32[1]]
+    assert all(np.isfinite(x).all() for x in finite), "a NaN reached a row that does not see it"
+    for b, rows in ((0, slice(0, 1)), (1, slice(0, 2))):
+        ks, vs = (xp.asarray(to_numpy(c)[b : b + 1]) for c in (k_cache, v_cache))
+        keys = length - 1 if b == 0 else length  # row 0 of sequence 0 sees all but the last
+        result = check(
+            q[b : b + 1, rows], ks[:, :keys], vs[:, :keys], out[b : b + 1, rows],
+            lse[b : b + 1, :, rows], causal=True,
+        )  # fmt: skip
+        assert result.err <= result.bar and result.lse_err <= result.lse_bar, (b, result)
+
+
 @pytest.mark.parametrize(
     "change, error, message",
     [
