@@ -425,8 +425,8 @@ class TensorCoreDecodeConfig(_Config):
     stages: int = knob(2, (2, 3, 4, 5, 6))
 
     family: ClassVar[str] = TENSOR_CORE_DECODE
-    #: 2: the append and the combine in the kernel; 3: pages fetched a slot ahead, the warps
-    #: merged at once in the ring's memory
+    #: 2: the append and the combine in the kernel; 3: the warps merged at once, masks only
+    #: where a tile needs one, a paged tile's row places found a tile ahead
     REVISION: ClassVar[int] = 3
     #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
     MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
