@@ -108,8 +108,8 @@ def default_portable_decode_config(head_dim):
 #: benchmarks/bench_decode.py, docs/performance.md "Decode tiles"): 8 warps (one block per
 #: SM) were fastest at batch 1, 8 and the speculative step, 3 slots within 2% of 2 on a
 #: contiguous cache and 8% faster paged; at batch 64 (512 blocks) 4 warps and 3 slots, two
-#: blocks per SM overlapping each other's start and end. The later entries are for head dims
-#: whose slots do not fit (not timed).
+#: blocks per SM overlapping each other's start and end; rechecked at batch 8 with the swizzled
+#: ring. The later entries are for head dims whose slots do not fit (not timed).
 DECODE_TILES_FEW_BLOCKS = ((16, 8, 3), (16, 8, 2), (16, 4, 3), (16, 4, 2), (16, 2, 2))
 DECODE_TILES_MANY_BLOCKS = ((16, 4, 3), (16, 4, 2), (16, 2, 2))
 

@@ -53,6 +53,12 @@ CASES = [
     # while the previous slot loads
     Case("bfloat16", (300, 45), seqlen_q=1, seqlen_new=1, nheads=2, nheads_k=1, head_dim=16,
          page_size=5, num_splits=1),
+    # head dims of the tensor-core kernel's swizzled layout: 64, and 56 (padded to 64, its
+    # zero columns swizzled too)
+    Case("float16", (50, 9), seqlen_q=2, seqlen_new=1, nheads=4, nheads_k=2, head_dim=64,
+         page_size=16, num_splits=2),
+    Case("bfloat16", (37,), seqlen_q=1, seqlen_new=2, nheads=2, nheads_k=1, head_dim=56,
+         mask=dict(causal=True)),
 ]  # fmt: skip
 if not SIMULATOR:  # the lengths of the grid, on the GPU
     CASES += [

@@ -6,7 +6,10 @@ kernel is built around the loads. One thread block per (split, block of 16 query
 batch); its rows are the (query head of the kv head's GQA group, query position) pairs, so each
 K/V byte serves the whole group. The block streams its split's keys through a ring of STAGES
 shared-memory slots filled by cp.async, KEYS = NUM_WARPS * BLOCK_N keys a slot, gathered row by
-row through the cache slot or the block table (any page size). Each warp takes its own BLOCK_N
+row through the cache slot or the block table (any page size). The ring's rows are swizzled
+(:mod:`.warp_step`) where the head dim allows, so that each 128-byte line of a cache row is
+copied into one aligned 128-byte piece of shared memory: the padded rows split the copies into
+2.6 times as many L2 requests (docs/performance.md, "Decode"). Each warp takes its own BLOCK_N
 keys of every slot and runs FlashAttention-2's step on them (:mod:`.warp_step`: S = Q K^T,
 online softmax, O += P V with fp32 accumulators); at the end the warps' rows are merged through
 shared memory. With one split the block writes the output and LSE itself; with several it writes
@@ -40,10 +43,10 @@ from . import ptx
 from .decode_portable import address_function, sequence_length
 from .forward_portable import FROM_F32
 from .fragments import acc_index
-from .jit import device_function, kernel
+from .jit import SIMULATOR, device_function, kernel
 from .mask import block_key_range, visible_keys
 from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
-from .warp_step import warp_step
+from .warp_step import swizzled_chunk, warp_step
 
 #: Query rows of a block: one 16-row mma tile.
 ROWS = 16
@@ -54,17 +57,30 @@ FOUND, PAST_END, BAD_PAGE = 0, 1, 2
 MAX_SPLITS = 128
 
 
+def swizzled(head_dim):
+    """Whether the kernel's Q tile and ring use the swizzled layout (:mod:`.warp_step`): head
+    dims padded to a multiple of 64; the others keep the padded rows."""
+    return (head_dim + 15) // 16 * 16 % 64 == 0
+
+
+#: 16-bit elements the ring may start past the dynamic shared memory's start, to begin on a
+#: 128-byte boundary (the swizzled layout's rows are 128-byte aligned).
+ALIGN_ELEMENTS = 64
+
+
 def shared_memory_layout(head_dim, block_n, num_warps, stages):
     """(row pitch, K offset, V offset, total 16-bit elements) of the dynamic shared memory: the
-    Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows. Once
-    the keys are done the same memory holds fp32 rows: every warp's rows being merged, then
-    the splits' weights (``merge_floats``)."""
-    row = (head_dim + 15) // 16 * 16 + 8  # +16 bytes: the 8 rows of an ldmatrix in other banks
+    Q tile, then ``stages`` K slots and ``stages`` V slots of num_warps * block_n rows, from
+    the first 128-byte boundary. Once the keys are done the same memory holds fp32 rows: every
+    warp's rows being merged, then the splits' weights (``merge_floats``)."""
+    row = (head_dim + 15) // 16 * 16
+    if not swizzled(head_dim):
+        row += 8  # +16 bytes: the 8 rows of an ldmatrix in other banks
     keys = num_warps * block_n
     k_base = ROWS * row
     v_base = k_base + stages * keys * row
     ring = v_base + stages * keys * row
-    return row, k_base, v_base, max(ring, 2 * merge_floats(head_dim, num_warps))
+    return row, k_base, v_base, max(ring + ALIGN_ELEMENTS, 2 * merge_floats(head_dim, num_warps))
 
 
 def merge_floats(head_dim, num_warps):
@@ -92,6 +108,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     PASSES = (KEYS + ROWS_PER_PASS - 1) // ROWS_PER_PASS  # rows of a slot one thread copies
     PAGED = paged
     ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_n, num_warps, stages)
+    SWIZZLE = swizzled(head_dim)
     SLOT = KEYS * ROW
     PENDING = STAGES - 2  # cp.async groups left in flight when a slot is consumed
     Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
@@ -114,17 +131,32 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     # read from shared memory at every tile instead.
     Q_IN_REGS = HD_PAD <= 128
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
-        dtype_name, 1, N_TILES, HD_PAD, ROW, Q_IN_REGS
+        dtype_name, 1, N_TILES, HD_PAD, ROW, Q_IN_REGS, SWIZZLE
     )
 
     @device_function
-    def zero_padding_columns(smem, tid):
+    def chunk_at(r, c):
+        """Where 16-byte chunk c of ring (or Q tile) row r is stored."""
+        return swizzled_chunk(r, c) if SWIZZLE else c
+
+    @device_function
+    def ring_start(smem):
+        """16-bit elements from the dynamic shared memory's start to the ring's (the first
+        128-byte boundary; the simulator has no addresses to align)."""
+        if SIMULATOR:
+            return int32(0)
+        return int32(((uint32(128) - (ptx.shared_address(smem, 0) & uint32(127))) & 127) >> 1)
+
+    @device_function
+    def zero_padding_columns(smem, start, tid):
         """Columns HEAD_DIM..HD_PAD-1 of every row take part in the mma: make them zero once."""
         if HD_PAD > HEAD_DIM:
             rows = ROWS + 2 * STAGES * KEYS
             for i in range(tid, rows * (HD_PAD - HEAD_DIM), THREADS):
                 r = i // (HD_PAD - HEAD_DIM)
-                smem[r * ROW + HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))] = uint16(0)
+                col = HEAD_DIM + (i - r * (HD_PAD - HEAD_DIM))
+                c = col >> 3
+                smem[start + r * ROW + chunk_at(r, c) * 8 + col - c * 8] = uint16(0)
 
     @device_function
     def table_entry(j, keys):
@@ -239,7 +271,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                         k_at = k_at if found else 0
                         v_at = v_at if found else 0
                     size = uint32(16) if found else uint32(0)
-                    dst = uint32((r * ROW + chunk * 8) * 2)
+                    dst = uint32((r * ROW + chunk_at(r, chunk) * 8) * 2)
                     ptx.cp_async_16(k_dst + dst, k_cache, k_at + chunk * 8, size)
                     ptx.cp_async_16(v_dst + dst, v_cache, v_at + chunk * 8, size)
 
@@ -543,8 +575,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             for i in range(tid, ABSENT, THREADS):
                 absent[i] = int32(-1)
             cuda.syncthreads()
-        smem_addr = ptx.shared_address(smem, 0)
-        zero_padding_columns(smem, tid)
+        start = ring_start(smem)
+        smem_addr = ptx.shared_address(smem, start)
+        zero_padding_columns(smem, start, tid)
         for c in range(tid, ROWS * CHUNKS, THREADS):
             r = c // CHUNKS
             col = (c - r * CHUNKS) * 8
@@ -553,7 +586,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             i = rr - g * seqlen_q
             at = b * q_sb + i * q_ss + (kv_head * heads_per_kv + g) * q_sh + col
             valid = rr < rows
-            dst = smem_addr + uint32((r * ROW + col) * 2)
+            dst = smem_addr + uint32((r * ROW + chunk_at(r, col >> 3) * 8) * 2)
             ptx.cp_async_16(dst, q, at if valid else int64(0), uint32(16) if valid else uint32(0))
         ptx.cp_async_commit()
         for st in range(STAGES - 1):
@@ -571,9 +604,14 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             store_addresses(addresses, states, STAGES - 1, pages, page_rows, keys, tid)
             tile_pages(pages, page_rows, n_begin + STAGES * KEYS, keys, tid)
 
-        q_addr = smem_addr + uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
-        k_lane = uint32((((lane & 7) + ((lane >> 4) << 3)) * ROW + ((lane >> 3) & 1) * 8) * 2)
-        v_lane = uint32(((lane & 15) * ROW + (lane >> 4) * 8) * 2)
+        # each lane's ldmatrix row (and column, unless swizzled: warp_step finds it)
+        q_addr = smem_addr + uint32((lane & 15) * ROW * 2)
+        k_lane = uint32(((lane & 7) + ((lane >> 4) << 3)) * ROW * 2)
+        v_lane = uint32((lane & 15) * ROW * 2)
+        if not SWIZZLE:
+            q_addr += uint32((lane >> 4) * 16)
+            k_lane += uint32(((lane >> 3) & 1) * 16)
+            v_lane += uint32((lane >> 4) * 16)
         warp_keys = uint32(warp * BLOCK_N * ROW * 2)
         ptx.cp_async_wait(Q_PENDING)  # the Q group has landed (for this thread's copies) ...
         cuda.syncthreads()  # ... and for every thread's

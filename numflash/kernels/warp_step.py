@@ -6,17 +6,32 @@ A warp owns ``m_tiles`` tiles of 16 query rows and keeps their accumulator ``acc
 memory through ldmatrix at a row pitch of ``row`` elements. The forward kernel runs this step
 over its key tiles with every warp on its own rows; the decode kernel runs it with every warp
 on its own keys and merges the warps' rows at the end.
+
+Two shared-memory layouts. Padded: a row pitch 16 bytes past a multiple of 128, so that the 8
+rows an ldmatrix reads at one column fall in different banks; each lane's address points at its
+row and column. Swizzled (``swizzle``): unpadded rows, 128-byte aligned, whose 16-byte chunk c
+of row r is stored at chunk ``swizzled_chunk(r, c)`` = c ^ (r mod 8); each lane's address
+points at the start of its row and the step finds the chunk. Both keep ldmatrix free of bank
+conflicts; only the swizzled one lets the cp.async copies that fill it write each 128-byte line
+of global memory as one aligned 128-byte piece (why the decode kernel uses it).
 """
 
 import functools
 from typing import NamedTuple
 
-from numba import float32
+from numba import cuda, float32, uint32
 
 from . import ptx
 from .fragments import MMA, PACK, acc_index
 from .jit import device_function
 from .softmax import shift_of
+
+
+@device_function
+def swizzled_chunk(row, chunk):
+    """Where 16-byte chunk ``chunk`` of shared-memory row ``row`` is stored in the swizzled
+    layout (rows of a multiple of 64 elements): its low three bits XOR the row's."""
+    return chunk ^ (row & 7)
 
 
 class WarpStep(NamedTuple):
@@ -27,10 +42,13 @@ class WarpStep(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers):
+def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers, swizzle=False):
     """The device functions of one warp's step for these compile-time sizes: ``n_tiles``
-    8-key tiles of scores (an even count), a head_dim padded to a multiple of 16."""
-    M_TILES, N_TILES, ROW, Q_IN_REGS = m_tiles, n_tiles, row, q_in_registers
+    8-key tiles of scores (an even count), a head_dim padded to a multiple of 16; the
+    swizzled layout with ``swizzle`` (head_dim_padded a multiple of 64, ``row`` equal to it)."""
+    M_TILES, N_TILES, ROW, Q_IN_REGS, SWIZZLE = m_tiles, n_tiles, row, q_in_registers, swizzle
+    if SWIZZLE and (row != head_dim_padded or row % 64):
+        raise ValueError(f"the swizzled layout needs unpadded rows of 64k elements; got {row}")
     K_STEPS = head_dim_padded // 16  # k16 steps of S = Q K^T
     D_TILES = head_dim_padded // 8  # 8-column tiles of the output
     PV_STEPS = N_TILES // 2  # k16 steps of O += P V
@@ -39,9 +57,25 @@ def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers
     pack = PACK[dtype_name]
 
     @device_function
+    def column(addr, half, j):
+        """The shared address of the lane's 16-byte chunk 2j + half of the row at ``addr``
+        (every lane's row is 8-aligned plus lane % 8). Swizzled: rows start 128-byte aligned,
+        and chunks 8a + b sit 128a bytes apart, so the XOR touches b alone."""
+        if not SWIZZLE:
+            return addr
+        lane = cuda.threadIdx.x & 31
+        # swizzled_chunk written out: calling it costs the decode main loop 13 instructions
+        b = uint32(((2 * (j % 4) + half) ^ (lane & 7)) * 16)
+        return addr + b + uint32((j // 4) * 128)
+
+    @device_function
     def load_q_fragments(qf, q_addr, mt, kk, slot):
         """A fragment of Q rows (warp tile mt) x columns 16*kk.. into qf[slot..slot+3]."""
-        a0, a1, a2, a3 = ptx.ldmatrix_x4(q_addr, (mt * 16 * ROW + kk * 16) * 2)
+        if SWIZZLE:  # lanes 16..31 give the right 8 columns
+            addr = column(q_addr, (cuda.threadIdx.x >> 4) & 1, kk)
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(addr, mt * 16 * ROW * 2)
+        else:
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(q_addr, (mt * 16 * ROW + kk * 16) * 2)
         qf[slot] = a0
         qf[slot + 1] = a1
         qf[slot + 2] = a2
@@ -56,9 +90,13 @@ def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers
             if not Q_IN_REGS:
                 for mt in range(M_TILES):
                     load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
+            k_col = column(k_addr, (cuda.threadIdx.x >> 3) & 1, kk)  # lanes 8..15, 24..31: right
             for np_ in range(N_TILES // 2):
                 # B fragments of key tiles 2*np_ and 2*np_+1 for columns 16*kk..16*kk+15
-                b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
+                if SWIZZLE:
+                    b0, b1, b2, b3 = ptx.ldmatrix_x4(k_col, np_ * 16 * ROW * 2)
+                else:
+                    b0, b1, b2, b3 = ptx.ldmatrix_x4(k_addr, (np_ * 16 * ROW + kk * 16) * 2)
                 for mt in range(M_TILES):
                     a = (mt * K_STEPS + kk) * 4
                     c = (mt * N_TILES + 2 * np_) * 4
@@ -136,7 +174,11 @@ def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers
                 pf[a + 3] = pack(s[c + 6], s[c + 7])
             for dp in range(D_TILES // 2):
                 # B fragments of output column tiles 2*dp, 2*dp+1 for keys 16*kk..16*kk+15
-                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
+                if SWIZZLE:  # lanes 16..31 give the right 8 columns
+                    v_col = column(v_addr, (cuda.threadIdx.x >> 4) & 1, dp)
+                    b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_col, kk * 16 * ROW * 2)
+                else:
+                    b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(v_addr, (kk * 16 * ROW + dp * 16) * 2)
                 for mt in range(M_TILES):
                     a = mt * 4
                     o = (mt * D_TILES + 2 * dp) * 4
