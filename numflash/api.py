@@ -25,14 +25,8 @@ def _array_key(x):
     return (x.shape, x.strides, x.dtype, data.ptr & 15, data.device_id)
 
 
-def _value_key(x):
-    """A flag or scalar with its type: True and 1, 2 and 2.0 are different calls."""
-    return (x.__class__, x)
-
-
 def _window_key(window_size):
-    if window_size is _DEFAULT_WINDOW:
-        return None
+    """A window other than the default (which keys as None), with its types."""
     return (window_size.__class__, *map(type, window_size), window_size)
 
 
@@ -46,7 +40,7 @@ class _Cupy:
     def bind(cls):
         import cupy
 
-        cls.empty = cupy.empty
+        cls.empty = cupy.ndarray  # cupy.empty without its Python frame (0.5 us less)
         cls.get_device = cupy.cuda.runtime.getDevice
         cls.current_stream = cupy.cuda.get_current_stream
         cls.stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
@@ -55,7 +49,9 @@ class _Cupy:
 def _call_key(*parts):
     """The signature key of a call on the current device and stream (callers catch the
     AttributeError of arrays other than CuPy's, and the TypeError an unhashable argument
-    raises where the key is first hashed, in PlanCache.get)."""
+    raises where the key is first hashed, in PlanCache.get). Flags and scalars enter it with
+    their type (``x.__class__, x``, written out: a call each costs the host about 0.1 us):
+    True and 1, 2 and 2.0 are different calls."""
     if _Cupy.get_device is None:
         _Cupy.bind()
     return (_Cupy.get_device(), _Cupy.current_stream().ptr, *parts)
@@ -170,10 +166,13 @@ def attention(
                 _array_key(q),
                 _array_key(k),
                 _array_key(v),
-                _value_key(causal),
-                _value_key(softmax_scale),
-                _window_key(window_size),
-                _value_key(return_lse),
+                causal.__class__,
+                causal,
+                softmax_scale.__class__,
+                softmax_scale,
+                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
+                return_lse.__class__,
+                return_lse,
                 config,
                 cache.generation,
             )
@@ -431,10 +430,13 @@ def attention_backward(
                 _array_key(v),
                 _array_key(out),
                 _array_key(lse),
-                _value_key(causal),
-                _value_key(softmax_scale),
-                _window_key(window_size),
-                _value_key(deterministic),
+                causal.__class__,
+                causal,
+                softmax_scale.__class__,
+                softmax_scale,
+                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
+                deterministic.__class__,
+                deterministic,
                 config,
                 cache.generation,
             )
@@ -585,16 +587,20 @@ def attention_with_kvcache(
                 _array_key(v_cache),
                 None if k is None else _array_key(k),
                 None if v is None else _array_key(v),
-                _value_key(cache_seqlens)
+                (cache_seqlens.__class__, cache_seqlens)
                 if isinstance(cache_seqlens, int)
                 else _array_key(cache_seqlens),
                 None if cache_batch_idx is None else _array_key(cache_batch_idx),
                 None if block_table is None else _array_key(block_table),
-                _value_key(causal),
-                _value_key(softmax_scale),
-                _window_key(window_size),
-                _value_key(num_splits),
-                _value_key(return_lse),
+                causal.__class__,
+                causal,
+                softmax_scale.__class__,
+                softmax_scale,
+                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
+                num_splits.__class__,
+                num_splits,
+                return_lse.__class__,
+                return_lse,
                 config,
                 cache.generation,
             )
