@@ -13,6 +13,12 @@ it was measured on::
                  {"config": {...}, "time_ms": 1.91, "default_ms": 2.04, "default_config": {...},
                   "trials": 30, "date": "2026-11-29", "kernel_revision": 1}}}
 
+The KV-cache families' keys name one more thing, the grid class (``.../s4096/gfew``): whether
+the call's thread blocks without splits (batch x kv heads x blocks of query rows) fill fewer or
+more than two per multiprocessor (numflash.selection.decode_grid). The best tiles depend on it
+more than on the cache length (one block of 8 warps a multiprocessor, or two of 4 that overlap
+each other's start and end: docs/performance.md, "Decode tiles").
+
 Lookup order for a call: the user's cache, then the shipped file for the same architecture,
 then the nearest shipped file of the same major version, then the caller's heuristic; within a
 file the exact key first, then the same key at the nearest sequence-length bucket. Entries
@@ -38,6 +44,10 @@ from .config import CONFIG_TYPES, config_from_dict
 FORMAT = 3
 SHIPPED_DIR = Path(__file__).parent / "configs"
 MASKS = ("full", "causal", "window")
+#: Grid classes of the KV-cache families' keys (numflash.selection.decode_grid).
+GRIDS = ("few", "many")
+#: The families whose keys carry a grid class.
+GRID_FAMILIES = ("tensor-core-decode", "portable-decode")
 
 #: Sequence-length buckets are powers of two within these bounds.
 MIN_BUCKET, MAX_BUCKET = 128, 1 << 20
@@ -64,41 +74,52 @@ def seqlen_bucket(seqlen):
 
 
 class ProblemKey(NamedTuple):
-    """What changes the best configuration: family, dtype, head_dim, mask, seqlen bucket."""
+    """What changes the best configuration: family, dtype, head_dim, mask, seqlen bucket, and
+    for the KV-cache families the grid class (one of GRIDS; "" for the others)."""
 
     family: str
     dtype: str
     head_dim: int
     mask: str  # "full", "causal" or "window"
     seqlen: int  # bucket of max(seqlen_q, seqlen_k)
+    grid: str = ""
 
     def __str__(self):
-        return f"{self.family}/{self.dtype}/hd{self.head_dim}/{self.mask}/s{self.seqlen}"
+        text = f"{self.family}/{self.dtype}/hd{self.head_dim}/{self.mask}/s{self.seqlen}"
+        return text + f"/g{self.grid}" if self.grid else text
 
     @classmethod
     def parse(cls, text):
-        """The key written as ``str(key)``; ValueError for anything else (an unknown family or
-        mask, a head_dim or bucket that is not a positive power of two where one is needed)."""
+        """The key written as ``str(key)``; ValueError for anything else (an unknown family,
+        mask or grid class, a head_dim or bucket that is not a positive power of two where one
+        is needed, a grid class missing from a KV-cache key or given to another)."""
         parts = text.split("/")
-        if len(parts) != 5 or not (parts[2].startswith("hd") and parts[4].startswith("s")):
+        if len(parts) not in (5, 6) or not (parts[2].startswith("hd") and parts[4].startswith("s")):
             raise ValueError(f"not a problem key: {text!r}")
-        family, dtype, hd, mask, seqlen = parts
+        family, dtype, hd, mask, seqlen = parts[:5]
         head_dim, bucket = int(hd[2:]), int(seqlen[1:])
         if family not in CONFIG_TYPES or mask not in MASKS:
             raise ValueError(f"unknown family or mask in problem key {text!r}")
         if head_dim < 1 or bucket < 1 or bucket & (bucket - 1):
             raise ValueError(f"head_dim and seqlen bucket must be positive in {text!r}")
-        return cls(family, dtype, head_dim, mask, bucket)
+        grid = parts[5][1:] if len(parts) == 6 and parts[5].startswith("g") else None
+        if len(parts) == 6 and grid not in GRIDS:
+            raise ValueError(f"unknown grid class in problem key {text!r}")
+        if (grid is not None) != (family in GRID_FAMILIES):
+            needs = "needs a" if grid is None else "takes no"
+            raise ValueError(f"a {family} key {needs} grid class: {text!r}")
+        return cls(family, dtype, head_dim, mask, bucket, grid or "")
 
     @classmethod
-    def of(cls, family, dtype, head_dim, seqlen_q, seqlen_k, window_left, window_right):
+    def of(cls, family, dtype, head_dim, seqlen_q, seqlen_k, window_left, window_right, grid=""):
         if window_left < 0 and window_right < 0:
             mask = "full"
         elif window_left < 0 and window_right == 0:
             mask = "causal"
         else:
             mask = "window"
-        return cls(family, dtype, head_dim, mask, seqlen_bucket(max(seqlen_q, seqlen_k)))
+        bucket = seqlen_bucket(max(seqlen_q, seqlen_k))
+        return cls(family, dtype, head_dim, mask, bucket, grid)
 
 
 class Selection(NamedTuple):
@@ -177,7 +198,8 @@ def _read(path, arch):
 
 
 def _nearest(entries, key):
-    """The entry for ``key``, else the same problem at the nearest seqlen bucket (ties: larger)."""
+    """The entry for ``key``, else the same problem (its grid class too) at the nearest seqlen
+    bucket (ties: larger)."""
     if key in entries:
         return entries[key]
     same = [k for k in entries if k._replace(seqlen=key.seqlen) == key]

@@ -114,11 +114,16 @@ DECODE_TILES_FEW_BLOCKS = ((16, 8, 3), (16, 8, 2), (16, 4, 3), (16, 4, 2), (16, 
 DECODE_TILES_MANY_BLOCKS = ((16, 4, 3), (16, 4, 2), (16, 2, 2))
 
 
-def default_tensor_core_decode_config(head_dim, device=None, blocks=None):
-    """The first of the decode tiles for ``blocks`` thread blocks (a call's batch x kv heads x
-    row blocks; None: few) whose shared memory fits ``device``."""
-    many = device is not None and blocks is not None and blocks >= 2 * device.multiprocessors
-    tiles = DECODE_TILES_MANY_BLOCKS if many else DECODE_TILES_FEW_BLOCKS
+def grid_class(blocks, device):
+    """A KV-cache call's grid class (cache.GRIDS) from its thread blocks without splits (batch x
+    kv heads x blocks of 16 query rows): "many" from two a multiprocessor of ``device``."""
+    return "many" if blocks >= 2 * device.multiprocessors else "few"
+
+
+def default_tensor_core_decode_config(head_dim, device=None, grid="few"):
+    """The first of the decode tiles for a call of grid class ``grid`` (:func:`grid_class`)
+    whose shared memory fits ``device``."""
+    tiles = DECODE_TILES_MANY_BLOCKS if grid == "many" else DECODE_TILES_FEW_BLOCKS
     for t in tiles:
         config = TensorCoreDecodeConfig(*t)
         if device is None or not config.problems(head_dim, device):
@@ -126,8 +131,9 @@ def default_tensor_core_decode_config(head_dim, device=None, blocks=None):
     return config
 
 
-def default_config(family, head_dim, device):
-    """(head_dim the kernels run at, the family's heuristic configuration)."""
+def default_config(family, head_dim, device, grid="few"):
+    """(head_dim the kernels run at, the family's heuristic configuration; for the tensor-core
+    KV-cache kernel, that of grid class ``grid``)."""
     if family not in CONFIG_TYPES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     run_dim = CONFIG_TYPES[family]().kernel_head_dim(head_dim)
@@ -142,7 +148,7 @@ def default_config(family, head_dim, device):
     if family == PORTABLE_DECODE:
         return run_dim, default_portable_decode_config(run_dim)
     if family == TENSOR_CORE_DECODE:
-        return run_dim, default_tensor_core_decode_config(run_dim, device)
+        return run_dim, default_tensor_core_decode_config(run_dim, device, grid)
     return run_dim, default_tensor_core_config(run_dim)
 
 
@@ -151,10 +157,11 @@ def default_config(family, head_dim, device):
 _memo = {}
 
 
-def _tuned_or_default(family, problem, device):
+def _tuned_or_default(family, problem, device, grid=""):
     """The family's tuned configuration for ``problem`` on ``device`` if the cache holds one,
-    else its heuristic default. Memoised per (problem key, device): every call goes through
-    here, and a repeated lookup costs one dictionary access."""
+    else its heuristic default; ``grid``: the KV-cache families' grid class. Memoised per
+    (problem key, device): every call goes through here, and a repeated lookup costs one
+    dictionary access."""
     seqlen = max(problem.seqlen_q, problem.seqlen_k)
     memo_key = (
         cache.generation,
@@ -164,11 +171,12 @@ def _tuned_or_default(family, problem, device):
         problem.window_left < 0,
         problem.window_right,
         (seqlen - 1).bit_length(),
+        grid,
         device,
     )
     choice = _memo.get(memo_key)
     if choice is None:
-        head_dim, default = default_config(family, problem.head_dim, device)
+        head_dim, default = default_config(family, problem.head_dim, device, grid or "few")
         key = cache.ProblemKey.of(
             family,
             problem.dtype,
@@ -177,6 +185,7 @@ def _tuned_or_default(family, problem, device):
             problem.seqlen_k,
             problem.window_left,
             problem.window_right,
+            grid,
         )
         hit = cache.lookup(device.arch, key, feasible=lambda c: not c.problems(head_dim, device))
         if hit is None:
@@ -286,6 +295,11 @@ def _row_blocks(problem, rows):
     return problem.batch * problem.nheads_k * -(-problem.heads_per_kv * problem.seqlen_q // rows)
 
 
+def decode_grid(problem, device):
+    """The grid class of a KV-cache call (:func:`grid_class`), part of its tuning key."""
+    return grid_class(_row_blocks(problem, DECODE_ROWS), device)
+
+
 def _block_shape(config, problem, device):
     """(query rows, keys per tile, blocks of this configuration one multiprocessor holds)."""
     if isinstance(config, TensorCoreDecodeConfig):
@@ -330,11 +344,8 @@ def decode(problem, device, config=None):
     if config is not None:
         choice = Selection(config, "forced")
     else:
-        choice = _tuned_or_default(decode_family(problem, device), problem, device)[0]
-        if choice.source == "heuristic" and isinstance(choice.config, TensorCoreDecodeConfig):
-            blocks = _row_blocks(problem, DECODE_ROWS)
-            config = default_tensor_core_decode_config(problem.head_dim, device, blocks)
-            choice = Selection(config, "heuristic")
+        family = decode_family(problem, device)
+        choice = _tuned_or_default(family, problem, device, decode_grid(problem, device))[0]
     if problem.num_splits > 0:
         return choice, min(problem.num_splits, MAX_SPLITS)
     return choice, split_count(choice.config, problem, device)

@@ -97,6 +97,44 @@ def test_keys_and_buckets():
     assert cache.ProblemKey.of("portable", "float32", 8, 5, 5, 4, 0).mask == "window"
 
 
+def test_kv_cache_keys_carry_a_grid_class():
+    key = cache.ProblemKey("tensor-core-decode", "float16", 128, "full", 4096, "few")
+    assert str(key) == "tensor-core-decode/float16/hd128/full/s4096/gfew"
+    assert cache.ProblemKey.parse(str(key)) == key
+    assert cache.ProblemKey.of("tensor-core-decode", "float16", 128, 1, 3000, -1, -1, "few") == key
+    for text in (
+        "tensor-core-decode/float16/hd128/full/s4096",  # a KV-cache key without its class
+        "tensor-core-decode/float16/hd128/full/s4096/gsome",  # an unknown class
+        "tensor-core/float16/hd128/full/s4096/gfew",  # a class on a forward key
+    ):
+        with pytest.raises(ValueError):
+            cache.ProblemKey.parse(text)
+
+
+def test_a_tuned_kv_cache_entry_serves_its_grid_class_only(cache_dirs):
+    """An entry tuned for calls of few thread blocks is not taken by one of many, which keeps
+    the heuristic of its class (and the other way round)."""
+    from numflash import selection, validation
+    from numflash.config import TensorCoreDecodeConfig
+
+    def problem(batch):  # caches of 16 keys: bucket 128, the entry's nearest
+        q = xp.zeros((batch, 1, 32, 128), np.float16)
+        k = xp.zeros((batch, 16, 8, 128), np.float16)
+        args = (q, k, k, None, None, 16, None, None, False, None, (-1, -1), 0)
+        return validation.kvcache_problem(*args)[-1]
+
+    few, many = problem(8), problem(64)  # 64 and 512 blocks of 16 rows on 132 SMs
+    assert selection.decode_grid(few, H200) == "few"
+    assert selection.decode_grid(many, H200) == "many"
+    tuned = TensorCoreDecodeConfig(32, 4, 2)
+    key = cache.ProblemKey("tensor-core-decode", "float16", 128, "full", 4096, "few")
+    cache.record(H200, {key: entry(tuned)})
+    chosen, _ = selection.decode(few, H200)
+    assert chosen.config == tuned and chosen.source.startswith("user cache")
+    chosen, _ = selection.decode(many, H200)
+    assert chosen == (TensorCoreDecodeConfig(16, 4, 3), "heuristic")
+
+
 def test_record_then_lookup(cache_dirs):
     path = cache.record(H200, {KEY: entry(CFG)})
     data = json.loads(path.read_text())
@@ -428,7 +466,9 @@ def test_decode_study_checks_and_records(cache_dirs):
     from tuning.study import tune_key
 
     device = numflash.device.current_device()
-    key = cache.ProblemKey("portable-decode", "float32", 8, "full", 32)
+    # the checked call's grid: 2 sequences x 1 KV head x 1 block of 16 rows
+    grid = numflash.selection.grid_class(2, device)
+    key = cache.ProblemKey("portable-decode", "float32", 8, "full", 32, grid)
     workload = Workload(
         batch=2, nheads=4, nheads_k=1, seqlen=30, check_seqlen=20, check_nheads=4, check_nheads_k=1
     )
@@ -442,11 +482,28 @@ def test_decode_study_checks_and_records(cache_dirs):
     assert chosen.config == result.best_config and chosen.source.startswith("user cache")
 
 
-def test_decode_workload_reads_the_benchmark_s_shape():
+def test_decode_workloads_put_the_grid_in_the_key_s_class():
+    from numflash.selection import grid_class
     from tuning.objective import Workload
+    from tuning.run import tunable
 
-    w = Workload.for_key(cache.ProblemKey("tensor-core-decode", "float16", 128, "full", 4096))
-    assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (64, 32, 8, 4096)
+    def key(grid, seqlen=4096, head_dim=128):
+        return cache.ProblemKey("tensor-core-decode", "float16", head_dim, "full", seqlen, grid)
+
+    # the benchmark's batch 8 and (about) its batch 64, 32 query and 8 KV heads
+    w = Workload.for_key(key("few"), H200)
+    assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (8, 32, 8, 4096)
+    w = Workload.for_key(key("many"), H200)
+    assert (w.batch, w.nheads, w.nheads_k, w.seqlen) == (66, 32, 8, 4096)
+    for grid in cache.GRIDS:
+        for head_dim in (64, 128, 256):
+            for device in (H200, A100):
+                w = Workload.for_key(key(grid, head_dim=head_dim), device)
+                assert grid_class(w.batch * w.nheads_k, device) == grid, (grid, head_dim)
+    # 66 caches of 131072 keys would not fit a tuning run: that key is skipped, with why
+    kept, skipped = tunable([key("few", 131072), key("many", 131072)], H200)
+    assert kept == [key("few", 131072)]
+    assert [k for k, _ in skipped] == [key("many", 131072)] and "66" in skipped[0][1]
 
 
 def test_packed_forward_takes_the_dense_choice(cache_dirs):
@@ -472,17 +529,18 @@ def test_packed_forward_takes_the_dense_choice(cache_dirs):
 
 def test_decode_defaults_fit_every_head_dim_and_follow_the_grid():
     from numflash.config import TensorCoreDecodeConfig
-    from numflash.selection import default_config, default_tensor_core_decode_config
+    from numflash.selection import default_config, default_tensor_core_decode_config, grid_class
 
     # one block per SM (8 warps, 3 slots) for a grid that does not fill two per SM; two blocks
     # per SM (4 warps) for one that does (the H200's 132 SMs: 264 blocks)
-    assert default_tensor_core_decode_config(128, H200, 128) == TensorCoreDecodeConfig(16, 8, 3)
-    assert default_tensor_core_decode_config(128, H200, 264) == TensorCoreDecodeConfig(16, 4, 3)
+    assert grid_class(263, H200) == "few" and grid_class(264, H200) == "many"
+    assert default_tensor_core_decode_config(128, H200, "few") == TensorCoreDecodeConfig(16, 8, 3)
+    assert default_tensor_core_decode_config(128, H200, "many") == TensorCoreDecodeConfig(16, 4, 3)
     small = dataclasses.replace(H200, max_shared_per_block=99 * 1024)
     for device in (H200, A100, small):
         for hd in (8, 64, 96, 128, 192, 256):
-            for blocks in (None, 8, 10_000):
-                cfg = default_tensor_core_decode_config(hd, device, blocks)
-                assert not cfg.problems(hd, device), (device.name, hd, blocks, cfg)
+            for grid in cache.GRIDS:
+                cfg = default_tensor_core_decode_config(hd, device, grid)
+                assert not cfg.problems(hd, device), (device.name, hd, grid, cfg)
     # 8 warps of 128-key slots do not fit at head_dim 256 on the H200: fewer warps do
     assert default_config("tensor-core-decode", 256, H200)[1] == TensorCoreDecodeConfig(16, 4, 3)

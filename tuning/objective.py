@@ -38,11 +38,15 @@ MODEL_DIM = 2048
 
 DECODE_FAMILIES = (PORTABLE_DECODE, TENSOR_CORE_DECODE)
 
-#: KV-cache keys: the timed decoding step (one query row a sequence) reads DECODE_TOKENS
-#: cached tokens in all (batch x cache length), 32 query heads and 8 KV heads at head_dim 128
-#: (Llama 3 8B's GQA ratio), as benchmarks/bench_decode.py measures.
-DECODE_TOKENS = 262144
+#: KV-cache keys: the timed decoding step has one query row a sequence, 32 query heads and 8 KV
+#: heads at head_dim 128 (Llama 3 8B's GQA ratio, as benchmarks/bench_decode.py measures) and a
+#: cache of the key's bucket; its batch puts the call in the key's grid class on the tuning GPU
+#: (numflash.selection.grid_class): DECODE_BLOCKS_PER_SM thread blocks a multiprocessor without
+#: splits (the H200's 132: batch 8 "few", as the benchmark's batch 8; batch 66 "many", as its
+#: batch 64), at most DECODE_MAX_TOKENS cached tokens in all (16 GiB at head_dim 128).
 DECODE_GQA = 4
+DECODE_BLOCKS_PER_SM = {"few": 0.5, "many": 4}
+DECODE_MAX_TOKENS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -59,14 +63,24 @@ class Workload:
     check_nheads_k: int = 0
 
     @classmethod
-    def for_key(cls, key):
+    def for_key(cls, key, device):
+        """The key's workload on ``device``: a KV-cache key's batch follows its grid class
+        (ValueError where that batch would exceed DECODE_MAX_TOKENS)."""
         seqlen = key.seqlen
         if key.family in DECODE_FAMILIES:
             nheads = max(DECODE_GQA, 4096 // key.head_dim)
+            nheads_k = nheads // DECODE_GQA
+            per_sm = DECODE_BLOCKS_PER_SM[key.grid]
+            batch = max(1, round(per_sm * device.multiprocessors / nheads_k))
+            if batch * seqlen > DECODE_MAX_TOKENS:
+                raise ValueError(
+                    f"{key}: a batch of {batch} caches of {seqlen} keys (the grid class's) "
+                    f"exceeds the {DECODE_MAX_TOKENS} cached tokens a tuning run allocates"
+                )
             return cls(
-                batch=max(1, DECODE_TOKENS // seqlen),
+                batch=batch,
                 nheads=nheads,
-                nheads_k=nheads // DECODE_GQA,
+                nheads_k=nheads_k,
                 seqlen=seqlen,
                 check_seqlen=min(seqlen, 777),
                 check_nheads=DECODE_GQA,

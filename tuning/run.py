@@ -4,6 +4,7 @@ Each key's winner is written to the cache as soon as its study ends, so a run th
 keeps what it finished, and the studies themselves (SQLite) resume where they stopped.
 """
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -108,6 +109,15 @@ def add_arguments(parser):
         help="sequence lengths; each is tuned at its power-of-two bucket",
     )
     parser.add_argument(
+        "--grids",
+        nargs="+",
+        default=list(cache.GRIDS),
+        choices=list(cache.GRIDS),
+        help="KV-cache families: the grid classes to tune, calls whose thread blocks without "
+        "splits fill fewer or more than two a multiprocessor (tuned at batch 8 and 66 of "
+        "32/8 heads on the H200)",
+    )
+    parser.add_argument(
         "--trials",
         type=_bounded_int("--trials", 1),
         default=30,
@@ -154,15 +164,32 @@ def plan(args):
         and "float32" in args.dtypes
     ):
         raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
+    grids = args.grids if args.family in cache.GRID_FAMILIES else [""]
     keys = []
-    for dtype, hd, mask, seqlen in itertools.product(
-        args.dtypes, args.head_dims, args.masks, args.seqlens
+    for dtype, hd, mask, seqlen, grid in itertools.product(
+        args.dtypes, args.head_dims, args.masks, args.seqlens, grids
     ):
         head_dim = default_config(args.family, hd, None)[0]  # the head_dim it runs at
-        key = cache.ProblemKey(args.family, dtype, head_dim, mask, cache.seqlen_bucket(seqlen))
+        bucket = cache.seqlen_bucket(seqlen)
+        key = cache.ProblemKey(args.family, dtype, head_dim, mask, bucket, grid)
         if key not in keys:
             keys.append(key)
     return keys
+
+
+def tunable(keys, device):
+    """(keys whose workload this device can hold, [(key, why not)] for the others)."""
+    from .objective import Workload
+
+    kept, skipped = [], []
+    for key in keys:
+        try:
+            Workload.for_key(key, device)
+        except ValueError as exc:
+            skipped.append((key, str(exc)))
+        else:
+            kept.append(key)
+    return kept, skipped
 
 
 def _device(dry_run):
@@ -172,11 +199,13 @@ def _device(dry_run):
     if SIMULATOR or gpu_available():
         return current_device(), None
     if dry_run:
-        return SIMULATED_DEVICE, "no GPU here: feasibility counted against H100/H200 limits"
+        # an H200's multiprocessors, which set the KV-cache workloads' batches
+        device = dataclasses.replace(SIMULATED_DEVICE, multiprocessors=132)
+        return device, "no GPU here: feasibility and batches counted against an H200's limits"
     raise SystemExit("numflash autotune: no CUDA GPU found (use --dry-run to see the plan)")
 
 
-def print_plan(keys, args, device, note, out):
+def print_plan(keys, args, device, note, out, skipped=()):
     config_type = CONFIG_TYPES[args.family]
     total = len(list(space.all_points(config_type)))
     print(f"device: {device.name} ({device.arch})" + (f" [{note}]" if note else ""), file=out)
@@ -187,7 +216,15 @@ def print_plan(keys, args, device, note, out):
     )
     for key in keys:
         feasible = len(space.feasible_points(config_type, key.head_dim, device))
-        print(f"  {key}: {feasible} feasible points", file=out)
+        shape = ""
+        if key.grid:
+            from .objective import Workload
+
+            w = Workload.for_key(key, device)
+            shape = f" (batch {w.batch} x {w.seqlen} cached keys, {w.nheads}/{w.nheads_k} heads)"
+        print(f"  {key}: {feasible} feasible points{shape}", file=out)
+    for key, why in skipped:
+        print(f"  {key}: skipped ({why})", file=out)
     target = args.output or cache.cache_dir() / (
         "sm_XY.json (XY: the GPU's compute capability)" if note else f"{device.arch}.json"
     )
@@ -216,9 +253,9 @@ def report(results, out):
 
 
 def main(args, out=sys.stdout):
-    keys = plan(args)
     device, note = _device(args.dry_run)
-    print_plan(keys, args, device, note, out)
+    keys, skipped = tunable(plan(args), device)
+    print_plan(keys, args, device, note, out, skipped)
     if args.dry_run:
         return 0
     from .study import tune_key

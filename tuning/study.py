@@ -114,7 +114,9 @@ def tune_key(
         sampler=optuna.samplers.TPESampler(seed=SEED),
         load_if_exists=True,
     )
-    head_dim, default = selection.default_config(key.family, key.head_dim, device)
+    head_dim, default = selection.default_config(
+        key.family, key.head_dim, device, key.grid or "few"
+    )
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
     target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
@@ -134,7 +136,7 @@ def tune_key(
             objective = Objective(
                 key,
                 device,
-                workload or Workload.for_key(key),
+                workload or Workload.for_key(key, device),
                 xp,
                 DTYPES[key.dtype],
                 **(timing or {}),
