@@ -40,14 +40,15 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .config import CONFIG_TYPES, config_from_dict
+from .device import PORTABLE_DECODE, TENSOR_CORE_DECODE
 
 FORMAT = 3
 SHIPPED_DIR = Path(__file__).parent / "configs"
 MASKS = ("full", "causal", "window")
 #: Grid classes of the KV-cache families' keys (numflash.selection.decode_grid).
 GRIDS = ("few", "many")
-#: The families whose keys carry a grid class.
-GRID_FAMILIES = ("tensor-core-decode", "portable-decode")
+#: The families whose keys carry a grid class: the KV-cache ones.
+GRID_FAMILIES = (PORTABLE_DECODE, TENSOR_CORE_DECODE)
 
 #: Sequence-length buckets are powers of two within these bounds.
 MIN_BUCKET, MAX_BUCKET = 128, 1 << 20

@@ -15,14 +15,12 @@ from dataclasses import dataclass
 import optuna
 
 import numflash
-from numflash import launch, reference
+from numflash import cache, launch, reference
 from numflash.arrays import from_float
 from numflash.config import CONFIG_TYPES
 from numflash.device import (
     PORTABLE_BACKWARD,
-    PORTABLE_DECODE,
     TENSOR_CORE_BACKWARD,
-    TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
 )
 from numflash.selection import default_config
@@ -36,7 +34,7 @@ TOKENS = 32768
 MODEL_DIM = 2048
 
 
-DECODE_FAMILIES = (PORTABLE_DECODE, TENSOR_CORE_DECODE)
+DECODE_FAMILIES = cache.GRID_FAMILIES  # the KV-cache families
 
 #: KV-cache keys: the timed decoding step has one query row a sequence, 32 query heads and 8 KV
 #: heads at head_dim 128 (Llama 3 8B's GQA ratio, as benchmarks/bench_decode.py measures) and a
@@ -74,8 +72,8 @@ class Workload:
             batch = max(1, round(per_sm * device.multiprocessors / nheads_k))
             if batch * seqlen > DECODE_MAX_TOKENS:
                 raise ValueError(
-                    f"{key}: a batch of {batch} caches of {seqlen} keys (the grid class's) "
-                    f"exceeds the {DECODE_MAX_TOKENS} cached tokens a tuning run allocates"
+                    f"a batch of {batch} caches of {seqlen} keys (the grid class's) exceeds "
+                    f"the {DECODE_MAX_TOKENS} cached tokens a tuning run allocates"
                 )
             return cls(
                 batch=batch,
