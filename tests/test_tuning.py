@@ -502,7 +502,8 @@ def test_decode_workloads_put_the_grid_in_the_key_s_class():
                 assert grid_class(w.batch * w.nheads_k, device) == grid, (grid, head_dim)
     # 66 caches of 131072 keys would not fit a tuning run: that key is skipped, with why
     kept, skipped = tunable([key("few", 131072), key("many", 131072)], H200)
-    assert kept == [key("few", 131072)]
+    assert list(kept) == [key("few", 131072)]
+    assert kept[key("few", 131072)] == Workload.for_key(key("few", 131072), H200)
     assert [k for k, _ in skipped] == [key("many", 131072)] and "66" in skipped[0][1]
 
 

@@ -178,17 +178,16 @@ def plan(args):
 
 
 def tunable(keys, device):
-    """(keys whose workload this device can hold, [(key, why not)] for the others)."""
+    """({key: its Workload} for the keys whose workload this device can hold, in order, and
+    [(key, why not)] for the others)."""
     from .objective import Workload
 
-    kept, skipped = [], []
+    kept, skipped = {}, []
     for key in keys:
         try:
-            Workload.for_key(key, device)
+            kept[key] = Workload.for_key(key, device)
         except ValueError as exc:
             skipped.append((key, str(exc)))
-        else:
-            kept.append(key)
     return kept, skipped
 
 
@@ -206,6 +205,7 @@ def _device(dry_run):
 
 
 def print_plan(keys, args, device, note, out, skipped=()):
+    """The plan: ``keys`` ({key: Workload}), then the ``skipped`` keys with why."""
     config_type = CONFIG_TYPES[args.family]
     total = len(list(space.all_points(config_type)))
     print(f"device: {device.name} ({device.arch})" + (f" [{note}]" if note else ""), file=out)
@@ -214,13 +214,10 @@ def print_plan(keys, args, device, note, out, skipped=()):
         f"search space: {total} points per key",
         file=out,
     )
-    for key in keys:
+    for key, w in keys.items():
         feasible = len(space.feasible_points(config_type, key.head_dim, device))
         shape = ""
         if key.grid:
-            from .objective import Workload
-
-            w = Workload.for_key(key, device)
             shape = f" (batch {w.batch} x {w.seqlen} cached keys, {w.nheads}/{w.nheads_k} heads)"
         print(f"  {key}: {feasible} feasible points{shape}", file=out)
     for key, why in skipped:
@@ -263,7 +260,7 @@ def main(args, out=sys.stdout):
     start = time.monotonic()
     results = []
     header = {"command": "numflash " + " ".join(sys.argv[1:]) if args.output else None}
-    for i, key in enumerate(keys, 1):
+    for i, (key, workload) in enumerate(keys.items(), 1):
         left = None if args.budget is None else args.budget - (time.monotonic() - start)
         if left is not None and left <= 0:
             print(f"budget spent: {len(keys) - i + 1} keys not tuned", file=out)
@@ -271,7 +268,13 @@ def main(args, out=sys.stdout):
         timeout = args.timeout_per_key if left is None else min(args.timeout_per_key, left)
         print(f"[{i}/{len(keys)}] {key}", file=out, flush=True)
         result = tune_key(
-            key, device, trials=args.trials, timeout_s=timeout, fresh=args.fresh, progress=True
+            key,
+            device,
+            trials=args.trials,
+            timeout_s=timeout,
+            fresh=args.fresh,
+            progress=True,
+            workload=workload,
         )
         results.append(result)
         if result.best_config is not None:
