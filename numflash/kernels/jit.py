@@ -6,6 +6,8 @@ pass the GPU-only options (``forceinline``, ``lineinfo``, ``launch_bounds``) whe
 """
 
 import os
+import sys
+import threading
 
 from numba import cuda
 
@@ -43,3 +45,42 @@ def kernel(fn=None, *, launch_bounds=None):
         return cuda.jit(**opts)(f)
 
     return wrap if fn is None else wrap(fn)
+
+
+def _serialise_simulated_shared_arrays():
+    """Make the simulator's ``cuda.shared.array`` safe for a block's concurrent threads.
+
+    numba-cuda 0.30's simulator gives each call site of a block one NumPy array, created by
+    the first thread to get there: it looks the site up and, when absent, makes and stores a
+    new array, with no lock. Two threads that interleave between the look-up and the store
+    each get an array of their own, so one reads an ``np.empty`` tile the others never wrote
+    (seen as an infinite output in CI). Here the look-up and the store happen under one lock;
+    the call site is the caller's (file, line), as numba keys it. Dynamic shared memory
+    (shape 0) is one buffer per block already and goes to numba unchanged.
+    """
+    import numpy as np
+    from numba.cuda import types
+    from numba.cuda.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+
+    unsafe = kernelapi.FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:
+            return unsafe(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        site = (caller.f_code.co_filename, caller.f_lineno)
+        with lock:
+            res = self._allocations.get(site)
+            if res is None:
+                if isinstance(dtype, types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                res = self._allocations[site] = np.empty(shape, dtype)
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
+if SIMULATOR:
+    _serialise_simulated_shared_arrays()
