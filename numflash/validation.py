@@ -522,6 +522,10 @@ def kvcache_problem(
         cache_seqlens = None
     elif cache_seqlens is None:
         raise TypeError("cache_seqlens is required: an int or an int32 array (batch,)")
+    elif isinstance(cache_seqlens, (bool, numbers.Number, str, list, tuple)):
+        raise TypeError(
+            f"cache_seqlens must be an int or an int32 array (batch,); got {cache_seqlens!r}"
+        )
     else:
         cache_seqlens = _check_index_array(cache_seqlens, "cache_seqlens", (b,), q)
     num_splits = _check_int(num_splits, "num_splits", low=0)

@@ -266,8 +266,10 @@ def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kernel, splits):
     [
         (dict(cache_seqlens=8), ValueError, r"cache_seqlens \+ seqlen_new must be in \[0, 9\]"),
         (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
-        (dict(cache_seqlens=1.5), TypeError, "cache_seqlens"),
-        (dict(cache_seqlens="lengths"), TypeError, "cache_seqlens"),
+        (dict(cache_seqlens=1.5), TypeError, "cache_seqlens must be an int or an int32 array"),
+        (dict(cache_seqlens="lengths"), TypeError, "cache_seqlens must be an int or an int32"),
+        (dict(cache_seqlens=True), TypeError, "cache_seqlens must be an int or an int32 array"),
+        (dict(cache_seqlens=[3, 3]), TypeError, "cache_seqlens must be an int or an int32"),
         (dict(k=None), ValueError, "k and v must be given together"),
         (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
         (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
