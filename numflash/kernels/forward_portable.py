@@ -107,11 +107,11 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 @functools.lru_cache(maxsize=None)
 def row_attender(head_dim, dtype_name, block_m, block_n):
-    """The device function ``attend_rows(q, k, v, o, lse, q_base, k_base, v_base, o_base,
-    lse_base, q_ss, k_ss, v_ss, o_ss, seqlen_q, seqlen_k, scale_log2, window_left,
-    window_right, m_block)``: query block ``m_block`` of one (sequence, head), one thread per
-    row. ``*_base`` index the sequence's row 0 for this head (lse: row 0's entry), rows
-    ``*_ss`` elements apart."""
+    """The device function ``attend_rows(q, k, v, o, lse, bases, row_strides, seqlen_q,
+    seqlen_k, scale_log2, window, m_block)``: query block ``m_block`` of one (sequence, head),
+    one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's row 0 for this head
+    (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements apart; ``window`` is
+    (left, right)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -124,27 +124,11 @@ def row_attender(head_dim, dtype_name, block_m, block_n):
 
     @device_function
     def attend_rows(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        q_base,
-        k_base,
-        v_base,
-        o_base,
-        lse_base,
-        q_ss,
-        k_ss,
-        v_ss,
-        o_ss,
-        seqlen_q,
-        seqlen_k,
-        scale_log2,
-        window_left,
-        window_right,
-        m_block,
+        q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
     ):
+        q_base, k_base, v_base, o_base, lse_base = bases
+        q_ss, k_ss, v_ss, o_ss = row_strides
+        window_left, window_right = window
         k_tile = cuda.shared.array(TILE, float32)
         v_tile = cuda.shared.array(TILE, float32)
         q_row = cuda.local.array(HEAD_DIM, float32)
@@ -222,30 +206,21 @@ def build(head_dim, dtype_name, block_m, block_n):
         k_sb, k_ss, k_sh = k_st
         v_sb, v_ss, v_sh = v_st
         o_sb, o_ss, o_sh = o_st
+        m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        attend_rows(
-            q,
-            k,
-            v,
-            o,
-            lse,
+        bases = (
             batch * q_sb + head * q_sh,
             batch * k_sb + kv_head * k_sh,
             batch * v_sb + kv_head * v_sh,
             batch * o_sb + head * o_sh,
             (batch * cuda.gridDim.y + head) * seqlen_q,
-            q_ss,
-            k_ss,
-            v_ss,
-            o_ss,
-            seqlen_q,
-            seqlen_k,
-            scale_log2,
-            window_left,
-            window_right,
-            cuda.blockIdx.x,
+        )
+        row_strides = (q_ss, k_ss, v_ss, o_ss)
+        window = (window_left, window_right)
+        attend_rows(
+            q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
         )
 
     return forward_portable
@@ -290,30 +265,21 @@ def build_varlen(head_dim, dtype_name, block_m, block_n):
         b = cuda.blockIdx.z
         q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
         k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
-        if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
+        m_block = cuda.blockIdx.x
+        if m_block * BLOCK_M >= seqlen_q:
             return  # past this sequence's end: the whole block
         kv_head = head // heads_per_kv
-        attend_rows(
-            q,
-            k,
-            v,
-            o,
-            lse,
+        bases = (
             q_start * q_ss + head * q_sh,
             k_start * k_ss + kv_head * k_sh,
             k_start * v_ss + kv_head * v_sh,
             q_start * o_ss + head * o_sh,
             int64(head) * total_q + q_start,
-            q_ss,
-            k_ss,
-            v_ss,
-            o_ss,
-            seqlen_q,
-            seqlen_k,
-            scale_log2,
-            window_left,
-            window_right,
-            cuda.blockIdx.x,
+        )
+        row_strides = (q_ss, k_ss, v_ss, o_ss)
+        window = (window_left, window_right)
+        attend_rows(
+            q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
         )
 
     return forward_portable_varlen
