@@ -152,33 +152,16 @@ def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q
 
     @device_function
     def attend_block(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        q_base,
-        k_base,
-        v_base,
-        o_base,
-        lse_base,
-        q_ss,
-        k_ss,
-        v_ss,
-        o_ss,
-        m_block,
-        seqlen_q,
-        seqlen_k,
-        scale_log2,
-        window_left,
-        window_right,
-        tid,
-        lane,
-        warp,
-    ):
+        q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
+        tid, lane, warp,
+    ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head), by thread ``tid``
-        (``lane`` of ``warp``) of the block: ``*_base`` is where the sequence's row 0 of this
-        head (its kv head for k, v) starts in each array."""
+        (``lane`` of ``warp``) of the block: ``bases`` (q, k, v, o, lse) is where the
+        sequence's row 0 of this head (its kv head for k, v) starts in each array, rows
+        ``row_strides`` (q, k, v, o) elements apart; ``window`` is (left, right)."""
+        q_base, k_base, v_base, o_base, lse_base = bases
+        q_ss, k_ss, v_ss, o_ss = row_strides
+        window_left, window_right = window
         smem = cuda.shared.array(0, uint16)
         qf = cuda.local.array(QF_REGS, uint32)
         pf = cuda.local.array(PF_REGS, uint32)
@@ -318,31 +301,19 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        attend_block(
-            q,
-            k,
-            v,
-            o,
-            lse,
+        bases = (
             batch * q_sb + head * q_sh,
             batch * k_sb + kv_head * k_sh,
             batch * v_sb + kv_head * v_sh,
             batch * o_sb + head * o_sh,
             (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
-            q_ss,
-            k_ss,
-            v_ss,
-            o_ss,
-            m_block,
-            seqlen_q,
-            seqlen_k,
-            scale_log2,
-            window_left,
-            window_right,
-            tid,
-            lane,
-            warp,
         )
+        row_strides = (q_ss, k_ss, v_ss, o_ss)
+        window = (window_left, window_right)
+        attend_block(
+            q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
+            tid, lane, warp,
+        )  # fmt: skip
 
     return forward
 
@@ -397,30 +368,18 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in
         if m_block * BLOCK_M >= seqlen_q:
             return
         kv_head = head // heads_per_kv
-        attend_block(
-            q,
-            k,
-            v,
-            o,
-            lse,
+        bases = (
             q_start * q_ss + head * q_sh,
             k_start * k_ss + kv_head * k_sh,
             k_start * v_ss + kv_head * v_sh,
             q_start * o_ss + head * o_sh,
             int64(head) * total_q + q_start,
-            q_ss,
-            k_ss,
-            v_ss,
-            o_ss,
-            m_block,
-            seqlen_q,
-            seqlen_k,
-            scale_log2,
-            window_left,
-            window_right,
-            tid,
-            lane,
-            warp,
         )
+        row_strides = (q_ss, k_ss, v_ss, o_ss)
+        window = (window_left, window_right)
+        attend_block(
+            q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
+            tid, lane, warp,
+        )  # fmt: skip
 
     return forward_varlen
