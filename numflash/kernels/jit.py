@@ -3,6 +3,8 @@
 Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) accepts only a subset of ``cuda.jit``'s
 options, so kernel modules decorate through :func:`device_function` and :func:`kernel`, which
 pass the GPU-only options (``forceinline``, ``lineinfo``, ``launch_bounds``) where they exist.
+In the simulator, importing this module also makes ``cuda.shared.array`` safe for a block's
+concurrent threads (:func:`_serialise_simulated_shared_arrays`).
 """
 
 import os
@@ -54,7 +56,7 @@ def _serialise_simulated_shared_arrays():
     the first thread to get there: it looks the site up and, when absent, makes and stores a
     new array, with no lock. Two threads that interleave between the look-up and the store
     each get an array of their own, so one reads an ``np.empty`` tile the others never wrote
-    (seen as an infinite output in CI). Here the look-up and the store happen under one lock;
+    (garbage in the output, inf among it). Here the look-up and the store happen under one lock;
     the call site is the caller's (file, line), as numba keys it. Dynamic shared memory
     (shape 0) is one buffer per block already and goes to numba unchanged.
     """
