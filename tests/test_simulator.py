@@ -14,8 +14,9 @@ BLOCKS = 1000
 def test_a_blocks_threads_share_one_static_shared_array():
     """Threads of a block that reach ``cuda.shared.array`` together get the same array.
 
-    numba-cuda 0.30's simulator, unpatched, split the allocation in some of these blocks (10 of 300 in one run)
-    (each thread with its own ``np.empty`` tile: an infinite output in CI)."""
+    Without numflash's lock, numba-cuda 0.30's simulator splits the allocation in a few of
+    these blocks (each such thread then works on an ``np.empty`` tile of its own), so the test
+    fails most runs; with it, never."""
     from numba.cuda import float32
     from numba.cuda.simulator.kernelapi import FakeCUDAShared
 
