@@ -153,40 +153,16 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
 
     @device_function
     def dkdv_block(
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dk,
-        dv,
-        q_off,
-        k_off,
-        v_off,
-        do_off,
-        dk_off,
-        dv_off,
-        row_off,
-        row_head_stride,
-        q_st,
-        k_st,
-        v_st,
-        do_st,
-        dk_st,
-        dv_st,
-        seqlen_q,
-        seqlen_k,
-        heads_per_kv,
-        scale,
-        window_left,
-        window_right,
-        kv_head,
-        n_block,
-    ):
-        """dK and dV of keys n_block * BLOCK_N .. of one (sequence, kv head): ``*_off`` index
-        the sequence's row 0 (head 0), lse and D of (head, row) at row_off + head *
-        row_head_stride + row."""
+        q, k, v, do, lse, delta, dk, dv, offsets, row_off, row_head_stride, strides, seqlen_q,
+        seqlen_k, heads_per_kv, scale, window, kv_head, n_block,
+    ):  # fmt: skip
+        """dK and dV of keys n_block * BLOCK_N .. of one (sequence, kv head): ``offsets`` (q,
+        k, v, do, dk, dv) index the sequence's row 0 (head 0) in each array, whose (batch,
+        row, head) ``strides`` come alike; lse and D of (head, row) at row_off + head *
+        row_head_stride + row; ``window`` is (left, right)."""
+        q_off, k_off, v_off, do_off, dk_off, dv_off = offsets
+        q_st, k_st, v_st, do_st, dk_st, dv_st = strides
+        window_left, window_right = window
         _, q_ss, q_sh = q_st
         _, k_ss, k_sh = k_st
         _, v_ss, v_sh = v_st
@@ -303,38 +279,20 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
             k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
             if cuda.blockIdx.x * BLOCK_N >= seqlen_k:
                 return  # past this sequence's keys: the whole block
-            dkdv_block(
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dk,
-                dv,
+            offsets = (
                 q_start * q_st[1],
                 k_start * k_st[1],
                 k_start * v_st[1],
                 q_start * do_st[1],
                 k_start * dk_st[1],
                 k_start * dv_st[1],
-                q_start,
-                int64(total_q),
-                q_st,
-                k_st,
-                v_st,
-                do_st,
-                dk_st,
-                dv_st,
-                seqlen_q,
-                seqlen_k,
-                heads_per_kv,
-                scale,
-                window_left,
-                window_right,
-                cuda.blockIdx.y,
-                cuda.blockIdx.x,
             )
+            strides = (q_st, k_st, v_st, do_st, dk_st, dv_st)
+            window = (window_left, window_right)
+            dkdv_block(
+                q, k, v, do, lse, delta, dk, dv, offsets, q_start, int64(total_q), strides,
+                seqlen_q, seqlen_k, heads_per_kv, scale, window, cuda.blockIdx.y, cuda.blockIdx.x,
+            )  # fmt: skip
 
     else:
 
@@ -363,38 +321,21 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
         ):
             batch = cuda.blockIdx.z
             nheads = cuda.gridDim.y * heads_per_kv
-            dkdv_block(
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dk,
-                dv,
+            offsets = (
                 batch * q_st[0],
                 batch * k_st[0],
                 batch * v_st[0],
                 batch * do_st[0],
                 batch * dk_st[0],
                 batch * dv_st[0],
-                int64(batch) * nheads * seqlen_q,
-                int64(seqlen_q),
-                q_st,
-                k_st,
-                v_st,
-                do_st,
-                dk_st,
-                dv_st,
-                seqlen_q,
-                seqlen_k,
-                heads_per_kv,
-                scale,
-                window_left,
-                window_right,
-                cuda.blockIdx.y,
-                cuda.blockIdx.x,
             )
+            strides = (q_st, k_st, v_st, do_st, dk_st, dv_st)
+            window = (window_left, window_right)
+            row_off = int64(batch) * nheads * seqlen_q
+            dkdv_block(
+                q, k, v, do, lse, delta, dk, dv, offsets, row_off, int64(seqlen_q), strides,
+                seqlen_q, seqlen_k, heads_per_kv, scale, window, cuda.blockIdx.y, cuda.blockIdx.x,
+            )  # fmt: skip
 
     return dkdv
 
@@ -417,35 +358,16 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
 
     @device_function
     def dq_block(
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dq,
-        q_off,
-        k_off,
-        v_off,
-        do_off,
-        dq_off,
-        row_base,
-        q_st,
-        k_st,
-        v_st,
-        do_st,
-        dq_st,
-        seqlen_q,
-        seqlen_k,
-        scale,
-        window_left,
-        window_right,
-        head,
-        kv_head,
-        m_block,
-    ):
-        """dQ of query block m_block of one (sequence, head): ``*_off`` index the sequence's
-        row 0 (head 0); lse and D of row i at row_base + i."""
+        q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
+        window, head, kv_head, m_block,
+    ):  # fmt: skip
+        """dQ of query block m_block of one (sequence, head): ``offsets`` (q, k, v, do, dq)
+        index the sequence's row 0 (head 0) in each array, whose (batch, row, head)
+        ``strides`` come alike; lse and D of row i at row_base + i; ``window`` is (left,
+        right)."""
+        q_off, k_off, v_off, do_off, dq_off = offsets
+        q_st, k_st, v_st, do_st, dq_st = strides
+        window_left, window_right = window
         _, q_ss, q_sh = q_st
         _, k_ss, k_sh = k_st
         _, v_ss, v_sh = v_st
@@ -531,34 +453,20 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
             k_start, seqlen_k = packed_sequence(cu_k, b, total_k, max_seqlen_k)
             if cuda.blockIdx.x * BLOCK_M >= seqlen_q:
                 return  # past this sequence's rows: the whole block
-            dq_block(
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dq,
+            offsets = (
                 q_start * q_st[1],
                 k_start * k_st[1],
                 k_start * v_st[1],
                 q_start * do_st[1],
                 q_start * dq_st[1],
-                int64(head) * total_q + q_start,
-                q_st,
-                k_st,
-                v_st,
-                do_st,
-                dq_st,
-                seqlen_q,
-                seqlen_k,
-                scale,
-                window_left,
-                window_right,
-                head,
-                head // heads_per_kv,
-                cuda.blockIdx.x,
             )
+            strides = (q_st, k_st, v_st, do_st, dq_st)
+            window = (window_left, window_right)
+            row_base = int64(head) * total_q + q_start
+            dq_block(
+                q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
+                window, head, head // heads_per_kv, cuda.blockIdx.x,
+            )  # fmt: skip
 
     else:
 
@@ -585,33 +493,19 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
         ):
             head = cuda.blockIdx.y
             batch = cuda.blockIdx.z
-            dq_block(
-                q,
-                k,
-                v,
-                do,
-                lse,
-                delta,
-                dq,
+            offsets = (
                 batch * q_st[0],
                 batch * k_st[0],
                 batch * v_st[0],
                 batch * do_st[0],
                 batch * dq_st[0],
-                (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
-                q_st,
-                k_st,
-                v_st,
-                do_st,
-                dq_st,
-                seqlen_q,
-                seqlen_k,
-                scale,
-                window_left,
-                window_right,
-                head,
-                head // heads_per_kv,
-                cuda.blockIdx.x,
             )
+            strides = (q_st, k_st, v_st, do_st, dq_st)
+            window = (window_left, window_right)
+            row_base = (int64(batch) * cuda.gridDim.y + head) * seqlen_q
+            dq_block(
+                q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
+                window, head, head // heads_per_kv, cuda.blockIdx.x,
+            )  # fmt: skip
 
     return dq_kernel
