@@ -1,0 +1,121 @@
+"""numflash.plans' rules, without a GPU: which recorded calls get a plan, which pointer each
+replayed launch takes from which role, what a plan keeps, and the overlaps refused at replay.
+
+Arrays and launchers here are stand-ins with the attributes plans.make reads (a CuPy array's
+shape, strides, dtype, size and data.ptr; a Launcher's prepare); tests/test_plans.py runs the
+same rules through real calls on the GPU."""
+
+import numpy as np
+import pytest
+
+from numflash import plans
+from numflash.arrays import KernelArray
+from numflash.launch import Record
+
+
+class _Memory:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class _Array:
+    """What plans.make reads of a CuPy array."""
+
+    def __init__(self, ptr, shape, dtype=np.float16, strides=None):
+        self.shape = shape
+        self.dtype = np.dtype(dtype)
+        if strides is None:
+            strides, step = [], self.dtype.itemsize
+            for n in reversed(shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.size = int(np.prod(shape))
+        self.data = _Memory(ptr)
+
+    def argument(self):
+        """The KernelArray a launch of this array records."""
+        return KernelArray(self.data.ptr, self.size, self.dtype.itemsize, self)
+
+
+class _Launcher:
+    """Launcher.prepare's contract: the argument positions replaced at replay, by role."""
+
+    def prepare(self, grid, block, shared_bytes, args, roles):
+        return dict(roles)
+
+
+def _record(*launches, unrecorded_work=False):
+    record = Record()
+    record.launches = [(_Launcher(), (1, 1, 1), (32, 1, 1), 0, args) for args in launches]
+    record.unrecorded_work = unrecorded_work
+    return record
+
+
+Q, K, OUT = (_Array(ptr, (2, 8, 4, 16)) for ptr in (0x1000, 0x9000, 0x11000))
+
+
+def test_each_array_argument_is_replaced_by_its_role_and_the_rest_is_kept():
+    partial = _Array(0x20000, (64,), np.float32)  # a buffer the full path made for itself
+    record = _record(
+        (Q.argument(), 7, K.argument(), partial.argument()),
+        (partial.argument(), OUT.argument(), 1.5),
+    )
+    plan = plans.make(record, (Q, K, OUT))
+    assert plan is not None
+    assert plan.launches == ({0: 0, 2: 1}, {1: 2})  # positions -> roles, launch by launch
+    assert plan.keep == [partial, partial]  # alive as long as the plan: replays write it
+    assert plan.spans == [2 * 8 * 4 * 16 * 2] * 3
+
+
+@pytest.mark.parametrize(
+    "record, roles, why",
+    [
+        (_record(), (), "the full path launched nothing (an empty problem), whatever the roles"),
+        (_record((Q.argument(),), unrecorded_work=True), (Q,), "a copy or a fill beside it"),
+        (_record((OUT.argument(),)), (Q, OUT), "q was copied before the kernel read it"),
+        (
+            _record((Q.argument(), _Array(0x1000, (8,)).argument())),
+            (Q, _Array(0x1000, (8,))),
+            "two roles at one address",
+        ),
+        (
+            _record((_Array(0x1000, (4, 4), strides=(-8, 2)).argument(),)),
+            (_Array(0x1000, (4, 4), strides=(-8, 2)),),
+            "a negative stride: the kernel took another address than data.ptr",
+        ),
+    ],
+)
+def test_no_plan_where_a_replay_would_not_be_exact(record, roles, why):
+    assert plans.make(record, roles) is None, why
+
+
+def test_absent_roles_are_skipped_and_their_overlaps_dropped():
+    record = _record((Q.argument(), OUT.argument()))
+    plan = plans.make(record, (Q, None, OUT), overlaps=((1, 0), (2, 0)))
+    assert plan.launches == ({0: 0, 1: 2},)
+    assert plan.overlaps == ((2, 0),)
+    assert plan.spans[1] == 0
+
+
+def test_overlapping_roles_are_refused_at_replay_and_touching_ones_are_not():
+    plan = plans.make(_record((Q.argument(), OUT.argument())), (Q, OUT), overlaps=((1, 0),))
+    span = plan.spans[0]
+    assert plan.disjoint([0x1000, 0x1000 + span])  # out starts where q ends
+    assert plan.disjoint([0x1000 + span, 0x1000])  # q starts where out ends
+    assert not plan.disjoint([0x1000, 0x1000 + span - 2])  # one element shared
+    assert not plan.disjoint([0x1000 + span - 2, 0x1000])
+    assert not plan.disjoint([0x1000, 0x1000])
+
+
+def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
+    cache = plans.PlanCache()
+    made = [plans.make(_record((Q.argument(),)), (Q,)) for _ in range(plans.MAX_PLANS + 1)]
+    for i, plan in enumerate(made):
+        cache.put(i, plan)
+    assert cache.get(0) is None and cache.get(1) is made[1]  # the oldest went first
+    assert cache.get(plans.MAX_PLANS) is made[-1]
+    cache.pin(made[5])
+    cache.clear()
+    assert cache.get(5) is None  # forgotten by the cache ...
+    assert made[5].pinned and made[5] in cache._pinned  # ... but its buffers stay alive
