@@ -7,35 +7,20 @@ same rules through real calls on the GPU."""
 
 import numpy as np
 import pytest
+from support.standins import DeviceArray
 
 from numflash import plans
 from numflash.arrays import KernelArray
 from numflash.launch import Record
 
 
-class _Memory:
-    def __init__(self, ptr):
-        self.ptr = ptr
+def _array(ptr, shape, dtype=np.float16, strides=None):
+    return DeviceArray(shape, dtype, ptr, strides)
 
 
-class _Array:
-    """What plans.make reads of a CuPy array."""
-
-    def __init__(self, ptr, shape, dtype=np.float16, strides=None):
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        if strides is None:
-            strides, step = [], self.dtype.itemsize
-            for n in reversed(shape):
-                strides.insert(0, step)
-                step *= n
-        self.strides = tuple(strides)
-        self.size = int(np.prod(shape))
-        self.data = _Memory(ptr)
-
-    def argument(self):
-        """The KernelArray a launch of this array records."""
-        return KernelArray(self.data.ptr, self.size, self.dtype.itemsize, self)
+def _argument(x):
+    """The KernelArray a launch of ``x`` records."""
+    return KernelArray(x.data.ptr, x.size, x.dtype.itemsize, x)
 
 
 class _Launcher:
@@ -52,14 +37,14 @@ def _record(*launches, unrecorded_work=False):
     return record
 
 
-Q, K, OUT = (_Array(ptr, (2, 8, 4, 16)) for ptr in (0x1000, 0x9000, 0x11000))
+Q, K, OUT = (_array(ptr, (2, 8, 4, 16)) for ptr in (0x1000, 0x9000, 0x11000))
 
 
 def test_each_array_argument_is_replaced_by_its_role_and_the_rest_is_kept():
-    partial = _Array(0x20000, (64,), np.float32)  # a buffer the full path made for itself
+    partial = _array(0x20000, (64,), np.float32)  # a buffer the full path made for itself
     record = _record(
-        (Q.argument(), 7, K.argument(), partial.argument()),
-        (partial.argument(), OUT.argument(), 1.5),
+        (_argument(Q), 7, _argument(K), _argument(partial)),
+        (_argument(partial), _argument(OUT), 1.5),
     )
     plan = plans.make(record, (Q, K, OUT))
     assert plan is not None
@@ -72,16 +57,16 @@ def test_each_array_argument_is_replaced_by_its_role_and_the_rest_is_kept():
     "record, roles, why",
     [
         (_record(), (), "the full path launched nothing (an empty problem), whatever the roles"),
-        (_record((Q.argument(),), unrecorded_work=True), (Q,), "a copy or a fill beside it"),
-        (_record((OUT.argument(),)), (Q, OUT), "q was copied before the kernel read it"),
+        (_record((_argument(Q),), unrecorded_work=True), (Q,), "a copy or a fill beside it"),
+        (_record((_argument(OUT),)), (Q, OUT), "q was copied before the kernel read it"),
         (
-            _record((Q.argument(), _Array(0x1000, (8,)).argument())),
-            (Q, _Array(0x1000, (8,))),
+            _record((_argument(Q), _argument(_array(0x1000, (8,))))),
+            (Q, _array(0x1000, (8,))),
             "two roles at one address",
         ),
         (
-            _record((_Array(0x1000, (4, 4), strides=(-8, 2)).argument(),)),
-            (_Array(0x1000, (4, 4), strides=(-8, 2)),),
+            _record((_argument(_array(0x1000, (4, 4), strides=(-8, 2))),)),
+            (_array(0x1000, (4, 4), strides=(-8, 2)),),
             "a negative stride: the kernel took another address than data.ptr",
         ),
     ],
@@ -91,7 +76,7 @@ def test_no_plan_where_a_replay_would_not_be_exact(record, roles, why):
 
 
 def test_absent_roles_are_skipped_and_their_overlaps_dropped():
-    record = _record((Q.argument(), OUT.argument()))
+    record = _record((_argument(Q), _argument(OUT)))
     plan = plans.make(record, (Q, None, OUT), overlaps=((1, 0), (2, 0)))
     assert plan.launches == ({0: 0, 1: 2},)
     assert plan.overlaps == ((2, 0),)
@@ -99,7 +84,7 @@ def test_absent_roles_are_skipped_and_their_overlaps_dropped():
 
 
 def test_overlapping_roles_are_refused_at_replay_and_touching_ones_are_not():
-    plan = plans.make(_record((Q.argument(), OUT.argument())), (Q, OUT), overlaps=((1, 0),))
+    plan = plans.make(_record((_argument(Q), _argument(OUT))), (Q, OUT), overlaps=((1, 0),))
     span = plan.spans[0]
     assert plan.disjoint([0x1000, 0x1000 + span])  # out starts where q ends
     assert plan.disjoint([0x1000 + span, 0x1000])  # q starts where out ends
@@ -110,7 +95,7 @@ def test_overlapping_roles_are_refused_at_replay_and_touching_ones_are_not():
 
 def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
     cache = plans.PlanCache()
-    made = [plans.make(_record((Q.argument(),)), (Q,)) for _ in range(plans.MAX_PLANS + 1)]
+    made = [plans.make(_record((_argument(Q),)), (Q,)) for _ in range(plans.MAX_PLANS + 1)]
     for i, plan in enumerate(made):
         cache.put(i, plan)
     assert cache.get(0) is None and cache.get(1) is made[1]  # the oldest went first

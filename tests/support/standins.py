@@ -1,0 +1,33 @@
+"""Stand-ins for CuPy arrays and the device, to check numflash's host logic without a GPU: the
+repeated-call path (numflash.api, numflash.plans) reads only these attributes of an array."""
+
+import itertools
+
+import numpy as np
+
+_addresses = itertools.count(1 << 32, 1 << 24)  # 16 MiB apart: stand-ins never overlap
+
+
+class Memory:
+    """A CuPy MemoryPointer's address and device."""
+
+    def __init__(self, ptr, device_id=0):
+        self.ptr = ptr
+        self.device_id = device_id
+
+
+class DeviceArray:
+    """A CuPy array's shape, strides (bytes, C order unless given), dtype, size and memory, at
+    ``ptr`` (a fresh address by default)."""
+
+    def __init__(self, shape, dtype=np.float16, ptr=None, strides=None):
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+        if strides is None:
+            strides, step = [], self.dtype.itemsize
+            for n in reversed(self.shape):
+                strides.insert(0, step)
+                step *= n
+        self.strides = tuple(strides)
+        self.size = int(np.prod(self.shape))
+        self.data = Memory(next(_addresses) if ptr is None else ptr)

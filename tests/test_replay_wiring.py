@@ -1,0 +1,219 @@
+"""The repeated-call path of numflash.api, without a GPU: a call's signature key, the plan the
+first call records, and which of the next call's pointers each replayed launch receives.
+
+CuPy and the kernels are replaced by stand-ins (tests/support/standins.py): the full path is a
+stub that records one launch taking every array of the call, as the real ones do. What the
+kernels compute is tests/test_plans.py's part, on the GPU."""
+
+import numpy as np
+import pytest
+from support.standins import DeviceArray
+
+import numflash
+from numflash import api, launch, plans
+from numflash.arrays import KernelArray
+
+STREAM = 0x5EED
+
+
+class _Stream:
+    ptr = STREAM
+
+
+class _Prepared:
+    """A prepared launch that notes, at each replay, the pointer each argument position got."""
+
+    def __init__(self, roles, replays):
+        self.roles = roles
+        self.replays = replays
+
+    def launch(self, stream, pointers):
+        assert stream == STREAM
+        self.replays.append({pos: pointers[role] for pos, role in self.roles.items()})
+
+
+class _Launcher:
+    def __init__(self, replays):
+        self.replays = replays
+
+    def prepare(self, grid, block, shared_bytes, args, roles):
+        return _Prepared(dict(roles), self.replays)
+
+
+class _Device:
+    """numflash.api on stand-ins: arrays from DeviceArray, one device, one stream, and full
+    paths that record one launch over the arrays they are given and make."""
+
+    def __init__(self, monkeypatch):
+        self.capturing = 0
+        self.full_calls = 0
+        self.replays = []
+        monkeypatch.setattr(api, "SIMULATOR", False)
+        monkeypatch.setattr(api, "_plans", plans.PlanCache())
+        monkeypatch.setattr(api._Cupy, "empty", lambda shape, dtype: DeviceArray(shape, dtype))
+        monkeypatch.setattr(api._Cupy, "get_device", lambda: 0)
+        monkeypatch.setattr(api._Cupy, "current_stream", _Stream)
+        monkeypatch.setattr(api._Cupy, "stream_is_capturing", lambda stream: self.capturing)
+        monkeypatch.setattr(api, "_attention", self._forward)
+        monkeypatch.setattr(api, "_attention_with_kvcache", self._kvcache)
+        monkeypatch.setattr(api, "_attention_backward", self._backward)
+
+    def _launch(self, *arrays):
+        """The one launch a full path records: every array, then a scalar."""
+        args = tuple(KernelArray(x.data.ptr, x.size, x.dtype.itemsize, x) for x in arrays)
+        launch._recording.record.launches.append(
+            (_Launcher(self.replays), (1, 1, 1), (32, 1, 1), 0, (*args, 1.0))
+        )
+
+    def _forward(self, q, k, v, causal, scale, window, return_lse, out, config):
+        self.full_calls += 1
+        out = DeviceArray(q.shape, q.dtype)
+        lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+        self._launch(q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _kvcache(self, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, *rest):
+        self.full_calls += 1
+        return_lse = rest[4]
+        out = DeviceArray(q.shape, q.dtype)
+        lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+        present = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
+        self._launch(*(x for x in present if x is not None and not isinstance(x, int)))
+        return (out, lse) if return_lse else out
+
+    def _backward(self, dout, q, k, v, out, lse, *flags):
+        self.full_calls += 1
+        grads = tuple(DeviceArray(x.shape, x.dtype) for x in (q, k, v))
+        self._launch(dout, q, k, v, out, lse, *grads)
+        return grads
+
+
+@pytest.fixture
+def device(monkeypatch):
+    return _Device(monkeypatch)
+
+
+def _qkv(batch=2, seqlen_q=3, seqlen_k=40, nheads=8, nheads_k=2, head_dim=64):
+    return (
+        DeviceArray((batch, seqlen_q, nheads, head_dim)),
+        DeviceArray((batch, seqlen_k, nheads_k, head_dim)),
+        DeviceArray((batch, seqlen_k, nheads_k, head_dim)),
+    )
+
+
+def _pointers(*arrays):
+    """The replay's expected {argument position: pointer}: the arrays in launch order."""
+    return {pos: x.data.ptr for pos, x in enumerate(arrays)}
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_attention_replays_with_the_new_calls_pointers(device, return_lse):
+    numflash.attention(*_qkv(), causal=True, return_lse=return_lse)  # records the plan
+    q, k, v = _qkv()
+    got = numflash.attention(q, k, v, causal=True, return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
+    assert device.full_calls == 1
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    if return_lse:
+        assert (lse.shape, lse.dtype) == ((2, 8, 3), np.float32)
+        assert device.replays == [_pointers(q, k, v, out, lse)]
+    else:  # the lse nobody asked for is the plan's own buffer, the same at every replay
+        (replay,) = device.replays
+        assert {p: replay[p] for p in range(4)} == _pointers(q, k, v, out)
+        assert 4 not in replay
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(causal=1),  # True and 1 are different calls
+        dict(softmax_scale=0.125),
+        dict(softmax_scale=1),
+        dict(window_size=(4, 0)),
+        dict(return_lse=True),
+        dict(q=DeviceArray((2, 3, 8, 64), np.dtype("float32"))),
+        dict(q=DeviceArray((2, 3, 8, 64), strides=(3 * 8 * 128, 128, 3 * 128, 2))),  # a view
+        dict(q=DeviceArray((2, 3, 8, 64), ptr=(1 << 40) + 8)),  # only 8-byte aligned
+        dict(k=DeviceArray((2, 41, 2, 64)), v=DeviceArray((2, 41, 2, 64))),
+    ],
+    ids=lambda change: ",".join(change),
+)
+def test_a_call_that_differs_in_its_signature_records_its_own_plan(device, change):
+    q, k, v = _qkv()
+    numflash.attention(q, k, v, causal=True)
+    numflash.attention(*_qkv(), causal=True)
+    assert device.full_calls == 1
+    args = dict(q=q, k=k, v=v, causal=True)
+    args.update(change)
+    numflash.attention(**args)
+    assert device.full_calls == 2, f"{change} reached the plan of another signature"
+
+
+def test_another_stream_or_a_new_cache_generation_records_its_own_plan(device, monkeypatch):
+    numflash.attention(*_qkv())
+    monkeypatch.setattr(api._Cupy, "current_stream", type("Other", (), {"ptr": 7}))
+    numflash.attention(*_qkv())
+    monkeypatch.setattr(api.cache, "generation", api.cache.generation + 1)
+    numflash.attention(*_qkv())
+    assert device.full_calls == 3
+
+
+def _kvcache_arrays():
+    q = DeviceArray((2, 1, 8, 64))
+    caches = (DeviceArray((16, 4, 2, 64)), DeviceArray((16, 4, 2, 64)))
+    new = (DeviceArray((2, 1, 2, 64)), DeviceArray((2, 1, 2, 64)))
+    seqlens = DeviceArray((2,), np.int32)
+    table = DeviceArray((2, 8), np.int32)
+    return q, caches, new, seqlens, table
+
+
+def test_a_paged_decoding_step_replays_with_the_new_calls_pointers(device):
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    q, _, (k, v), seqlens2, _ = _kvcache_arrays()  # the same caches and table, a new step
+    out = numflash.attention_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=seqlens2, block_table=table
+    )
+    assert device.full_calls == 1
+    (replay,) = device.replays
+    want = _pointers(q, kc, vc, k, v, seqlens2, table, out)
+    assert {p: replay[p] for p in want} == want
+
+
+def test_an_int_cache_length_is_part_of_the_signature(device):
+    q, (kc, vc), _, _, table = _kvcache_arrays()
+    for length in (3, 3, 4):
+        numflash.attention_with_kvcache(q, kc, vc, cache_seqlens=length, block_table=table)
+    assert device.full_calls == 2  # 3 recorded and replayed; 4 is another launch
+
+
+def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    inside = DeviceArray(k.shape, ptr=kc.data.ptr + 256)  # overlaps k_cache
+    for q_, k_ in ((q, inside), (DeviceArray(q.shape, ptr=vc.data.ptr), k)):
+        numflash.attention_with_kvcache(q_, kc, vc, k_, v, cache_seqlens=seqlens, block_table=table)
+    assert device.replays == [] and device.full_calls == 3
+
+
+def test_backward_replays_with_the_new_calls_pointers(device):
+    def arrays():
+        q, k, v = _qkv()
+        return (DeviceArray(q.shape), q, k, v, DeviceArray(q.shape), DeviceArray((2, 8, 3), "f4"))
+
+    numflash.attention_backward(*arrays(), causal=True)
+    inputs = arrays()
+    dq, dk, dv = numflash.attention_backward(*inputs, causal=True)
+    assert device.full_calls == 1
+    assert device.replays == [_pointers(*inputs, dq, dk, dv)]
+    assert [g.shape for g in (dq, dk, dv)] == [x.shape for x in inputs[1:4]]
+
+
+def test_a_replay_under_capture_pins_its_plan(device):
+    numflash.attention(*_qkv())  # a plan that keeps its own lse buffer
+    (plan,) = api._plans._plans.values()
+    numflash.attention(*_qkv())
+    assert not plan.pinned
+    device.capturing = 1
+    numflash.attention(*_qkv())
+    assert plan.pinned and plan in api._plans._pinned
