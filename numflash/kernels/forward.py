@@ -308,11 +308,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
             batch * o_sb + head * o_sh,
             (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
         )
-        row_strides = (q_ss, k_ss, v_ss, o_ss)
-        window = (window_left, window_right)
         attend_block(
-            q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-            tid, lane, warp,
+            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, seqlen_q, seqlen_k,
+            scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 
     return forward
@@ -375,11 +373,9 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in
             q_start * o_ss + head * o_sh,
             int64(head) * total_q + q_start,
         )
-        row_strides = (q_ss, k_ss, v_ss, o_ss)
-        window = (window_left, window_right)
         attend_block(
-            q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-            tid, lane, warp,
+            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, seqlen_q, seqlen_k,
+            scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 
     return forward_varlen

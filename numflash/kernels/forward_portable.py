@@ -217,11 +217,10 @@ def build(head_dim, dtype_name, block_m, block_n):
             batch * o_sb + head * o_sh,
             (batch * cuda.gridDim.y + head) * seqlen_q,
         )
-        row_strides = (q_ss, k_ss, v_ss, o_ss)
-        window = (window_left, window_right)
         attend_rows(
-            q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
-        )
+            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), seqlen_q, seqlen_k, scale_log2,
+            (window_left, window_right), m_block,
+        )  # fmt: skip
 
     return forward_portable
 
@@ -276,10 +275,9 @@ def build_varlen(head_dim, dtype_name, block_m, block_n):
             q_start * o_ss + head * o_sh,
             int64(head) * total_q + q_start,
         )
-        row_strides = (q_ss, k_ss, v_ss, o_ss)
-        window = (window_left, window_right)
         attend_rows(
-            q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
-        )
+            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), seqlen_q, seqlen_k, scale_log2,
+            (window_left, window_right), m_block,
+        )  # fmt: skip
 
     return forward_portable_varlen
