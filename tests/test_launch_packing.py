@@ -1,0 +1,120 @@
+"""The packed kernel parameters a plan replays, without a GPU: Numba's ABI as numflash.launch
+packs it (an array is seven 8-byte slots, its data pointer the fifth), and the pointers a
+replay patches into that buffer landing on the arrays' data slots and nowhere else.
+
+The driver is not called: the launch function is a stand-in that notes its arguments. That
+the kernels read these parameters as packed is the GPU tests' part (every launch uses them)."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from numflash import launch
+from numflash.arrays import KernelArray
+
+SPECS = {
+    name: getattr(launch, name)
+    for name in ("FORWARD", "FORWARD_VARLEN", "DQ", "TENSOR_CORE_DKDV", "DECODE", "APPEND")
+}
+
+
+@pytest.fixture
+def typed(monkeypatch):
+    """Kernel signatures and launchers as on a GPU (the simulator types nothing)."""
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+
+
+def _arguments(signature):
+    """Distinct values for each parameter of ``signature``: arrays at addresses 1 GiB apart."""
+    from numba.cuda import types
+
+    args = []
+    for i, ty in enumerate(signature):
+        if isinstance(ty, types.Array):
+            itemsize = ty.dtype.bitwidth // 8
+            args.append(KernelArray((i + 1) << 30, 1000 + i, itemsize))
+        elif isinstance(ty, types.UniTuple):
+            args.append(tuple(100 * i + j for j in range(ty.count)))
+        elif ty == types.float32:
+            args.append(0.5 + i)
+        else:
+            args.append(-i)
+    return args
+
+
+def _prepared(spec, dtype_name):
+    launcher = launch.Launcher(None, spec.signature(dtype_name))
+    launcher._function = lambda: 0xF00  # the CUfunction handle, without a driver
+    args = _arguments(launcher.argtypes)
+    arrays = [i for i, a in enumerate(args) if isinstance(a, KernelArray)]
+    roles = {position: role for role, position in enumerate(arrays)}
+    prepared = launcher.prepare((3, 2, 1), 128, 4096, args, roles)
+    return launcher, prepared, args, arrays
+
+
+def _unpack(launcher, prepared):
+    return launcher._struct.unpack(bytes(prepared.buffer))
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "float32"])
+@pytest.mark.parametrize("name", SPECS)
+def test_each_parameter_has_an_8_byte_slot_and_arrays_take_seven(typed, name, dtype_name):
+    launcher, prepared, args, arrays = _prepared(SPECS[name], dtype_name)
+    slots = sum(abs(kind) for kind in launcher._kinds)
+    assert launcher._struct.size == 8 * slots
+    addresses = np.frombuffer(prepared.pointers, np.uint64)
+    assert prepared.address == prepared.pointers.ctypes.data
+    assert list(addresses - addresses[0]) == [8 * i for i in range(slots)]
+    values, slot = _unpack(launcher, prepared), 0
+    for arg in args:
+        if isinstance(arg, KernelArray):  # meminfo, parent, nitems, itemsize, data, shape, strides
+            n, size = arg.nitems, arg.itemsize
+            assert values[slot : slot + 7] == (0, 0, n, size, arg.pointer, n, size)
+            slot += 7
+        elif isinstance(arg, tuple):
+            assert values[slot : slot + len(arg)] == arg
+            slot += len(arg)
+        else:
+            assert values[slot] == pytest.approx(arg)
+            slot += 1
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_a_replay_patches_each_arrays_data_slot_and_nothing_else(typed, name):
+    launcher, prepared, args, arrays = _prepared(SPECS[name], "float16")
+    before = _unpack(launcher, prepared)
+    calls = []
+    prepared._launch = lambda *a: calls.append(a)
+    new = [(7 << 40) + 256 * role for role in range(len(arrays))]
+    prepared.launch(0x5EED, new)
+    after = _unpack(launcher, prepared)
+    data_slots = _data_slots(launcher)
+    assert [after[s] for s in data_slots] == new
+    assert [a for i, a in enumerate(after) if i not in data_slots] == [
+        b for i, b in enumerate(before) if i not in data_slots
+    ]
+    assert calls == [(0xF00, 3, 2, 1, 128, 1, 1, 4096, 0x5EED, prepared.address, 0)]
+
+
+def _data_slots(launcher):
+    """The slot of each array argument's data pointer, from the slot counts alone."""
+    out, slot = [], 0
+    for kind in launcher._kinds:
+        if kind == 7:
+            out.append(slot + 4)
+        slot += abs(kind)
+    return out
+
+
+def test_a_format_per_parameter_type_and_a_refusal_for_others(typed):
+    from numba.cuda import types
+
+    fmt, kinds = launch._param_layout(
+        (types.Array(types.uint16, 1, "C"), types.UniTuple(types.int64, 3), types.int32)
+    )
+    assert (fmt, kinds) == ("=QQqqQqqqqqi4x", [7, -3, 1])
+    assert struct.calcsize(fmt) == 8 * 11
+    for bad in (types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 1, "A"), types.int8):
+        with pytest.raises(TypeError):
+            launch._param_layout((bad,))
