@@ -257,7 +257,7 @@ def attention_varlen(
         causal, softmax_scale, window_size: as :func:`attention`, masks aligned bottom-right
             within each sequence's own lengths.
         return_lse: also return lse, float32 (nheads, total_q).
-        out: optional output array (q's shape and dtype).
+        out: optional output array (q's shape and dtype, sharing no memory with an input).
         config: force a :class:`numflash.TensorCoreConfig` or :class:`numflash.PortableConfig`
             as for :func:`attention`; by default numflash chooses as for a dense call of the
             max lengths.
@@ -284,6 +284,9 @@ def attention_varlen(
     )
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
+    if out is not None:
+        offsets = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
+        validation.check_no_overlap(out, "out", offsets)
     with _on_device(q):
         device = current_device()
         cfg = validation.check_varlen_config(config, p, device)
@@ -565,7 +568,7 @@ def attention_with_kvcache(
             each sequence's length after the append.
         num_splits: thread blocks sharing one sequence's keys; 0 chooses.
         return_lse: also return lse, float32 (batch, nheads, seqlen_q).
-        out: optional output array (q's shape and dtype).
+        out: optional output array (q's shape and dtype, sharing no memory with an input).
         config: force a :class:`numflash.TensorCoreDecodeConfig` (fp16/bf16, compute
             capability 8.0+, head_dim a multiple of 8, caches with 16-byte aligned rows) or a
             :class:`numflash.PortableDecodeConfig`; by default numflash chooses.
@@ -670,7 +673,11 @@ def _attention_with_kvcache(
     if out is not None:
         out = validation.check_like(out, "out", q, "q")
         validation.check_writable(out, "out")
-        validation.check_no_overlap(out, "out", {"q": q, "k_cache": k_cache, "v_cache": v_cache})
+        inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens)
+        inputs.update(cache_batch_idx=batch_idx, block_table=block_table)
+        validation.check_no_overlap(
+            out, "out", {name: x for name, x in inputs.items() if x is not None}
+        )
     with _on_device(q):
         device = current_device()
         choice, splits = selection.decode(

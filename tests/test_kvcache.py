@@ -294,6 +294,32 @@ def test_bad_arguments_are_refused_by_name(change, error, message):
     assert (to_numpy(args["k_cache"]).view(np.uint16) == before.view(np.uint16)).all()
 
 
+@pytest.mark.parametrize("reader", ["q", "k", "v", "k_cache", "cache_seqlens", "block_table"])
+def test_an_out_sharing_memory_with_an_input_is_refused(reader):
+    """The kernel writes out while other blocks still read every input: an out over any of
+    them would change what they read."""
+    rng = np.random.default_rng(5)
+    # nheads == nheads_k and seqlen_q == seqlen_new: out has the shape of q, k and v alike
+    q, k, v = (random_array((2, 2, 2, 16), "float16", rng) for _ in range(3))
+    k_cache, v_cache = (random_array((6, 4, 2, 16), "float16", rng) for _ in range(2))
+    buffer = xp.zeros(q.size + 8, np.float16)  # out's elements, then room for an int32 array
+    out = buffer[: q.size].reshape(q.shape)
+    args = dict(cache_seqlens=xp.asarray(np.array([1, 2], np.int32)))
+    args.update(block_table=xp.asarray(np.array([[0, 1], [2, 3]], np.int32)))
+    if reader in ("cache_seqlens", "block_table"):  # an index array over out's last bytes
+        shape = args[reader].shape
+        n = int(np.prod(shape))  # int32 elements: 2 n float16 ones, n of them out's
+        args[reader] = buffer[q.size - n : q.size + n].view(np.int32).reshape(shape)
+    elif reader == "k_cache":
+        out = k_cache.reshape(-1)[: q.size].reshape(q.shape)
+    else:
+        out = dict(q=q, k=k, v=v)[reader]
+    before = to_numpy(k_cache).copy()
+    with pytest.raises(ValueError, match=f"out overlaps {reader} in memory"):
+        numflash.attention_with_kvcache(q, k_cache, v_cache, k, v, out=out, **args)
+    assert (to_numpy(k_cache).view(np.uint16) == before.view(np.uint16)).all()
+
+
 def test_shapes_and_dtypes_are_refused_by_name():
     rng = np.random.default_rng(4)
     q = random_array((2, 1, 2, 16), "float16", rng)

@@ -263,3 +263,17 @@ def test_bad_arguments_are_refused_by_name(change, error, message):
     config = args.pop("config", None)
     with pytest.raises(error, match=message):
         numflash.attention_varlen(**args, config=config)
+
+
+@pytest.mark.parametrize("offsets", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_an_out_over_the_offsets_is_refused(offsets):
+    """Blocks read the offsets while others write out: out must not hold them."""
+    rng = np.random.default_rng(2)
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (3, 5), (3, 5), 2, 1, 16), rng)
+    buffer = xp.zeros(q.size + 6, np.float16)  # out, then the rest of a (3,) int32 array
+    out = buffer[: q.size].reshape(q.shape)
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    args[offsets] = buffer[q.size - 2 : q.size + 4].view(np.int32)  # its first element in out
+    args[offsets][...] = xp.asarray(to_numpy(cu_q if offsets == "cu_seqlens_q" else cu_k))
+    with pytest.raises(ValueError, match=f"out overlaps {offsets} in memory"):
+        numflash.attention_varlen(q, k, v, **args, max_seqlen_q=5, max_seqlen_k=5, out=out)
