@@ -528,6 +528,13 @@ def kvcache_problem(
         )
     else:
         cache_seqlens = _check_index_array(cache_seqlens, "cache_seqlens", (b,), q)
+    if k is not None:  # the append writes the caches while blocks read the index arrays
+        indices = dict(
+            cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table
+        )
+        indices = {name: x for name, x in indices.items() if x is not None}
+        check_no_overlap(k_cache, "k_cache", indices)
+        check_no_overlap(v_cache, "v_cache", indices)
     num_splits = _check_int(num_splits, "num_splits", low=0)
     causal = check_flag(causal, "causal")
     left, right = check_window(window_size, causal)

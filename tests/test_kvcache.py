@@ -320,6 +320,22 @@ def test_an_out_sharing_memory_with_an_input_is_refused(reader):
     assert (to_numpy(k_cache).view(np.uint16) == before.view(np.uint16)).all()
 
 
+@pytest.mark.parametrize("index", ["cache_seqlens", "block_table"])
+def test_a_cache_appended_to_that_holds_an_index_array_is_refused(index):
+    """The append writes the caches while blocks read the lengths and the table."""
+    rng = np.random.default_rng(6)
+    q, k, v = (random_array((2, 1, 2, 16), "float16", rng) for _ in range(3))
+    k_cache, v_cache = (random_array((6, 4, 2, 16), "float16", rng) for _ in range(2))
+    args = dict(cache_seqlens=xp.asarray(np.array([1, 2], np.int32)))
+    args.update(block_table=xp.asarray(np.array([[0, 1], [2, 3]], np.int32)))
+    held = k_cache[5].reshape(-1)[: 2 * args[index].size].view(np.int32)  # the last page
+    held[...] = args[index].reshape(-1)
+    args[index] = held.reshape(args[index].shape)
+    with pytest.raises(ValueError, match=f"k_cache overlaps {index} in memory"):
+        numflash.attention_with_kvcache(q, k_cache, v_cache, k, v, **args)
+    numflash.attention_with_kvcache(q, k_cache, v_cache, **args)  # no append: only read
+
+
 def test_shapes_and_dtypes_are_refused_by_name():
     rng = np.random.default_rng(4)
     q = random_array((2, 1, 2, 16), "float16", rng)
