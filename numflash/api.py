@@ -633,8 +633,10 @@ def attention_with_kvcache(
         result = _attention_with_kvcache(*args)
     out, lse = result if return_lse else (result, None)
     roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, lse)
-    # the caches are written: validation refused them overlapping q or the new rows
-    _planned(key, recorded, roles, overlaps=((1, 0), (1, 3), (1, 4), (2, 0), (2, 3), (2, 4)))
+    # the caches are written: validation refused them overlapping q or the new rows, and (an
+    # append writing them) the lengths, the slot map or the table
+    readers = (0, 3, 4, 5, 6, 7) if k is not None else (0, 3, 4)
+    _planned(key, recorded, roles, overlaps=[(c, r) for c in (1, 2) for r in readers])
     return result
 
 

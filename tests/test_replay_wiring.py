@@ -196,6 +196,17 @@ def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):
     assert device.replays == [] and device.full_calls == 3
 
 
+def test_an_index_array_inside_a_cache_is_left_to_the_full_path_only_with_an_append(device):
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    inside = DeviceArray(table.shape, np.int32, ptr=vc.data.ptr + 512)  # the table in v_cache
+    numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=inside)
+    assert device.replays == [] and device.full_calls == 2  # the append would write it
+    numflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+    numflash.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=inside)
+    assert len(device.replays) == 1 and device.full_calls == 3  # read only: replayed
+
+
 def test_backward_replays_with_the_new_calls_pointers(device):
     def arrays():
         q, k, v = _qkv()
