@@ -130,6 +130,11 @@ def _byte_span(x):
     return low, high + x.dtype.itemsize
 
 
+def same_elements(a, b):
+    """Whether ``a`` and ``b`` view the same elements: one start address, shape and strides."""
+    return _byte_span(a) == _byte_span(b) and a.shape == b.shape and a.strides == b.strides
+
+
 def may_share_memory(a, b):
     """Whether the memory spans of ``a`` and ``b`` intersect (arrays on one device)."""
     a_lo, a_hi = _byte_span(a)

@@ -501,6 +501,11 @@ def kvcache_problem(
         seqlen_new = k.shape[1]
         check_writable(k_cache, "k_cache")
         check_writable(v_cache, "v_cache")
+        if k_cache.size and arrays.same_elements(k_cache, v_cache):
+            raise ValueError(
+                "k_cache and v_cache are the same memory: the append would write k and v over "
+                "each other; pass two caches (or two interleaved views of one buffer)"
+            )
         # k_cache and v_cache may be interleaved views of one buffer (their elements differ),
         # except in the simulator, which copies each argument and writes it back whole
         if SIMULATOR and arrays.may_share_memory(k_cache, v_cache):

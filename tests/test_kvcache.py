@@ -336,6 +336,17 @@ def test_a_cache_appended_to_that_holds_an_index_array_is_refused(index):
     numflash.attention_with_kvcache(q, k_cache, v_cache, **args)  # no append: only read
 
 
+def test_one_cache_for_both_k_and_v_is_refused_only_with_an_append():
+    rng = np.random.default_rng(7)
+    q, k, v = (random_array((2, 1, 2, 16), "float16", rng) for _ in range(3))
+    cache = random_array((2, 5, 2, 16), "float16", rng)
+    before = to_numpy(cache).copy()
+    with pytest.raises(ValueError, match="k_cache and v_cache are the same memory"):
+        numflash.attention_with_kvcache(q, cache, cache, k, v, cache_seqlens=2)
+    assert (to_numpy(cache).view(np.uint16) == before.view(np.uint16)).all()
+    numflash.attention_with_kvcache(q, cache, cache, cache_seqlens=2)  # read only: V = K
+
+
 def test_shapes_and_dtypes_are_refused_by_name():
     rng = np.random.default_rng(4)
     q = random_array((2, 1, 2, 16), "float16", rng)
