@@ -622,7 +622,9 @@ def attention_with_kvcache(
             x.data.ptr if x is not None else 0
             for x in (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
         ]
-        if plan.disjoint(pointers):  # else the full path refuses the call by name
+        # else the full path refuses the call by name (one cache for k and v: an append
+        # would write one over the other; the signature fixes the two views' strides)
+        if plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2]):
             b, sq, h, _ = q.shape
             out = _Cupy.empty(q.shape, q.dtype)
             lse = _Cupy.empty((b, h, sq), np.float32) if return_lse else None

@@ -207,6 +207,15 @@ def test_an_index_array_inside_a_cache_is_left_to_the_full_path_only_with_an_app
     assert len(device.replays) == 1 and device.full_calls == 3  # read only: replayed
 
 
+def test_one_cache_for_k_and_v_is_left_to_the_full_path_only_with_an_append(device):
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    for new in ((k, v), (k, v), (None, None), (None, None)):  # a plan each, then the same cache
+        numflash.attention_with_kvcache(q, kc, vc, *new, cache_seqlens=seqlens, block_table=table)
+        numflash.attention_with_kvcache(q, kc, kc, *new, cache_seqlens=seqlens, block_table=table)
+    # appends: the first call and both with one cache; reads: the first call alone
+    assert device.full_calls == 4 and len(device.replays) == 4
+
+
 def test_backward_replays_with_the_new_calls_pointers(device):
     def arrays():
         q, k, v = _qkv()
