@@ -285,8 +285,7 @@ def attention_varlen(
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
-        offsets = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k}
-        validation.check_no_overlap(out, "out", offsets)
+        validation.check_no_overlap(out, "out", {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})
     with _on_device(q):
         device = current_device()
         cfg = validation.check_varlen_config(config, p, device)
@@ -679,9 +678,7 @@ def _attention_with_kvcache(
         validation.check_writable(out, "out")
         inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens)
         inputs.update(cache_batch_idx=batch_idx, block_table=block_table)
-        validation.check_no_overlap(
-            out, "out", {name: x for name, x in inputs.items() if x is not None}
-        )
+        validation.check_no_overlap(out, "out", inputs)
     with _on_device(q):
         device = current_device()
         choice, splits = selection.decode(

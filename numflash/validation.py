@@ -157,10 +157,10 @@ def check_writable(x, name):
 
 
 def check_no_overlap(x, name, others):
-    """``x`` (an output) must share no memory with any of ``others`` ({name: array}): a block
-    would write over rows that another block still reads."""
+    """``x`` (an output) must share no memory with any of ``others`` ({name: array or None},
+    None for an absent one): a block would write over rows that another block still reads."""
     for other_name, other in others.items():
-        if arrays.may_share_memory(x, other):
+        if other is not None and arrays.may_share_memory(x, other):
             raise ValueError(
                 f"{name} overlaps {other_name} in memory; pass an output that shares no memory "
                 "with the inputs"
@@ -537,7 +537,6 @@ def kvcache_problem(
         indices = dict(
             cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, block_table=block_table
         )
-        indices = {name: x for name, x in indices.items() if x is not None}
         check_no_overlap(k_cache, "k_cache", indices)
         check_no_overlap(v_cache, "v_cache", indices)
     num_splits = _check_int(num_splits, "num_splits", low=0)
