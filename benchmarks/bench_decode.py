@@ -129,6 +129,7 @@ def bench(args):
                             continue
                         label = dict(chosen.config.to_dict(), num_splits=used)
                         label["chosen"] = cfg is None and splits == 0
+                        label["source"] = chosen.source.split(" ")[0]  # shipped, heuristic, ...
                         runs.append(("numflash", layout, label, run))
             if torch_ok:
                 for backend in ("flash", "cudnn"):
