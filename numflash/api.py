@@ -185,8 +185,8 @@ def attention(
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     if plan is not None:
         b, sq, h, _ = q.shape
-        out = _Cupy.empty(q.shape, q.dtype)
-        lse = _Cupy.empty((b, h, sq), np.float32) if return_lse else None
+        out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+        lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
         pointers = (
             q.data.ptr,
             k.data.ptr,
@@ -452,9 +452,9 @@ def attention_backward(
         return _attention_backward(*args)
     if plan is not None:
         empty = _Cupy.empty
-        dq = empty(q.shape, q.dtype)
-        dk = empty(k.shape, k.dtype)
-        dv = empty(v.shape, v.dtype)
+        dq = plan.output(0, q.shape, q.dtype, empty)
+        dk = plan.output(1, k.shape, k.dtype, empty)
+        dv = plan.output(2, v.shape, v.dtype, empty)
         inputs = (dout, q, k, v, out, lse, dq, dk, dv)
         _replay(plan, key, [x.data.ptr for x in inputs])
         return dq, dk, dv
@@ -625,8 +625,8 @@ def attention_with_kvcache(
         # would write one over the other; the signature fixes the two views' strides)
         if plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2]):
             b, sq, h, _ = q.shape
-            out = _Cupy.empty(q.shape, q.dtype)
-            lse = _Cupy.empty((b, h, sq), np.float32) if return_lse else None
+            out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+            lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
             pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
             _replay(plan, key, pointers)
             return (out, lse) if return_lse else out

@@ -103,3 +103,35 @@ def test_repeated_backward_replays_and_equals_the_full_path():
         for name, a, b in zip(("dq", "dk", "dv"), got, want):
             assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
     assert _plan_count() == 2  # the forward's and the backward's
+
+
+def test_a_dropped_output_is_reused_and_a_held_one_never_written_again():
+    """A replay hands out its last output again once the caller has let go of it (its result
+    still exact), and never while anything refers to it or its memory: a name, a view, a view
+    at an offset, its MemoryPointer, a DLPack capsule."""
+    api._plans.clear()
+    q, k, v = random_qkv(2, 33, 90, 4, 2, 64, "float16")
+    numflash.attention(q, k, v)  # records the plan
+    want = _bits(api._attention(q, k, v, False, None, (-1, -1), False, None, None))
+    ptr = numflash.attention(q, k, v).data.ptr  # dropped at once
+    again = numflash.attention(q, k, v)
+    assert again.data.ptr == ptr and (_bits(again) == want).all()
+    del again
+    holds = {
+        "name": lambda x: x,
+        "view": lambda x: x.reshape(-1),
+        "view at an offset": lambda x: x[1:],
+        "memory pointer": lambda x: x.data,
+        "DLPack capsule": lambda x: x.toDlpack(),
+    }
+    for what, hold in holds.items():
+        out = numflash.attention(q, k, v)
+        out_ptr = out.data.ptr
+        holder = hold(out)
+        del out
+        for _ in range(2):  # neither the next call nor the one after takes it
+            q2, k2, v2 = random_qkv(2, 33, 90, 4, 2, 64, "float16")
+            fresh = numflash.attention(q2, k2, v2)
+            assert fresh.data.ptr != out_ptr, f"an output held by a {what} was written again"
+            del fresh
+        del holder

@@ -237,3 +237,48 @@ def test_a_replay_under_capture_pins_its_plan(device):
     device.capturing = 1
     numflash.attention(*_qkv())
     assert plan.pinned and plan in api._plans._pinned
+
+
+def test_a_replay_hands_out_its_last_output_again_only_once_nothing_refers_to_it(device):
+    q, k, v = _qkv()
+    numflash.attention(q, k, v)  # records the plan
+    first = numflash.attention(q, k, v)
+    first_id, first_ptr = id(first), first.data.ptr
+    del first  # dropped, as a decoding loop drops each layer's output
+    again = numflash.attention(q, k, v)
+    assert (id(again), again.data.ptr) == (first_id, first_ptr)
+    # held by a name, through its memory pointer, or through the memory under it: a new array
+    for hold in (lambda x: x, lambda x: x.data, lambda x: x.data.mem):
+        out = numflash.attention(q, k, v)
+        holder, ptr = hold(out), out.data.ptr
+        del out
+        fresh = numflash.attention(q, k, v)
+        assert fresh.data.ptr != ptr, "an output still referred to was handed out again"
+        del holder, fresh
+    assert device.full_calls == 1
+
+
+def test_each_output_of_a_replay_is_reused_on_its_own(device):
+    q, k, v = _qkv()
+    dout, out, lse = DeviceArray(q.shape), DeviceArray(q.shape), DeviceArray((2, 8, 3))
+    numflash.attention_backward(dout, q, k, v, out, lse)
+    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse)
+    before = [x.data.ptr for x in (dq, dk, dv)]
+    keep = dk
+    del dq, dk, dv
+    grads = numflash.attention_backward(dout, q, k, v, out, lse)
+    assert [x.data.ptr for x in grads] == [before[0], grads[1].data.ptr, before[2]]
+    assert grads[1] is not keep and grads[1].data.ptr != keep.data.ptr
+    assert [x.shape for x in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_outputs_over_the_reuse_limit_are_new_every_call(device, monkeypatch):
+    monkeypatch.setattr(plans, "REUSE_BYTES", 100)
+    q, k, v = _qkv()
+    numflash.attention(q, k, v)
+    ids = set()
+    for _ in range(3):
+        out = numflash.attention(q, k, v)
+        ids.add(out.data.ptr)
+        del out
+    assert len(ids) == 3

@@ -9,11 +9,12 @@ _addresses = itertools.count(1 << 32, 1 << 24)  # 16 MiB apart: stand-ins never 
 
 
 class Memory:
-    """A CuPy MemoryPointer's address and device."""
+    """A CuPy MemoryPointer's address and device, and the allocation it points into."""
 
     def __init__(self, ptr, device_id=0):
         self.ptr = ptr
         self.device_id = device_id
+        self.mem = object()
 
 
 class DeviceArray:
@@ -30,4 +31,5 @@ class DeviceArray:
                 step *= n
         self.strides = tuple(strides)
         self.size = int(np.prod(self.shape))
+        self.nbytes = self.size * self.dtype.itemsize
         self.data = Memory(next(_addresses) if ptr is None else ptr)
