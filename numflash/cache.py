@@ -278,6 +278,22 @@ def shipped_entries(arch):
     return {k: e for k, (_, e) in _read(SHIPPED_DIR / f"{arch}.json", arch).items()}
 
 
+#: The header fields record() writes itself; any others in a file (a note on entries taken
+#: out by hand, say) are kept.
+_HEADER = ("format", "arch", "compute_capability", "device", "numflash_version")
+_HEADER += ("kernel_revisions", "written", "command", "entries")
+
+
+def _notes(path):
+    """The header fields of the file at ``path`` that record() does not write itself."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if k not in _HEADER} if isinstance(data, dict) else {}
+
+
 def record(device, results, header_extra=None, path=None):
     """Merge ``results`` ({ProblemKey: entry dict}) into the cache file of ``device``.
 
@@ -291,6 +307,7 @@ def record(device, results, header_extra=None, path=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         current = {str(k): e for k, (_, e) in _read(path, device.arch).items()}
+        notes = _notes(path)
         current.update(
             {
                 str(k): {**e, "kernel_revision": kernel_revision(k.family)}
@@ -309,6 +326,7 @@ def record(device, results, header_extra=None, path=None):
                 f: kernel_revision(f) for f in sorted({k.split("/")[0] for k in current})
             },
             "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            **notes,
             **(header_extra or {}),
             "entries": dict(sorted(current.items())),
         }

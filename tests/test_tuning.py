@@ -145,6 +145,25 @@ def test_record_then_lookup(cache_dirs):
     assert cfg == CFG and source.startswith("user cache") and time_ms == entry(CFG)["time_ms"]
 
 
+def test_record_keeps_the_files_own_notes_and_each_entrys_command(cache_dirs):
+    """A field record() does not write (a note on entries taken out by hand) survives a merge,
+    and each entry keeps what it was recorded with, so a file tuned by several commands says
+    which made which entry."""
+    first = dict(entry(CFG), command="numflash autotune --seqlens 1024")
+    path = cache.record(H200, {KEY: first}, header_extra={"command": first["command"]})
+    data = json.loads(path.read_text())
+    data["removed"] = "entries taken out by hand"
+    path.write_text(json.dumps(data))
+    other = KEY._replace(seqlen=65536)
+    second = dict(entry(CFG), command="numflash autotune --seqlens 65536")
+    cache.record(H200, {other: second}, header_extra={"command": second["command"]})
+    data = json.loads(path.read_text())
+    assert data["removed"] == "entries taken out by hand"
+    assert data["command"] == second["command"]
+    assert data["entries"][str(KEY)]["command"] == first["command"]
+    assert data["entries"][str(other)]["command"] == second["command"]
+
+
 def test_nearest_sequence_bucket(cache_dirs):
     cache.record(
         H200,

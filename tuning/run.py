@@ -280,7 +280,7 @@ def main(args, out=sys.stdout):
         if result.best_config is not None:
             cache.record(
                 device,
-                {key: result.entry()},
+                {key: {**result.entry(), **{k: v for k, v in header.items() if v}}},
                 header_extra={k: v for k, v in header.items() if v},
                 path=args.output,
             )
