@@ -89,7 +89,7 @@ def kvcache_parts(call, roles):
     return {
         "launches": len(plan.launches),
         "whole_call_us": per_call_us(call),
-        "array_keys_us": per_call_us(lambda: [api._array_key(x) for x in present]),
+        "array_keys_us": per_call_us(lambda: [api._array_key(x, []) for x in present]),
         "device_and_stream_key_us": per_call_us(lambda: api._call_key("kvcache")),
         "capture_check_us": per_call_us(api._capturing),
         "output_us": per_call_us(lambda: cupy.empty(q.shape, q.dtype)),

@@ -18,11 +18,31 @@ _plans = plans.PlanCache()
 _DEFAULT_WINDOW = (-1, -1)
 
 
-def _array_key(x):
-    """What a plan depends on in an array: shape, strides, dtype, 16-byte alignment, device.
-    Raises AttributeError for anything but a CuPy array."""
+def _array_key(x, pointers):
+    """What a plan depends on in an array: shape, strides, dtype, 16-byte alignment, device;
+    appends the array's address to ``pointers`` (a replay's, in role order). Raises
+    AttributeError for anything but a CuPy array."""
     data = x.data
-    return (x.shape, x.strides, x.dtype, data.ptr & 15, data.device_id)
+    ptr = data.ptr
+    pointers.append(ptr)
+    return (x.shape, x.strides, x.dtype, ptr & 15, data.device_id)
+
+
+def _lengths_key(cache_seqlens, pointers):
+    """The key of attention_with_kvcache's cache_seqlens: an int by type and value (address
+    0), an array as :func:`_array_key`."""
+    if isinstance(cache_seqlens, int):
+        pointers.append(0)
+        return (cache_seqlens.__class__, cache_seqlens)
+    return _array_key(cache_seqlens, pointers)
+
+
+def _optional_key(x, pointers):
+    """:func:`_array_key` of an optional array; None (address 0) for an absent one."""
+    if x is None:
+        pointers.append(0)
+        return None
+    return _array_key(x, pointers)
 
 
 def _window_key(window_size):
@@ -160,12 +180,13 @@ def attention(
     """
     key = plan = None
     if out is None and not SIMULATOR:
+        pointers = []
         try:
             key = _call_key(
                 "attention",
-                _array_key(q),
-                _array_key(k),
-                _array_key(v),
+                _array_key(q, pointers),
+                _array_key(k, pointers),
+                _array_key(v, pointers),
                 causal.__class__,
                 causal,
                 softmax_scale.__class__,
@@ -187,13 +208,7 @@ def attention(
         b, sq, h, _ = q.shape
         out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
         lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
-        pointers = (
-            q.data.ptr,
-            k.data.ptr,
-            v.data.ptr,
-            out.data.ptr,
-            lse.data.ptr if lse is not None else 0,
-        )
+        pointers += (out.data.ptr, lse.data.ptr if lse is not None else 0)
         _replay(plan, key, pointers)
         return (out, lse) if return_lse else out
     with launch.recording() as recorded:
@@ -423,15 +438,16 @@ def attention_backward(
     """
     key = plan = None
     if not SIMULATOR:
+        pointers = []
         try:
             key = _call_key(
                 "backward",
-                _array_key(dout),
-                _array_key(q),
-                _array_key(k),
-                _array_key(v),
-                _array_key(out),
-                _array_key(lse),
+                _array_key(dout, pointers),
+                _array_key(q, pointers),
+                _array_key(k, pointers),
+                _array_key(v, pointers),
+                _array_key(out, pointers),
+                _array_key(lse, pointers),
                 causal.__class__,
                 causal,
                 softmax_scale.__class__,
@@ -455,8 +471,8 @@ def attention_backward(
         dq = plan.output(0, q.shape, q.dtype, empty)
         dk = plan.output(1, k.shape, k.dtype, empty)
         dv = plan.output(2, v.shape, v.dtype, empty)
-        inputs = (dout, q, k, v, out, lse, dq, dk, dv)
-        _replay(plan, key, [x.data.ptr for x in inputs])
+        pointers += (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+        _replay(plan, key, pointers)
         return dq, dk, dv
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
@@ -581,19 +597,18 @@ def attention_with_kvcache(
     """
     key = plan = None
     if out is None and not SIMULATOR:
+        pointers = []
         try:
             key = _call_key(
                 "kvcache",
-                _array_key(q),
-                _array_key(k_cache),
-                _array_key(v_cache),
-                None if k is None else _array_key(k),
-                None if v is None else _array_key(v),
-                (cache_seqlens.__class__, cache_seqlens)
-                if isinstance(cache_seqlens, int)
-                else _array_key(cache_seqlens),
-                None if cache_batch_idx is None else _array_key(cache_batch_idx),
-                None if block_table is None else _array_key(block_table),
+                _array_key(q, pointers),
+                _array_key(k_cache, pointers),
+                _array_key(v_cache, pointers),
+                _optional_key(k, pointers),
+                _optional_key(v, pointers),
+                _lengths_key(cache_seqlens, pointers),
+                _optional_key(cache_batch_idx, pointers),
+                _optional_key(block_table, pointers),
                 causal.__class__,
                 causal,
                 softmax_scale.__class__,
@@ -617,10 +632,6 @@ def attention_with_kvcache(
         return _attention_with_kvcache(*args)
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
     if plan is not None:
-        pointers = [
-            x.data.ptr if x is not None else 0
-            for x in (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
-        ]
         # else the full path refuses the call by name (one cache for k and v: an append
         # would write one over the other; the signature fixes the two views' strides)
         if plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2]):

@@ -187,6 +187,18 @@ def test_an_int_cache_length_is_part_of_the_signature(device):
     assert device.full_calls == 2  # 3 recorded and replayed; 4 is another launch
 
 
+def test_a_replay_with_an_int_cache_length_gives_the_table_its_pointer(device):
+    q, (kc, vc), (k, v), _, table = _kvcache_arrays()
+    numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, block_table=table)
+    q, _, (k, v), _, _ = _kvcache_arrays()
+    table2 = DeviceArray(table.shape, np.int32)
+    out = numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, block_table=table2)
+    assert device.full_calls == 1
+    (replay,) = device.replays
+    want = _pointers(q, kc, vc, k, v, table2, out)
+    assert {p: replay[p] for p in want} == want
+
+
 def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):
     q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
     numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
