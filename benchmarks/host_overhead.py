@@ -4,9 +4,11 @@
 
 Measures, in one process:
 - ``attention()``, ``attention_backward()`` and ``attention_with_kvcache()`` (a paged
-  decoding step with an append) per call on tiny problems (the GPU finishes each kernel in a
-  few microseconds, so calls back to back measure the host side): a repeated call replays
-  its plan (numflash.plans); SDPA's figure beside them. Each loop drops its outputs, as a
+  decoding step with an append) per call on tiny problems, the host's time in bursts of 20
+  calls (``per_call_us``), and the GPU's time per call of the same calls back to back
+  (``[GPU]``; a loop of calls whose kernels take longer than their host side runs at that
+  rate): a repeated call replays its plan (numflash.plans); SDPA's figure beside them, both
+  ways. Each loop drops its outputs, as a
   model's layers do, so a replay hands its last output out again; the ``[outputs kept]``
   figures hold the last two calls' outputs, so that every call allocates;
 - the configuration lookup alone (``numflash.selected_config``);
@@ -35,19 +37,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers import random_qkv  # noqa: E402
 
 
-def per_call_us(fn, calls=2000, repeats=5):
-    """Median over ``repeats`` of the mean host time of ``calls`` back-to-back calls (the
-    defaults: 10,000 calls)."""
+def per_call_us(fn, bursts=500, calls=20):
+    """Host time of one call: the median over ``bursts`` bursts of the mean time of ``calls``
+    back-to-back calls, the GPU drained between bursts (the defaults: 10,000 calls). A burst
+    this short never fills the GPU's queue, so a kernel slower than its call's host side
+    cannot make the host wait: this is the time the host spends issuing the call."""
+    stream = cupy.cuda.get_current_stream()
     fn()
-    cupy.cuda.get_current_stream().synchronize()
+    stream.synchronize()
     means = []
-    for _ in range(repeats):
+    for _ in range(bursts):
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         means.append((time.perf_counter() - start) / calls * 1e6)
-        cupy.cuda.get_current_stream().synchronize()
+        stream.synchronize()
     return statistics.median(means)
+
+
+def gpu_per_call_us(fn, calls=2000):
+    """GPU time per call of ``calls`` calls back to back (CUDA events around the loop): what a
+    loop of these calls is bound by when it exceeds their host time."""
+    stream = cupy.cuda.get_current_stream()
+    fn()
+    stream.synchronize()
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    for _ in range(calls):
+        fn()
+    stop.record(stream)
+    stop.synchronize()
+    return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls
 
 
 def kept(fn):
@@ -92,7 +112,8 @@ def kvcache_parts(call, roles):
         "array_keys_us": per_call_us(lambda: [api._array_key(x, []) for x in present]),
         "device_and_stream_key_us": per_call_us(lambda: api._call_key("kvcache")),
         "capture_check_us": per_call_us(api._capturing),
-        "output_us": per_call_us(lambda: cupy.empty(q.shape, q.dtype)),
+        "output_allocated_us": per_call_us(lambda: cupy.ndarray(q.shape, q.dtype)),
+        "output_reused_us": per_call_us(lambda: plan.output(0, q.shape, q.dtype, cupy.ndarray)),
         "overlap_check_us": per_call_us(lambda: plan.disjoint(pointers)),
         "replay_all_launches_us": per_call_us(lambda: plan.run(stream, pointers)),
     }
@@ -107,6 +128,9 @@ def main():
     for dtype in ("float16", "bfloat16"):
         q, k, v = random_qkv(1, 128, 1, 64, dtype)
         results[f"attention_us[{dtype}]"] = per_call_us(lambda: numflash.attention(q, k, v))
+        results[f"attention_us[{dtype}, GPU]"] = gpu_per_call_us(
+            lambda: numflash.attention(q, k, v)
+        )
     q, k, v = random_qkv(1, 128, 1, 64, "float16")
     results["attention_us[float16, outputs kept]"] = per_call_us(
         kept(lambda: numflash.attention(q, k, v))
@@ -121,7 +145,8 @@ def main():
     def backward():
         return numflash.attention_backward(dout, q, k, v, out, lse)
 
-    results["attention_backward_us[float16]"] = per_call_us(backward, calls=2000)
+    results["attention_backward_us[float16]"] = per_call_us(backward)
+    results["attention_backward_us[float16, GPU]"] = gpu_per_call_us(backward)
     results["attention_backward_us[float16, outputs kept]"] = per_call_us(kept(backward))
     # a decoding step: one query row over a paged cache, new k and v appended, the lengths on
     # the device (as a server keeps them)
@@ -137,20 +162,17 @@ def main():
         )
 
     results["attention_with_kvcache_us[float16]"] = per_call_us(decode_step)
+    results["attention_with_kvcache_us[float16, GPU]"] = gpu_per_call_us(decode_step)
     results["attention_with_kvcache_us[float16, outputs kept]"] = per_call_us(kept(decode_step))
     if args.profile:
         roles = [qd, k_cache, v_cache, k_new, v_new, lengths, None, table]
         results["attention_with_kvcache_parts"] = kvcache_parts(decode_step, roles)
-    results["selected_config_us"] = per_call_us(
-        lambda: numflash.selected_config(q, k, v), calls=20000
-    )
+    results["selected_config_us"] = per_call_us(lambda: numflash.selected_config(q, k, v))
     results["current_device_us"] = per_call_us(current_device)
     views = [q, k, v]
-    results["kernel_view_x4_us"] = per_call_us(
-        lambda: [arrays.kernel_view(x) for x in views + [q]], calls=5000
-    )
+    results["kernel_view_x4_us"] = per_call_us(lambda: [arrays.kernel_view(x) for x in views + [q]])
     results["empty_out_and_lse_us"] = per_call_us(
-        lambda: (cupy.empty(q.shape, q.dtype), cupy.empty((1, 1, 128), np.float32)), calls=5000
+        lambda: (cupy.empty(q.shape, q.dtype), cupy.empty((1, 1, 128), np.float32))
     )
     host_ms, kernel_ms, done = blocking()
     results["long_call"] = {
@@ -166,6 +188,9 @@ def main():
             torch.from_dlpack(x).transpose(1, 2) for x in random_qkv(1, 128, 1, 64, "float16")
         )
         results["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+        results["sdpa_us[GPU]"] = gpu_per_call_us(
+            lambda: F.scaled_dot_product_attention(qt, kt, vt)
+        )
     except ImportError:
         pass
     if args.profile:

@@ -122,7 +122,7 @@ def test_a_dropped_output_is_reused_and_a_held_one_never_written_again():
         "view": lambda x: x.reshape(-1),
         "view at an offset": lambda x: x[1:],
         "memory pointer": lambda x: x.data,
-        "DLPack capsule": lambda x: x.toDlpack(),
+        "DLPack capsule": lambda x: x.__dlpack__(),
     }
     for what, hold in holds.items():
         out = numflash.attention(q, k, v)
