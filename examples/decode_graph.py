@@ -9,9 +9,13 @@ a greedy choice of the next token. Weights are random fp16; the caches start fil
 keys and values for ``--prompt`` tokens. The lengths live on the device and advance there, so
 one captured step serves every token.
 
-The projections are a small CuPy RawKernel (fp16 weights read once, fp32 partial sums over
-slices of the inner dimension, added up by CuPy in a fixed order): CuPy refuses to call cuBLAS
-while a stream is capturing, so ``x @ w`` cannot be part of a graph.
+The projections are two small CuPy RawKernels (fp16 weights read once, fp32 partial sums over
+slices of the inner dimension, then the partials added up in a fixed order, with the residual,
+into fp16): CuPy refuses to call cuBLAS while a stream is capturing, so ``x @ w`` cannot be part
+of a graph. As a serving loop does, a step writes into buffers made once (the hidden state,
+the fused QKV rows and their q, k, v views, the partial sums), so the eager loop issues five
+kernels and one numflash call per layer and allocates only numflash's output, which numflash
+hands out again once the layer has used it.
 
 Prints tokens/s and the time per token of the eager loop (host and GPU) and of the graph, and
 checks that both generate the same tokens, bit for bit.
@@ -58,6 +62,18 @@ extern "C" __global__ void project(const __half* x, const __half* w, float* part
         out[(size_t)r * n + 1] = acc[r][1];
     }
 }
+
+// y[i] = half(sum over s of part[s, i] (+ residual[i] if add)), the slices added in order; y
+// may be the residual itself (each thread reads its element before writing it).
+extern "C" __global__ void reduce(const float* part, int splits, int size,
+                                  const __half* residual, int add, __half* y) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= size) return;
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) sum += part[(size_t)s * size + i];
+    if (add) sum += __half2float(residual[i]);
+    y[i] = __float2half(sum);
+}
 """
 _K_CHUNK = 256  # inner-dimension slice of one block
 _THREADS = 256
@@ -65,23 +81,32 @@ MAX_BATCH = 48  # the rows' slice of x in 48 KiB of shared memory: 48 x 256 fp32
 
 
 class Projection:
-    """x (rows, k) fp16 @ w (k, n) fp16 -> fp32 (rows, n), without cuBLAS (capturable)."""
+    """x (rows, k) fp16 @ w (k, n) fp16 (+ residual) -> y (rows, n) fp16, without cuBLAS
+    (capturable), through fp32 partial sums in ``part`` (a buffer the caller keeps)."""
 
     def __init__(self, rows):
         module = xp.RawModule(code=_PROJECTION, options=(f"-DROWS={rows}",))
         self.kernel = module.get_function("project")
+        self.reduce = module.get_function("reduce")
         self.rows = rows
 
-    def __call__(self, x, w):
+    def parts(self, k):
+        return -(-k // _K_CHUNK)
+
+    def __call__(self, x, w, part, y, residual=None):
         (k, n), rows = w.shape, self.rows
         assert x.shape == (rows, k) and n % 2 == 0 and x.flags.c_contiguous
-        splits = -(-k // _K_CHUNK)
-        part = xp.empty((splits, rows, n), dtype=xp.float32)
+        assert y.shape == (rows, n) and y.dtype == xp.float16 and y.flags.c_contiguous
+        splits = self.parts(k)
+        assert part.size >= splits * rows * n and part.dtype == xp.float32
         grid = (-(-n // (2 * _THREADS)), splits)
-        shared = rows * _K_CHUNK * 4
         args = (x, w, part, np.int32(k), np.int32(n), np.int32(_K_CHUNK))
-        self.kernel(grid, (_THREADS,), args, shared_mem=shared)
-        return part.sum(axis=0), part
+        self.kernel(grid, (_THREADS,), args, shared_mem=rows * _K_CHUNK * 4)
+        size = rows * n
+        add = residual is not None
+        args = (part, np.int32(splits), np.int32(size), residual if add else y, np.int32(add), y)
+        self.reduce((-(-size // _THREADS),), (_THREADS,), args)
+        return y
 
 
 class Decoder:
@@ -114,6 +139,16 @@ class Decoder:
         self.lengths = xp.full((batch,), prompt, dtype=xp.int32)
         self.tokens = xp.asarray(np.random.default_rng(seed).integers(0, vocab, batch), xp.int32)
         self.project = Projection(batch)
+        # A step's buffers, made once: the hidden state, the fused QKV rows (q, k and v are
+        # views of them), the partial sums of the widest projection.
+        self.x = xp.empty((batch, dim), dtype=xp.float16)
+        self.qkv = xp.empty((batch, 1, HEADS + 2 * KV_HEADS, HEAD_DIM), dtype=xp.float16)
+        self.q = self.qkv[:, :, :HEADS]
+        self.k = self.qkv[:, :, HEADS : HEADS + KV_HEADS]
+        self.v = self.qkv[:, :, HEADS + KV_HEADS :]
+        self.logits16 = xp.empty((batch, vocab), dtype=xp.float16)
+        widest = max(self.project.parts(dim) * max(qkv, dim, vocab), 1)
+        self.part = xp.empty(batch * widest, dtype=xp.float32)
         #: A captured step's intermediate arrays: the graph keeps using their memory, so they
         #: must not go back to CuPy's pool (numflash keeps its own buffers for a captured plan).
         self.scratch = []
@@ -133,34 +168,30 @@ class Decoder:
 
     def step(self, keep=False):
         """One token for every sequence: append its k and v in every layer, attend, advance.
-        ``keep``: hold on to every intermediate array (while capturing a graph)."""
+        ``keep``: hold on to every array the step makes (while capturing a graph)."""
         batch = self.tokens.shape[0]
-        x = self.embed[self.tokens]
-        held = [x]  # every array the step makes, the temporaries included
+        x, qkv, part = self.x, self.qkv.reshape(batch, -1), self.part
+        xp.take(self.embed, self.tokens, axis=0, out=x)
+        held = []
         for layer, (w_qkv, w_out) in enumerate(zip(self.w_qkv, self.w_out)):
-            qkv32, part = self.project(x, w_qkv)
-            qkv = qkv32.astype(xp.float16).reshape(batch, 1, HEADS + 2 * KV_HEADS, HEAD_DIM)
-            held += [qkv32, part, qkv]
-            q = qkv[:, :, :HEADS]
-            k = qkv[:, :, HEADS : HEADS + KV_HEADS]
-            v = qkv[:, :, HEADS + KV_HEADS :]
+            self.project(x, w_qkv, part, qkv)
             attended = numflash.attention_with_kvcache(
-                q,
+                self.q,
                 self.k_cache[layer],
                 self.v_cache[layer],
-                k,
-                v,
+                self.k,
+                self.v,
                 cache_seqlens=self.lengths,
                 block_table=self.block_table,
             )
-            projected, part = self.project(attended.reshape(batch, -1), w_out)
-            residual = x + projected
-            x = residual.astype(xp.float16)
-            held += [attended, projected, part, residual, x]
-        logits, part = self.project(x, self.read_out)
+            self.project(attended.reshape(batch, -1), w_out, part, x, residual=x)
+            if keep:
+                held.append(attended)
+            del attended  # numflash hands it out again to the next layer
+        logits = self.project(x, self.read_out, part, self.logits16)
         best = xp.argmax(logits, axis=-1)
         best32 = best.astype(xp.int32)
-        held += [logits, part, best, best32]
+        held += [best, best32]
         self.tokens[...] = best32
         self.lengths += 1
         if keep:
