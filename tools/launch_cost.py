@@ -1,0 +1,130 @@
+"""What a kernel launch costs the host on this machine, by parameter volume and stream kind.
+
+    python tools/launch_cost.py [--json PATH]
+
+Empty Numba kernels taking 0-20 one-dimensional arrays (seven 8-byte parameter slots each in
+Numba's ABI) and 0-120 int64 scalars, launched through numflash's prepared launches (CuPy's
+binding of cuLaunchKernel, as a replayed call launches), on the legacy default stream, a
+blocking and a non-blocking stream, and the per-thread default stream. Per configuration: the
+host time of a launch in bursts of 100 (``_burst``), back to back over 10,000 (``_b2b``), and
+the GPU time per launch of 2,000 back to back (``_gpu``). Then what CuPy charges for an output
+array, and a CPU-speed yardstick (a dict lookup) to compare machines and runs by.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import timeit
+
+import cupy
+from numba import cuda
+from numba.cuda import types
+
+from numflash import arrays, launch
+
+#: (arrays, int64 scalars) of each empty kernel: the decode kernel takes 120 slots.
+KERNELS = [(0, 0), (0, 1), (1, 0), (5, 0), (13, 0), (0, 42), (0, 120), (13, 29), (20, 0)]
+
+
+def burst_us(fn, bursts=100, calls=100):
+    fn()
+    cupy.cuda.Device().synchronize()
+    per = []
+    for _ in range(bursts):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append((time.perf_counter() - start) / calls * 1e6)
+        cupy.cuda.Device().synchronize()
+    return round(statistics.median(per), 3)
+
+
+def back_to_back_us(fn, calls=10000):
+    fn()
+    cupy.cuda.Device().synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    cupy.cuda.Device().synchronize()
+    return round(host, 3)
+
+
+def gpu_us(fn, stream, calls=2000):
+    begin, end = cupy.cuda.Event(), cupy.cuda.Event()
+    fn()
+    begin.record(stream)
+    for _ in range(calls):
+        fn()
+    end.record(stream)
+    end.synchronize()
+    return round(cupy.cuda.get_elapsed_time(begin, end) * 1e3 / calls, 3)
+
+
+def empty_kernel(n_arrays, n_scalars):
+    """A launcher of an empty kernel of ``n_arrays`` uint16 arrays and ``n_scalars`` int64s."""
+    names = [f"a{i}" for i in range(n_arrays)] + [f"s{i}" for i in range(n_scalars)]
+    namespace = {}
+    exec(f"def k({', '.join(names)}):\n    pass\n", namespace)
+    argtypes = (types.Array(types.uint16, 1, "C"),) * n_arrays + (types.int64,) * n_scalars
+    return launch.Launcher(cuda.jit(namespace["k"]), argtypes)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = {}
+    view = arrays.kernel_view(cupy.zeros(1024, cupy.uint16))[0]
+    streams = {
+        "null": cupy.cuda.Stream.null,
+        "nonblocking": cupy.cuda.Stream(non_blocking=True),
+        "blocking": cupy.cuda.Stream(),
+        "ptds": cupy.cuda.Stream.ptds,
+    }
+    for n_arrays, n_scalars in KERNELS:
+        launcher = empty_kernel(n_arrays, n_scalars)
+        prepared = launcher.prepare(
+            (1, 1, 1), (32, 1, 1), 0, (view,) * n_arrays + (0,) * n_scalars, {}
+        )
+        row = {"slots": 7 * n_arrays + n_scalars}
+        for name, stream in streams.items():
+            with stream:
+
+                def fn(stream=stream):
+                    prepared.launch(stream.ptr, ())
+
+                row[name + "_burst"] = burst_us(fn)
+                row[name + "_b2b"] = back_to_back_us(fn)
+                row[name + "_gpu"] = gpu_us(fn, stream)
+        results[f"arrays{n_arrays}_scalars{n_scalars}"] = row
+        print(f"arrays{n_arrays}_scalars{n_scalars}", row, flush=True)
+    pool = cupy.get_default_memory_pool()
+    shape = (4, 1, 8, 64)
+    memory = pool.malloc(4 * 8 * 64 * 2)
+    results["alloc"] = {
+        "cupy_empty": burst_us(lambda: cupy.empty(shape, cupy.float16)),
+        "cupy_ndarray": burst_us(lambda: cupy.ndarray(shape, cupy.float16)),
+        "pool_malloc": burst_us(lambda: pool.malloc(4096)),
+        "ndarray_on_memptr": burst_us(lambda: cupy.ndarray(shape, cupy.float16, memory)),
+        "getDevice": burst_us(cupy.cuda.runtime.getDevice),
+        "get_current_stream": burst_us(cupy.cuda.get_current_stream),
+        "streamIsCapturing": burst_us(lambda: cupy.cuda.runtime.streamIsCapturing(0)),
+    }
+    table = {(1, 2, 3): 1}
+    lookups = timeit.repeat(lambda: table.get((1, 2, 3)), number=200000, repeat=5)
+    results["cpu_calibration"] = {
+        "dict_tuple_lookup_ns": round(min(lookups) / 200000 * 1e9, 1),
+        "python": sys.version.split()[0],
+    }
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
