@@ -13,7 +13,7 @@ The projections are two small CuPy RawKernels (fp16 weights read once, fp32 part
 slices of the inner dimension, then the partials added up in a fixed order, with the residual,
 into fp16): CuPy refuses to call cuBLAS while a stream is capturing, so ``x @ w`` cannot be part
 of a graph. As a serving loop does, a step writes into buffers made once (the hidden state,
-the fused QKV rows and their q, k, v views, the partial sums), so the eager loop issues five
+the fused QKV rows and their q, k, v views, the partial sums), so the eager loop issues four
 kernels and one numflash call per layer and allocates only numflash's output, which numflash
 hands out again once the layer has used it.
 
