@@ -10,7 +10,8 @@ Measures, in one process:
   rate): a repeated call replays its plan (numflash.plans); SDPA's figure beside them, both
   ways. Each loop drops its outputs, as a
   model's layers do, so a replay hands its last output out again; the ``[outputs kept]``
-  figures hold the last two calls' outputs, so that every call allocates;
+  figures hold the last two calls' outputs, so that every call allocates, and ``[out given]``
+  passes one output buffer to every call, as a serving loop with static buffers does;
 - the configuration lookup alone (``numflash.selected_config``);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
   runs for milliseconds, beside the kernel's time;
@@ -164,6 +165,12 @@ def main():
     results["attention_with_kvcache_us[float16]"] = per_call_us(decode_step)
     results["attention_with_kvcache_us[float16, GPU]"] = gpu_per_call_us(decode_step)
     results["attention_with_kvcache_us[float16, outputs kept]"] = per_call_us(kept(decode_step))
+    out_d = cupy.empty_like(qd)
+    results["attention_with_kvcache_us[float16, out given]"] = per_call_us(
+        lambda: numflash.attention_with_kvcache(
+            qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table, out=out_d
+        )
+    )
     if args.profile:
         roles = [qd, k_cache, v_cache, k_new, v_new, lengths, None, table]
         results["attention_with_kvcache_parts"] = kvcache_parts(decode_step, roles)

@@ -98,9 +98,9 @@ def _refuse_under_capture(name, planned=True):
             raise RuntimeError(f"numflash.{name} cannot be captured into a CUDA graph yet")
         raise RuntimeError(
             f"numflash.{name} cannot be captured into a CUDA graph the first time it runs with "
-            "these shapes, strides, dtypes and flags, nor with out= given or inputs it must "
-            "copy (a head_dim that is not a multiple of 8, rows not 16-byte aligned): call it "
-            "once eagerly on the capturing stream first, with out=None"
+            "these shapes, strides, dtypes and flags (out= given or not), nor with inputs it "
+            "must copy (a head_dim that is not a multiple of 8, rows not 16-byte aligned): call "
+            "it once eagerly on the capturing stream first"
         )
 
 
@@ -175,11 +175,11 @@ def attention(
         lse -inf; a NaN or inf among a row's scores makes that row's output and lse NaN.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
-    call (same shapes, strides, dtypes, flags, device and stream; ``out`` not given) replays
-    the launches of the first (numflash.plans).
+    call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
+    replays the launches of the first (numflash.plans).
     """
     key = plan = None
-    if out is None and not SIMULATOR:
+    if not SIMULATOR:
         pointers = []
         try:
             key = _call_key(
@@ -187,6 +187,7 @@ def attention(
                 _array_key(q, pointers),
                 _array_key(k, pointers),
                 _array_key(v, pointers),
+                _optional_key(out, pointers),
                 causal.__class__,
                 causal,
                 softmax_scale.__class__,
@@ -204,17 +205,22 @@ def attention(
         _refuse_under_capture("attention")
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
-    if plan is not None:
+    # an out= overlapping an input goes to the full path, which refuses it by name
+    if plan is not None and (out is None or plan.disjoint(pointers)):
         b, sq, h, _ = q.shape
-        out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+        if out is None:
+            out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+            pointers[3] = out.data.ptr
         lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
-        pointers += (out.data.ptr, lse.data.ptr if lse is not None else 0)
+        pointers.append(0 if lse is None else lse.data.ptr)
         _replay(plan, key, pointers)
         return (out, lse) if return_lse else out
+    given = out is not None
     with launch.recording() as recorded:
         result = _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     out, lse = result if return_lse else (result, None)
-    _planned(key, recorded, (q, k, v, out, lse))
+    # a given out was refused overlapping q, k or v
+    _planned(key, recorded, (q, k, v, out, lse), overlaps=[(3, r) for r in (0, 1, 2) if given])
     return result
 
 
@@ -593,10 +599,12 @@ def attention_with_kvcache(
     arrays: a sequence's length is clamped to its capacity, rows past the capacity are not
     written, and a key behind an out-of-range cache row or page is treated as absent.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising.
+    Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
+    call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
+    replays the launch of the first (numflash.plans).
     """
     key = plan = None
-    if out is None and not SIMULATOR:
+    if not SIMULATOR:
         pointers = []
         try:
             key = _call_key(
@@ -609,6 +617,7 @@ def attention_with_kvcache(
                 _lengths_key(cache_seqlens, pointers),
                 _optional_key(cache_batch_idx, pointers),
                 _optional_key(block_table, pointers),
+                _optional_key(out, pointers),
                 causal.__class__,
                 causal,
                 softmax_scale.__class__,
@@ -636,19 +645,24 @@ def attention_with_kvcache(
         # would write one over the other; the signature fixes the two views' strides)
         if plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2]):
             b, sq, h, _ = q.shape
-            out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+            if out is None:
+                out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+                pointers[8] = out.data.ptr
             lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
-            pointers += (out.data.ptr, 0 if lse is None else lse.data.ptr)
+            pointers.append(0 if lse is None else lse.data.ptr)
             _replay(plan, key, pointers)
             return (out, lse) if return_lse else out
+    given = out is not None
     with launch.recording() as recorded:
         result = _attention_with_kvcache(*args)
     out, lse = result if return_lse else (result, None)
     roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, lse)
     # the caches are written: validation refused them overlapping q or the new rows, and (an
-    # append writing them) the lengths, the slot map or the table
+    # append writing them) the lengths, the slot map or the table; a given out, any input
     readers = (0, 3, 4, 5, 6, 7) if k is not None else (0, 3, 4)
-    _planned(key, recorded, roles, overlaps=[(c, r) for c in (1, 2) for r in readers])
+    overlaps = [(c, r) for c in (1, 2) for r in readers]
+    overlaps += [(8, r) for r in range(8) if given]
+    _planned(key, recorded, roles, overlaps=overlaps)
     return result
 
 

@@ -96,3 +96,34 @@ def test_a_call_without_a_plan_is_refused_under_capture():
                 numflash.attention(q, k, v, window_size=(5, 5))
         finally:
             stream.end_capture()
+
+
+def test_calls_with_out_are_captured_and_write_into_it():
+    """A serving loop's static buffers: out= given eagerly once, then captured; the graph
+    writes into the same out at every replay."""
+    stream = xp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(2, 33, 70, 4, 2, 64, "bfloat16")
+    caches = [random_array((3, 64, 2, 64), "bfloat16", rng) for _ in range(2)]
+    qd = random_array((3, 1, 4, 64), "bfloat16", rng)
+    out, out_d = xp.empty_like(q), xp.empty_like(qd)
+
+    def step():
+        a = numflash.attention(q, k, v, causal=True, out=out)
+        b = numflash.attention_with_kvcache(qd, *caches, cache_seqlens=40, out=out_d)
+        return a, b
+
+    graph, (a, b) = _capture(stream, step)
+    assert a is out and b is out_d
+    for x in (q, qd):
+        x[...] = random_array(x.shape, "bfloat16", rng)
+    out[...] = 0
+    out_d[...] = 0
+    graph.launch(stream)
+    stream.synchronize()
+    want = api._attention(q, k, v, True, None, (-1, -1), False, None, None)
+    want_d = api._attention_with_kvcache(
+        qd, *caches, None, None, 40, None, None, False, None, (-1, -1), 0, False, None, None
+    )
+    assert (_bits(out) == _bits(want)).all()
+    assert (_bits(out_d) == _bits(want_d)).all()

@@ -135,3 +135,27 @@ def test_a_dropped_output_is_reused_and_a_held_one_never_written_again():
             assert fresh.data.ptr != out_ptr, f"an output held by a {what} was written again"
             del fresh
         del holder
+
+
+def test_calls_with_out_replay_into_it_and_an_overlapping_out_is_still_refused():
+    api._plans.clear()
+    q, k, v = random_qkv(1, 50, 90, 4, 1, 128, "float16")
+    caches = [random_array((2, 64, 1, 128), "float16") for _ in range(2)]
+    for trial in range(3):  # the first call of each records, the next two replay
+        out = random_array(q.shape, "float16")  # poisoned with values, overwritten
+        assert numflash.attention(q, k, v, out=out) is out
+        want = api._attention(q, k, v, False, None, (-1, -1), False, None, None)
+        assert (_bits(out) == _bits(want)).all(), f"trial {trial}"
+        out_d = random_array((2, 1, 4, 128), "float16")
+        qd = random_array((2, 1, 4, 128), "float16")
+        got = numflash.attention_with_kvcache(qd, *caches, cache_seqlens=33, out=out_d)
+        want = api._attention_with_kvcache(
+            qd, *caches, None, None, 33, None, None, False, None, (-1, -1), 0, False, None, None
+        )
+        assert got is out_d and (_bits(out_d) == _bits(want)).all(), f"trial {trial}"
+    assert _plan_count() == 2
+    with pytest.raises(ValueError, match="out overlaps q"):
+        numflash.attention(q, k, v, out=q)
+    with pytest.raises(ValueError, match="out overlaps k_cache"):
+        inside = caches[0].reshape(-1)[: qd.size].reshape(qd.shape)  # q's shape, in the cache
+        numflash.attention_with_kvcache(qd, *caches, cache_seqlens=33, out=inside)

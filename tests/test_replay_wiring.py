@@ -67,15 +67,15 @@ class _Device:
 
     def _forward(self, q, k, v, causal, scale, window, return_lse, out, config):
         self.full_calls += 1
-        out = DeviceArray(q.shape, q.dtype)
+        out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
         self._launch(q, k, v, out, lse)
         return (out, lse) if return_lse else out
 
     def _kvcache(self, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, *rest):
         self.full_calls += 1
-        return_lse = rest[4]
-        out = DeviceArray(q.shape, q.dtype)
+        return_lse, out = rest[4], rest[5]
+        out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
         present = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
         self._launch(*(x for x in present if x is not None and not isinstance(x, int)))
@@ -294,3 +294,41 @@ def test_outputs_over_the_reuse_limit_are_new_every_call(device, monkeypatch):
         ids.add(out.data.ptr)
         del out
     assert len(ids) == 3
+
+
+def test_a_call_with_out_replays_into_the_given_out(device):
+    q, k, v = _qkv()
+    numflash.attention(q, k, v, out=DeviceArray(q.shape))  # records the plan with out=
+    numflash.attention(q, k, v)  # another signature: out=None
+    assert device.full_calls == 2
+    q, k, v = _qkv()
+    out = DeviceArray(q.shape)
+    got = numflash.attention(q, k, v, out=out)
+    assert got is out and device.full_calls == 2
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
+
+
+@pytest.mark.parametrize("role", ["q", "k", "v"])
+def test_an_out_overlapping_an_input_is_left_to_the_full_path(device, role):
+    q, k, v = _qkv()
+    numflash.attention(q, k, v, out=DeviceArray(q.shape))
+    arrays = dict(q=q, k=k, v=v)
+    inside = DeviceArray(q.shape, ptr=arrays[role].data.ptr + 128)
+    numflash.attention(q, k, v, out=inside)
+    assert device.full_calls == 2, f"an out overlapping {role} was replayed"
+
+
+def test_a_decoding_step_with_out_replays_into_it_and_checks_it_against_every_input(device):
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    call = dict(cache_seqlens=seqlens, block_table=table)
+    numflash.attention_with_kvcache(q, kc, vc, k, v, out=DeviceArray(q.shape), **call)
+    q2, _, (k2, v2), _, _ = _kvcache_arrays()
+    out = DeviceArray(q.shape)
+    assert numflash.attention_with_kvcache(q2, kc, vc, k2, v2, out=out, **call) is out
+    assert device.full_calls == 1
+    want = _pointers(q2, kc, vc, k2, v2, seqlens, table, out)
+    assert {p: device.replays[-1][p] for p in want} == want
+    for other in (q2, kc, vc, k2, v2, seqlens, table):
+        inside = DeviceArray(q.shape, ptr=other.data.ptr)
+        numflash.attention_with_kvcache(q2, kc, vc, k2, v2, out=inside, **call)
+    assert device.full_calls == 8 and len(device.replays) == 1
