@@ -115,11 +115,12 @@ def test_calls_with_out_are_captured_and_write_into_it():
 
     graph, (a, b) = _capture(stream, step)
     assert a is out and b is out_d
-    for x in (q, qd):
-        x[...] = random_array(x.shape, "bfloat16", rng)
-    out[...] = 0
-    out_d[...] = 0
-    graph.launch(stream)
+    with stream:  # a non-blocking stream: the new inputs are written on it, in its order
+        for x in (q, qd):
+            x[...] = random_array(x.shape, "bfloat16", rng)
+        out[...] = 0
+        out_d[...] = 0
+        graph.launch(stream)
     stream.synchronize()
     want = api._attention(q, k, v, True, None, (-1, -1), False, None, None)
     want_d = api._attention_with_kvcache(
