@@ -34,9 +34,9 @@ from . import arrays
 #: buffers the full path made for itself.
 MAX_PLANS = 256
 #: The largest output a plan hands out again once its caller has let go of it (a decoding
-#: step's at batch 512, 32 heads, head_dim 128, fp16): allocating one costs the host 1.8 us
-#: on the H200 machine, which matters only beside kernels this small, and a plan keeps the
-#: last one it returned alive until then.
+#: step's at batch 512, 32 heads, head_dim 128, fp16): allocating one costs the host 1.8-3.7
+#: us on the H200 machine (tools/launch_cost.py), which matters only beside kernels this
+#: small, and a plan keeps the last output it returned alive until it hands it out again.
 REUSE_BYTES = 4 << 20
 
 
