@@ -71,6 +71,15 @@ def gpu_per_call_us(fn, calls=2000):
     return cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls
 
 
+def report(results, path=None):
+    """Print ``results`` as JSON, and write them to ``path`` if given."""
+    text = json.dumps(results, indent=1)
+    print(text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
 def kept(fn):
     """``fn`` with the outputs of its last two calls held, so that no plan can reuse them."""
     held = collections.deque(maxlen=2)
@@ -217,11 +226,7 @@ def main():
             backward()
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    report(results, args.json)
 
 
 if __name__ == "__main__":

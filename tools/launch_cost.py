@@ -12,8 +12,7 @@ array, and a CPU-speed yardstick (a dict lookup) to compare machines and runs by
 """
 
 import argparse
-import json
-import statistics
+import os
 import sys
 import time
 import timeit
@@ -24,21 +23,11 @@ from numba.cuda import types
 
 from numflash import arrays, launch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import host_overhead  # noqa: E402
+
 #: (arrays, int64 scalars) of each empty kernel: the decode kernel takes 120 slots.
 KERNELS = [(0, 0), (0, 1), (1, 0), (5, 0), (13, 0), (0, 42), (0, 120), (13, 29), (20, 0)]
-
-
-def burst_us(fn, bursts=100, calls=100):
-    fn()
-    cupy.cuda.Device().synchronize()
-    per = []
-    for _ in range(bursts):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        per.append((time.perf_counter() - start) / calls * 1e6)
-        cupy.cuda.Device().synchronize()
-    return round(statistics.median(per), 3)
 
 
 def back_to_back_us(fn, calls=10000):
@@ -52,15 +41,9 @@ def back_to_back_us(fn, calls=10000):
     return round(host, 3)
 
 
-def gpu_us(fn, stream, calls=2000):
-    begin, end = cupy.cuda.Event(), cupy.cuda.Event()
-    fn()
-    begin.record(stream)
-    for _ in range(calls):
-        fn()
-    end.record(stream)
-    end.synchronize()
-    return round(cupy.cuda.get_elapsed_time(begin, end) * 1e3 / calls, 3)
+def burst_us(fn):
+    """Host time of one call in bursts of 100 (host_overhead.per_call_us), rounded."""
+    return round(host_overhead.per_call_us(fn, bursts=100, calls=100), 3)
 
 
 def empty_kernel(n_arrays, n_scalars):
@@ -98,7 +81,7 @@ def main():
 
                 row[name + "_burst"] = burst_us(fn)
                 row[name + "_b2b"] = back_to_back_us(fn)
-                row[name + "_gpu"] = gpu_us(fn, stream)
+                row[name + "_gpu"] = round(host_overhead.gpu_per_call_us(fn), 3)
         results[f"arrays{n_arrays}_scalars{n_scalars}"] = row
         print(f"arrays{n_arrays}_scalars{n_scalars}", row, flush=True)
     pool = cupy.get_default_memory_pool()
@@ -119,11 +102,7 @@ def main():
         "dict_tuple_lookup_ns": round(min(lookups) / 200000 * 1e9, 1),
         "python": sys.version.split()[0],
     }
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+    host_overhead.report(results, args.json)
 
 
 if __name__ == "__main__":
