@@ -21,7 +21,10 @@ A plan is made only when that replay is exact:
   per stream, so a reused buffer is only ever touched in stream order.
 
 The signature key holds every argument that validation or the choice of kernel reads, with its
-type, so a call reaching a plan is one the full path accepted before.
+type, so a call reaching a plan is one the full path accepted before; what depends on the
+arrays' addresses (an ``out=`` or a written cache overlapping an input) is checked at every
+replay (:attr:`Plan.disjoint`). A replay's outputs are new arrays, or the ones it returned
+last time when nothing refers to them any more (:meth:`Plan.output`).
 """
 
 import collections
