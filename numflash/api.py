@@ -9,40 +9,13 @@ import contextlib
 
 import numpy as np
 
-from . import arrays, cache, launch, plans, selection, validation
+from . import arrays, cache, launch, plans, selection, signature, validation
 from .device import current_device
 from .kernels.jit import SIMULATOR
 
 #: Plans of repeated calls (numflash.plans): on a GPU, for CuPy arrays.
 _plans = plans.PlanCache()
 _DEFAULT_WINDOW = (-1, -1)
-
-
-def _array_key(x, pointers):
-    """What a plan depends on in an array: shape, strides, dtype, 16-byte alignment, device;
-    appends the array's address to ``pointers`` (a replay's, in role order). Raises
-    AttributeError for anything but a CuPy array."""
-    data = x.data
-    ptr = data.ptr
-    pointers.append(ptr)
-    return (x.shape, x.strides, x.dtype, ptr & 15, data.device_id)
-
-
-def _lengths_key(cache_seqlens, pointers):
-    """The key of attention_with_kvcache's cache_seqlens: an int by type and value (address
-    0), an array as :func:`_array_key`."""
-    if isinstance(cache_seqlens, int):
-        pointers.append(0)
-        return (cache_seqlens.__class__, cache_seqlens)
-    return _array_key(cache_seqlens, pointers)
-
-
-def _optional_key(x, pointers):
-    """:func:`_array_key` of an optional array; None (address 0) for an absent one."""
-    if x is None:
-        pointers.append(0)
-        return None
-    return _array_key(x, pointers)
 
 
 def _window_key(window_size):
@@ -54,7 +27,7 @@ class _Cupy:
     """CuPy's functions the repeated-call path uses, bound on first use (a GPU call) instead of
     an import statement and attribute lookups in every call."""
 
-    empty = get_device = current_stream = stream_is_capturing = None
+    empty = get_device = current_stream = stream_is_capturing = device_count = None
 
     @classmethod
     def bind(cls):
@@ -64,17 +37,35 @@ class _Cupy:
         cls.get_device = cupy.cuda.runtime.getDevice
         cls.current_stream = cupy.cuda.get_current_stream
         cls.stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
+        cls.device_count = cupy.cuda.runtime.getDeviceCount
 
 
-def _call_key(*parts):
-    """The signature key of a call on the current device and stream (callers catch the
-    AttributeError of arrays other than CuPy's, and the TypeError an unhashable argument
-    raises where the key is first hashed, in PlanCache.get). Flags and scalars enter it with
-    their type (``x.__class__, x``, written out: a call each costs the host about 0.1 us):
-    True and 1, 2 and 2.0 are different calls."""
-    if _Cupy.get_device is None:
-        _Cupy.bind()
-    return (_Cupy.get_device(), _Cupy.current_stream().ptr, *parts)
+_NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
+#: The public functions' parameters in their order, as their plans' keys hold them (the
+#: arrays' roles follow this order; a replay appends the outputs the call makes).
+_ATTENTION = signature.Signature(
+    "attention",
+    [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
+    + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
+    + [("out", "optional"), ("config", "config")],
+    _NAMESPACE,
+)
+_BACKWARD = signature.Signature(
+    "backward",
+    [(name, "array") for name in ("dout", "q", "k", "v", "out", "lse")]
+    + [("causal", "value"), ("softmax_scale", "value"), ("window_size", "window")]
+    + [("deterministic", "value"), ("config", "config")],
+    _NAMESPACE,
+)
+_KVCACHE = signature.Signature(
+    "kvcache",
+    [("q", "array"), ("k_cache", "array"), ("v_cache", "array"), ("k", "optional")]
+    + [("v", "optional"), ("cache_seqlens", "lengths"), ("cache_batch_idx", "optional")]
+    + [("block_table", "optional"), ("causal", "value"), ("softmax_scale", "value")]
+    + [("window_size", "window"), ("num_splits", "value"), ("return_lse", "value")]
+    + [("out", "optional"), ("config", "config")],
+    _NAMESPACE,
+)
 
 
 def _capturing(stream=None):
@@ -104,18 +95,57 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
-def _replay(plan, key, pointers):
-    if plan.keep and not plan.pinned and _capturing(key[1]):
+def _find(sig, args):
+    """(plan, stream, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s
+    order): the plan of its signature if there is one, its stream and its arrays' addresses in
+    role order; the key when it was built (None where a recent plan's matcher took the call,
+    or where the arguments have no key: not CuPy arrays, or unhashable)."""
+    try:
+        for match, plan, stream in _plans.recent[sig.name].entries:
+            pointers = match(*args)
+            if pointers is not None:
+                return plan, stream, pointers, None
+    except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
+        pass
+    if _Cupy.get_device is None:
+        _Cupy.bind()
+    try:
+        key, pointers = sig.key(*args)
+        plan = _plans.get(key)  # hashing raises TypeError for an unhashable argument
+    except (AttributeError, TypeError):
+        return None, None, None, None
+    if plan is not None:
+        _remember(sig, key, plan)
+    return plan, key[1], pointers, key
+
+
+def _remember(sig, key, plan):
+    """Put ``plan`` first among its function's recent plans, its key's matcher made once."""
+    if plan.match is None:
+        plan.match = sig.matcher(key, one_device=_Cupy.device_count() == 1)
+    _plans.recent[sig.name].add(plan.match, plan, key[1])
+
+
+def _replay(plan, stream, pointers):
+    if plan.keep and not plan.pinned and _Cupy.stream_is_capturing(stream):
         _plans.pin(plan)  # the graph being captured holds the plan's buffers
-    plan.run(key[1], pointers)
+    plan.run(stream, pointers)
 
 
-def _planned(key, recorded, roles, overlaps=()):
-    """Keep the plan of a recorded call whose arrays are on the current device."""
+def _planned(sig, key, recorded, roles, overlaps=(), outputs=()):
+    """Keep the plan of a recorded call whose arrays are on the current device (``outputs``:
+    the (shape, dtype) of each output its replays make)."""
     if roles[0].data.device_id == key[0]:
-        plan = plans.make(recorded, roles, overlaps)
+        plan = plans.make(recorded, roles, overlaps, outputs)
         if plan is not None:
             _plans.put(key, plan)
+            _remember(sig, key, plan)
+
+
+def _outputs(q):
+    """(shape, dtype) of the out and lse a forward or KV-cache call over ``q`` returns."""
+    b, sq, h, _ = q.shape
+    return (q.shape, q.dtype), ((b, h, sq), np.dtype(np.float32))
 
 
 def _on_device(x):
@@ -178,49 +208,32 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    key = plan = None
+    plan = key = None
     if not SIMULATOR:
-        pointers = []
-        try:
-            key = _call_key(
-                "attention",
-                _array_key(q, pointers),
-                _array_key(k, pointers),
-                _array_key(v, pointers),
-                _optional_key(out, pointers),
-                causal.__class__,
-                causal,
-                softmax_scale.__class__,
-                softmax_scale,
-                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
-                return_lse.__class__,
-                return_lse,
-                config,
-                cache.generation,
-            )
-            plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
-            key = None
-    if plan is None:
-        _refuse_under_capture("attention")
-    if key is None:
-        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+        args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+        plan, stream, pointers, key = _find(_ATTENTION, args)
     # an out= overlapping an input goes to the full path, which refuses it by name
     if plan is not None and (out is None or plan.disjoint(pointers)):
-        b, sq, h, _ = q.shape
         if out is None:
-            out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
+            out = plan.output(0, _Cupy.empty)
             pointers[3] = out.data.ptr
-        lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
+        lse = plan.output(1, _Cupy.empty) if return_lse else None
         pointers.append(0 if lse is None else lse.data.ptr)
-        _replay(plan, key, pointers)
+        _replay(plan, stream, pointers)
         return (out, lse) if return_lse else out
+    if plan is None:
+        _refuse_under_capture("attention")
+    elif key is None:  # a recent plan's matcher took the call and its replay refused it
+        key = _ATTENTION.key(*args)[0]
+    if key is None:
+        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     given = out is not None
     with launch.recording() as recorded:
         result = _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     out, lse = result if return_lse else (result, None)
     # a given out was refused overlapping q, k or v
-    _planned(key, recorded, (q, k, v, out, lse), overlaps=[(3, r) for r in (0, 1, 2) if given])
+    overlaps = [(3, r) for r in (0, 1, 2) if given]
+    _planned(_ATTENTION, key, recorded, (q, k, v, out, lse), overlaps, _outputs(q))
     return result
 
 
@@ -442,47 +455,23 @@ def attention_backward(
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
     call replays the launches of the first (numflash.plans).
     """
-    key = plan = None
-    if not SIMULATOR:
-        pointers = []
-        try:
-            key = _call_key(
-                "backward",
-                _array_key(dout, pointers),
-                _array_key(q, pointers),
-                _array_key(k, pointers),
-                _array_key(v, pointers),
-                _array_key(out, pointers),
-                _array_key(lse, pointers),
-                causal.__class__,
-                causal,
-                softmax_scale.__class__,
-                softmax_scale,
-                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
-                deterministic.__class__,
-                deterministic,
-                config,
-                cache.generation,
-            )
-            plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
-            key = None
+    plan = key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    if plan is None:
-        _refuse_under_capture("attention_backward")
-    if key is None:
-        return _attention_backward(*args)
+    if not SIMULATOR:
+        plan, stream, pointers, key = _find(_BACKWARD, args)
     if plan is not None:
         empty = _Cupy.empty
-        dq = plan.output(0, q.shape, q.dtype, empty)
-        dk = plan.output(1, k.shape, k.dtype, empty)
-        dv = plan.output(2, v.shape, v.dtype, empty)
+        dq, dk, dv = plan.output(0, empty), plan.output(1, empty), plan.output(2, empty)
         pointers += (dq.data.ptr, dk.data.ptr, dv.data.ptr)
-        _replay(plan, key, pointers)
+        _replay(plan, stream, pointers)
         return dq, dk, dv
+    _refuse_under_capture("attention_backward")
+    if key is None:
+        return _attention_backward(*args)
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
-    _planned(key, recorded, (dout, q, k, v, out, lse, *grads))
+    outputs = [(x.shape, x.dtype) for x in (q, k, v)]
+    _planned(_BACKWARD, key, recorded, (dout, q, k, v, out, lse, *grads), (), outputs)
     return grads
 
 
@@ -603,55 +592,28 @@ def attention_with_kvcache(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launch of the first (numflash.plans).
     """
-    key = plan = None
-    if not SIMULATOR:
-        pointers = []
-        try:
-            key = _call_key(
-                "kvcache",
-                _array_key(q, pointers),
-                _array_key(k_cache, pointers),
-                _array_key(v_cache, pointers),
-                _optional_key(k, pointers),
-                _optional_key(v, pointers),
-                _lengths_key(cache_seqlens, pointers),
-                _optional_key(cache_batch_idx, pointers),
-                _optional_key(block_table, pointers),
-                _optional_key(out, pointers),
-                causal.__class__,
-                causal,
-                softmax_scale.__class__,
-                softmax_scale,
-                None if window_size is _DEFAULT_WINDOW else _window_key(window_size),
-                num_splits.__class__,
-                num_splits,
-                return_lse.__class__,
-                return_lse,
-                config,
-                cache.generation,
-            )
-            plan = _plans.get(key)
-        except (AttributeError, TypeError):  # not CuPy arrays, or unhashable arguments
-            key = None
+    plan = key = None
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
+    if not SIMULATOR:
+        plan, stream, pointers, key = _find(_KVCACHE, args)
+    # else the full path refuses the call by name (one cache for k and v: an append would
+    # write one over the other; the signature fixes the two views' strides)
+    if plan is not None and (plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2])):
+        if out is None:
+            out = plan.output(0, _Cupy.empty)
+            pointers[8] = out.data.ptr
+        lse = plan.output(1, _Cupy.empty) if return_lse else None
+        pointers.append(0 if lse is None else lse.data.ptr)
+        _replay(plan, stream, pointers)
+        return (out, lse) if return_lse else out
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
+    elif key is None:  # a recent plan's matcher took the call and its replay refused it
+        key = _KVCACHE.key(*args)[0]
     if key is None:
         return _attention_with_kvcache(*args)
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
-    if plan is not None:
-        # else the full path refuses the call by name (one cache for k and v: an append
-        # would write one over the other; the signature fixes the two views' strides)
-        if plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2]):
-            b, sq, h, _ = q.shape
-            if out is None:
-                out = plan.output(0, q.shape, q.dtype, _Cupy.empty)
-                pointers[8] = out.data.ptr
-            lse = plan.output(1, (b, h, sq), np.float32, _Cupy.empty) if return_lse else None
-            pointers.append(0 if lse is None else lse.data.ptr)
-            _replay(plan, key, pointers)
-            return (out, lse) if return_lse else out
     given = out is not None
     with launch.recording() as recorded:
         result = _attention_with_kvcache(*args)
@@ -662,7 +624,7 @@ def attention_with_kvcache(
     readers = (0, 3, 4, 5, 6, 7) if k is not None else (0, 3, 4)
     overlaps = [(c, r) for c in (1, 2) for r in readers]
     overlaps += [(8, r) for r in range(8) if given]
-    _planned(key, recorded, roles, overlaps=overlaps)
+    _planned(_KVCACHE, key, recorded, roles, overlaps, _outputs(q))
     return result
 
 

@@ -234,30 +234,37 @@ def note_unrecorded_work():
         _recording.record.unrecorded_work = True
 
 
-class PreparedLaunch:
-    """One recorded launch with its parameters packed once; :meth:`launch` patches the
-    pointers of the arrays that change from call to call and launches through CuPy's
-    binding of cuLaunchKernel (about a microsecond)."""
+def _launch_kernel():
+    """CuPy's binding of cuLaunchKernel (function, grid x/y/z, block x/y/z, dynamic shared
+    bytes, stream, parameter addresses, extra)."""
+    from cupy_backends.cuda.api.driver import launchKernel
 
-    __slots__ = ("head", "buffer", "slots", "pointers", "address", "patch", "_launch")
+    return launchKernel
+
+
+class PreparedLaunch:
+    """One recorded launch with its parameters packed once. :attr:`launch` ``(stream,
+    role_pointers)`` writes the pointers of the arrays that change from call to call into the
+    packed parameters and launches through CuPy's binding of cuLaunchKernel: a function written
+    out for this launch (one assignment per patched pointer, the launch's constants bound), as
+    a loop over the patches and unpacking the launch's arguments cost the host as much again."""
+
+    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
-        from cupy_backends.cuda.api.driver import launchKernel
-
-        #: cuLaunchKernel's leading arguments: function, grid, block, dynamic shared bytes
-        self.head = (function, *grid, *block, shared_bytes)
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
         self.slots = memoryview(buffer).cast("B").cast("Q")  # ... as uint64s, to patch
-        self.pointers = pointers  # the parameters' addresses (numpy uint64)
+        self.pointers = pointers  # the parameters' addresses (numpy uint64), which stay put
         self.address = int(pointers.ctypes.data)  # ... and where they are
         self.patch = patch  # ((slot of a data pointer, role index), ...)
-        self._launch = launchKernel
-
-    def launch(self, stream, role_pointers):
-        slots = self.slots
-        for slot, role in self.patch:
-            slots[slot] = role_pointers[role]
-        self._launch(*self.head, stream, self.address, 0)
+        lines = ["def launch(stream, p):"]
+        lines += [f"    s[{slot}] = p[{role}]" for slot, role in patch]
+        head = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
+        lines.append(f"    cuLaunchKernel({head}, stream, {self.address}, 0)")
+        self.source = "\n".join(lines) + "\n"
+        namespace = {"s": self.slots, "cuLaunchKernel": _launch_kernel()}
+        exec(compile(self.source, "<numflash prepared launch>", "exec"), namespace)
+        self.launch = namespace["launch"]
 
 
 class Launcher:

@@ -41,6 +41,10 @@ MAX_PLANS = 256
 #: us on the H200 machine (tools/launch_cost.py), which matters only beside kernels this
 #: small, and a plan keeps the last output it returned alive until it hands it out again.
 REUSE_BYTES = 4 << 20
+#: How many plans' matchers a function tries before building its key (numflash.signature):
+#: enough for a model whose layers alternate between a few signatures (sliding-window and
+#: global layers, say); each one tried and missed costs the host a fraction of a microsecond.
+RECENT = 4
 
 
 def _holders(x):
@@ -69,9 +73,9 @@ class Plan:
     """Recorded launches, replayed in order on one stream with the call's pointers."""
 
     __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
-    __slots__ += ("spares", "alone")
+    __slots__ += ("outputs", "spares", "alone", "match")
 
-    def __init__(self, launches, keep, spans, overlaps):
+    def __init__(self, launches, keep, spans, overlaps, outputs=()):
         self.launches = launches
         self.keep = keep  # the arrays whose pointers the launches hold
         self.pinned = False  # replayed under stream capture: a graph may hold ``keep``
@@ -80,19 +84,21 @@ class Plan:
         #: disjoint(pointers): whether those pairs do not overlap at these pointers
         self.disjoint = _disjoint_check(spans, overlaps)
         self.lock = threading.Lock()
+        self.outputs = outputs  # (shape, dtype) of each output a replay makes, by index
         self.spares = [None, None, None]  # the outputs last returned, by output index
         self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
+        self.match = None  # the matcher of the plan's key (numflash.signature), once made
 
-    def output(self, index, shape, dtype, allocate):
+    def output(self, index, allocate):
         """Output ``index`` of a replay: the array this plan returned last time there if
         nothing else refers to it or its memory any more (the caller dropped it, as a decoding
-        loop does), else a new one from ``allocate(shape, dtype)``. Either way the kernels
-        write all of it; replays run in stream order on one stream, as CuPy's memory pool
-        reuses freed memory. The shape and dtype are the signature's, the same every call."""
+        loop does), else a new one from ``allocate(shape, dtype)`` with the shape and dtype of
+        :attr:`outputs` (the signature fixes them). Either way the kernels write all of it;
+        replays run in stream order on one stream, as CuPy's memory pool reuses freed memory."""
         spare = self.spares[index]
         if spare is not None and _holders(spare) == self.alone[index]:
             return spare
-        spare = allocate(shape, dtype)
+        spare = allocate(*self.outputs[index])
         if spare.nbytes <= REUSE_BYTES:
             self.spares[index] = spare
             self.alone[index] = _holders(spare)
@@ -104,6 +110,22 @@ class Plan:
                 prepared.launch(stream, pointers)
 
 
+class Recent:
+    """A function's most recently replayed plans, newest first, at most :data:`RECENT`:
+    ``entries`` holds (match, plan, stream) each, ``match`` the plan's key's matcher
+    (numflash.signature) and ``stream`` the key's stream. Read without a lock: the tuple is
+    replaced whole."""
+
+    def __init__(self):
+        self.entries = ()
+        self._lock = threading.Lock()
+
+    def add(self, match, plan, stream):
+        with self._lock:
+            kept = tuple(entry for entry in self.entries if entry[1] is not plan)
+            self.entries = ((match, plan, stream), *kept)[:RECENT]
+
+
 class PlanCache:
     """Plans by signature key, at most MAX_PLANS, safe from several threads. A plan replayed
     under stream capture is pinned: a CUDA graph holds the addresses of its buffers, so they
@@ -113,6 +135,8 @@ class PlanCache:
         self._plans = collections.OrderedDict()
         self._pinned = []
         self._lock = threading.Lock()
+        #: the :class:`Recent` plans of each public function, by its signature's name
+        self.recent = collections.defaultdict(Recent)
 
     def get(self, key):
         return self._plans.get(key)
@@ -130,9 +154,10 @@ class PlanCache:
                 self._pinned.append(plan)
 
     def clear(self):
-        """Forget every plan not pinned."""
+        """Forget every plan not pinned, and which plans were used last."""
         with self._lock:
             self._plans.clear()
+            self.recent.clear()
 
 
 def _span(x):
@@ -142,12 +167,13 @@ def _span(x):
     return sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.dtype.itemsize
 
 
-def make(recorded, roles, overlaps=()):
+def make(recorded, roles, overlaps=(), outputs=()):
     """The plan of a recorded call, or None where a replay would not be exact.
 
     ``roles``: the call's arrays in role order (None for an absent one), each of which must
     appear, by its pointer, among the recorded launches' array arguments; ``overlaps``: pairs
-    of role indices that must not share memory at replay (validation refused it)."""
+    of role indices that must not share memory at replay (validation refused it);
+    ``outputs``: (shape, dtype) of each output a replay makes (:meth:`Plan.output`)."""
     if recorded.unrecorded_work or not recorded.launches:
         return None
     present = {i: x for i, x in enumerate(roles) if x is not None}
@@ -176,4 +202,4 @@ def make(recorded, roles, overlaps=()):
         return None  # an array was copied or padded before the kernel read it
     spans = [0 if x is None else _span(x) for x in roles]
     overlaps = tuple((a, b) for a, b in overlaps if a in present and b in present)
-    return Plan(tuple(prepared), keep, spans, overlaps)
+    return Plan(tuple(prepared), keep, spans, overlaps, outputs)

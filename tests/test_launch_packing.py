@@ -81,11 +81,11 @@ def test_each_parameter_has_an_8_byte_slot_and_arrays_take_seven(typed, name, dt
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_a_replay_patches_each_arrays_data_slot_and_nothing_else(typed, name):
+def test_a_replay_patches_each_arrays_data_slot_and_nothing_else(typed, name, monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: lambda *a: calls.append(a))
     launcher, prepared, args, arrays = _prepared(SPECS[name], "float16")
     before = _unpack(launcher, prepared)
-    calls = []
-    prepared._launch = lambda *a: calls.append(a)
     new = [(7 << 40) + 256 * role for role in range(len(arrays))]
     prepared.launch(0x5EED, new)
     after = _unpack(launcher, prepared)

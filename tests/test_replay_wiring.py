@@ -46,12 +46,14 @@ class _Device:
 
     def __init__(self, monkeypatch):
         self.capturing = 0
+        self.devices = 1
         self.full_calls = 0
         self.replays = []
         monkeypatch.setattr(api, "SIMULATOR", False)
         monkeypatch.setattr(api, "_plans", plans.PlanCache())
         monkeypatch.setattr(api._Cupy, "empty", lambda shape, dtype: DeviceArray(shape, dtype))
         monkeypatch.setattr(api._Cupy, "get_device", lambda: 0)
+        monkeypatch.setattr(api._Cupy, "device_count", lambda: self.devices)
         monkeypatch.setattr(api._Cupy, "current_stream", _Stream)
         monkeypatch.setattr(api._Cupy, "stream_is_capturing", lambda stream: self.capturing)
         monkeypatch.setattr(api, "_attention", self._forward)
@@ -332,3 +334,29 @@ def test_a_decoding_step_with_out_replays_into_it_and_checks_it_against_every_in
         inside = DeviceArray(q.shape, ptr=other.data.ptr)
         numflash.attention_with_kvcache(q2, kc, vc, k2, v2, out=inside, **call)
     assert device.full_calls == 8 and len(device.replays) == 1
+
+
+def test_a_repeated_call_is_taken_by_its_plans_matcher_without_building_the_key(
+    device, monkeypatch
+):
+    numflash.attention(*_qkv())  # records the plan, and builds the key
+    keys = []
+    original = api._ATTENTION.key
+    monkeypatch.setattr(api._ATTENTION, "key", lambda *a: keys.append(a) or original(*a))
+    q, k, v = _qkv()
+    out = numflash.attention(q, k, v)
+    assert keys == [] and device.full_calls == 1
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
+
+
+def test_more_signatures_than_the_recent_plans_still_replay_through_their_keys(device):
+    lengths = range(40, 40 + plans.RECENT + 2)
+    for seqlen_k in lengths:  # each a signature of its own, recorded
+        numflash.attention(*_qkv(seqlen_k=seqlen_k))
+    for _ in range(2):
+        for seqlen_k in lengths:  # ... and replayed in turn
+            q, k, v = _qkv(seqlen_k=seqlen_k)
+            out = numflash.attention(q, k, v)
+            assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
+    assert device.full_calls == len(lengths)
+    assert len(api._plans.recent["attention"].entries) == plans.RECENT

@@ -33,3 +33,11 @@ class DeviceArray:
         self.size = int(np.prod(self.shape))
         self.nbytes = self.size * self.dtype.itemsize
         self.data = Memory(next(_addresses) if ptr is None else ptr)
+
+    @property
+    def _shape(self):  # CuPy's own field: a new list at each read
+        return list(self.shape)
+
+    @property
+    def _strides(self):
+        return list(self.strides)

@@ -1,0 +1,190 @@
+"""The signature of a public function's call, as generated code: its plan key, and a matcher of
+the calls that have one plan's key.
+
+A repeated call looks up the plan of its signature (numflash.plans). Building the key (each
+array's shape, strides, dtype, alignment and device, each flag's type and value) and hashing it
+costs the host more than a decoding step's launch. Both functions here are written out once per
+public function (:class:`Signature`), without loops or helper calls over its parameters:
+
+- :meth:`Signature.key` returns the call's key and its arrays' addresses in role order;
+- :meth:`Signature.matcher` makes, for one key, a function that tells whether a call has that
+  key without building it (comparisons that stop at the first difference) and returns the
+  call's addresses, or None. The public functions try the matchers of their most recent
+  plans first (:class:`numflash.plans.Recent`) and build the key only when none matches.
+
+A matcher accepts exactly the calls whose key equals its own, except that it compares dtypes
+by identity (NumPy's dtypes of the built-in types are single objects): a call it turns away
+still finds its plan by key. tests/test_replay_wiring.py checks that every part of a key,
+changed alone, turns a call away.
+"""
+
+#: The kinds of parameter a signature holds, with the part of the key each gives:
+#: ``array``: a CuPy array, (shape, strides, dtype, address % 16, device id), and its address;
+#: ``optional``: an array as ``array``, or None (None, address 0);
+#: ``lengths``: an int as ``value`` (address 0), or an array as ``array``;
+#: ``value``: a flag or scalar, (type, value): True and 1, 2 and 2.0 are different calls;
+#: ``window``: the default window (None) or a window_size, (type, element types, value);
+#: ``config``: a configuration or None, itself.
+KINDS = ("array", "optional", "lengths", "value", "window", "config")
+
+
+def _array_lines(name, index, pad):
+    """Key part and address of array parameter ``name`` (role ``index``)."""
+    return [
+        f"{pad}d{index} = {name}.data",
+        f"{pad}p{index} = d{index}.ptr",
+        f"{pad}k{index} = ({name}.shape, {name}.strides, {name}.dtype, p{index} & 15, "
+        f"d{index}.device_id)",
+    ]
+
+
+def _key_source(parameters):
+    lines = [f"def key({', '.join(name for name, _ in parameters)}):"]
+    parts, roles = [], []
+    for position, (name, kind) in enumerate(parameters):
+        part = f"k{position}"
+        if kind == "array":
+            lines += _array_lines(name, position, "    ")
+        elif kind == "optional":
+            lines += [
+                f"    if {name} is None:",
+                f"        k{position} = None",
+                f"        p{position} = 0",
+            ]
+            lines += ["    else:", *_array_lines(name, position, "        ")]
+        elif kind == "lengths":
+            lines += [f"    if isinstance({name}, int):"]
+            lines += [
+                f"        k{position} = ({name}.__class__, {name})",
+                f"        p{position} = 0",
+            ]
+            lines += ["    else:", *_array_lines(name, position, "        ")]
+        elif kind == "value":
+            part = f"({name}.__class__, {name})"
+        elif kind == "window":
+            part = f"None if {name} is DEFAULT_WINDOW else window_key({name})"
+        elif kind == "config":
+            part = name
+        else:
+            raise ValueError(f"unknown parameter kind {kind!r} of {name!r}")
+        parts.append(part)
+        if kind in ("array", "optional", "lengths"):
+            roles.append(f"p{position}")
+    lines.append(
+        "    return (Cupy.get_device(), Cupy.current_stream().ptr, NAME, "
+        f"{', '.join(parts)}, cache.generation), [{', '.join(roles)}]"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _array_checks(name, index, one_device, pad):
+    """Lines that return None unless array ``name`` has the key part held in the constants
+    c{index}_0 .. c{index}_4 (shape and strides as lists, dtype, alignment, device), and take
+    its address. The shape and strides are read as CuPy keeps them, ``_shape`` and
+    ``_strides`` (lists: the public tuples are made from them, at twice the cost); the device
+    is not compared where the process sees one device (every array is on it)."""
+    device = "" if one_device else f" or d{index}.device_id != c{index}_4"
+    return [
+        f"{pad}d{index} = {name}.data",
+        f"{pad}p{index} = d{index}.ptr",
+        f"{pad}if ({name}._shape != c{index}_0 or {name}._strides != c{index}_1 or "
+        f"{name}.dtype is not c{index}_2 or p{index} & 15 != c{index}_3{device}):",
+        f"{pad}    return None",
+    ]
+
+
+def _matcher_source(parameters, parts, one_device):
+    """Source of ``match(...)`` for one key's parts (in parameter order), and the constants it
+    names. Flags and scalars are compared first: they are the cheapest to tell apart."""
+    names = ", ".join(name for name, _ in parameters)
+    constants = {}
+    flags, arrays, roles = [], [], []
+    for position, ((name, kind), part) in enumerate(zip(parameters, parts)):
+        c = f"c{position}"
+        if kind in ("array", "optional", "lengths"):
+            roles.append(f"p{position}")
+            if part is None:  # an absent optional array
+                flags.append(f"{name} is not None")
+                arrays.append(f"    p{position} = 0")
+            elif kind == "lengths" and isinstance(part[1], int):  # an int: (type, value)
+                constants[c] = part
+                arrays += [
+                    f"    if {name}.__class__ is not {c}[0] or {name} != {c}[1]:",
+                    "        return None",
+                    f"    p{position} = 0",
+                ]
+            else:
+                if kind == "optional":
+                    flags.append(f"{name} is None")
+                elif kind == "lengths":
+                    flags.append(f"isinstance({name}, int)")
+                shape, strides, *rest = part
+                constants.update({f"{c}_0": list(shape), f"{c}_1": list(strides)})
+                constants.update({f"{c}_{i}": value for i, value in enumerate(rest, 2)})
+                arrays += _array_checks(name, position, one_device, "    ")
+        elif kind == "value":
+            if part[1] is None:
+                flags.append(f"{name} is not None")
+            else:
+                constants[c] = part
+                flags.append(f"{name}.__class__ is not {c}[0] or {name} != {c}[1]")
+        elif kind == "window":
+            if part is None:
+                flags.append(f"{name} is not DEFAULT_WINDOW")
+            else:
+                constants[c] = part
+                flags.append(f"{name} is DEFAULT_WINDOW or window_key({name}) != {c}")
+        elif kind == "config":
+            if part is None:
+                flags.append(f"{name} is not None")
+            else:
+                constants[c] = part
+                flags.append(f"{name}.__class__ is not {c}.__class__ or {name} != {c}")
+    lines = [f"def match({names}):"]
+    if flags:
+        lines += [f"    if {' or '.join(f'({flag})' for flag in flags)}:", "        return None"]
+    lines += [
+        "    if (cache.generation != GENERATION or Cupy.get_device() != DEVICE or "
+        "Cupy.current_stream().ptr != STREAM):",
+        "        return None",
+        *arrays,
+        f"    return [{', '.join(roles)}]",
+    ]
+    return "\n".join(lines) + "\n", constants
+
+
+class Signature:
+    """A public function's parameters, as (name, kind) in its order (kinds: :data:`KINDS`),
+    with the generated :meth:`key` and the matchers of its keys. ``namespace``: what the
+    generated code reads besides its arguments: ``Cupy`` (get_device, current_stream),
+    ``cache`` (generation), ``DEFAULT_WINDOW`` and ``window_key``."""
+
+    def __init__(self, name, parameters, namespace):
+        for parameter, kind in parameters:
+            if kind not in KINDS:
+                raise ValueError(f"unknown parameter kind {kind!r} of {parameter!r}")
+        self.name = name
+        self.parameters = tuple(parameters)
+        self.namespace = dict(namespace, NAME=name)
+        self.key_source = _key_source(self.parameters)
+        self.key = self._define(self.key_source, {})
+
+    def _define(self, source, constants):
+        namespace = dict(self.namespace, **constants)
+        exec(compile(source, f"<numflash {self.name} signature>", "exec"), namespace)
+        return namespace[source[4 : source.index("(")]]
+
+    def matcher(self, key, one_device=False):
+        """``match(*args)``: the call's addresses in role order if its key is ``key`` (one this
+        signature's :meth:`key` made), else None. ``one_device``: the process sees one device
+        only. ``match.source`` is its code. A matcher reads CuPy's own fields of an array: where
+        it raises AttributeError (another kind of array, or a CuPy without them), the caller
+        builds the key instead."""
+        device, stream, name, *parts, generation = key
+        if name != self.name or len(parts) != len(self.parameters):
+            raise ValueError(f"not a key of {self.name}: {key!r}")
+        source, constants = _matcher_source(self.parameters, parts, one_device)
+        constants.update(GENERATION=generation, DEVICE=device, STREAM=stream)
+        match = self._define(source, constants)
+        match.source = source
+        return match
