@@ -15,6 +15,7 @@ LAYERS = {
     "selection": 4,
     "launch": 4,
     "plans": 4,
+    "signature": 4,
     "cache": 3,
     "config": 2,
     "device": 1,

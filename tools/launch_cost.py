@@ -8,7 +8,8 @@ binding of cuLaunchKernel, as a replayed call launches), on the legacy default s
 blocking and a non-blocking stream, and the per-thread default stream. Per configuration: the
 host time of a launch in bursts of 100 (``_burst``), back to back over 10,000 (``_b2b``), and
 the GPU time per launch of 2,000 back to back (``_gpu``). Then what CuPy charges for an output
-array, and a CPU-speed yardstick (a dict lookup) to compare machines and runs by.
+array, what reading a CuPy array's shape, strides, dtype and address costs, and a CPU-speed
+yardstick (a dict lookup) to compare machines and runs by.
 """
 
 import argparse
@@ -55,6 +56,29 @@ def empty_kernel(n_arrays, n_scalars):
     return launch.Launcher(cuda.jit(namespace["k"]), argtypes)
 
 
+def array_fields_ns(x):
+    """ns to read (and compare) what a plan's matcher reads of a CuPy array (timeit, best of 5):
+    the public shape and strides tuples against the lists CuPy keeps them in."""
+    shape, strides = x.shape, x.strides
+    names = dict(x=x, S=shape, T=strides, Sl=list(shape), Tl=list(strides), dt=x.dtype)
+    expressions = [
+        "x.shape",
+        "x._shape",
+        "x.strides",
+        "x._strides",
+        "x.data.ptr",
+        "x.data.device_id",
+        "x.dtype is dt",
+        "x.shape != S or x.strides != T",
+        "x._shape != Sl or x._strides != Tl",
+    ]
+    best = {}
+    for expression in expressions:
+        times = timeit.repeat(expression, globals=names, number=200000, repeat=5)
+        best[expression] = round(min(times) / 200000 * 1e9, 1)
+    return best
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
@@ -96,6 +120,7 @@ def main():
         "get_current_stream": burst_us(cupy.cuda.get_current_stream),
         "streamIsCapturing": burst_us(lambda: cupy.cuda.runtime.streamIsCapturing(0)),
     }
+    results["array_fields_ns"] = array_fields_ns(cupy.ndarray(shape, cupy.float16, memory))
     table = {(1, 2, 3): 1}
     lookups = timeit.repeat(lambda: table.get((1, 2, 3)), number=200000, repeat=5)
     results["cpu_calibration"] = {
