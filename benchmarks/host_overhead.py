@@ -73,8 +73,8 @@ def gpu_per_call_us(fn, calls=2000):
 
 
 def warm_up(seconds=1.0):
-    """Calls for ``seconds`` before anything is timed: on the H200 machine the first figure a
-    process took came out up to 1.5 times the same call's figure later in it."""
+    """Calls for ``seconds`` before anything is timed, so that the first figure is taken as the
+    later ones are, after the process's first launches and allocations."""
     q, k, v = random_qkv(1, 128, 1, 64, "float16")
     stream = cupy.cuda.get_current_stream()
     end = time.perf_counter() + seconds
