@@ -132,6 +132,20 @@ def _replay(plan, stream, pointers):
     plan.run(stream, pointers)
 
 
+def _replay_forward(plan, stream, pointers, out, out_role, return_lse):
+    """Replay a forward or KV-cache plan: into ``out``, or the plan's output (role
+    ``out_role``), with an lse when asked for; the call's result."""
+    if out is None:
+        out = plan.output(0, _Cupy.empty)
+        pointers[out_role] = out.data.ptr
+    lse = plan.output(1, _Cupy.empty) if return_lse else None
+    pointers.append(0 if lse is None else lse.data.ptr)
+    if plan.keep and not plan.pinned and _Cupy.stream_is_capturing(stream):
+        _plans.pin(plan)  # the graph being captured holds the plan's buffers
+    plan.run(stream, pointers)
+    return (out, lse) if return_lse else out
+
+
 def _planned(sig, key, recorded, roles, overlaps=(), outputs=()):
     """Keep the plan of a recorded call whose arrays are on the current device (``outputs``:
     the (shape, dtype) of each output its replays make)."""
@@ -214,13 +228,7 @@ def attention(
         plan, stream, pointers, key = _find(_ATTENTION, args)
     # an out= overlapping an input goes to the full path, which refuses it by name
     if plan is not None and (out is None or plan.disjoint(pointers)):
-        if out is None:
-            out = plan.output(0, _Cupy.empty)
-            pointers[3] = out.data.ptr
-        lse = plan.output(1, _Cupy.empty) if return_lse else None
-        pointers.append(0 if lse is None else lse.data.ptr)
-        _replay(plan, stream, pointers)
-        return (out, lse) if return_lse else out
+        return _replay_forward(plan, stream, pointers, out, 3, return_lse)
     if plan is None:
         _refuse_under_capture("attention")
     elif key is None:  # a recent plan's matcher took the call and its replay refused it
@@ -600,13 +608,7 @@ def attention_with_kvcache(
     # else the full path refuses the call by name (one cache for k and v: an append would
     # write one over the other; the signature fixes the two views' strides)
     if plan is not None and (plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2])):
-        if out is None:
-            out = plan.output(0, _Cupy.empty)
-            pointers[8] = out.data.ptr
-        lse = plan.output(1, _Cupy.empty) if return_lse else None
-        pointers.append(0 if lse is None else lse.data.ptr)
-        _replay(plan, stream, pointers)
-        return (out, lse) if return_lse else out
+        return _replay_forward(plan, stream, pointers, out, 8, return_lse)
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
     elif key is None:  # a recent plan's matcher took the call and its replay refused it

@@ -93,6 +93,14 @@ def _array_checks(name, index, one_device, pad):
     ]
 
 
+#: Whether a flag, scalar, window or configuration differs from the key's constant ``c``.
+_DIFFERS = {
+    "value": "{name}.__class__ is not {c}[0] or {name} != {c}[1]",
+    "window": "{name} is DEFAULT_WINDOW or window_key({name}) != {c}",
+    "config": "{name}.__class__ is not {c}.__class__ or {name} != {c}",
+}
+
+
 def _matcher_source(parameters, parts, one_device):
     """Source of ``match(...)`` for one key's parts (in parameter order), and the constants it
     names. Flags and scalars are compared first: they are the cheapest to tell apart."""
@@ -122,24 +130,12 @@ def _matcher_source(parameters, parts, one_device):
                 constants.update({f"{c}_0": list(shape), f"{c}_1": list(strides)})
                 constants.update({f"{c}_{i}": value for i, value in enumerate(rest, 2)})
                 arrays += _array_checks(name, position, one_device, "    ")
-        elif kind == "value":
-            if part[1] is None:
-                flags.append(f"{name} is not None")
+        else:  # a flag or scalar, the window, the configuration
+            if (part[1] if kind == "value" else part) is None:  # the default
+                flags.append(f"{name} is not {'DEFAULT_WINDOW' if kind == 'window' else 'None'}")
             else:
                 constants[c] = part
-                flags.append(f"{name}.__class__ is not {c}[0] or {name} != {c}[1]")
-        elif kind == "window":
-            if part is None:
-                flags.append(f"{name} is not DEFAULT_WINDOW")
-            else:
-                constants[c] = part
-                flags.append(f"{name} is DEFAULT_WINDOW or window_key({name}) != {c}")
-        elif kind == "config":
-            if part is None:
-                flags.append(f"{name} is not None")
-            else:
-                constants[c] = part
-                flags.append(f"{name}.__class__ is not {c}.__class__ or {name} != {c}")
+                flags.append(_DIFFERS[kind].format(name=name, c=c))
     lines = [f"def match({names}):"]
     if flags:
         lines += [f"    if {' or '.join(f'({flag})' for flag in flags)}:", "        return None"]
