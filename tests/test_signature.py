@@ -3,6 +3,8 @@
 Arrays are stand-ins (tests/support/standins.py); the device, stream and cache generation come
 from a namespace the test controls."""
 
+import inspect
+
 import numpy as np
 import pytest
 from support.standins import DeviceArray, Memory
@@ -174,3 +176,18 @@ def test_a_matcher_is_made_only_for_a_key_of_its_signature(namespace):
         sig.matcher(key[:2] + ("attention",) + key[3:])
     with pytest.raises(ValueError, match="unknown parameter kind"):
         signature.Signature("f", [("q", "tensor")], namespace)
+
+
+@pytest.mark.parametrize(
+    "function, sig",
+    [
+        (api.attention, api._ATTENTION),
+        (api.attention_backward, api._BACKWARD),
+        (api.attention_with_kvcache, api._KVCACHE),
+    ],
+    ids=lambda x: getattr(x, "__name__", ""),
+)
+def test_a_signature_holds_every_parameter_of_its_function_in_order(function, sig):
+    """A parameter left out of the key would let calls that differ in it share a plan."""
+    names = list(inspect.signature(function).parameters)
+    assert [name for name, _ in sig.parameters] == names
