@@ -246,8 +246,8 @@ class PreparedLaunch:
     """One recorded launch with its parameters packed once. :attr:`launch` ``(stream,
     role_pointers)`` writes the pointers of the arrays that change from call to call into the
     packed parameters and launches through CuPy's binding of cuLaunchKernel: a function written
-    out for this launch (one assignment per patched pointer, the launch's constants bound), as
-    a loop over the patches and unpacking the launch's arguments cost the host as much again."""
+    out for this launch, one assignment per patched pointer and the launch's constants bound
+    (``source`` is its code), so a replay runs no loop and unpacks nothing."""
 
     __slots__ = ("buffer", "slots", "pointers", "address", "patch", "launch", "source")
 

@@ -20,8 +20,10 @@ A plan is made only when that replay is exact:
   their contents' meaning from call to call: they are kept by the plan and reused. Plans are
   per stream, so a reused buffer is only ever touched in stream order.
 
-The signature key holds every argument that validation or the choice of kernel reads, with its
-type, so a call reaching a plan is one the full path accepted before; what depends on the
+The signature key (numflash.signature) holds every argument that validation or the choice of
+kernel reads, with its type, so a call reaching a plan is one the full path accepted before; a
+call first tries the matchers of its function's most recently used plans (:class:`Recent`),
+which compare it with their keys without building its own; what depends on the
 arrays' addresses (an ``out=`` or a written cache overlapping an input) is checked at every
 replay (:attr:`Plan.disjoint`). A replay's outputs are new arrays, or the ones it returned
 last time when nothing refers to them any more (:meth:`Plan.output`).
@@ -43,7 +45,7 @@ MAX_PLANS = 256
 REUSE_BYTES = 4 << 20
 #: How many plans' matchers a function tries before building its key (numflash.signature):
 #: enough for a model whose layers alternate between a few signatures (sliding-window and
-#: global layers, say); each one tried and missed costs the host a fraction of a microsecond.
+#: global layers, say); a matcher whose flags differ from the call's stops at its first test.
 RECENT = 4
 
 
