@@ -136,7 +136,7 @@ def kvcache_parts(call, args):
         "find_us": per_call_us(lambda: api._find(api._KVCACHE, args)),
         "key_us": per_call_us(lambda: api._KVCACHE.key(*args)),
         "key_and_lookup_us": per_call_us(lambda: api._plans.get(api._KVCACHE.key(*args)[0])),
-        "capture_check_us": per_call_us(api._capturing),
+        "capture_check_us": per_call_us(lambda: api._Cupy.stream_is_capturing(stream)),
         "output_allocated_us": per_call_us(lambda: cupy.ndarray(q.shape, q.dtype)),
         "output_reused_us": per_call_us(lambda: plan.output(0, cupy.ndarray)),
         "overlap_check_us": per_call_us(lambda: plan.disjoint(pointers)),

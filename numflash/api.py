@@ -68,16 +68,13 @@ _KVCACHE = signature.Signature(
 )
 
 
-def _capturing(stream=None):
-    """Whether ``stream`` (a handle; CuPy's current stream by default) is capturing a CUDA
-    graph (False in the simulator)."""
+def _capturing():
+    """Whether CuPy's current stream is capturing a CUDA graph (False in the simulator)."""
     if SIMULATOR:
         return False
     if _Cupy.get_device is None:
         _Cupy.bind()
-    if stream is None:
-        stream = _Cupy.current_stream().ptr
-    return _Cupy.stream_is_capturing(stream)
+    return _Cupy.stream_is_capturing(_Cupy.current_stream().ptr)
 
 
 def _refuse_under_capture(name, planned=True):
@@ -140,9 +137,7 @@ def _replay_forward(plan, stream, pointers, out, out_role, return_lse):
         pointers[out_role] = out.data.ptr
     lse = plan.output(1, _Cupy.empty) if return_lse else None
     pointers.append(0 if lse is None else lse.data.ptr)
-    if plan.keep and not plan.pinned and _Cupy.stream_is_capturing(stream):
-        _plans.pin(plan)  # the graph being captured holds the plan's buffers
-    plan.run(stream, pointers)
+    _replay(plan, stream, pointers)
     return (out, lse) if return_lse else out
 
 

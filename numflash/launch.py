@@ -247,16 +247,16 @@ class PreparedLaunch:
     role_pointers)`` writes the pointers of the arrays that change from call to call into the
     packed parameters and launches through CuPy's binding of cuLaunchKernel: a function written
     out for this launch, one assignment per patched pointer and the launch's constants bound
-    (``source`` is its code), so a replay runs no loop and unpacks nothing."""
+    (``source`` is its code), so a replay runs no loop and unpacks nothing. ``patch``: (slot of
+    a data pointer, index of the role whose pointer it takes), one pair per patched array."""
 
-    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "launch", "source")
+    __slots__ = ("buffer", "slots", "pointers", "address", "launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
         self.slots = memoryview(buffer).cast("B").cast("Q")  # ... as uint64s, to patch
         self.pointers = pointers  # the parameters' addresses (numpy uint64), which stay put
         self.address = int(pointers.ctypes.data)  # ... and where they are
-        self.patch = patch  # ((slot of a data pointer, role index), ...)
         lines = ["def launch(stream, p):"]
         lines += [f"    s[{slot}] = p[{role}]" for slot, role in patch]
         head = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))

@@ -27,6 +27,8 @@ changed alone, turns a call away.
 #: ``window``: the default window (None) or a window_size, (type, element types, value);
 #: ``config``: a configuration or None, itself.
 KINDS = ("array", "optional", "lengths", "value", "window", "config")
+#: The kinds that may hold an array, each giving the call an address (0 where absent).
+_ARRAY_KINDS = ("array", "optional", "lengths")
 
 
 def _array_lines(name, index, pad):
@@ -64,12 +66,10 @@ def _key_source(parameters):
             part = f"({name}.__class__, {name})"
         elif kind == "window":
             part = f"None if {name} is DEFAULT_WINDOW else window_key({name})"
-        elif kind == "config":
+        else:  # a configuration (Signature checked every kind)
             part = name
-        else:
-            raise ValueError(f"unknown parameter kind {kind!r} of {name!r}")
         parts.append(part)
-        if kind in ("array", "optional", "lengths"):
+        if kind in _ARRAY_KINDS:
             roles.append(f"p{position}")
     lines.append(
         "    return (Cupy.get_device(), Cupy.current_stream().ptr, NAME, "
@@ -110,7 +110,7 @@ def _matcher_source(parameters, parts, one_device):
     flags, arrays, roles = [], [], []
     for position, ((name, kind), part) in enumerate(zip(parameters, parts)):
         c = f"c{position}"
-        if kind in ("array", "optional", "lengths"):
+        if kind in _ARRAY_KINDS:
             roles.append(f"p{position}")
             if part is None:  # an absent optional array
                 flags.append(f"{name} is not None")

@@ -259,7 +259,8 @@ def main(args, out=sys.stdout):
 
     start = time.monotonic()
     results = []
-    header = {"command": "numflash " + " ".join(sys.argv[1:]) if args.output else None}
+    # a file named by --output records, in its header and in each entry, the command that made it
+    given = {"command": "numflash " + " ".join(sys.argv[1:])} if args.output else {}
     for i, (key, workload) in enumerate(keys.items(), 1):
         left = None if args.budget is None else args.budget - (time.monotonic() - start)
         if left is not None and left <= 0:
@@ -278,11 +279,6 @@ def main(args, out=sys.stdout):
         )
         results.append(result)
         if result.best_config is not None:
-            cache.record(
-                device,
-                {key: {**result.entry(), **{k: v for k, v in header.items() if v}}},
-                header_extra={k: v for k, v in header.items() if v},
-                path=args.output,
-            )
+            cache.record(device, {key: {**result.entry(), **given}}, given, path=args.output)
     report(results, out)
     return 0 if all(r.best_config is not None for r in results) else 1
