@@ -427,8 +427,10 @@ class TensorCoreDecodeConfig(_Config):
     family: ClassVar[str] = TENSOR_CORE_DECODE
     #: 2: the append and the combine in the kernel; 3: the warps merged at once, masks only
     #: where a tile needs one, a paged tile's row places found a tile ahead; 4: the Q tile's and
-    #: the ring's rows swizzled (head dims padded to a multiple of 64)
-    REVISION: ClassVar[int] = 4
+    #: the ring's rows swizzled (head dims padded to a multiple of 64); 5: every slot of the ring
+    #: in flight while one is waited for, the index loads and the Q copies issued together, one
+    #: row a thread in the merge and a one-pass combine
+    REVISION: ClassVar[int] = 5
     #: As TensorCoreConfig's: accumulators, scores and query fragments a thread holds.
     MAX_FRAGMENT_REGISTERS: ClassVar[int] = 200
 

@@ -110,7 +110,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     ROW, K_BASE, V_BASE, _ = shared_memory_layout(head_dim, block_n, num_warps, stages)
     SWIZZLE = swizzled(head_dim)
     SLOT = KEYS * ROW
-    PENDING = STAGES - 2  # cp.async groups left in flight when a slot is consumed
+    PENDING = STAGES - 1  # cp.async groups left in flight when a slot is consumed
     Q_PENDING = STAGES - 1  # ... when the Q tile (the first group) is
     QF_REGS = K_STEPS * 4
     S_REGS = N_TILES * 4
@@ -122,9 +122,14 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     ADDRESS_ROUNDS = (KEYS + THREADS - 1) // THREADS  # rows of a tile one thread finds
     ML = 2 * ROWS * NUM_WARPS  # each warp's rows' running max and sum
     MERGE_PITCH = HD_PAD + 8  # fp32 row pitch of the merge (merge_floats): 2-way bank conflicts
-    COMBINED = (ROWS * HEAD_DIM + THREADS - 1) // THREADS  # output elements a thread combines
-    SPLIT_UNROLL = max(1, 32 // COMBINED)  # splits a thread loads before adding any up
-    PARTS = SPLIT_UNROLL * COMBINED  # local-array sizes must be plain constants
+    # The merge and the combine give each thread one output row and COLS of its columns (TPR
+    # threads a row, on adjacent columns): a thread finds its row's weights once (one division
+    # by seqlen_q, one exp2 a warp or split) instead of once per element of 8 rows, which
+    # took the merge and combine 2-5 us of a short decoding call (docs/performance.md).
+    TPR = THREADS // ROWS  # threads of one output row
+    COLS = (HEAD_DIM + TPR - 1) // TPR  # columns of it a thread merges: j, j + TPR, ...
+    SPLIT_UNROLL = max(1, 32 // COLS)  # splits a thread loads before adding any up
+    PARTS = SPLIT_UNROLL * COLS  # local-array sizes must be plain constants
     cache_slot = address_function(False)  # (found, slot, row) of a contiguous cache's key
     from_f32 = FROM_F32[dtype_name]
     # Past head_dim 128 the query fragments would not fit beside the accumulators: they are
@@ -324,41 +329,47 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         merged, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows, seqlen_q,
         heads_per_kv, split, num_splits, tid,
     ):  # fmt: skip
-        """Every thread merges COMBINED of the block's output elements across the warps'
+        """Every thread merges COLS columns of one of the block's rows across the warps'
         published rows (weights exp2(m_w - m)) and writes them: the output and LSE with one
         split, else the split's fp32 partial (O normalised within the split, and its LSE)."""
         o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
-        for c in range(COMBINED):
-            e = tid + c * THREADS
-            r = e // HEAD_DIM
-            d = e - r * HEAD_DIM
-            rr = rr0 + r
-            if r < ROWS and rr < rows:
-                m = NEG_INF
-                for w in range(NUM_WARPS):
-                    m = max(m, merge_ml[(w * ROWS + r) * 2])
-                shift = shift_of(m)
-                total = float32(0.0)
-                value = float32(0.0)
-                for w in range(NUM_WARPS):
-                    weight = ptx.exp2(merge_ml[(w * ROWS + r) * 2] - shift)
-                    total += merge_ml[(w * ROWS + r) * 2 + 1] * weight
-                    value += merged[(w * ROWS + r) * MERGE_PITCH + d] * weight
-                value *= inverse_sum(total)
-                g = rr // seqlen_q
-                i = rr - g * seqlen_q
-                head = kv_head * heads_per_kv + g
-                row_at = (int64(b) * nheads + head) * seqlen_q + i  # (batch, head, position)
+        r = tid // TPR
+        j = tid - r * TPR
+        rr = rr0 + r
+        if rr < rows:
+            weights = cuda.local.array(NUM_WARPS, float32)
+            m = NEG_INF
+            for w in range(NUM_WARPS):
+                m = max(m, merge_ml[(w * ROWS + r) * 2])
+            shift = shift_of(m)
+            total = float32(0.0)
+            for w in range(NUM_WARPS):
+                weights[w] = ptx.exp2(merge_ml[(w * ROWS + r) * 2] - shift)
+                total += merge_ml[(w * ROWS + r) * 2 + 1] * weights[w]
+            inv = inverse_sum(total)
+            g = rr // seqlen_q
+            i = rr - g * seqlen_q
+            head = kv_head * heads_per_kv + g
+            row_at = (int64(b) * nheads + head) * seqlen_q + i  # (batch, head, position)
+            if num_splits > 1:
+                row_at += int64(split) * cuda.gridDim.z * nheads * seqlen_q
+            for c in range(COLS):
+                d = j + c * TPR
+                if d < HEAD_DIM:
+                    value = float32(0.0)
+                    for w in range(NUM_WARPS):
+                        value += merged[(w * ROWS + r) * MERGE_PITCH + d] * weights[w]
+                    value *= inv
+                    if num_splits == 1:
+                        out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value)
+                    else:
+                        o_part[row_at * HEAD_DIM + d] = value
+            if j == 0:
                 if num_splits == 1:
-                    out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value)
-                    if d == 0:
-                        lse[row_at] = final_lse(m, total)
+                    lse[row_at] = final_lse(m, total)
                 else:
-                    at = int64(split) * cuda.gridDim.z * nheads * seqlen_q + row_at
-                    o_part[at * HEAD_DIM + d] = value
-                    if d == 0:
-                        lse_part[at] = final_lse(m, total)
+                    lse_part[row_at] = final_lse(m, total)
 
     @device_function
     def write_new_rows(k, v, k_st, v_st, keys, lo, hi, start, kv_head, tid):
@@ -381,80 +392,63 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
 
     @device_function
     def combine_partials(
-        o_part, lse_part, out, lse, o_st, weights, b, kv_head, rr0, rows, seqlen_q,
-        heads_per_kv, num_splits, tid, lane, warp,
+        o_part, lse_part, out, lse, o_st, b, kv_head, rr0, rows, seqlen_q, heads_per_kv,
+        num_splits, tid,
     ):  # fmt: skip
         """The output and LSE of the block's rows from every split's partial: out = sum_s
         exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); rows that see no key get 0 and
-        -inf. Each warp finds the weights of its rows (``weights``: ROWS x MAX_SPLITS in shared
-        memory), then each thread adds up COMBINED output elements, loading them from
-        SPLIT_UNROLL splits at once so that those loads are in flight together."""
+        -inf. Each thread takes COLS columns of one row and merges the splits as their partials
+        arrive (a running max and sum, as the online softmax), loading SPLIT_UNROLL splits' LSEs
+        and partials at once so that those loads are in flight together."""
         o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
         split_rows = int64(cuda.gridDim.z) * nheads * seqlen_q  # from one split to the next
-        for r in range(warp, ROWS, NUM_WARPS):
-            rr = rr0 + r
-            if rr < rows:
-                g = rr // seqlen_q
-                i = rr - g * seqlen_q
-                first = (int64(b) * nheads + kv_head * heads_per_kv + g) * seqlen_q + i
-                m = NEG_INF
-                for s_ in range(lane, num_splits, 32):
-                    m = max(m, lse_part[first + s_ * split_rows])
-                for o in (16, 8, 4, 2, 1):
-                    m = max(m, ptx.shfl_xor(m, o))
-                shift = m if m != NEG_INF else float32(0.0)
-                total = float32(0.0)
-                for s_ in range(lane, num_splits, 32):
-                    w = ptx.exp2((lse_part[first + s_ * split_rows] - shift) * float32(LOG2E))
-                    weights[r * MAX_SPLITS + s_] = w
-                    total += w
-                for o in (16, 8, 4, 2, 1):
-                    total += ptx.shfl_xor(total, o)
-                inv = inverse_sum(total)
-                for s_ in range(lane, num_splits, 32):
-                    weights[r * MAX_SPLITS + s_] *= inv
-                if lane == 0:
-                    if total == float32(0.0):
-                        lse[first] = NEG_INF
-                    else:
-                        lse[first] = shift + float32(LN2) * float32(math.log2(total))
-        cuda.syncthreads()
-        values = cuda.local.array(COMBINED, float32)
-        at = cuda.local.array(COMBINED, int64)
-        for c in range(COMBINED):
-            values[c] = float32(0.0)
-            e = tid + c * THREADS
-            r = e // HEAD_DIM
-            rr = rr0 + r
-            at[c] = int64(-1)
-            if r < ROWS and rr < rows:
-                g = rr // seqlen_q
-                i = rr - g * seqlen_q
-                row_at = (int64(b) * nheads + kv_head * heads_per_kv + g) * seqlen_q + i
-                at[c] = row_at * HEAD_DIM + (e - r * HEAD_DIM)
-        parts = cuda.local.array(PARTS, float32)
-        for s0 in range(0, num_splits, SPLIT_UNROLL):  # SPLIT_UNROLL splits' loads in flight
-            for u in range(SPLIT_UNROLL):
-                for c in range(COMBINED):
-                    parts[u * COMBINED + c] = float32(0.0)
-                    if at[c] >= 0 and s0 + u < num_splits:
-                        parts[u * COMBINED + c] = o_part[at[c] + (s0 + u) * split_rows * HEAD_DIM]
-            for u in range(SPLIT_UNROLL):
-                if s0 + u < num_splits:
-                    for c in range(COMBINED):
-                        r = (tid + c * THREADS) // HEAD_DIM
-                        values[c] += weights[r * MAX_SPLITS + s0 + u] * parts[u * COMBINED + c]
-        for c in range(COMBINED):
-            if at[c] >= 0:
-                e = tid + c * THREADS
-                r = e // HEAD_DIM
-                d = e - r * HEAD_DIM
-                rr = rr0 + r
-                g = rr // seqlen_q
-                i = rr - g * seqlen_q
-                head = kv_head * heads_per_kv + g
-                out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(values[c])
+        r = tid // TPR
+        j = tid - r * TPR
+        rr = rr0 + r
+        if rr < rows:
+            g = rr // seqlen_q
+            i = rr - g * seqlen_q
+            head = kv_head * heads_per_kv + g
+            row_at = (int64(b) * nheads + head) * seqlen_q + i
+            values = cuda.local.array(COLS, float32)
+            parts = cuda.local.array(PARTS, float32)
+            lses = cuda.local.array(SPLIT_UNROLL, float32)
+            for c in range(COLS):
+                values[c] = float32(0.0)
+            m = NEG_INF
+            total = float32(0.0)
+            for s0 in range(0, num_splits, SPLIT_UNROLL):  # SPLIT_UNROLL splits' loads in flight
+                for u in range(SPLIT_UNROLL):
+                    lses[u] = NEG_INF
+                    if s0 + u < num_splits:
+                        at = row_at + (s0 + u) * split_rows
+                        lses[u] = lse_part[at]
+                        for c in range(COLS):
+                            d = j + c * TPR
+                            parts[u * COLS + c] = (
+                                o_part[at * HEAD_DIM + d] if d < HEAD_DIM else float32(0.0)
+                            )
+                for u in range(SPLIT_UNROLL):
+                    x = lses[u]
+                    if x != NEG_INF:  # a split that saw no key weighs nothing
+                        m_new = max(m, x)
+                        keep = ptx.exp2((m - m_new) * float32(LOG2E))
+                        w = ptx.exp2((x - m_new) * float32(LOG2E))
+                        total = total * keep + w
+                        for c in range(COLS):
+                            values[c] = values[c] * keep + w * parts[u * COLS + c]
+                        m = m_new
+            inv = inverse_sum(total)
+            for c in range(COLS):
+                d = j + c * TPR
+                if d < HEAD_DIM:
+                    out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(values[c] * inv)
+            if j == 0:
+                if total == float32(0.0):
+                    lse[row_at] = NEG_INF
+                else:
+                    lse[row_at] = m + float32(LN2) * float32(math.log2(total))
 
     @kernel(launch_bounds=THREADS)
     def decode(
@@ -516,7 +510,26 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         b = cuda.blockIdx.z
         rows = heads_per_kv * seqlen_q
         last = min(rr0 + ROWS, rows) - 1
+        # the block's two index loads, issued together (a round trip each if one waited for
+        # the other), and its Q rows' copies (the first cp.async group) while they are away
         seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        sequence_found = True
+        slot = int64(0)
+        if not PAGED:
+            sequence_found, slot, _ = cache_slot(b, 0, batch_idx, block_table, 0, 0, slots)
+        start = ring_start(smem)
+        smem_addr = ptx.shared_address(smem, start)
+        for c in range(tid, ROWS * CHUNKS, THREADS):  # zero past the group
+            r = c // CHUNKS
+            col = (c - r * CHUNKS) * 8
+            rr = rr0 + r
+            g = rr // seqlen_q
+            i = rr - g * seqlen_q
+            at = b * q_sb + i * q_ss + (kv_head * heads_per_kv + g) * q_sh + col
+            valid = rr < rows
+            dst = smem_addr + uint32((r * ROW + chunk_at(r, col >> 3) * 8) * 2)
+            ptx.cp_async_16(dst, q, at if valid else int64(0), uint32(16) if valid else uint32(0))
+        ptx.cp_async_commit()
 
         # -- the keys this block's rows see, and this split's equal share of them in whole slots
         first_i = rr0 - (rr0 // seqlen_q) * seqlen_q
@@ -537,9 +550,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         vc_sb, vc_ss, vc_sh = vc_st
         k_head = int64(kv_head) * kc_sh
         v_head = int64(kv_head) * vc_sh
-        sequence_found = True
         if not PAGED:
-            sequence_found, slot, _ = cache_slot(b, 0, batch_idx, block_table, 0, 0, slots)
             k_head += slot * kc_sb
             v_head += slot * vc_sb
         n_tiles = int32(0)  # none without a cache slot: every row sees no key
@@ -559,36 +570,23 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         # -- the new rows into the cache: all of them by the group's first block, and those this
         # block reads by itself (before its copies read them back)
         if seqlen_new > 0:
-            start = seqlens[b]
-            lo = start
-            hi = start + seqlen_new
+            first_new = seqlens[b]
+            lo = first_new
+            hi = first_new + seqlen_new
             if split != 0 or rr0 != 0:
                 lo = max(lo, n_begin)
                 hi = min(hi, n_end)
             write_new_rows(
-                k, v, k_st, v_st, keys, max(lo, 0), min(hi, capacity), start, kv_head, tid
+                k, v, k_st, v_st, keys, max(lo, 0), min(hi, capacity), first_new, kv_head, tid
             )
             cuda.syncthreads()
 
-        # -- prologue: Q rows (zero past the group), then STAGES - 1 slots, one group each
+        # -- prologue: STAGES - 1 slots, one group each (the Q rows' group went first)
         if PAGED:
             for i in range(tid, ABSENT, THREADS):
                 absent[i] = int32(-1)
             cuda.syncthreads()
-        start = ring_start(smem)
-        smem_addr = ptx.shared_address(smem, start)
         zero_padding_columns(smem, start, tid)
-        for c in range(tid, ROWS * CHUNKS, THREADS):
-            r = c // CHUNKS
-            col = (c - r * CHUNKS) * 8
-            rr = rr0 + r
-            g = rr // seqlen_q
-            i = rr - g * seqlen_q
-            at = b * q_sb + i * q_ss + (kv_head * heads_per_kv + g) * q_sh + col
-            valid = rr < rows
-            dst = smem_addr + uint32((r * ROW + chunk_at(r, col >> 3) * 8) * 2)
-            ptx.cp_async_16(dst, q, at if valid else int64(0), uint32(16) if valid else uint32(0))
-        ptx.cp_async_commit()
         for st in range(STAGES - 1):
             n0 = n_begin + st * KEYS
             if PAGED:
@@ -634,8 +632,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
 
         stage = int32(0)
         for it in range(n_tiles):
-            ptx.cp_async_wait(PENDING)  # slot `stage` has landed for this thread's copies ...
-            cuda.syncthreads()  # ... for every thread's, and the previous slot is free again
+            cuda.syncthreads()  # every warp is done with the slot consumed last: refill it ...
             if it + STAGES - 1 < n_tiles:
                 free = stage - 1 if stage > 0 else STAGES - 1  # the slot consumed last
                 n0 = n_begin + (it + STAGES - 1) * KEYS
@@ -647,6 +644,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                     store_addresses(addresses, states, it + STAGES, pages, page_rows, keys, tid)
                     tile_pages(pages, page_rows, n0 + 2 * KEYS, keys, tid)
             ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
+            ptx.cp_async_wait(PENDING)  # ... before waiting for slot `stage` (this thread's
+            cuda.syncthreads()  # copies, then every thread's), so all slots are in flight
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
             n0 = n_begin + it * KEYS
@@ -669,21 +668,21 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             seqlen_q, heads_per_kv, split, num_splits, tid,
         )  # fmt: skip
         if num_splits > 1:  # -- the last split block of the row group to arrive combines
-            cuda.threadfence()  # this block's partial is visible to every block ...
-            cuda.syncthreads()  # ... before it counts itself in
+            cuda.syncthreads()  # every thread's partial is written (for the block) ...
             if tid == 0:
+                ptx.fence_acq_rel_gpu()  # ... and released before the block counts itself in
                 group = (int64(b) * cuda.gridDim.y + kv_head) * (cuda.gridDim.x // num_splits)
                 group += cuda.blockIdx.x // num_splits
                 last = cuda.atomic.add(counters, group, 1) == num_splits - 1
                 if last:
                     counters[group] = 0  # every split has arrived: ready for the next launch
+                    ptx.fence_acq_rel_gpu()  # acquire: the partials released before the counts
                 absent[0] = int32(1) if last else int32(0)
             cuda.syncthreads()
             if absent[0] == 1:
-                cuda.threadfence()  # the other blocks' partials, published before they counted
                 combine_partials(
-                    o_part, lse_part, out, lse, o_st, merge_acc, b, kv_head, rr0, rows,
-                    seqlen_q, heads_per_kv, num_splits, tid, lane, warp,
+                    o_part, lse_part, out, lse, o_st, b, kv_head, rr0, rows, seqlen_q,
+                    heads_per_kv, num_splits, tid,
                 )  # fmt: skip
 
     return decode

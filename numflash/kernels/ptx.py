@@ -198,6 +198,18 @@ if not SIMULATOR:
 
         return sig, codegen
 
+    @intrinsic
+    def fence_acq_rel_gpu(typingctx):
+        """fence.acq_rel.gpu: with a later atomic, releases this thread's (and, after a
+        barrier, its block's) earlier writes; after an atomic, acquires what it saw released."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _asm(builder, [], "fence.acq_rel.gpu;", "~{memory}", [], True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     # -- arithmetic and conversions -------------------------------------------------------------
 
     @intrinsic
@@ -432,6 +444,9 @@ else:
 
     def cp_async_wait(pending):
         pass
+
+    def fence_acq_rel_gpu():
+        pass  # the simulator's threads share memory coherently
 
     def exp2(x):
         with np.errstate(over="ignore"):
