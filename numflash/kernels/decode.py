@@ -325,6 +325,24 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 merge_ml[(warp * ROWS + row) * 2 + 1] = l_i[h]
 
     @device_function
+    def output_row(b, kv_head, rr, seqlen_q, heads_per_kv):
+        """(i, head, row_at) of row rr of a kv head's group x seqlen_q rows (the merge's and
+        the combine's): its query position, its query head and its index in (batch, nheads,
+        seqlen_q)."""
+        g = rr // seqlen_q
+        i = rr - g * seqlen_q
+        head = kv_head * heads_per_kv + g
+        nheads = cuda.gridDim.y * heads_per_kv
+        row_at = (int64(b) * nheads + head) * seqlen_q + i
+        return i, head, row_at
+
+    @device_function
+    def write_out(out, o_st, b, i, head, d, value):
+        """out[b, i, head, d] = value, in out's dtype."""
+        o_sb, o_ss, o_sh = o_st
+        out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value)
+
+    @device_function
     def merge_and_write(
         merged, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows, seqlen_q,
         heads_per_kv, split, num_splits, tid,
@@ -332,7 +350,6 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         """Every thread merges COLS columns of one of the block's rows across the warps'
         published rows (weights exp2(m_w - m)) and writes them: the output and LSE with one
         split, else the split's fp32 partial (O normalised within the split, and its LSE)."""
-        o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
         r = tid // TPR
         j = tid - r * TPR
@@ -348,10 +365,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                 weights[w] = ptx.exp2(merge_ml[(w * ROWS + r) * 2] - shift)
                 total += merge_ml[(w * ROWS + r) * 2 + 1] * weights[w]
             inv = inverse_sum(total)
-            g = rr // seqlen_q
-            i = rr - g * seqlen_q
-            head = kv_head * heads_per_kv + g
-            row_at = (int64(b) * nheads + head) * seqlen_q + i  # (batch, head, position)
+            i, head, row_at = output_row(b, kv_head, rr, seqlen_q, heads_per_kv)
             if num_splits > 1:
                 row_at += int64(split) * cuda.gridDim.z * nheads * seqlen_q
             for c in range(COLS):
@@ -362,7 +376,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
                         value += merged[(w * ROWS + r) * MERGE_PITCH + d] * weights[w]
                     value *= inv
                     if num_splits == 1:
-                        out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(value)
+                        write_out(out, o_st, b, i, head, d, value)
                     else:
                         o_part[row_at * HEAD_DIM + d] = value
             if j == 0:
@@ -400,17 +414,13 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         -inf. Each thread takes COLS columns of one row and merges the splits as their partials
         arrive (a running max and sum, as the online softmax), loading SPLIT_UNROLL splits' LSEs
         and partials at once so that those loads are in flight together."""
-        o_sb, o_ss, o_sh = o_st
         nheads = cuda.gridDim.y * heads_per_kv
         split_rows = int64(cuda.gridDim.z) * nheads * seqlen_q  # from one split to the next
         r = tid // TPR
         j = tid - r * TPR
         rr = rr0 + r
         if rr < rows:
-            g = rr // seqlen_q
-            i = rr - g * seqlen_q
-            head = kv_head * heads_per_kv + g
-            row_at = (int64(b) * nheads + head) * seqlen_q + i
+            i, head, row_at = output_row(b, kv_head, rr, seqlen_q, heads_per_kv)
             values = cuda.local.array(COLS, float32)
             parts = cuda.local.array(PARTS, float32)
             lses = cuda.local.array(SPLIT_UNROLL, float32)
@@ -443,7 +453,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             for c in range(COLS):
                 d = j + c * TPR
                 if d < HEAD_DIM:
-                    out[b * o_sb + i * o_ss + head * o_sh + d] = from_f32(values[c] * inv)
+                    write_out(out, o_st, b, i, head, d, values[c] * inv)
             if j == 0:
                 if total == float32(0.0):
                     lse[row_at] = NEG_INF
