@@ -61,13 +61,16 @@ def _disjoint_check(spans, overlaps):
     """A function of a call's pointers (in role order): whether no pair of roles in
     ``overlaps`` shares memory, each role spanning ``spans`` bytes. Written out as one
     expression over the pairs, each role's first and end address computed once (a KV-cache
-    append checks twelve pairs every call; a loop over them costs the host twice as long)."""
+    append checks twelve pairs every call; a loop over them costs the host twice as long).
+    The last pointers found disjoint are kept (a copy): a call with the same pointers, as a
+    decoding loop's over its caches, compares one list instead (about a tenth of the time)."""
     roles = sorted({role for pair in overlaps for role in pair})
     terms = [f"a{a} < e{b} and a{b} < e{a}" for a, b in overlaps]
-    lines = ["def disjoint(p):"]
+    lines = ["def disjoint(p):", "    if p == passed[0]:", "        return True"]
     lines += [f"    a{role} = p[{role}]; e{role} = a{role} + {int(spans[role])}" for role in roles]
-    lines.append(f"    return not ({' or '.join(terms) or 'False'})")
-    namespace = {}
+    lines += [f"    if {' or '.join(terms) or 'False'}:", "        return False"]
+    lines += ["    passed[0] = list(p)", "    return True"]
+    namespace = {"passed": [None]}
     exec("\n".join(lines) + "\n", namespace)
     return namespace["disjoint"]
 

@@ -93,6 +93,20 @@ def test_overlapping_roles_are_refused_at_replay_and_touching_ones_are_not():
     assert not plan.disjoint([0x1000, 0x1000])
 
 
+def test_the_remembered_disjoint_pointers_are_a_copy():
+    """A replay appends to and patches the list it checked: the next call's list is compared
+    with the pointers as they were checked, not with that list."""
+    plan = plans.make(_record((_argument(Q), _argument(OUT))), (Q, OUT), overlaps=((1, 0),))
+    span = plan.spans[0]
+    pointers = [0x1000, 0x1000 + span]
+    assert plan.disjoint(pointers)
+    assert plan.disjoint([0x1000, 0x1000 + span])  # the same pointers again
+    pointers[1] = 0x1000 + span - 2  # the checked list changed afterwards
+    assert not plan.disjoint(pointers)
+    assert not plan.disjoint([0x1000, 0x1000 + span - 2])
+    assert plan.disjoint([0x1000, 0x1000 + span])
+
+
 def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
     cache = plans.PlanCache()
     made = [plans.make(_record((_argument(Q),)), (Q,)) for _ in range(plans.MAX_PLANS + 1)]
