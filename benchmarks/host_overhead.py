@@ -17,7 +17,7 @@ Measures, in one process:
   runs for milliseconds, beside the kernel's time;
 - with ``--profile``, cProfile's view of where a call's host time goes, and the parts of a
   repeated KV-cache call timed alone (its matcher, its key, the capture check, the output,
-  the launches).
+  the replay, the launch).
 """
 
 import argparse
@@ -122,12 +122,12 @@ def kvcache_parts(call, args):
     arguments in its signature's order (numflash.api._KVCACHE)."""
     from numflash import api
 
-    plan = api._find(api._KVCACHE, args)[0]  # the plan ``call`` made
+    plan, pointers, _ = api._find(api._KVCACHE, args)  # the plan ``call`` made
     stream = cupy.cuda.get_current_stream().ptr
     q = args[0]
     out = cupy.empty(q.shape, q.dtype)
-    pointers = api._KVCACHE.key(*args)[1] + [0]
-    pointers[8] = out.data.ptr
+    launched = list(pointers)
+    launched[8] = out.data.ptr  # the launch alone writes into out
     return {
         "launches": len(plan.launches),
         "matched": plan.match(*args) is not None,
@@ -140,7 +140,11 @@ def kvcache_parts(call, args):
         "output_allocated_us": per_call_us(lambda: cupy.ndarray(q.shape, q.dtype)),
         "output_reused_us": per_call_us(lambda: plan.output(0, cupy.ndarray)),
         "overlap_check_us": per_call_us(lambda: plan.disjoint(pointers)),
-        "replay_all_launches_us": per_call_us(lambda: plan.run(stream, pointers)),
+        # the replay as a call runs it (the overlap check, the output, the launch): its list
+        # copied first, as a replay writes into the list the matcher returned
+        "replay_us": per_call_us(lambda: plan.replay(list(pointers), None)),
+        "list_copy_us": per_call_us(lambda: list(pointers)),
+        "launch_alone_us": per_call_us(lambda: plan.launches[0].launch(stream, launched)),
     }
 
 

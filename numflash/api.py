@@ -68,6 +68,10 @@ _KVCACHE = signature.Signature(
 )
 
 
+#: The backward's replays make dq, dk and dv (roles 6-8) and return them.
+_BACKWARD_TAIL = plans.Tail(((0, 6), (1, 7), (2, 8)), (0, 1, 2))
+
+
 def _capturing():
     """Whether CuPy's current stream is capturing a CUDA graph (False in the simulator)."""
     if SIMULATOR:
@@ -93,15 +97,15 @@ def _refuse_under_capture(name, planned=True):
 
 
 def _find(sig, args):
-    """(plan, stream, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s
-    order): the plan of its signature if there is one, its stream and its arrays' addresses in
-    role order; the key when it was built (None where a recent plan's matcher took the call,
-    or where the arguments have no key: not CuPy arrays, or unhashable)."""
+    """(plan, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s order):
+    the plan of its signature if there is one and its arrays' addresses in role order; the key
+    when it was built (None where a recent plan's matcher took the call, or where the
+    arguments have no key: not CuPy arrays, or unhashable)."""
     try:
-        for match, plan, stream in _plans.recent[sig.name].entries:
+        for match, plan in _plans.recent[sig.name].entries:
             pointers = match(*args)
             if pointers is not None:
-                return plan, stream, pointers, None
+                return plan, pointers, None
     except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
         pass
     if _Cupy.get_device is None:
@@ -110,45 +114,39 @@ def _find(sig, args):
         key, pointers = sig.key(*args)
         plan = _plans.get(key)  # hashing raises TypeError for an unhashable argument
     except (AttributeError, TypeError):
-        return None, None, None, None
+        return None, None, None
     if plan is not None:
         _remember(sig, key, plan)
-    return plan, key[1], pointers, key
+    return plan, pointers, key
 
 
 def _remember(sig, key, plan):
     """Put ``plan`` first among its function's recent plans, its key's matcher made once."""
     if plan.match is None:
         plan.match = sig.matcher(key, one_device=_Cupy.device_count() == 1)
-    _plans.recent[sig.name].add(plan.match, plan, key[1])
+    _plans.recent[sig.name].add(plan.match, plan)
 
 
-def _replay(plan, stream, pointers):
-    if plan.keep and not plan.pinned and _Cupy.stream_is_capturing(stream):
-        _plans.pin(plan)  # the graph being captured holds the plan's buffers
-    plan.run(stream, pointers)
-
-
-def _replay_forward(plan, stream, pointers, out, out_role, return_lse):
-    """Replay a forward or KV-cache plan: into ``out``, or the plan's output (role
-    ``out_role``), with an lse when asked for; the call's result."""
-    if out is None:
-        out = plan.output(0, _Cupy.empty)
-        pointers[out_role] = out.data.ptr
-    lse = plan.output(1, _Cupy.empty) if return_lse else None
-    pointers.append(0 if lse is None else lse.data.ptr)
-    _replay(plan, stream, pointers)
-    return (out, lse) if return_lse else out
-
-
-def _planned(sig, key, recorded, roles, overlaps=(), outputs=()):
-    """Keep the plan of a recorded call whose arrays are on the current device (``outputs``:
-    the (shape, dtype) of each output its replays make)."""
+def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=()):
+    """Keep the plan of a recorded call whose arrays are on the current device (``tail``: what
+    its replays do besides the launches, :class:`numflash.plans.Tail`; ``outputs``: the
+    (shape, dtype) of each output its replays make)."""
     if roles[0].data.device_id == key[0]:
         plan = plans.make(recorded, roles, overlaps, outputs)
         if plan is not None:
+            plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin)
             _plans.put(key, plan)
             _remember(sig, key, plan)
+
+
+def _forward_tail(out_role, given, return_lse):
+    """The :class:`numflash.plans.Tail` of a forward or KV-cache call whose out has role
+    ``out_role`` (its lse the next): out made unless ``given``, lse made and returned when
+    asked for."""
+    made = ((0, out_role),) if not given else ()
+    made += ((1, out_role + 1),) if return_lse else ()
+    result = (None if given else 0,) + ((1,) if return_lse else ())
+    return plans.Tail(made, result)
 
 
 def _outputs(q):
@@ -220,10 +218,12 @@ def attention(
     plan = key = None
     if not SIMULATOR:
         args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
-        plan, stream, pointers, key = _find(_ATTENTION, args)
-    # an out= overlapping an input goes to the full path, which refuses it by name
-    if plan is not None and (out is None or plan.disjoint(pointers)):
-        return _replay_forward(plan, stream, pointers, out, 3, return_lse)
+        plan, pointers, key = _find(_ATTENTION, args)
+    if plan is not None:
+        result = plan.replay(pointers, out)
+        if result is not None:
+            return result
+    # else an out= overlapping an input: the full path refuses it by name
     if plan is None:
         _refuse_under_capture("attention")
     elif key is None:  # a recent plan's matcher took the call and its replay refused it
@@ -236,7 +236,8 @@ def attention(
     out, lse = result if return_lse else (result, None)
     # a given out was refused overlapping q, k or v
     overlaps = [(3, r) for r in (0, 1, 2) if given]
-    _planned(_ATTENTION, key, recorded, (q, k, v, out, lse), overlaps, _outputs(q))
+    tail = _forward_tail(3, given, return_lse)
+    _planned(_ATTENTION, key, recorded, (q, k, v, out, lse), tail, overlaps, _outputs(q))
     return result
 
 
@@ -461,20 +462,17 @@ def attention_backward(
     plan = key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     if not SIMULATOR:
-        plan, stream, pointers, key = _find(_BACKWARD, args)
+        plan, pointers, key = _find(_BACKWARD, args)
     if plan is not None:
-        empty = _Cupy.empty
-        dq, dk, dv = plan.output(0, empty), plan.output(1, empty), plan.output(2, empty)
-        pointers += (dq.data.ptr, dk.data.ptr, dv.data.ptr)
-        _replay(plan, stream, pointers)
-        return dq, dk, dv
+        return plan.replay(pointers, None)
     _refuse_under_capture("attention_backward")
     if key is None:
         return _attention_backward(*args)
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
     outputs = [(x.shape, x.dtype) for x in (q, k, v)]
-    _planned(_BACKWARD, key, recorded, (dout, q, k, v, out, lse, *grads), (), outputs)
+    roles = (dout, q, k, v, out, lse, *grads)
+    _planned(_BACKWARD, key, recorded, roles, _BACKWARD_TAIL, (), outputs)
     return grads
 
 
@@ -599,11 +597,13 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
     if not SIMULATOR:
-        plan, stream, pointers, key = _find(_KVCACHE, args)
-    # else the full path refuses the call by name (one cache for k and v: an append would
-    # write one over the other; the signature fixes the two views' strides)
-    if plan is not None and (plan.disjoint(pointers) and (k is None or pointers[1] != pointers[2])):
-        return _replay_forward(plan, stream, pointers, out, 8, return_lse)
+        plan, pointers, key = _find(_KVCACHE, args)
+    if plan is not None:
+        result = plan.replay(pointers, out)
+        if result is not None:
+            return result
+    # else a written cache or an out= overlapping an input, or one cache for k and v (an
+    # append would write one over the other): the full path refuses it by name
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
     elif key is None:  # a recent plan's matcher took the call and its replay refused it
@@ -621,7 +621,10 @@ def attention_with_kvcache(
     readers = (0, 3, 4, 5, 6, 7) if k is not None else (0, 3, 4)
     overlaps = [(c, r) for c in (1, 2) for r in readers]
     overlaps += [(8, r) for r in range(8) if given]
-    _planned(_KVCACHE, key, recorded, roles, overlaps, _outputs(q))
+    tail = _forward_tail(8, given, return_lse)
+    if k is not None:  # the signature fixes the two caches' strides: equal addresses, one cache
+        tail = tail._replace(distinct=((1, 2),))
+    _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q))
     return result
 
 

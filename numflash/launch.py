@@ -243,28 +243,40 @@ def _launch_kernel():
 
 
 class PreparedLaunch:
-    """One recorded launch with its parameters packed once. :attr:`launch` ``(stream,
-    role_pointers)`` writes the pointers of the arrays that change from call to call into the
-    packed parameters and launches through CuPy's binding of cuLaunchKernel: a function written
-    out for this launch, one assignment per patched pointer and the launch's constants bound
-    (``source`` is its code), so a replay runs no loop and unpacks nothing. ``patch``: (slot of
-    a data pointer, index of the role whose pointer it takes), one pair per patched array."""
+    """One recorded launch with its parameters packed once. :meth:`lines` writes out the code
+    of a replay of it: the pointers of the arrays that change from call to call written into
+    the packed parameters, one assignment each, and the launch through CuPy's binding of
+    cuLaunchKernel with its constants bound, so a replay runs no loop and unpacks nothing
+    (numflash.plans writes a plan's launches into one function). :attr:`launch` ``(stream,
+    role_pointers)`` is that code for this launch alone (``source``). ``patch``: (slot of a
+    data pointer, index of the role whose pointer it takes), one pair per patched array."""
 
-    __slots__ = ("buffer", "slots", "pointers", "address", "launch", "source")
+    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "head", "launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
         self.slots = memoryview(buffer).cast("B").cast("Q")  # ... as uint64s, to patch
         self.pointers = pointers  # the parameters' addresses (numpy uint64), which stay put
         self.address = int(pointers.ctypes.data)  # ... and where they are
-        lines = ["def launch(stream, p):"]
-        lines += [f"    s[{slot}] = p[{role}]" for slot, role in patch]
-        head = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
-        lines.append(f"    cuLaunchKernel({head}, stream, {self.address}, 0)")
+        self.patch = patch
+        self.head = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
+        lines = ["def launch(stream, p):", *self.lines("s", "p[{}]".format, "stream", "    ")]
         self.source = "\n".join(lines) + "\n"
-        namespace = {"s": self.slots, "cuLaunchKernel": _launch_kernel()}
+        namespace = self.namespace("s")
         exec(compile(self.source, "<numflash prepared launch>", "exec"), namespace)
         self.launch = namespace["launch"]
+
+    def lines(self, slots, pointer, stream, pad):
+        """Lines of code that patch and launch: ``slots`` names :attr:`slots`, ``pointer(role)``
+        is the expression of a role's pointer, ``stream`` the stream's; each line indented by
+        ``pad``; :meth:`namespace` what they name."""
+        lines = [f"{pad}{slots}[{slot}] = {pointer(role)}" for slot, role in self.patch]
+        lines.append(f"{pad}cuLaunchKernel({self.head}, {stream}, {self.address}, 0)")
+        return lines
+
+    def namespace(self, slots):
+        """What :meth:`lines` names besides the pointers and the stream."""
+        return {slots: self.slots, "cuLaunchKernel": _launch_kernel()}
 
 
 class Launcher:

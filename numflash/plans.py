@@ -26,12 +26,15 @@ call first tries the matchers of its function's most recently used plans (:class
 which compare it with their keys without building its own; what depends on the
 arrays' addresses (an ``out=`` or a written cache overlapping an input) is checked at every
 replay (:attr:`Plan.disjoint`). A replay's outputs are new arrays, or the ones it returned
-last time when nothing refers to them any more (:meth:`Plan.output`).
+last time when nothing refers to them any more (:meth:`Plan.output`). A replay is one function
+written out for its plan (:meth:`Plan.replayer`): the checks, the outputs, the pointer patches
+and the launches, without a loop or a call between them but CuPy's and the driver's.
 """
 
 import collections
 import sys
 import threading
+import typing
 
 from . import arrays
 
@@ -79,7 +82,7 @@ class Plan:
     """Recorded launches, replayed in order on one stream with the call's pointers."""
 
     __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
-    __slots__ += ("outputs", "spares", "alone", "match")
+    __slots__ += ("outputs", "spares", "alone", "match", "replay", "replay_source")
 
     def __init__(self, launches, keep, spans, overlaps, outputs=()):
         self.launches = launches
@@ -94,6 +97,7 @@ class Plan:
         self.spares = [None, None, None]  # the outputs last returned, by output index
         self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
         self.match = None  # the matcher of the plan's key (numflash.signature), once made
+        self.replay = self.replay_source = None  # :meth:`replayer`'s, once made
 
     def output(self, index, allocate):
         """Output ``index`` of a replay: the array this plan returned last time there if
@@ -110,26 +114,73 @@ class Plan:
             self.alone[index] = _holders(spare)
         return spare
 
-    def run(self, stream, pointers):
-        with self.lock:  # one patched parameter buffer per launch: one caller at a time
-            for prepared in self.launches:
-                prepared.launch(stream, pointers)
+    def replayer(self, stream, tail, allocate, capturing, pin):
+        """Set :attr:`replay` to a function written out for this plan (``replay_source`` is
+        its code): ``replay(p, out)``, given a matching call's pointers in role order ``p``
+        and its ``out`` argument, refuses it (None) where a pair of :attr:`overlaps` shares
+        memory or a pair of ``tail.distinct`` shares an address, else takes each output
+        ``tail.made`` names (:meth:`output`, ``allocate(shape, dtype)`` a new one), pins the
+        plan through ``pin(plan)`` the first time it replays while ``capturing(stream)`` (not
+        checked on the legacy default stream, 0, which cannot capture; nor where the plan
+        keeps nothing a graph could outlive), patches and launches every launch on
+        ``stream`` under the plan's lock, and returns what ``tail.result`` names: one frame
+        from the pointers to the driver (docs/performance.md, "One replay function per
+        plan")."""
+        namespace = dict(plan=self, disjoint=self.disjoint, output=self.output, lock=self.lock)
+        namespace.update(spares=self.spares, alone=self.alone, holders=_holders)
+        namespace.update(allocate=allocate, capturing=capturing, pin=pin, STREAM=stream)
+        lines = ["def replay(p, out):"]
+        refused = ["not disjoint(p)"] if self.overlaps else []
+        refused += [f"p[{a}] == p[{b}]" for a, b in tail.distinct]
+        if refused:
+            lines += [f"    if {' or '.join(refused)}:", "        return None"]
+        made = {}
+        for index, role in tail.made:
+            lines += [  # Plan.output, its usual case (the last output handed out again) inline
+                f"    o{index} = spares[{index}]",
+                f"    if o{index} is None or holders(o{index}) != alone[{index}]:",
+                f"        o{index} = output({index}, allocate)",
+                f"    r{role} = o{index}.data.ptr",
+            ]
+            made[role] = f"r{role}"
+        if self.keep and stream != 0:
+            lines += ["    if not plan.pinned and capturing(STREAM):", "        pin(plan)"]
+        lines.append("    with lock:")
+        for i, prepared in enumerate(self.launches):
+            namespace.update(prepared.namespace(f"s{i}"))
+            lines += prepared.lines(f"s{i}", lambda r: made.get(r, f"p[{r}]"), "STREAM", " " * 8)
+        returned = ["out" if index is None else f"o{index}" for index in tail.result]
+        lines.append(f"    return {returned[0] if len(returned) == 1 else ', '.join(returned)}")
+        self.replay_source = "\n".join(lines) + "\n"
+        exec(compile(self.replay_source, "<numflash plan replay>", "exec"), namespace)
+        self.replay = namespace["replay"]
+
+
+class Tail(typing.NamedTuple):
+    """What a replay of one public function's plan does besides its launches (the call's
+    flags fix it): ``made``, (output index, role) of each output the replay takes, in order;
+    ``result``, the output index of each item it returns (None: the ``out`` it was given), one
+    item returned alone; ``distinct``, role pairs that must not share an address."""
+
+    made: tuple
+    result: tuple
+    distinct: tuple = ()
 
 
 class Recent:
     """A function's most recently replayed plans, newest first, at most :data:`RECENT`:
-    ``entries`` holds (match, plan, stream) each, ``match`` the plan's key's matcher
-    (numflash.signature) and ``stream`` the key's stream. Read without a lock: the tuple is
+    ``entries`` holds (match, plan) each, ``match`` the plan's key's matcher
+    (numflash.signature). Read without a lock: the tuple is
     replaced whole."""
 
     def __init__(self):
         self.entries = ()
         self._lock = threading.Lock()
 
-    def add(self, match, plan, stream):
+    def add(self, match, plan):
         with self._lock:
             kept = tuple(entry for entry in self.entries if entry[1] is not plan)
-            self.entries = ((match, plan, stream), *kept)[:RECENT]
+            self.entries = ((match, plan), *kept)[:RECENT]
 
 
 class PlanCache:

@@ -84,10 +84,12 @@ def _array_checks(name, index, one_device, pad):
     its address. The shape and strides are read as CuPy keeps them, ``_shape`` and
     ``_strides`` (lists: the public tuples are made from them, at twice the cost); the device
     is not compared where the process sees one device (every array is on it)."""
-    device = "" if one_device else f" or d{index}.device_id != c{index}_4"
-    return [
-        f"{pad}d{index} = {name}.data",
-        f"{pad}p{index} = d{index}.ptr",
+    if one_device:
+        device, lines = "", [f"{pad}p{index} = {name}.data.ptr"]
+    else:
+        device = f" or d{index}.device_id != c{index}_4"
+        lines = [f"{pad}d{index} = {name}.data", f"{pad}p{index} = d{index}.ptr"]
+    return lines + [
         f"{pad}if ({name}._shape != c{index}_0 or {name}._strides != c{index}_1 or "
         f"{name}.dtype is not c{index}_2 or p{index} & 15 != c{index}_3{device}):",
         f"{pad}    return None",
@@ -140,9 +142,9 @@ def _matcher_source(parameters, parts, one_device):
     lines = [f"def match({names}):"]
     if flags:
         lines += [f"    if {' or '.join(f'({flag})' for flag in flags)}:", "        return None"]
+    device = "" if one_device else " or Cupy.get_device() != DEVICE"
     lines += [
-        "    if (cache.generation != GENERATION or Cupy.get_device() != DEVICE or "
-        "Cupy.current_stream().ptr != STREAM):",
+        f"    if (cache.generation != GENERATION{device} or Cupy.current_stream().ptr != STREAM):",
         "        return None",
         *arrays,
         f"    return [{', '.join(roles)}]",

@@ -1,7 +1,8 @@
 """The benchmark scripts, the lab tools and the examples parse their arguments and import what they need:
 each one's --help, in a subprocess (CI runs none of them, and a broken import or option would
-otherwise surface only on the GPU machine)."""
+otherwise surface only on the GPU machine); the one tool that needs no GPU runs."""
 
+import json
 import os
 import pathlib
 import subprocess
@@ -31,3 +32,20 @@ def test_script_help(script):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage:"), done.stdout[:500]
+
+
+def test_the_replay_cost_tool_runs_without_a_gpu_and_every_repeat_replays():
+    """tools/replay_cost.py times numflash's own replay path on stand-ins: it must keep
+    matching numflash.api's internals (it exits non-zero when a repeated call did not replay)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "replay_cost.py"), "--runs", "1", "--calls", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=path),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert {"attention_us", "attention_backward_us", "attention_with_kvcache_us"} <= set(
+        json.loads(done.stdout)
+    )

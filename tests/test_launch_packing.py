@@ -118,3 +118,58 @@ def test_a_format_per_parameter_type_and_a_refusal_for_others(typed):
     for bad in (types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 1, "A"), types.int8):
         with pytest.raises(TypeError):
             launch._param_layout((bad,))
+
+
+def test_a_plans_replay_patches_and_launches_each_of_its_launches_in_order(typed, monkeypatch):
+    """A plan of two real prepared launches (the append and the decode kernel), its replay
+    written out as one function: each launch's data slots of the call's arrays get the call's
+    pointers, the output's slot the array the replay made, the rest stays as recorded; the
+    launches go out in order on the plan's stream; a replay under capture pins the plan."""
+    from support.standins import DeviceArray
+
+    from numflash import plans
+
+    calls = []
+    monkeypatch.setattr(launch, "_launch_kernel", lambda: lambda *a: calls.append(a))
+    record = launch.Record()
+    launchers = []
+    for n, spec in enumerate((launch.APPEND, launch.DECODE)):
+        launcher = launch.Launcher(None, spec.signature("float16"))
+        launcher._function = lambda: 0xF00
+        launchers.append(launcher)
+        args = [  # the two launches' arrays apart
+            a._replace(pointer=a.pointer + (n << 40)) if isinstance(a, KernelArray) else a
+            for a in _arguments(launcher.argtypes)
+        ]
+        record.launches.append((launcher, (3, 2, 1), 128, 4096, args))
+    # roles: the first two arrays of the first launch (the call's inputs), the first array of
+    # the second (the output the replay makes); every other array is the plan's own
+    first = [a for a in record.launches[0][4] if isinstance(a, KernelArray)]
+    second = [a for a in record.launches[1][4] if isinstance(a, KernelArray)]
+    roles = [DeviceArray((a.nitems,), np.uint8, ptr=a.pointer) for a in (*first[:2], second[0])]
+    plan = plans.make(record, roles, outputs=(((16,), np.float16),))
+    made = DeviceArray((16,), ptr=0x7700)
+    pinned, capturing = [], [False]
+    plan.replayer(
+        0x5EED,
+        plans.Tail(((0, 2),), (0,)),
+        lambda shape, dtype: made,
+        lambda stream: capturing[0] and stream == 0x5EED,
+        pinned.append,
+    )
+    before = [_unpack(launcher, prepared) for launcher, prepared in zip(launchers, plan.launches)]
+    assert plan.replay([0xA000, 0xB000, 0], None) is made
+    after = [_unpack(launcher, prepared) for launcher, prepared in zip(launchers, plan.launches)]
+    slots = [_data_slots(launcher) for launcher in launchers]
+    new = {slots[0][0]: 0xA000, slots[0][1]: 0xB000}, {slots[1][0]: 0x7700}
+    for b, a, patched in zip(before, after, new):
+        assert [a[i] for i in patched] == list(patched.values())
+        assert [x for i, x in enumerate(a) if i not in patched] == [
+            x for i, x in enumerate(b) if i not in patched
+        ]
+    head = (0xF00, 3, 2, 1, 128, 1, 1, 4096, 0x5EED)
+    assert calls == [(*head, prepared.address, 0) for prepared in plan.launches]
+    assert pinned == []
+    capturing[0] = True
+    plan.replay([0xA000, 0xB000, 0], None)
+    assert pinned == [plan]

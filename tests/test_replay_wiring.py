@@ -21,15 +21,22 @@ class _Stream:
 
 
 class _Prepared:
-    """A prepared launch that notes, at each replay, the pointer each argument position got."""
+    """A prepared launch whose replay code notes the pointer each argument position got."""
 
     def __init__(self, roles, replays):
         self.roles = roles
         self.replays = replays
 
-    def launch(self, stream, pointers):
+    def _replayed(self, stream, pointers):
         assert stream == STREAM
-        self.replays.append({pos: pointers[role] for pos, role in self.roles.items()})
+        self.replays.append(pointers)
+
+    def lines(self, slots, pointer, stream, pad):
+        given = ", ".join(f"{pos}: {pointer(role)}" for pos, role in self.roles.items())
+        return [f"{pad}{slots}({stream}, {{{given}}})"]
+
+    def namespace(self, slots):
+        return {slots: self._replayed}
 
 
 class _Launcher:
@@ -251,6 +258,18 @@ def test_a_replay_under_capture_pins_its_plan(device):
     device.capturing = 1
     numflash.attention(*_qkv())
     assert plan.pinned and plan in api._plans._pinned
+
+
+def test_a_replay_on_the_legacy_default_stream_asks_nothing_about_capture(device, monkeypatch):
+    """Capture cannot begin on the legacy default stream (0): a replay there skips the check."""
+    monkeypatch.setattr(_Stream, "ptr", 0)
+    monkeypatch.setattr(_Prepared, "_replayed", lambda self, stream, pointers: None)
+    numflash.attention(*_qkv())
+    (plan,) = api._plans._plans.values()
+    assert "capturing" not in plan.replay_source
+    device.capturing = 1  # what the check would have found
+    numflash.attention(*_qkv())
+    assert device.full_calls == 1 and not plan.pinned
 
 
 def test_a_replay_hands_out_its_last_output_again_only_once_nothing_refers_to_it(device):

@@ -137,7 +137,7 @@ def test_an_int_length_matches_by_type_and_value(namespace):
 def test_another_device_stream_or_cache_generation_turns_a_call_away(namespace, where):
     sig = _kvcache(namespace)
     key, _ = sig.key(*_call())
-    match = sig.matcher(key, one_device=True)
+    match = sig.matcher(key, one_device=where != "device")
     if where == "device":
         _Cupy.device = 1
     elif where == "stream":
@@ -147,6 +147,16 @@ def test_another_device_stream_or_cache_generation_turns_a_call_away(namespace, 
     call = _call()
     assert match(*call) is None
     assert sig.key(*call)[0] != key
+
+
+def test_with_one_device_a_matcher_asks_for_no_device(namespace, monkeypatch):
+    """The process's only device is always the current one, and every array is on it."""
+    sig = _kvcache(namespace)
+    key, _ = sig.key(*_call())
+    match = sig.matcher(key, one_device=True)
+    monkeypatch.setattr(_Cupy, "get_device", None)
+    assert "device" not in match.source
+    assert match(*_call()) is not None
 
 
 def test_an_array_on_another_device_is_turned_away_where_there_are_several(namespace):
