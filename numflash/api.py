@@ -622,7 +622,7 @@ def attention_with_kvcache(
     overlaps = [(c, r) for c in (1, 2) for r in readers]
     overlaps += [(8, r) for r in range(8) if given]
     tail = _forward_tail(8, given, return_lse)
-    if k is not None:  # the signature fixes the two caches' strides: equal addresses, one cache
+    if k is not None:  # the signature fixes the two caches' layouts: equal addresses, one cache
         tail = tail._replace(distinct=((1, 2),))
     _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q))
     return result

@@ -21,6 +21,9 @@ changed alone, turns a call away.
 
 #: The kinds of parameter a signature holds, with the part of the key each gives:
 #: ``array``: a CuPy array, (shape, strides, dtype, address % 16, device id), and its address;
+#:     strides None where the array is C-contiguous (CuPy's ``_c_contiguous``, which ignores
+#:     the strides of dimensions of extent 1: they address nothing, so such arrays of one
+#:     shape and dtype lay out their elements alike and share a plan);
 #: ``optional``: an array as ``array``, or None (None, address 0);
 #: ``lengths``: an int as ``value`` (address 0), or an array as ``array``;
 #: ``value``: a flag or scalar, (type, value): True and 1, 2 and 2.0 are different calls;
@@ -36,8 +39,8 @@ def _array_lines(name, index, pad):
     return [
         f"{pad}d{index} = {name}.data",
         f"{pad}p{index} = d{index}.ptr",
-        f"{pad}k{index} = ({name}.shape, {name}.strides, {name}.dtype, p{index} & 15, "
-        f"d{index}.device_id)",
+        f"{pad}k{index} = ({name}.shape, None if {name}._c_contiguous else {name}.strides, "
+        f"{name}.dtype, p{index} & 15, d{index}.device_id)",
     ]
 
 
@@ -78,19 +81,22 @@ def _key_source(parameters):
     return "\n".join(lines) + "\n"
 
 
-def _array_checks(name, index, one_device, pad):
+def _array_checks(name, index, contiguous, one_device, pad):
     """Lines that return None unless array ``name`` has the key part held in the constants
     c{index}_0 .. c{index}_4 (shape and strides as lists, dtype, alignment, device), and take
     its address. The shape and strides are read as CuPy keeps them, ``_shape`` and
-    ``_strides`` (lists: the public tuples are made from them, at twice the cost); the device
-    is not compared where the process sees one device (every array is on it)."""
+    ``_strides`` (lists: the public tuples are made from them, at twice the cost); where the
+    key's array was ``contiguous`` its flag is read instead of the strides (a bool, not a new
+    list); the device is not compared where the process sees one device (every array is on
+    it)."""
+    layout = f"not {name}._c_contiguous" if contiguous else f"{name}._strides != c{index}_1"
     if one_device:
         device, lines = "", [f"{pad}p{index} = {name}.data.ptr"]
     else:
         device = f" or d{index}.device_id != c{index}_4"
         lines = [f"{pad}d{index} = {name}.data", f"{pad}p{index} = d{index}.ptr"]
     return lines + [
-        f"{pad}if ({name}._shape != c{index}_0 or {name}._strides != c{index}_1 or "
+        f"{pad}if ({name}._shape != c{index}_0 or {layout} or "
         f"{name}.dtype is not c{index}_2 or p{index} & 15 != c{index}_3{device}):",
         f"{pad}    return None",
     ]
@@ -130,9 +136,11 @@ def _matcher_source(parameters, parts, one_device):
                 elif kind == "lengths":
                     flags.append(f"isinstance({name}, int)")
                 shape, strides, *rest = part
-                constants.update({f"{c}_0": list(shape), f"{c}_1": list(strides)})
+                constants[f"{c}_0"] = list(shape)
+                if strides is not None:
+                    constants[f"{c}_1"] = list(strides)
                 constants.update({f"{c}_{i}": value for i, value in enumerate(rest, 2)})
-                arrays += _array_checks(name, position, one_device, "    ")
+                arrays += _array_checks(name, position, strides is None, one_device, "    ")
         else:  # a flag or scalar, the window, the configuration
             if (part[1] if kind == "value" else part) is None:  # the default
                 flags.append(f"{name} is not {'DEFAULT_WINDOW' if kind == 'window' else 'None'}")

@@ -79,6 +79,39 @@ def test_a_decoding_loop_replays_with_lengths_advancing_on_the_device():
     assert _plan_count() == 1
 
 
+def _stride_0_seqlen(x):
+    """x (batch, heads, head_dim) as (batch, 1, heads, head_dim), its seqlen stride 0."""
+    b, h, d = x.shape
+    strides = (x.strides[0], 0, *x.strides[1:])
+    return xp.lib.stride_tricks.as_strided(x, shape=(b, 1, h, d), strides=strides)
+
+
+def test_c_contiguous_inputs_with_other_strides_on_extent_1_dims_replay_one_plan():
+    """A decoding step's q, k and v viewed with stride 0 on their seqlen dimension of extent 1
+    replay the plan a step with freshly allocated ones made: bitwise the full path."""
+    api._plans.clear()
+    rng = np.random.default_rng(4)
+    caches = [random_array((2, 64, 2, 64), "float16", rng) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    lengths = xp.asarray(np.array([7, 30], np.int32))
+    for step in range(3):
+        q, k, v = (random_array((2, h, 64), "float16", rng) for h in (8, 2, 2))
+        if step == 0:  # the recorded call: contiguous (2, 1, h, 64) arrays
+            q, k, v = (xp.ascontiguousarray(x[:, None]) for x in (q, k, v))
+        else:
+            q, k, v = (_stride_0_seqlen(x) for x in (q, k, v))
+            assert q.strides[1] == 0 and q.flags.c_contiguous
+        got = numflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths)
+        want = api._attention_with_kvcache(
+            q, *twins, k, v, lengths, None, None, False, None, (-1, -1), 0, False, None, None
+        )
+        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        lengths += 1
+    for c, t in zip(caches, twins):
+        assert (_bits(c) == _bits(t)).all()
+    assert _plan_count() == 1
+
+
 def test_overlapping_new_rows_are_refused_after_a_plan_exists():
     """The plan of a call whose new k is a row of another buffer does not take a call whose
     new k, of the same shape and strides, is a row of the cache it is written to."""

@@ -122,6 +122,21 @@ def test_a_key_with_any_of_those_parts_takes_its_own_calls(namespace, change):
     assert sig.matcher(key, one_device=True)(*changed) == sig.key(*changed)[1]
 
 
+def test_c_contiguous_arrays_of_one_shape_share_a_key_whatever_their_extent_1_strides(namespace):
+    """A dimension of extent 1 addresses nothing: CuPy's C-contiguity flag ignores its stride,
+    and so do the key and the matcher. A key of strided arrays still takes only those strides."""
+    sig = _kvcache(namespace)
+    key, _ = sig.key(*_call())
+    newaxis = DeviceArray((2, 1, 8, 64), strides=(1024, 0, 128, 2))  # q[:, None] of a (2, 8, 64)
+    call = _call(q=newaxis)
+    assert sig.key(*call)[0] == key
+    assert sig.matcher(key, one_device=True)(*call) == sig.key(*call)[1]
+    strided = _call(q=DeviceArray((2, 1, 8, 64), strides=(2048, 1024, 128, 2)))
+    strided_key, _ = sig.key(*strided)
+    assert sig.matcher(strided_key, one_device=True)(*call) is None
+    assert sig.matcher(strided_key, one_device=True)(*strided) is not None
+
+
 def test_an_int_length_matches_by_type_and_value(namespace):
     sig = _kvcache(namespace)
     key, _ = sig.key(*_call(cache_seqlens=5))

@@ -33,6 +33,7 @@ class DeviceArray:
         self.size = int(np.prod(self.shape))
         self.nbytes = self.size * self.dtype.itemsize
         self.data = Memory(next(_addresses) if ptr is None else ptr)
+        self._contiguous = _c_contiguous(self.shape, self.strides, self.dtype.itemsize)
 
     @property
     def _shape(self):  # CuPy's own field: a new list at each read
@@ -41,3 +42,20 @@ class DeviceArray:
     @property
     def _strides(self):
         return list(self.strides)
+
+    @property
+    def _c_contiguous(self):  # CuPy keeps this flag as a field; so does a stand-in, below
+        return self._contiguous
+
+
+def _c_contiguous(shape, strides, itemsize):
+    """CuPy's C-contiguity: the strides of dimensions of extent 1 are not compared."""
+    if 0 in shape:
+        return True
+    step = itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if s != step:
+                return False
+            step *= n
+    return True
