@@ -96,18 +96,24 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
-def _find(sig, args):
-    """(plan, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s order):
-    the plan of its signature if there is one and its arrays' addresses in role order; the key
-    when it was built (None where a recent plan's matcher took the call, or where the
-    arguments have no key: not CuPy arrays, or unhashable)."""
+def _replayed(sig, args):
+    """The result of the call with arguments ``args`` (in signature ``sig``'s order) as one of
+    its function's most recent plans runs it (its key's matcher and its replay in one
+    function, numflash.plans), or None where none has its key or the replay refused it."""
     try:
-        for match, plan in _plans.recent[sig.name].entries:
-            pointers = match(*args)
-            if pointers is not None:
-                return plan, pointers, None
+        for run in _plans.recent[sig.name].entries:
+            result = run(*args)
+            if result is not None:
+                return result
     except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
         pass
+    return None
+
+
+def _find(sig, args):
+    """(plan, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s order):
+    the plan of its key if there is one, its arrays' addresses in role order and the key;
+    (None, None, None) where the arguments have no key (not CuPy arrays, or unhashable)."""
     if _Cupy.get_device is None:
         _Cupy.bind()
     try:
@@ -116,27 +122,23 @@ def _find(sig, args):
     except (AttributeError, TypeError):
         return None, None, None
     if plan is not None:
-        _remember(sig, key, plan)
+        _plans.recent[sig.name].add(plan.run)
     return plan, pointers, key
-
-
-def _remember(sig, key, plan):
-    """Put ``plan`` first among its function's recent plans, its key's matcher made once."""
-    if plan.match is None:
-        plan.match = sig.matcher(key, one_device=_Cupy.device_count() == 1)
-    _plans.recent[sig.name].add(plan.match, plan)
 
 
 def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=()):
     """Keep the plan of a recorded call whose arrays are on the current device (``tail``: what
     its replays do besides the launches, :class:`numflash.plans.Tail`; ``outputs``: the
-    (shape, dtype) of each output its replays make)."""
+    (shape, dtype) of each output its replays make), first among its function's recent plans."""
     if roles[0].data.device_id == key[0]:
         plan = plans.make(recorded, roles, overlaps, outputs)
         if plan is not None:
-            plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin)
+            one_device = _Cupy.device_count() == 1
+            plan.match = sig.matcher(key, one_device)
+            head = sig.match_parts(key, one_device)
+            plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin, head)
             _plans.put(key, plan)
-            _remember(sig, key, plan)
+            _plans.recent[sig.name].add(plan.run)
 
 
 def _forward_tail(out_role, given, return_lse):
@@ -218,6 +220,9 @@ def attention(
     plan = key = None
     if not SIMULATOR:
         args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+        result = _replayed(_ATTENTION, args)
+        if result is not None:
+            return result
         plan, pointers, key = _find(_ATTENTION, args)
     if plan is not None:
         result = plan.replay(pointers, out)
@@ -226,8 +231,6 @@ def attention(
     # else an out= overlapping an input: the full path refuses it by name
     if plan is None:
         _refuse_under_capture("attention")
-    elif key is None:  # a recent plan's matcher took the call and its replay refused it
-        key = _ATTENTION.key(*args)[0]
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     given = out is not None
@@ -462,6 +465,9 @@ def attention_backward(
     plan = key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     if not SIMULATOR:
+        grads = _replayed(_BACKWARD, args)
+        if grads is not None:
+            return grads
         plan, pointers, key = _find(_BACKWARD, args)
     if plan is not None:
         return plan.replay(pointers, None)
@@ -597,6 +603,9 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
     if not SIMULATOR:
+        result = _replayed(_KVCACHE, args)
+        if result is not None:
+            return result
         plan, pointers, key = _find(_KVCACHE, args)
     if plan is not None:
         result = plan.replay(pointers, out)
@@ -606,8 +615,6 @@ def attention_with_kvcache(
     # append would write one over the other): the full path refuses it by name
     if plan is None:
         _refuse_under_capture("attention_with_kvcache")
-    elif key is None:  # a recent plan's matcher took the call and its replay refused it
-        key = _KVCACHE.key(*args)[0]
     if key is None:
         return _attention_with_kvcache(*args)
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens

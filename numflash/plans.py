@@ -21,14 +21,16 @@ A plan is made only when that replay is exact:
   per stream, so a reused buffer is only ever touched in stream order.
 
 The signature key (numflash.signature) holds every argument that validation or the choice of
-kernel reads, with its type, so a call reaching a plan is one the full path accepted before; a
-call first tries the matchers of its function's most recently used plans (:class:`Recent`),
-which compare it with their keys without building its own; what depends on the
-arrays' addresses (an ``out=`` or a written cache overlapping an input) is checked at every
-replay (:attr:`Plan.disjoint`). A replay's outputs are new arrays, or the ones it returned
-last time when nothing refers to them any more (:meth:`Plan.output`). A replay is one function
-written out for its plan (:meth:`Plan.replayer`): the checks, the outputs, the pointer patches
-and the launches, without a loop or a call between them but CuPy's and the driver's.
+kernel reads, with its type, so a call reaching a plan is one the full path accepted before.
+What depends on the arrays' addresses (an ``out=`` or a written cache overlapping an input) is
+checked at every replay (:attr:`Plan.disjoint`). A replay's outputs are new arrays, or the ones
+it returned last time when nothing refers to them any more (:meth:`Plan.output`). A replay is
+one function written out for its plan (:meth:`Plan.replayer`): the checks, the outputs, the
+pointer patches and the launches, without a loop or a call between them but CuPy's and the
+driver's. A call first tries its function's most recently used plans (:class:`Recent`), each
+through its :attr:`Plan.run`: the key's matcher, which compares the call with the key without
+building the call's own, and the replay, in one function; a call none of them takes builds its
+key and looks its plan up.
 """
 
 import collections
@@ -46,7 +48,7 @@ MAX_PLANS = 256
 #: us on the H200 machine (tools/launch_cost.py), which matters only beside kernels this
 #: small, and a plan keeps the last output it returned alive until it hands it out again.
 REUSE_BYTES = 4 << 20
-#: How many plans' matchers a function tries before building its key (numflash.signature):
+#: How many plans' runs a function tries before building its key (numflash.signature):
 #: enough for a model whose layers alternate between a few signatures (sliding-window and
 #: global layers, say); a matcher whose flags differ from the call's stops at its first test.
 RECENT = 4
@@ -83,6 +85,7 @@ class Plan:
 
     __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
     __slots__ += ("outputs", "spares", "alone", "match", "replay", "replay_source")
+    __slots__ += ("run", "run_source")
 
     def __init__(self, launches, keep, spans, overlaps, outputs=()):
         self.launches = launches
@@ -98,6 +101,7 @@ class Plan:
         self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
         self.match = None  # the matcher of the plan's key (numflash.signature), once made
         self.replay = self.replay_source = None  # :meth:`replayer`'s, once made
+        self.run = self.run_source = None  # ... with the key's matcher, once made
 
     def output(self, index, allocate):
         """Output ``index`` of a replay: the array this plan returned last time there if
@@ -114,7 +118,7 @@ class Plan:
             self.alone[index] = _holders(spare)
         return spare
 
-    def replayer(self, stream, tail, allocate, capturing, pin):
+    def replayer(self, stream, tail, allocate, capturing, pin, head=None):
         """Set :attr:`replay` to a function written out for this plan (``replay_source`` is
         its code): ``replay(p, out)``, given a matching call's pointers in role order ``p``
         and its ``out`` argument, refuses it (None) where a pair of :attr:`overlaps` shares
@@ -125,13 +129,38 @@ class Plan:
         keeps nothing a graph could outlive), patches and launches every launch on
         ``stream`` under the plan's lock, and returns what ``tail.result`` names: one frame
         from the pointers to the driver (docs/performance.md, "One replay function per
-        plan")."""
+        plan").
+
+        With ``head`` (numflash.signature.Signature.match_parts of the plan's key), also set
+        :attr:`run` (``run_source``): the key's matcher and the replay as one function of the
+        call's arguments, which returns None where the call has another key or the replay
+        refuses it."""
         namespace = dict(plan=self, disjoint=self.disjoint, output=self.output, lock=self.lock)
         namespace.update(spares=self.spares, alone=self.alone, holders=_holders)
         namespace.update(allocate=allocate, capturing=capturing, pin=pin, STREAM=stream)
-        lines = ["def replay(p, out):"]
-        refused = ["not disjoint(p)"] if self.overlaps else []
-        refused += [f"p[{a}] == p[{b}]" for a, b in tail.distinct]
+        for i, prepared in enumerate(self.launches):
+            namespace.update(prepared.namespace(f"s{i}"))
+        roles = [f"p[{role}]" for role in range(len(self.spans))]
+        lines = ["def replay(p, out):", *self._body(stream, tail, roles, "p")]
+        self.replay_source = "\n".join(lines) + "\n"
+        exec(compile(self.replay_source, "<numflash plan replay>", "exec"), namespace)
+        self.replay = namespace["replay"]
+        if head is not None:
+            lines, matched, roles = head
+            lines = [lines[0].replace("def match(", "def run("), *lines[1:]]
+            lines += self._body(stream, tail, roles, f"[{', '.join(roles)}]")
+            self.run_source = "\n".join(lines) + "\n"
+            namespace.update(matched)
+            exec(compile(self.run_source, "<numflash plan run>", "exec"), namespace)
+            self.run = namespace["run"]
+
+    def _body(self, stream, tail, roles, pointers):
+        """The lines of a replay once its pointers are known: ``roles[r]`` is the expression
+        of role r's address, ``pointers`` that of the list of them (for the overlap check);
+        :meth:`replayer` says what they do."""
+        lines = []
+        refused = [f"not disjoint({pointers})"] if self.overlaps else []
+        refused += [f"{roles[a]} == {roles[b]}" for a, b in tail.distinct]
         if refused:
             lines += [f"    if {' or '.join(refused)}:", "        return None"]
         made = {}
@@ -147,13 +176,10 @@ class Plan:
             lines += ["    if not plan.pinned and capturing(STREAM):", "        pin(plan)"]
         lines.append("    with lock:")
         for i, prepared in enumerate(self.launches):
-            namespace.update(prepared.namespace(f"s{i}"))
-            lines += prepared.lines(f"s{i}", lambda r: made.get(r, f"p[{r}]"), "STREAM", " " * 8)
+            lines += prepared.lines(f"s{i}", lambda r: made.get(r) or roles[r], "STREAM", " " * 8)
         returned = ["out" if index is None else f"o{index}" for index in tail.result]
         lines.append(f"    return {returned[0] if len(returned) == 1 else ', '.join(returned)}")
-        self.replay_source = "\n".join(lines) + "\n"
-        exec(compile(self.replay_source, "<numflash plan replay>", "exec"), namespace)
-        self.replay = namespace["replay"]
+        return lines
 
 
 class Tail(typing.NamedTuple):
@@ -169,18 +195,17 @@ class Tail(typing.NamedTuple):
 
 class Recent:
     """A function's most recently replayed plans, newest first, at most :data:`RECENT`:
-    ``entries`` holds (match, plan) each, ``match`` the plan's key's matcher
-    (numflash.signature). Read without a lock: the tuple is
-    replaced whole."""
+    ``entries`` holds their :attr:`Plan.run` functions (the key's matcher and the replay in
+    one). Read without a lock: the tuple is replaced whole."""
 
     def __init__(self):
         self.entries = ()
         self._lock = threading.Lock()
 
-    def add(self, match, plan):
+    def add(self, run):
         with self._lock:
-            kept = tuple(entry for entry in self.entries if entry[1] is not plan)
-            self.entries = ((match, plan), *kept)[:RECENT]
+            kept = tuple(entry for entry in self.entries if entry is not run)
+            self.entries = (run, *kept)[:RECENT]
 
 
 class PlanCache:

@@ -10,8 +10,10 @@ public function (:class:`Signature`), without loops or helper calls over its par
 - :meth:`Signature.key` returns the call's key and its arrays' addresses in role order;
 - :meth:`Signature.matcher` makes, for one key, a function that tells whether a call has that
   key without building it (comparisons that stop at the first difference) and returns the
-  call's addresses, or None. The public functions try the matchers of their most recent
-  plans first (:class:`numflash.plans.Recent`) and build the key only when none matches.
+  call's addresses, or None; :meth:`Signature.match_parts` gives its lines for a plan to write
+  its replay after them (numflash.plans, ``Plan.run``). The public functions try their most
+  recent plans' runs first (:class:`numflash.plans.Recent`) and build the key only when none
+  takes the call.
 
 A matcher accepts exactly the calls whose key equals its own, except that it compares dtypes
 by identity (NumPy's dtypes of the built-in types are single objects): a call it turns away
@@ -102,18 +104,23 @@ def _array_checks(name, index, contiguous, one_device, pad):
     ]
 
 
-#: Whether a flag, scalar, window or configuration differs from the key's constant ``c``.
+#: Whether a flag, scalar, window or configuration differs from the key's constant ``c``:
+#: a scalar's type and value are two constants (``c_0``, ``c_1``), a bool is itself (True and
+#: False are the only ones, so identity compares type and value at once).
 _DIFFERS = {
-    "value": "{name}.__class__ is not {c}[0] or {name} != {c}[1]",
+    "bool": "{name} is not {c}",
+    "value": "{name}.__class__ is not {c}_0 or {name} != {c}_1",
     "window": "{name} is DEFAULT_WINDOW or window_key({name}) != {c}",
     "config": "{name}.__class__ is not {c}.__class__ or {name} != {c}",
 }
 
 
-def _matcher_source(parameters, parts, one_device):
-    """Source of ``match(...)`` for one key's parts (in parameter order), and the constants it
-    names. Flags and scalars are compared first: they are the cheapest to tell apart."""
-    names = ", ".join(name for name, _ in parameters)
+def _match_body(parameters, parts, one_device):
+    """(lines, constants, roles): the body of a function of the parameters that returns None
+    unless the call has one key's parts (in parameter order) and otherwise goes on with the
+    address of each array role in a local (``roles`` names them, in role order), and the
+    constants it names. Flags and scalars are compared first: they are the cheapest to tell
+    apart."""
     constants = {}
     flags, arrays, roles = [], [], []
     for position, ((name, kind), part) in enumerate(zip(parameters, parts)):
@@ -144,10 +151,16 @@ def _matcher_source(parameters, parts, one_device):
         else:  # a flag or scalar, the window, the configuration
             if (part[1] if kind == "value" else part) is None:  # the default
                 flags.append(f"{name} is not {'DEFAULT_WINDOW' if kind == 'window' else 'None'}")
+            elif kind == "value" and part[0] is bool:
+                constants[c] = part[1]
+                flags.append(_DIFFERS["bool"].format(name=name, c=c))
+            elif kind == "value":
+                constants.update({f"{c}_0": part[0], f"{c}_1": part[1]})
+                flags.append(_DIFFERS[kind].format(name=name, c=c))
             else:
                 constants[c] = part
                 flags.append(_DIFFERS[kind].format(name=name, c=c))
-    lines = [f"def match({names}):"]
+    lines = []
     if flags:
         lines += [f"    if {' or '.join(f'({flag})' for flag in flags)}:", "        return None"]
     device = "" if one_device else " or Cupy.get_device() != DEVICE"
@@ -155,9 +168,8 @@ def _matcher_source(parameters, parts, one_device):
         f"    if (cache.generation != GENERATION{device} or Cupy.current_stream().ptr != STREAM):",
         "        return None",
         *arrays,
-        f"    return [{', '.join(roles)}]",
     ]
-    return "\n".join(lines) + "\n", constants
+    return lines, constants, roles
 
 
 class Signature:
@@ -181,17 +193,29 @@ class Signature:
         exec(compile(source, f"<numflash {self.name} signature>", "exec"), namespace)
         return namespace[source[4 : source.index("(")]]
 
-    def matcher(self, key, one_device=False):
-        """``match(*args)``: the call's addresses in role order if its key is ``key`` (one this
-        signature's :meth:`key` made), else None. ``one_device``: the process sees one device
-        only. ``match.source`` is its code. A matcher reads CuPy's own fields of an array: where
-        it raises AttributeError (another kind of array, or a CuPy without them), the caller
+    def match_parts(self, key, one_device=False):
+        """(head, namespace, roles) of a function that takes a call with key ``key`` (one
+        this signature's :meth:`key` made) and goes on with its arrays' addresses: ``head``,
+        its def line and the lines that return None unless the call has that key; what they
+        name; the locals that then hold the addresses, in role order. ``one_device``: the
+        process sees one device only. The lines read CuPy's own fields of an array: where
+        they raise AttributeError (another kind of array, or a CuPy without them), the caller
         builds the key instead."""
         device, stream, name, *parts, generation = key
         if name != self.name or len(parts) != len(self.parameters):
             raise ValueError(f"not a key of {self.name}: {key!r}")
-        source, constants = _matcher_source(self.parameters, parts, one_device)
-        constants.update(GENERATION=generation, DEVICE=device, STREAM=stream)
-        match = self._define(source, constants)
+        body, constants, roles = _match_body(self.parameters, parts, one_device)
+        names = ", ".join(name for name, _ in self.parameters)
+        namespace = dict(self.namespace, **constants)
+        namespace.update(GENERATION=generation, DEVICE=device, STREAM=stream)
+        return [f"def match({names}):", *body], namespace, roles
+
+    def matcher(self, key, one_device=False):
+        """``match(*args)``: the call's addresses in role order if its key is ``key``, else
+        None (:meth:`match_parts` says what it reads). ``match.source`` is its code."""
+        head, namespace, roles = self.match_parts(key, one_device)
+        source = "\n".join([*head, f"    return [{', '.join(roles)}]"]) + "\n"
+        exec(compile(source, f"<numflash {self.name} signature>", "exec"), namespace)
+        match = namespace["match"]
         match.source = source
         return match
