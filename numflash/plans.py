@@ -127,9 +127,8 @@ class Plan:
         plan through ``pin(plan)`` the first time it replays while ``capturing(stream)`` (not
         checked on the legacy default stream, 0, which cannot capture; nor where the plan
         keeps nothing a graph could outlive), patches and launches every launch on
-        ``stream`` under the plan's lock, and returns what ``tail.result`` names: one frame
-        from the pointers to the driver (docs/performance.md, "One replay function per
-        plan").
+        ``stream`` under the plan's lock, and returns what ``tail.result`` names
+        (docs/performance.md, "One replay function per plan").
 
         With ``head`` (numflash.signature.Signature.match_parts of the plan's key), also set
         :attr:`run` (``run_source``): the key's matcher and the replay as one function of the
