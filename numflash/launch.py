@@ -251,7 +251,7 @@ class PreparedLaunch:
     role_pointers)`` is that code for this launch alone (``source``). ``patch``: (slot of a
     data pointer, index of the role whose pointer it takes), one pair per patched array."""
 
-    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "head", "launch", "source")
+    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "leading", "launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
@@ -259,7 +259,8 @@ class PreparedLaunch:
         self.pointers = pointers  # the parameters' addresses (numpy uint64), which stay put
         self.address = int(pointers.ctypes.data)  # ... and where they are
         self.patch = patch
-        self.head = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
+        # the launch's function, grid, block and shared bytes, as source text
+        self.leading = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
         lines = ["def launch(stream, p):", *self.lines("s", "p[{}]".format, "stream", "    ")]
         self.source = "\n".join(lines) + "\n"
         namespace = self.namespace("s")
@@ -271,7 +272,7 @@ class PreparedLaunch:
         is the expression of a role's pointer, ``stream`` the stream's; each line indented by
         ``pad``; :meth:`namespace` what they name."""
         lines = [f"{pad}{slots}[{slot}] = {pointer(role)}" for slot, role in self.patch]
-        lines.append(f"{pad}cuLaunchKernel({self.head}, {stream}, {self.address}, 0)")
+        lines.append(f"{pad}cuLaunchKernel({self.leading}, {stream}, {self.address}, 0)")
         return lines
 
     def namespace(self, slots):
