@@ -600,24 +600,8 @@ def attention_with_kvcache(
     replays the launch of the first (numflash.plans).
     """
     plan = key = None
-    # one tuple, not two joined: a decoding step's host time is counted in tenths of a us
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        cache_seqlens,
-        cache_batch_idx,
-        block_table,
-        causal,
-        softmax_scale,
-        window_size,
-        num_splits,
-        return_lse,
-        out,
-        config,
-    )
+    args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
+    args += (softmax_scale, window_size, num_splits, return_lse, out, config)
     if not SIMULATOR:
         result = _replayed(_KVCACHE, args)
         if result is not None:
