@@ -96,20 +96,6 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
-def _replayed(sig, args):
-    """The result of the call with arguments ``args`` (in signature ``sig``'s order) as one of
-    its function's most recent plans runs it (its key's matcher and its replay in one
-    function, numflash.plans), or None where none has its key or the replay refused it."""
-    try:
-        for run in _plans.recent[sig.name].entries:
-            result = run(*args)
-            if result is not None:
-                return result
-    except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
-        pass
-    return None
-
-
 def _find(sig, args):
     """(plan, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s order):
     the plan of its key if there is one, its arrays' addresses in role order and the key;
@@ -124,6 +110,30 @@ def _find(sig, args):
     if plan is not None:
         _plans.recent[sig.name].add(plan.run)
     return plan, pointers, key
+
+
+def _repeated(sig, args, out, name):
+    """(result, key) of a call of public function ``name`` with arguments ``args`` (in
+    signature ``sig``'s order): its result where a plan replays it, else None; and its key
+    where it was built (None where a recent plan took the call, where the call has no key, and
+    in the simulator). A call first tries its function's most recent plans, each through its
+    run (its key's matcher and its replay in one function, numflash.plans), then builds its key
+    and replays that key's plan; a call without a plan under stream capture is refused
+    (:func:`_refuse_under_capture`)."""
+    plan = key = None
+    if not SIMULATOR:
+        try:
+            for run in _plans.recent[sig.name].entries:
+                result = run(*args)
+                if result is not None:
+                    return result, None
+        except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
+            pass
+        plan, pointers, key = _find(sig, args)
+    if plan is None:
+        _refuse_under_capture(name)
+        return None, key
+    return plan.replay(pointers, out), key
 
 
 def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=()):
@@ -217,20 +227,11 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    plan = key = None
-    if not SIMULATOR:
-        args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
-        result = _replayed(_ATTENTION, args)
-        if result is not None:
-            return result
-        plan, pointers, key = _find(_ATTENTION, args)
-    if plan is not None:
-        result = plan.replay(pointers, out)
-        if result is not None:
-            return result
-    # else an out= overlapping an input: the full path refuses it by name
-    if plan is None:
-        _refuse_under_capture("attention")
+    args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+    result, key = _repeated(_ATTENTION, args, out, "attention")
+    if result is not None:
+        return result
+    # else no plan yet, or an out= overlapping an input: the full path refuses it by name
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
     given = out is not None
@@ -462,16 +463,10 @@ def attention_backward(
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
     call replays the launches of the first (numflash.plans).
     """
-    plan = key = None
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    if not SIMULATOR:
-        grads = _replayed(_BACKWARD, args)
-        if grads is not None:
-            return grads
-        plan, pointers, key = _find(_BACKWARD, args)
-    if plan is not None:
-        return plan.replay(pointers, None)
-    _refuse_under_capture("attention_backward")
+    grads, key = _repeated(_BACKWARD, args, None, "attention_backward")
+    if grads is not None:
+        return grads
     if key is None:
         return _attention_backward(*args)
     with launch.recording() as recorded:
@@ -599,22 +594,13 @@ def attention_with_kvcache(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launch of the first (numflash.plans).
     """
-    plan = key = None
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
-    if not SIMULATOR:
-        result = _replayed(_KVCACHE, args)
-        if result is not None:
-            return result
-        plan, pointers, key = _find(_KVCACHE, args)
-    if plan is not None:
-        result = plan.replay(pointers, out)
-        if result is not None:
-            return result
-    # else a written cache or an out= overlapping an input, or one cache for k and v (an
-    # append would write one over the other): the full path refuses it by name
-    if plan is None:
-        _refuse_under_capture("attention_with_kvcache")
+    result, key = _repeated(_KVCACHE, args, out, "attention_with_kvcache")
+    if result is not None:
+        return result
+    # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
+    # v (an append would write one over the other): the full path refuses it by name
     if key is None:
         return _attention_with_kvcache(*args)
     seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
