@@ -143,9 +143,7 @@ def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=()):
     if roles[0].data.device_id == key[0]:
         plan = plans.make(recorded, roles, overlaps, outputs)
         if plan is not None:
-            one_device = _Cupy.device_count() == 1
-            plan.match = sig.matcher(key, one_device)
-            head = sig.match_parts(key, one_device)
+            head = sig.match_parts(key, one_device=_Cupy.device_count() == 1)
             plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin, head)
             _plans.put(key, plan)
             _plans.recent[sig.name].add(plan.run)

@@ -84,8 +84,7 @@ class Plan:
     """Recorded launches, replayed in order on one stream with the call's pointers."""
 
     __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
-    __slots__ += ("outputs", "spares", "alone", "match", "replay", "replay_source")
-    __slots__ += ("run", "run_source")
+    __slots__ += ("outputs", "spares", "alone", "replay", "replay_source", "run", "run_source")
 
     def __init__(self, launches, keep, spans, overlaps, outputs=()):
         self.launches = launches
@@ -99,7 +98,6 @@ class Plan:
         self.outputs = outputs  # (shape, dtype) of each output a replay makes, by index
         self.spares = [None, None, None]  # the outputs last returned, by output index
         self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
-        self.match = None  # the matcher of the plan's key (numflash.signature), once made
         self.replay = self.replay_source = None  # :meth:`replayer`'s, once made
         self.run = self.run_source = None  # ... with the key's matcher, once made
 

@@ -186,12 +186,9 @@ class Signature:
         self.parameters = tuple(parameters)
         self.namespace = dict(namespace, NAME=name)
         self.key_source = _key_source(self.parameters)
-        self.key = self._define(self.key_source, {})
-
-    def _define(self, source, constants):
-        namespace = dict(self.namespace, **constants)
-        exec(compile(source, f"<numflash {self.name} signature>", "exec"), namespace)
-        return namespace[source[4 : source.index("(")]]
+        namespace = dict(self.namespace)
+        exec(compile(self.key_source, f"<numflash {self.name} signature>", "exec"), namespace)
+        self.key = namespace["key"]
 
     def match_parts(self, key, one_device=False):
         """(head, namespace, roles) of a function that takes a call with key ``key`` (one
