@@ -39,10 +39,15 @@ def arch_name(cc):
     return "sm_%d%d%s" % (cc[0], cc[1], cc[2] if len(cc) > 2 else "")
 
 
-def compile_ptx(kernel, signature, cc):
-    """PTX of ``kernel`` (a ``cuda.jit`` dispatcher) for ``signature`` and target ``cc``."""
+def compile_ptx(kernel, signature, cc, launch_bounds=False):
+    """PTX of ``kernel`` (a ``cuda.jit`` dispatcher) for ``signature`` and target ``cc``; with
+    ``launch_bounds``, under the kernel's own launch bounds (.maxntid, .minnctapersm), which
+    bound the registers ptxas may give a thread, as when the kernel is compiled for a launch."""
+    options = {}
+    if launch_bounds and kernel.targetoptions.get("launch_bounds") is not None:
+        options["launch_bounds"] = kernel.targetoptions["launch_bounds"]
     with target(cc):
-        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc, **options)
     return ptx
 
 
@@ -55,10 +60,33 @@ _USAGE = re.compile(
 
 def resource_usage(ptx, cc):
     """ptxas' report for the one kernel in ``ptx``: a dict of registers, stack and spill bytes."""
-    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from cuda.core import ObjectCode
 
-    options = LinkerOptions(arch=arch_name(cc), ptxas_options=["-v"])
-    linker = Linker(ObjectCode.from_ptx(ptx.encode()), options=options)
+    return _linked_usage(ObjectCode.from_ptx(ptx.encode()), cc, lto=False)
+
+
+def lto_resource_usage(kernel, signature, cc):
+    """As :func:`resource_usage`, for ``kernel`` compiled as Numba compiles it for a launch:
+    to LTO-IR under its launch bounds, linked by nvJitLink with link-time optimisation. Linking
+    PTX instead compiles it as one unit among others, and ptxas then ignores setmaxnreg
+    (remark C7504), so the warp-specialised kernels are only judged this way."""
+    from cuda.core import ObjectCode
+
+    options = {}
+    if kernel.targetoptions.get("launch_bounds") is not None:
+        options["launch_bounds"] = kernel.targetoptions["launch_bounds"]
+    with target(cc):
+        ltoir, _ = cuda.compile(
+            kernel.py_func, signature, device=False, cc=cc, output="ltoir", abi="numba", **options
+        )
+    return _linked_usage(ObjectCode.from_ltoir(ltoir), cc, lto=True)
+
+
+def _linked_usage(code, cc, lto):
+    from cuda.core import Linker, LinkerOptions
+
+    options = LinkerOptions(arch=arch_name(cc), ptxas_options=["-v"], link_time_optimization=lto)
+    linker = Linker(code, options=options)
     linker.link("cubin")
     log = linker.get_info_log()
     match = _USAGE.search(log)

@@ -42,6 +42,24 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
   ``wgmma.fence`` orders the accumulator registers before the first wgmma of a group;
   ``commit_group`` / ``wait_group N`` wait for the products to land in the registers.
 
+Barriers for warp-specialised kernels (PTX ISA, "mbarrier", "bar"):
+
+- An mbarrier is 8 bytes of shared memory (8-byte aligned) initialised with an expected
+  arrival count; its phase completes when that many arrivals have been made, and the next
+  phase starts. ``mbarrier.try_wait.parity`` with parity P returns once the phase of parity P
+  has completed: P = 0 waits for the first phase, and a waiter tracks its phase's parity.
+  Arrivals release and waits acquire, so what a thread wrote before arriving is visible to a
+  thread after its wait. ``cp.async.mbarrier.arrive.noinc`` arrives for the executing thread
+  once all its earlier cp.async copies have landed, without the thread waiting for them;
+  wgmma reads what the copies wrote after a wait on the barrier (CUTLASS's cp.async GMMA
+  mainloops hand tiles over this way, with no proxy fence).
+- Named barriers 1-15 (0 is __syncthreads): ``bar.sync id, n`` waits until ``n`` threads
+  (a multiple of 32) have arrived at ``id``, counting itself; ``bar.arrive id, n`` counts
+  itself without waiting.
+- ``setmaxnreg.{inc,dec}.sync.aligned.u32 N`` (every thread of a warpgroup together) moves the
+  warpgroup's register budget to N (24..256, a multiple of 8); ptxas obeys it only in a kernel
+  whose register count at entry it knows (launch bounds with a minimum of blocks).
+
 In Numba's CUDA simulator each name is a Python function with the semantics above, as in
 ptx.py: the 128 threads of a warpgroup meet at a barrier, and the product is computed once
 from the shared array the descriptors point into (read through the same layout rules,
@@ -69,6 +87,14 @@ __all__ = [
     "wgmma_update",
     "fence_operands",
     "quotient32",
+    "reciprocal",
+    "mbarrier_init",
+    "mbarrier_arrive",
+    "mbarrier_wait",
+    "cp_async_arrive",
+    "named_barrier_sync",
+    "named_barrier_arrive",
+    "set_max_registers",
 ]
 
 #: swizzle field values of the descriptor
@@ -172,7 +198,7 @@ if SIMULATOR:
                     a[16 * w + g + row, col + 2 * t + half] = _as_float(bits, ab)
         return a
 
-    def wgmma(ab, n, a_in_registers=False, b_transposed=False):
+    def wgmma(ab, n, a_in_registers=False, b_transposed=False, accumulate=True):
         _check_shape(ab, n)
         values = n // 2
         thread = np.arange(128)
@@ -190,6 +216,8 @@ if SIMULATOR:
                 b = _as_float(desc_b.read(n, 16, mn_major=False), ab).T
             d = a @ b  # products of 16-bit floats are exact; one rounding to fp32 below
             acc = np.array([x[0] for x in inputs], dtype=np.float64)  # (128, values)
+            if not accumulate:
+                acc = np.zeros_like(acc)
             i, r = np.arange(values) >> 2, np.arange(values) & 3
             rows = (16 * w + g)[:, None] + 8 * (r >> 1)[None, :]
             cols = 8 * i[None, :] + (2 * t)[:, None] + (r & 1)[None, :]
@@ -201,8 +229,8 @@ if SIMULATOR:
 
         return mma_async
 
-    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False):
-        mma = wgmma(ab, n, a_in_registers, b_transposed)
+    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False, accumulate=True):
+        mma = wgmma(ab, n, a_in_registers, b_transposed, accumulate)
 
         def mma_async(acc, a, desc_b):
             acc[:] = mma(tuple(acc), a, desc_b)
@@ -214,6 +242,79 @@ if SIMULATOR:
 
     def quotient32(a, b):
         return int(a) // int(b)
+
+    def reciprocal(x):
+        with np.errstate(divide="ignore"):
+            return np.float32(np.float32(1.0) / np.float32(x))
+
+    class _Barrier:
+        """One simulated barrier: arrivals counted toward ``count``, phases numbered."""
+
+        def __init__(self, count=0):
+            self.count = count
+            self.arrived = 0
+            self.phase = 0
+            self.changed = threading.Condition()
+
+        def arrive(self, count=None):
+            with self.changed:
+                self.arrived += 1
+                if self.arrived == (count or self.count):
+                    self.arrived = 0
+                    self.phase += 1
+                    self.changed.notify_all()
+                return self.phase
+
+        def wait_past(self, phase):
+            with self.changed:
+                if not self.changed.wait_for(lambda: self.phase > phase, timeout=600):
+                    raise RuntimeError("a simulated barrier waited 600 s: the kernel deadlocks")
+
+    def _block_barrier(kind, key):
+        """The simulated barrier ``key`` of this thread's block (created on first use)."""
+        thread = threading.current_thread()
+        with _lock:
+            table = thread._manager.__dict__.setdefault("_numflash_barriers", {})
+            name = (tuple(thread.blockIdx), kind, key)
+            found = table.get(name)
+            if found is None:
+                found = table[name] = _Barrier()
+        return found
+
+    def _mbarrier(address):
+        # keyed by where it is: each thread may hold its own view of the block's shared memory
+        byte = address.array.ctypes.data + address.index * address.array.itemsize
+        return _block_barrier("mbarrier", byte)
+
+    def mbarrier_init(address, count):
+        barrier = _mbarrier(address)
+        barrier.count, barrier.arrived, barrier.phase = int(count), 0, 0
+
+    def mbarrier_arrive(address):
+        _mbarrier(address).arrive()
+
+    def cp_async_arrive(address):
+        _mbarrier(address).arrive()  # the simulator's copies are complete when issued
+
+    def mbarrier_wait(address, parity):
+        barrier = _mbarrier(address)
+        with barrier.changed:
+            phase = barrier.phase
+        if (phase & 1) == int(parity):  # that phase is the current one: wait for it to end
+            barrier.wait_past(phase)
+
+    def named_barrier_sync(index, count):
+        barrier = _block_barrier("bar", int(index))
+        with barrier.changed:
+            phase = barrier.phase
+        barrier.arrive(int(count))
+        barrier.wait_past(phase)
+
+    def named_barrier_arrive(index, count):
+        _block_barrier("bar", int(index)).arrive(int(count))
+
+    def set_max_registers(count, increase):
+        pass
 
 
 else:
@@ -310,11 +411,13 @@ else:
         )
         return asm, constraints
 
-    def _wgmma_operands(builder, a_in_registers, args, acc_in):
+    def _wgmma_operands(builder, a_in_registers, args, acc_in, accumulate=True):
+        """The asm's inputs: A, B's descriptor, the scale-d flag (0: D = A B, the accumulators'
+        values ignored), the accumulators."""
         a_in = (
             [builder.extract_value(args[1], i) for i in range(4)] if a_in_registers else [args[1]]
         )
-        return a_in + [args[2], ir.Constant(ir.IntType(32), 1)] + acc_in
+        return a_in + [args[2], ir.Constant(ir.IntType(32), int(accumulate))] + acc_in
 
     def _emit(builder, asm, constraints, operands, count):
         """The inline asm with ``count`` fp32 outputs; their values."""
@@ -355,11 +458,143 @@ else:
 
         return sig, codegen
 
+    @intrinsic
+    def reciprocal(typingctx, x):
+        """1 / x (rcp.approx, within 1 ulp; 0 gives inf, NaN NaN). The IEEE-rounded reciprocal
+        that ``1 / x`` compiles to is a subroutine call in SASS, which serialises every wgmma of
+        the kernel (remark C7509, as :func:`quotient32` says)."""
+        if x != types.float32:
+            return None
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_F32, [_F32])
+            return builder.asm(fnty, "rcp.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
+
+        return sig, codegen
+
+    def _void_asm(builder, asm, constraints, operands):
+        fnty = ir.FunctionType(ir.VoidType(), [x.type for x in operands])
+        builder.asm(fnty, asm, constraints, operands, True)
+
+    @intrinsic
+    def mbarrier_init(typingctx, address, count):
+        """Initialise the mbarrier at shared ``address`` (uint32) to expect ``count`` arrivals
+        (uint32) a phase."""
+        sig = types.void(types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            _void_asm(
+                builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", list(args)
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_arrive(typingctx, address):
+        """Arrive at the mbarrier at shared ``address`` (release: earlier writes first)."""
+        sig = types.void(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }"
+            _void_asm(builder, asm, "r,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_arrive(typingctx, address):
+        """Arrive at the mbarrier at shared ``address`` once this thread's earlier cp.async
+        copies have landed (.noinc: the arrival counts toward the expected count)."""
+        sig = types.void(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];"
+            _void_asm(builder, asm, "r,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def mbarrier_wait(typingctx, address, parity):
+        """Wait until the phase of parity ``parity`` (0 or 1, uint32) of the mbarrier at shared
+        ``address`` has completed (acquire). The labels are local to the asm's braces."""
+        sig = types.void(types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = (
+                "{ .reg .pred done; retry: "
+                "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+                "@!done bra retry; }"
+            )
+            _void_asm(builder, asm, "r,r,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _literal_pair(first, second):
+        from numba.cuda.types import IntegerLiteral
+
+        if isinstance(first, IntegerLiteral) and isinstance(second, IntegerLiteral):
+            return first.literal_value, second.literal_value
+        return None
+
+    @intrinsic
+    def named_barrier_sync(typingctx, index, count):
+        """bar.sync ``index``, ``count`` (compile-time constants): wait until ``count`` threads,
+        this one included, have arrived at named barrier ``index``."""
+        values = _literal_pair(index, count)
+        if values is None:
+            return None
+        sig = types.void(index, count)
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "bar.sync {}, {};".format(*values), "~{memory}", [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def named_barrier_arrive(typingctx, index, count):
+        """bar.arrive ``index``, ``count`` (compile-time constants): count this thread toward
+        named barrier ``index`` without waiting."""
+        values = _literal_pair(index, count)
+        if values is None:
+            return None
+        sig = types.void(index, count)
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "bar.arrive {}, {};".format(*values), "~{memory}", [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def set_max_registers(typingctx, count, increase):
+        """setmaxnreg: this warpgroup's registers a thread raised (``increase``) or lowered to
+        ``count``; both compile-time constants."""
+        from numba.cuda.types import BooleanLiteral, IntegerLiteral
+
+        if not isinstance(count, IntegerLiteral) or not isinstance(increase, BooleanLiteral):
+            return None
+        n, op = count.literal_value, "inc" if increase.literal_value else "dec"
+        if n % 8 or not 24 <= n <= 256:
+            raise ValueError(f"setmaxnreg takes a multiple of 8 in [24, 256], not {n}")
+        sig = types.void(count, increase)
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, f"setmaxnreg.{op}.sync.aligned.u32 {n};", "~{memory}", [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     @functools.lru_cache(maxsize=None)
-    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False):
+    def wgmma_update(ab, n, a_in_registers=False, b_transposed=False, accumulate=True):
         """``mma(acc, a, desc_b)``: as :func:`wgmma`, the accumulators in ``acc``, a float32
         local array of n / 2 values updated in place (indexed by constants only, so that
-        they live in registers)."""
+        they live in registers). Without ``accumulate``, acc = A B: what acc held is ignored
+        (the first k16 step of a product, without zeroing the registers first)."""
         asm, constraints = _wgmma_asm(ab, n, a_in_registers, b_transposed)
         values = n // 2
         a_type = types.UniTuple(types.uint32, 4) if a_in_registers else types.uint64
@@ -373,7 +608,7 @@ else:
             def codegen(context, builder, sig, args):
                 pointers = _array_pointers(context, builder, sig.args[0], args[0], values)
                 acc_in = [builder.load(p) for p in pointers]
-                operands = _wgmma_operands(builder, a_in_registers, args, acc_in)
+                operands = _wgmma_operands(builder, a_in_registers, args, acc_in, accumulate)
                 for p, value in zip(pointers, _emit(builder, asm, constraints, operands, values)):
                     builder.store(value, p)
                 return context.get_dummy_value()
