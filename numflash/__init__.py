@@ -18,6 +18,7 @@ from .config import (
     TensorCoreConfig,
     TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
+    WgmmaForwardConfig,
 )
 
 __version__ = "0.1.0"
@@ -38,5 +39,6 @@ __all__ = [
     "PortableBackwardConfig",
     "TensorCoreBackwardConfig",
     "WgmmaBackwardConfig",
+    "WgmmaForwardConfig",
     "__version__",
 ]

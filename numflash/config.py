@@ -14,6 +14,8 @@ change to a kernel's PTX until it is recorded, so none goes unnoticed.
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar
 
+import numpy as np
+
 from .device import (
     PORTABLE,
     PORTABLE_BACKWARD,
@@ -22,8 +24,9 @@ from .device import (
     TENSOR_CORE_BACKWARD,
     TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
+    WGMMA_FORWARD,
 )
-from .kernels import backward_mma, backward_sm90, decode, forward
+from .kernels import backward_mma, backward_sm90, decode, forward, forward_sm90
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -61,11 +64,20 @@ def _out_of_choices(cfg):
 
 
 class _Config:
-    """What every configuration dataclass shares: its dict form, family included."""
+    """What every configuration dataclass shares: its dict form, family included, and NumPy
+    scalars taken as the Python numbers they hold (``block_m=np.int64(64)`` is 64)."""
 
     #: The kernels keep per-thread rows in local memory by design (the portable families): local
     #: memory there is no sign of spilled registers, which the autotuner refuses elsewhere.
     LOCAL_ROWS: ClassVar[bool] = False
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, np.bool_):
+                object.__setattr__(self, f.name, bool(value))
+            elif isinstance(value, np.integer):
+                object.__setattr__(self, f.name, int(value))
 
     def to_dict(self):
         return {"family": self.family, **asdict(self)}
@@ -187,6 +199,91 @@ class TensorCoreConfig(_Config):
         if out:
             return out
         return _tensor_core_problems(self, head_dim, device)
+
+
+@dataclass(frozen=True)
+class WgmmaForwardConfig(_Config):
+    """Tiles and schedule of the Hopper forward (:mod:`numflash.kernels.forward_sm90`).
+
+    - ``consumers``: warpgroups of 64 query rows each that compute, so a block holds
+      ``block_m = 64 * consumers`` rows.
+    - ``block_n``: keys per shared-memory tile, the N of S = Q K^T's wgmma (a multiple of 16).
+    - ``stages``: key/value tiles in the shared-memory ring.
+    - ``producer``: a warpgroup of its own loads the tiles, handing them over through mbarriers
+      (warp specialisation, registers moved to the consumers by setmaxnreg); else every thread
+      loads, the tiles ``stages - 2`` ahead of their use, between block-wide barriers.
+    - ``pingpong``: the two consumer warpgroups take turns issuing their products, so one's
+      softmax runs while the other's products do (needs ``producer`` and two consumers).
+    """
+
+    consumers: int = knob(2, (1, 2, 3))
+    block_n: int = knob(128, (64, 80, 96, 112, 128, 144, 160, 176, 192))
+    stages: int = knob(2, (2, 3, 4, 5))
+    producer: bool = knob(True, (True, False))
+    pingpong: bool = knob(True, (True, False))
+
+    family: ClassVar[str] = WGMMA_FORWARD
+    REVISION: ClassVar[int] = 1
+    #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
+    #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
+    REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 56
+
+    @property
+    def block_m(self):
+        return 64 * self.consumers
+
+    @property
+    def threads(self):
+        return 128 * (self.consumers + int(self.producer))
+
+    @property
+    def num_warps(self):
+        return self.threads // 32
+
+    def kernel_head_dim(self, head_dim):
+        """The head_dim the kernel runs at: zero-padded to a multiple of 8 (16-byte rows)."""
+        return round_up(head_dim, 8)
+
+    def shared_memory_bytes(self, head_dim):
+        """Q tile, ``stages`` K and V tiles in swizzled 64-column atoms, the mbarriers and
+        the alignment."""
+        layout = forward_sm90.shared_memory_layout(
+            head_dim, self.block_m, self.block_n, self.stages
+        )
+        return layout[-1]
+
+    def fragment_registers(self, head_dim):
+        """The accumulator, S and P (16-bit pairs) a consumer thread holds."""
+        return forward_sm90.padded_head_dim(head_dim) // 2 + self.block_n // 2 + self.block_n // 4
+
+    def consumer_registers(self):
+        """Registers a consumer thread may use: its share of the 65536 (at most 255), or what
+        setmaxnreg gives it beside a producer."""
+        if self.producer and self.consumers in forward_sm90.REGISTER_SPLIT:
+            return forward_sm90.REGISTER_SPLIT[self.consumers][1]
+        return min(255, 65536 // self.threads // 8 * 8)
+
+    def problems(self, head_dim, device):
+        out = _out_of_choices(self)
+        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
+        if _is_choice(self.pingpong, (True,)) and (self.consumers != 2 or not self.producer):
+            out.append("pingpong=True takes consumers=2 and producer=True")
+        if out:
+            return out
+        if device is not None and not device.has_wgmma:
+            out.append(
+                f"the wgmma forward needs compute capability 9.x; {device.name} is {device.arch}"
+            )
+        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim), device)
+        usable = self.consumer_registers() - self.REGISTERS_BESIDES_FRAGMENTS
+        regs = self.fragment_registers(head_dim)
+        if regs > usable:
+            out.append(
+                f"holds {regs} fragment registers per thread at head_dim={head_dim} (at most "
+                f"{usable} fit beside the rest in a consumer's {self.consumer_registers()})"
+            )
+        return out
 
 
 @dataclass(frozen=True)
@@ -477,6 +574,7 @@ CONFIG_TYPES = {
     c.family: c
     for c in (
         TensorCoreConfig,
+        WgmmaForwardConfig,
         PortableConfig,
         PortableBackwardConfig,
         TensorCoreBackwardConfig,
@@ -485,7 +583,7 @@ CONFIG_TYPES = {
         TensorCoreDecodeConfig,
     )
 }
-FORWARD_CONFIGS = (TensorCoreConfig, PortableConfig)
+FORWARD_CONFIGS = (TensorCoreConfig, WgmmaForwardConfig, PortableConfig)
 BACKWARD_CONFIGS = (TensorCoreBackwardConfig, WgmmaBackwardConfig, PortableBackwardConfig)
 DECODE_CONFIGS = (TensorCoreDecodeConfig, PortableDecodeConfig)
 

@@ -17,6 +17,8 @@ PORTABLE_BACKWARD = "portable-backward"
 TENSOR_CORE_BACKWARD = "tensor-core-backward"
 #: The Hopper backward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim 64 and 128).
 WGMMA_BACKWARD = "wgmma-backward"
+#: The Hopper forward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim a multiple of 8).
+WGMMA_FORWARD = "wgmma-forward"
 #: Attention over a KV cache without tensor cores (every GPU, every dtype, the simulator).
 PORTABLE_DECODE = "portable-decode"
 #: Attention over a KV cache on mma.sync (sm_80+, fp16/bf16, head_dim a multiple of 8).
@@ -45,7 +47,7 @@ class DeviceInfo:
         """Whether kernels of ``family`` can run here (the simulator runs every family)."""
         if family in (PORTABLE, PORTABLE_BACKWARD, PORTABLE_DECODE) or self.simulated:
             return True
-        if family == WGMMA_BACKWARD:
+        if family in (WGMMA_BACKWARD, WGMMA_FORWARD):
             return self.has_wgmma
         return self.compute_capability >= TENSOR_CORE_MIN_CC
 

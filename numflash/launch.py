@@ -26,6 +26,7 @@ from .config import (
     TensorCoreConfig,
     TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
+    WgmmaForwardConfig,
 )
 from .kernels import (
     backward_mma,
@@ -33,6 +34,7 @@ from .kernels import (
     backward_sm90,
     decode_portable,
     forward_portable,
+    forward_sm90,
 )
 from .kernels import (
     decode as decode_kernels,
@@ -567,8 +569,66 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     )
 
 
+_no_offsets = {}
+
+
+def _absent_offsets(xp):
+    """The (cu_q, cu_k) a dense call hands the Hopper forward, whose dense and packed kernels
+    take the same parameters: one int32 the kernel never reads, made once per device."""
+    device = 0 if SIMULATOR else xp.cuda.runtime.getDevice()
+    found = _no_offsets.get(device)
+    if found is None:
+        found = _no_offsets[device] = xp.zeros((1,), dtype=xp.int32)
+    return found, found
+
+
+def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
+    """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k); one
+    kernel body, the same parameters (launch.FORWARD_VARLEN's) either way."""
+    q, scale = _positive_scale(q, p.scale)
+    head_dim = cfg.kernel_head_dim(p.head_dim)
+    if head_dim != p.head_dim:
+        q, k, v = (_padded(x, head_dim) for x in (q, k, v))
+    q, k, v = (_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    varlen = offsets is not None
+    if not varlen:
+        offsets = _absent_offsets(arrays.array_module(q))
+    key = (WgmmaForwardConfig, head_dim, p.dtype, cfg, varlen)
+    target, direct = _output_target(out, head_dim, p)
+    views, totals = _packed_offsets(offsets, q, k)
+    named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
+    views.update(
+        (name, arrays.kernel_view(x[None] if varlen and x.ndim == 3 else x)) for name, x in named
+    )
+    scalars = attention_scalars(p, scale * LOG2E) + (totals if varlen else (0, 0))
+    launch = launcher(
+        key,
+        lambda: forward_sm90.build(
+            head_dim,
+            p.dtype,
+            cfg.consumers,
+            cfg.block_n,
+            cfg.stages,
+            cfg.producer,
+            cfg.pingpong,
+            varlen,
+        ),
+        FORWARD_VARLEN,
+        p.dtype,
+    )
+    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    shared = cfg.shared_memory_bytes(head_dim)
+    launch(grid, cfg.threads, arrays.current_stream(), shared, FORWARD_VARLEN.args(views, scalars))
+    if not direct:
+        _copy_back(out, target, p)
+
+
 #: One launch builder per forward family.
-_FORWARD = {TensorCoreConfig: _tensor_core_forward, PortableConfig: _portable_forward}
+_FORWARD = {
+    TensorCoreConfig: _tensor_core_forward,
+    WgmmaForwardConfig: _wgmma_forward,
+    PortableConfig: _portable_forward,
+}
 
 
 def forward(cfg, p, q, k, v, out, lse):

@@ -24,6 +24,7 @@ from numflash.kernels import (  # noqa: E402
     decode_portable,
     forward,
     forward_portable,
+    forward_sm90,
     offline,
 )
 from numflash.selection import (  # noqa: E402
@@ -52,6 +53,9 @@ INSTRUCTIONS = [
     "wgmma.fence",
     "wgmma.wait_group",
     "fence.proxy.async",
+    "mbarrier.try_wait",
+    "cp.async.mbarrier.arrive",
+    "setmaxnreg",
 ]
 
 
@@ -320,6 +324,35 @@ def wgmma_backward(hd, dtype, warps, stages):
     ]
 
 
+def wgmma_forward(hd, dtype, config, varlen):
+    """The Hopper forward with ``config`` (None: the default at ``hd``), dense or packed. Its
+    resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
+    its PTX alone makes ptxas ignore setmaxnreg."""
+    cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
+    kernel = forward_sm90.build(
+        hd, dtype, cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, varlen
+    )
+    signature = launch.FORWARD_VARLEN.signature(dtype)
+    cc = (9, 0, "a")
+    ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
+    usage = offline.lto_resource_usage(kernel, signature, cc)
+    usage["remarks"] = [
+        line for line in usage.pop("log").splitlines() if re.search(r"\(C\d{4}\)", line)
+    ]
+    return [
+        {
+            "family": "wgmma-forward",
+            "kernel": "varlen" if varlen else "dense",
+            "head_dim": hd,
+            "dtype": dtype,
+            "config": cfg.to_dict(),
+            "target": offline.arch_name(cc),
+            "counts": {i: ptx.count(i) for i in INSTRUCTIONS},
+            "resources": usage,
+        }
+    ]
+
+
 def jobs(quick):
     """(function, arguments) of every compile, in the report's order."""
     out = []
@@ -348,6 +381,18 @@ def jobs(quick):
     out += [(wgmma_tiles, (dtype,)) for dtype in ("float16", "bfloat16")]
     # the Hopper backward: two warpgroups at head_dim 128 (the default), one and one stage at 64
     out += [(wgmma_backward, (128, "float16", 8, 2)), (wgmma_backward, (64, "bfloat16", 4, 1))]
+    # the Hopper forward: the defaults (a producer and pingpong; every thread loading at 256),
+    # packed, and one consumer without a producer
+    one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}
+    one.update(producer=False, pingpong=False)
+    for hd, dtype, config, varlen in [
+        (128, "float16", None, False),
+        (64, "bfloat16", None, False),
+        (256, "float16", None, False),
+        (128, "bfloat16", None, True),
+        (64, "float16", one, False),
+    ]:
+        out.append((wgmma_forward, (hd, dtype, config, varlen)))
     return out
 
 

@@ -10,7 +10,7 @@ choice) and checks both against the reference. Families: tensor-core and portabl
 mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (where the GPU
 has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
 contiguous caches with appends; the packed (varlen) kernels, forward and backward (portable,
-mma.sync and wgmma), also over device offsets that lie. ``--family NAME`` runs the cases of
+mma.sync and wgmma), also over device offsets that lie; the Hopper forward in each schedule. ``--family NAME`` runs the cases of
 one family (``varlen`` for the packed ones).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
@@ -33,6 +33,7 @@ from numflash.config import (  # noqa: E402
     TensorCoreConfig,
     TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
+    WgmmaForwardConfig,
 )
 from numflash.device import current_device  # noqa: E402
 
@@ -113,7 +114,19 @@ CASES = [
         dict(window_size=(20, -1)),
         backward=WgmmaBackwardConfig(8, 1),
     ),
-]
+    # the Hopper forward: every thread loading, a producer, a producer and pingpong; head_dim
+    # 64, 128, 256 and one padded to whole atoms
+    Case("float16", (1, 150, 300, 4, 2, 128), dict(causal=True),
+         forward=WgmmaForwardConfig(2, 128, 3, producer=False, pingpong=False)),
+    Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
+         forward=WgmmaForwardConfig(2, 128, 3, producer=True, pingpong=False)),
+    Case("float16", (2, 130, 260, 2, 2, 128), dict(),
+         forward=WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)),
+    Case("float16", (1, 100, 180, 2, 1, 256), dict(causal=True),
+         forward=WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False)),
+    Case("bfloat16", (1, 70, 90, 2, 1, 40), dict(),
+         forward=WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
+]  # fmt: skip
 
 
 #: KV-cache calls (tests/test_kvcache.py's cases): paged and contiguous, with appends, on the
@@ -153,7 +166,8 @@ def main(argv):
     for case in CASES:
         if family is not None and case.family != family:
             continue
-        if isinstance(case.backward, WgmmaBackwardConfig) and not current_device().has_wgmma:
+        hopper = (WgmmaBackwardConfig, WgmmaForwardConfig)
+        if isinstance(case.backward or case.forward, hopper) and not current_device().has_wgmma:
             print(f"skipped (no wgmma here): {case}", flush=True)
             continue
         run(case)

@@ -227,6 +227,33 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
         assert not [r for r in remarks if "wgmma" in r], remarks
 
 
+def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
+    """The Hopper forward (numflash/kernels/forward_sm90.py) through ptxas for sm_90a, as Numba
+    links it: S = Q K^T and acc += P V on wgmma (each issued from two places: the first tile's
+    scores and the main loop; the main loop's and the last tile's values), nothing spilled, no
+    remark that ptxas serialised the wgmma pipeline or ignored setmaxnreg; a producer hands
+    tiles over through mbarriers and moves registers to the consumers."""
+    entries = _entries(compiled, "wgmma-forward")
+    assert {(e["head_dim"], e["kernel"]) for e in entries} >= {
+        (64, "dense"),
+        (128, "dense"),
+        (256, "dense"),
+        (128, "varlen"),
+    }
+    for e in entries:
+        cfg, hd = e["config"], e["head_dim"]
+        products = 2 * ((hd + 15) // 16) + 2 * (cfg["block_n"] // 16)
+        assert e["counts"]["wgmma.mma_async"] == products, e
+        r = e["resources"]
+        assert r["spill_stores"] == 0 and r["stack"] == 0, e
+        assert not r["remarks"], r["remarks"]
+        if cfg["producer"]:
+            assert e["counts"]["cp.async.mbarrier.arrive"] > 0 and e["counts"]["mbarrier.try_wait"]
+            assert e["counts"]["setmaxnreg"] == (2 if cfg["consumers"] > 1 else 0), e
+        else:
+            assert e["counts"]["mbarrier.try_wait"] == 0 and e["counts"]["fence.proxy.async"] > 0
+
+
 def test_portable_decode_kernels_compile_for_every_target(compiled):
     """The KV-cache kernels (append, split attention, combine; contiguous and paged) compile
     for the portable targets, without tensor-core instructions."""

@@ -180,3 +180,25 @@ def test_arrays_on_different_gpus_are_refused():
 def test_random_array_helper_is_not_zero():
     a = random_array((4, 4), "float16")
     assert bool((a != 0).any())
+
+
+def test_numpy_scalars_are_taken_where_python_numbers_are(qkv):
+    """Configurations, window sizes, softmax_scale, max lengths and cache lengths given as NumPy
+    scalars (what indexing an array yields) behave as the Python numbers they hold."""
+    cfg = PortableConfig(block_m=np.int64(32), block_n=np.int32(16))
+    assert cfg == PortableConfig(32, 16) and type(cfg.block_m) is int and not cfg.problems(16, None)
+    hopper = numflash.WgmmaForwardConfig(np.int64(2), np.int64(128), np.int8(3), np.bool_(False))
+    assert hopper == numflash.WgmmaForwardConfig(2, 128, 3, False) and hash(hopper)
+    q, k, v = qkv
+    window = (np.int64(3), np.int32(1))
+    scale = np.float32(0.25)
+    out = numflash.attention(q, k, v, window_size=window, softmax_scale=scale, config=cfg)
+    again = numflash.attention(q, k, v, window_size=(3, 1), softmax_scale=0.25, config=cfg)
+    assert bool((out == again).all())
+    flat = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    cu = xp.asarray(np.array([0, 8, 16], np.int32))
+    packed = numflash.attention_varlen(*flat, cu, cu, np.int64(8), np.int32(8))
+    assert packed.shape == flat[0].shape
+    cache_k, cache_v = (random_array((2, 16, 2, 16), "float16") for _ in range(2))
+    for lengths in (np.int64(5), 5):
+        numflash.attention_with_kvcache(q[:, :1], cache_k, cache_v, cache_seqlens=lengths)

@@ -29,6 +29,7 @@ from numflash.kernels import (  # noqa: E402
     decode_portable,
     forward,
     forward_portable,
+    forward_sm90,
     offline,
 )
 
@@ -181,6 +182,24 @@ def cases():
         name = f"{hd}-{dt}-{warps}-{stages}"
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
+    family = config.WgmmaForwardConfig.family
+    pingpong = config.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)
+    for hd, dt, c, varlen in [
+        (64, "float16", None, False),
+        (128, "bfloat16", None, False),
+        (256, "float16", None, False),
+        (128, "bfloat16", None, True),
+        (128, "float16", pingpong, False),
+    ]:
+        c = c or selection.default_wgmma_forward_config(hd)
+        tiles = (c.consumers, c.block_n, c.stages, c.producer, c.pingpong)
+        name = f"{hd}-{dt}-{'x'.join(str(int(t)) for t in tiles)}{'-varlen' if varlen else ''}"
+        yield (
+            family,
+            f"forward-{name}",
+            forward_sm90.build(hd, dt, *tiles, varlen),
+            launch.FORWARD_VARLEN.signature(dt),
+        )
 
 
 def fingerprints(dump=None):

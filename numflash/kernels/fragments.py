@@ -28,6 +28,15 @@ def tile_base(tile):
 
 
 @device_function
+def accumulator_position(index, lane):
+    """(row, column) within its warp's 16 x N accumulator of this lane's value ``index`` (mma.sync's
+    C layout, repeated every 8 columns; wgmma's m64 accumulators repeat it per warp): row
+    lane // 4 + 8 ((index >> 1) & 1), column 8 (index >> 2) + 2 (lane & 3) + (index & 1). With a
+    constant ``index`` the offsets fold; masks and score modifiers find (q_idx, kv_idx) here."""
+    return (lane >> 2) + 8 * ((index >> 1) & 1), 8 * (index >> 2) + 2 * (lane & 3) + (index & 1)
+
+
+@device_function
 def acc_index(tile, h):
     """The first of this lane's two elements of row half ``h`` (0: row lane // 4, 1: row
     lane // 4 + 8) in 8-column accumulator tile ``tile``."""

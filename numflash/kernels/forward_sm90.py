@@ -1,0 +1,596 @@
+"""The Hopper attention forward (sm_90a): FlashAttention's algorithm on warpgroup MMAs.
+
+One thread block per (block of BLOCK_M query rows, head, batch). Its CONSUMERS warpgroups (128
+threads each) own 64 query rows apiece and keep their output accumulator ``acc`` (64 x
+head_dim, fp32), running max ``m_i`` and running sum ``l_i`` in registers; the block's Q tile
+stays in shared memory, and key/value tiles of BLOCK_N rows stream through a ring of STAGES
+shared-memory slots filled by cp.async. Per key tile j and warpgroup:
+
+    S_j = Q K_j^T                       wgmma m64nBLOCK_Nk16 x head_dim / 16, both operands read
+                                        K-major from shared memory by descriptor
+    m = max(m_i, rowmax(S_j) * scale * log2(e));  P_j = exp2(S_j * scale * log2(e) - m)
+    alpha = exp2(m_i - m);  l_i = alpha * l_i + rowsum(P_j)
+    acc = alpha * acc;  acc += P_j V_j  wgmma m64n{head_dim}k16 x BLOCK_N / 16, A = P_j rounded
+                                        to 16 bits in registers (mma.sync's A layout: the
+                                        accumulator layout of S_j), B = V_j read MN-major
+    O = acc / l_i;  LSE = (m_i + log2(l_i)) * ln(2)
+
+The products of one warpgroup overlap its own softmax (FlashAttention-3's intra-warpgroup
+pipelining): S_{j+1} = Q K_{j+1}^T and acc += P_j V_j are issued together, the softmax of S_{j+1}
+runs once the first has landed while the second is still in flight, and acc is rescaled only
+after it lands. The warpgroups of a block share every tile and interleave on the tensor cores.
+
+Shared memory: every 64-column slice of a row-major tile (Q: BLOCK_M rows; K, V: BLOCK_N rows)
+is one "atom" of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r &
+7), 8-row groups 1024 bytes apart; ptx_sm90's docstring), the atoms of a tile one after the
+other. Head dims that are not a multiple of 64 are zero-filled up to one in shared memory, never
+read from global memory; S's products skip the k16 steps that hold only zeros.
+
+Key tiles that the causal or window mask hides from every row of the block are neither loaded
+nor computed; tiles it hides partly are masked element by element. A packed batch (``VARLEN``)
+runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forward does.
+
+Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
+windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
+-inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
+"""
+
+import functools
+
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+
+from . import ptx, ptx_sm90
+from .forward_portable import packed_sequence
+from .fragments import PACK, acc_index, accumulator_position
+from .jit import device_function, kernel
+from .mask import block_key_range, tile_needs_mask, visible_keys
+from .softmax import NEG_INF, final_lse, shift_of
+
+#: Query rows of one warpgroup: the M of every wgmma.
+WARPGROUP_ROWS = 64
+#: Bytes of one swizzled row (64 16-bit values) and of one 8-row group of it.
+ROW_BYTES, GROUP_BYTES = 128, 1024
+#: Global indices are ANDed with this (kernels/backward.py's NON_NEGATIVE): no wraparound code.
+NON_NEGATIVE = (1 << 63) - 1
+
+
+def padded_head_dim(head_dim):
+    """The head_dim the shared tiles hold: whole 64-column atoms."""
+    return (head_dim + 63) // 64 * 64
+
+
+#: (producer, consumer) registers a thread after setmaxnreg, by consumer warpgroups; one
+#: consumer keeps the 255 it has. 56 + 2 x 224 = 3 x 168 and 32 + 3 x 160 = 4 x 128 hand out
+#: exactly the registers there are. FlashAttention-3's 40 / 232 made ptxas spill the producer's
+#: cp.async addresses at head_dim 64 (sm_90a, CUDA 13; 224 leave the consumers room at 128).
+REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
+
+
+def shared_memory_layout(head_dim, block_m, block_n, stages):
+    """(the first slot, one slot, V within a slot, the mbarriers, total) in bytes from the
+    block's 1024-byte aligned base, where the Q tile starts; the total includes 1024 bytes to
+    align that base."""
+    atoms = padded_head_dim(head_dim) // 64
+    q_tile = block_m * ROW_BYTES * atoms
+    kv_tile = block_n * ROW_BYTES * atoms
+    slot = 2 * kv_tile
+    barriers = q_tile + stages * slot
+    return q_tile, slot, kv_tile, barriers, barriers + 8 * (4 * stages + 1) + GROUP_BYTES
+
+
+@functools.lru_cache(maxsize=None)
+def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, varlen=False):
+    """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
+    warpgroup of its own loads the tiles (else every thread does, between barriers);
+    ``pingpong``: two consumer warpgroups take turns issuing their products. ``varlen``: over a
+    packed batch (grid (blocks of max_seqlen_q, nheads, batch), lse (nheads, total_q)); else
+    dense (lse (batch, nheads, seqlen_q)); both take launch.FORWARD_VARLEN's parameters."""
+    if pingpong and (consumers != 2 or not producer):
+        raise ValueError("pingpong takes two consumer warpgroups and a producer")
+    HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
+    BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
+    PRODUCER, PINGPONG = producer, pingpong
+    BLOCK_M = WARPGROUP_ROWS * consumers
+    CONSUMER_THREADS = 128 * consumers
+    THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
+    LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue the cp.async copies
+    FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
+    # Registers a thread after setmaxnreg: what the producer gives up the consumers take
+    # (65536 = 128 (producer + consumers x consumer)); FlashAttention-3's split with cp.async.
+    MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = REGISTER_SPLIT.get(consumers, (0, 0))
+    Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
+    KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
+    STAGE0, SLOT, V_OFF, BARRIERS, _ = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES)
+    CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a row in global memory
+    PAD_CHUNKS = HD_PAD // 8  # ... in shared memory (the rest zero-filled)
+    K_STEPS = (HEAD_DIM + 15) // 16  # k16 steps of S = Q K^T that hold data
+    PV_STEPS = BLOCK_N // 16  # k16 steps of acc += P V
+    S_REGS = BLOCK_N // 2  # a 64 x BLOCK_N fp32 tile over 128 threads
+    PF_REGS = BLOCK_N // 4  # ... as P, two 16-bit values a register
+    ACC_REGS = HD_PAD // 2
+    N_TILES = BLOCK_N // 8  # 8-key column tiles of S
+    D_TILES = HD_PAD // 8
+    PENDING = STAGES - 2  # cp.async groups left in flight when the next tile must have landed
+    ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
+    pack = PACK[dtype_name]
+    SW = ptx_sm90.SWIZZLE_128B
+    score_start = ptx_sm90.wgmma_update(ab, BLOCK_N, accumulate=False)
+    score_step = ptx_sm90.wgmma_update(ab, BLOCK_N)
+    value_step = ptx_sm90.wgmma_update(ab, HD_PAD, a_in_registers=True, b_transposed=True)
+
+    # -- shared memory: swizzled atoms, cp.async loads -------------------------------------------
+
+    @device_function
+    def swizzled(row, chunk, atom_bytes):
+        """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
+        ``atom_bytes`` apart."""
+        c = chunk & 7
+        return (
+            (chunk >> 3) * atom_bytes
+            + (row >> 3) * GROUP_BYTES
+            + (row & 7) * ROW_BYTES
+            + ((c ^ (row & 7)) << 4)
+        )
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``) into
+        the swizzled tile at shared address ``dst``; rows at or past ``rows_left``, and the
+        columns past HEAD_DIM, are zero-filled, not read. Consecutive threads take consecutive
+        chunks of a row."""
+        for p in range((nrows * PAD_CHUNKS + LOAD_THREADS - 1) // LOAD_THREADS):
+            e = tid + p * LOAD_THREADS
+            row = e // PAD_CHUNKS
+            chunk = e - row * PAD_CHUNKS
+            if (nrows * PAD_CHUNKS) % LOAD_THREADS == 0 or row < nrows:
+                valid = row < rows_left and (CHUNKS == PAD_CHUNKS or chunk < CHUNKS)
+                at = first + int64(row) * stride + chunk * 8
+                ptx.cp_async_16(
+                    dst + uint32(swizzled(row, chunk, atom_bytes)),
+                    src,
+                    at if valid else first,
+                    uint32(16) if valid else uint32(0),
+                )
+
+    @device_function
+    def load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid):
+        """cp.async one key tile's K and V rows into slot ``slot``."""
+        at = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
+        load_rows(at, k, k_first, k_ss, keys_left, BLOCK_N, KV_ATOM, tid)
+        load_rows(at + uint32(V_OFF), v, v_first, v_ss, keys_left, BLOCK_N, KV_ATOM, tid)
+
+    @device_function
+    def landed():
+        """Wait for this thread's cp.async groups but PENDING, make them visible to wgmma (the
+        async proxy), then for every thread's."""
+        ptx.cp_async_wait(PENDING)
+        ptx_sm90.fence_proxy_async()
+        cuda.syncthreads()
+
+    @device_function
+    def descriptor(address, leading):
+        """The descriptor of the swizzled operand at ``address``: 8-row groups GROUP_BYTES apart
+        and (MN-major) atoms ``leading`` bytes apart. Adding (bytes >> 4) to it moves it by
+        ``bytes``: shared addresses stay below 2^18, inside the 14-bit field."""
+        return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, SW)
+
+    # -- the two products ------------------------------------------------------------------------
+
+    @device_function
+    def issue_scores(s, q_desc, k_desc):
+        """S = Q K^T (64 rows x BLOCK_N keys) issued: k16 step kk is 32 bytes into atom kk // 4."""
+        for kk in range(K_STEPS):
+            q_step = (kk >> 2) * Q_ATOM + (kk & 3) * 32
+            k_step = (kk >> 2) * KV_ATOM + (kk & 3) * 32
+            if kk == 0:
+                score_start(s, q_desc, k_desc)
+            else:
+                score_step(s, q_desc + uint64(q_step >> 4), k_desc + uint64(k_step >> 4))
+
+    @device_function
+    def issue_values(acc, pf, v_desc):
+        """acc += P V (P: ``pf``, the A fragment of each k16 step of keys; V read MN-major, k16
+        step j 16 rows = 2048 bytes further)."""
+        for j in range(PV_STEPS):
+            a = (pf[4 * j], pf[4 * j + 1], pf[4 * j + 2], pf[4 * j + 3])
+            value_step(acc, a, v_desc + uint64((j * 16 * ROW_BYTES) >> 4))
+
+    # -- softmax on the accumulator layout -------------------------------------------------------
+
+    @device_function
+    def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
+        """-inf for the keys this lane's rows (row0 + lane // 4 and 8 below) do not see among
+        the tile's scores (keys n0..)."""
+        for h in range(2):
+            lo, hi = visible_keys(row0 + 8 * h + (lane >> 2), seqlen_q, seqlen_k, wl, wr)
+            first = n0 + (lane & 3) * 2  # this lane's first column: the offsets are constants
+            lo = int32(lo - first)
+            hi = int32(hi - first)
+            for i in range(S_REGS // 2):
+                index = 4 * (i >> 1) + 2 * h + (i & 1)
+                _, col = accumulator_position(index, 0)
+                seen = (lo <= int32(col)) & (int32(col) < hi)
+                s[index] = s[index] if seen else NEG_INF
+
+    def softmax_function(masked):
+        """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
+        only hidden keys so far, its max still -inf) or for one it does not (every row sees a
+        key of it, so its max is finite and shifts the scores as it is)."""
+
+        @device_function
+        def softmax_rows(s, m_i, l_i, alpha, scale_log2):
+            """P = exp2(S * scale_log2 - m) left in s; m_i, l_i updated, alpha the factor that
+            rescales acc (applied once acc has landed). The row max is taken on the raw scores
+            (scale_log2 > 0 keeps their order), so each probability costs an fma and an ex2."""
+            for h in range(2):
+                m_raw = s[acc_index(0, h)]
+                for nt in range(N_TILES):
+                    i = acc_index(nt, h)
+                    m_raw = max(m_raw, max(s[i], s[i + 1]))
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))  # the 4 lanes of a row
+                m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
+                m_new = max(m_i[h], m_raw * scale_log2)
+                shift = shift_of(m_new) if masked else m_new
+                alpha[h] = ptx.exp2(m_i[h] - shift)
+                m_i[h] = m_new
+                row_sum = float32(0.0)
+                for nt in range(N_TILES):
+                    i = acc_index(nt, h)
+                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
+                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
+                    row_sum += s[i] + s[i + 1]
+                l_i[h] = l_i[h] * alpha[h] + row_sum  # this lane's part; the 4 summed at the end
+
+        return softmax_rows
+
+    softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
+
+    @device_function
+    def absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr):
+        """Mask the tile of keys n0.. where it needs it, then its softmax. Each case runs its
+        own copy of the softmax, so that the wait for acc += P V that follows starts a basic
+        block of its own: ptxas hoisted it to the top of the block that held the softmax, which
+        then no longer overlapped the product."""
+        if tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr):
+            mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr)
+            masked_softmax_rows(s, m_i, l_i, alpha, scale_log2)
+        else:
+            softmax_rows(s, m_i, l_i, alpha, scale_log2)
+
+    @device_function
+    def rescale_and_pack(acc, s, pf, alpha):
+        """acc *= alpha (per row), and P rounded to 16 bits in the A layout of acc += P V."""
+        for dt in range(D_TILES):
+            for h in range(2):
+                i = acc_index(dt, h)
+                acc[i] *= alpha[h]
+                acc[i + 1] *= alpha[h]
+        for j in range(PV_STEPS):
+            c = 8 * j  # score tiles 2j and 2j + 1: the A fragment of k16 step j
+            pf[4 * j] = pack(s[c], s[c + 1])
+            pf[4 * j + 1] = pack(s[c + 2], s[c + 3])
+            pf[4 * j + 2] = pack(s[c + 4], s[c + 5])
+            pf[4 * j + 3] = pack(s[c + 6], s[c + 7])
+
+    # -- output ----------------------------------------------------------------------------------
+
+    @device_function
+    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
+        """O = acc / l_i (0 where l_i = 0) and the row's LSE, for this lane's two rows."""
+        for h in range(2):
+            l_row = l_i[h]
+            l_row += ptx.shfl_xor(l_row, 1)
+            l_row += ptx.shfl_xor(l_row, 2)
+            row = row0 + (lane >> 2) + 8 * h
+            if row < seqlen_q:
+                # 0 for a row that saw no key (O = 0); NaN for a NaN sum (softmax.inverse_sum)
+                inv_l = ptx_sm90.reciprocal(l_row) if l_row != float32(0.0) else float32(0.0)
+                at = o_base + int64(row) * o_ss
+                for dt in range(D_TILES):
+                    col = dt * 8 + (lane & 3) * 2
+                    if col < HEAD_DIM:
+                        i = acc_index(dt, h)
+                        pair = pack(acc[i] * inv_l, acc[i + 1] * inv_l)
+                        o[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
+                        o[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
+                if (lane & 3) == 0:
+                    lse[(lse_base + row) & NON_NEGATIVE] = final_lse(m_i[h], l_row)
+
+    @device_function
+    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid):
+        """Rows that see no key at all: O = 0, LSE = -inf."""
+        for i in range(tid, BLOCK_M * HEAD_DIM, THREADS):
+            r = i // HEAD_DIM
+            if m0 + r < seqlen_q:
+                o[(o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)) & NON_NEGATIVE] = uint16(0)
+        for r in range(tid, BLOCK_M, THREADS):
+            if m0 + r < seqlen_q:
+                lse[(lse_base + m0 + r) & NON_NEGATIVE] = NEG_INF
+
+    # -- the pipeline's synchronisation ------------------------------------------------------
+
+    # mbarriers, by index: a slot's K or V has landed (FULL_K + slot, FULL_V + slot); every
+    # consumer is done with a slot's K or V (EMPTY_K + slot, EMPTY_V + slot); Q has landed.
+    # K and V are handed over apart: a K slot is free again once S = Q K^T has landed, half an
+    # iteration before its V, so the producer runs further ahead in the same shared memory.
+    FULL_K, FULL_V, EMPTY_K, EMPTY_V, Q_FULL = 0, STAGES, 2 * STAGES, 3 * STAGES, 4 * STAGES
+
+    @device_function
+    def barrier_address(base, index):
+        """The shared address of mbarrier ``index``."""
+        return base + uint32(BARRIERS + 8 * index)
+
+    @device_function
+    def init_barriers(base, tid):
+        """The producer's 128 threads arrive at the full barriers and Q's; every consumer thread
+        at the empty ones."""
+        if tid == 0:
+            for i in range(2 * STAGES):
+                ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(LOAD_THREADS))
+                ptx_sm90.mbarrier_init(barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS))
+            ptx_sm90.mbarrier_init(barrier_address(base, Q_FULL), uint32(LOAD_THREADS))
+        cuda.syncthreads()
+
+    @device_function
+    def refill(base, empty, full, t, slot, src, first, stride, keys_left, offset, ptid):
+        """Tile t of K or V (``offset`` into the slot) into ``slot`` once its last tile there is
+        released; its copies arrive at ``full`` by themselves when they land
+        (cp.async.mbarrier.arrive): the producer never waits for its own loads."""
+        if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
+            phase = uint32(((t // STAGES) - 1) & 1)
+            ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
+        at = base + uint32(STAGE0 + offset) + uint32(slot) * uint32(SLOT)
+        load_rows(at, src, first, stride, keys_left, BLOCK_N, KV_ATOM, ptid)
+        ptx_sm90.cp_async_arrive(barrier_address(base, full + slot))
+
+    @device_function
+    def produce(q, k, v, base, q_first, q_ss, q_rows, k_first, v_first, k_ss, v_ss, keys_left,
+                n_tiles, ptid):  # fmt: skip
+        """The producer warpgroup: Q, then every key tile's K and V into the ring."""
+        load_rows(base, q, q_first, q_ss, q_rows, BLOCK_M, Q_ATOM, ptid)
+        ptx_sm90.cp_async_arrive(barrier_address(base, Q_FULL))
+        slot = int32(0)
+        for t in range(n_tiles):
+            refill(base, EMPTY_K, FULL_K, t, slot, k, k_first, k_ss, keys_left, 0, ptid)
+            refill(base, EMPTY_V, FULL_V, t, slot, v, v_first, v_ss, keys_left, V_OFF, ptid)
+            k_first += int64(BLOCK_N) * k_ss
+            v_first += int64(BLOCK_N) * v_ss
+            keys_left = int32(keys_left - BLOCK_N)
+            slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)  # nothing in flight when the thread exits
+
+    @device_function
+    def landed_half(base, full, it, slot):
+        """With the producer: wait for tile ``it``'s K or V (``full``) in ``slot``. Without,
+        both have landed since the end of the previous step."""
+        if PRODUCER:
+            phase = uint32((it // STAGES) & 1)
+            ptx_sm90.mbarrier_wait(barrier_address(base, full + slot), phase)
+
+    @device_function
+    def release_half(base, empty, slot):
+        """With the producer: this thread is done with ``slot``'s K or V (``empty``)."""
+        if PRODUCER:
+            ptx_sm90.mbarrier_arrive(barrier_address(base, empty + slot))
+
+    @device_function
+    def take_turn(group):
+        """Pingpong: wait until the other consumer warpgroup has issued its products."""
+        if PINGPONG:
+            if group == 0:
+                ptx_sm90.named_barrier_sync(1, 256)
+            else:
+                ptx_sm90.named_barrier_sync(2, 256)
+
+    @device_function
+    def pass_turn(group, last):
+        """Pingpong: let the other consumer warpgroup issue; the second warpgroup's last turn
+        passes nothing (the first has issued its last), so every arrival is waited for."""
+        if PINGPONG:
+            if group == 0:
+                ptx_sm90.named_barrier_arrive(2, 256)
+            elif not last:
+                ptx_sm90.named_barrier_arrive(1, 256)
+
+    # -- one block of query rows ---------------------------------------------------------------
+
+    @device_function
+    def attend_block(
+        q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
+        tid, lane, warp,
+    ):  # fmt: skip
+        """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
+        o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
+        each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right)."""
+        q_base, k_base, v_base, o_base, lse_base = bases
+        q_ss, k_ss, v_ss, o_ss = row_strides
+        wl, wr = window
+        smem = cuda.shared.array(0, uint16)
+
+        m0 = m_block * BLOCK_M
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, wl, wr)
+        if n_hi <= n_lo:
+            write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
+            return
+        first_tile = int32(n_lo // BLOCK_N)
+        n_tiles = int32((n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N)
+        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
+        q_first = q_base + int64(m0) * q_ss
+        k_first = k_base + int64(first_tile * BLOCK_N) * k_ss
+        v_first = v_base + int64(first_tile * BLOCK_N) * v_ss
+        keys_left = int32(seqlen_k - first_tile * BLOCK_N)  # valid rows of the next tile to load
+
+        if PRODUCER:
+            init_barriers(base, tid)
+            if warp < 4:  # the producer warpgroup
+                if MOVE_REGISTERS:
+                    ptx_sm90.set_max_registers(PRODUCER_REGISTERS, False)
+                produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first, k_ss,
+                        v_ss, keys_left, n_tiles, tid)  # fmt: skip
+                return
+            if MOVE_REGISTERS:
+                ptx_sm90.set_max_registers(CONSUMER_REGISTERS, True)
+        else:
+            # -- prologue: Q, then the first STAGES key/value tiles, each a cp.async group
+            load_rows(base, q, q_first, q_ss, seqlen_q - m0, BLOCK_M, Q_ATOM, tid)
+            ptx.cp_async_commit()
+            for st in range(STAGES):
+                if st < n_tiles:
+                    load_tile(base, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid)
+                    k_first += int64(BLOCK_N) * k_ss
+                    v_first += int64(BLOCK_N) * v_ss
+                    keys_left = int32(keys_left - BLOCK_N)
+                ptx.cp_async_commit()
+        consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
+                lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
+                lane, warp)  # fmt: skip
+
+    @device_function
+    def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
+                lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
+                lane, warp):  # fmt: skip
+        """A consumer warpgroup's 64 rows over the block's key tiles; without a producer its
+        threads also refill the ring (k_first, v_first, keys_left: the next tile to load)."""
+        s = cuda.local.array(S_REGS, float32)
+        pf = cuda.local.array(PF_REGS, uint32)
+        acc = cuda.local.array(ACC_REGS, float32)
+        m_i = cuda.local.array(2, float32)
+        l_i = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        group = (warp >> 2) - FIRST_CONSUMER  # this warp's consumer warpgroup: its 64 rows of Q
+        row0 = m0 + group * WARPGROUP_ROWS + (warp & 3) * 16  # this warp's first row
+        q_desc = descriptor(base + uint32(group * WARPGROUP_ROWS * ROW_BYTES), 16)
+        for h in range(2):
+            m_i[h] = NEG_INF
+            l_i[h] = float32(0.0)
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+        if PINGPONG and group == 1:  # the first warpgroup issues first
+            ptx_sm90.named_barrier_arrive(1, 256)
+
+        # -- S_0 = Q K_0^T and its softmax
+        if PRODUCER:
+            ptx_sm90.mbarrier_wait(barrier_address(base, Q_FULL), uint32(0))
+            landed_half(base, FULL_K, 0, 0)
+        else:
+            landed()  # Q and tiles 0 and 1
+        take_turn(group)
+        ptx_sm90.wgmma_fence()
+        issue_scores(s, q_desc, descriptor(base + uint32(STAGE0), 16))
+        ptx_sm90.wgmma_commit()
+        pass_turn(group, False)
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(s, S_REGS)
+        release_half(base, EMPTY_K, 0)
+        n0 = int32(first_tile * BLOCK_N)
+        absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr)
+        rescale_and_pack(acc, s, pf, alpha)
+
+        slot = int32(0)  # the slot of the tile whose P is in pf
+        for it in range(1, n_tiles):
+            nxt = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+            slot_addr = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
+            next_addr = base + uint32(STAGE0) + uint32(nxt) * uint32(SLOT)
+            landed_half(base, FULL_K, it, nxt)
+            landed_half(base, FULL_V, it - 1, slot)
+            # -- S_it = Q K_it^T and acc += P_{it-1} V_{it-1}, issued together
+            take_turn(group)
+            ptx_sm90.fence_operands(s, S_REGS)
+            ptx_sm90.fence_operands(acc, ACC_REGS)
+            ptx_sm90.wgmma_fence()
+            issue_scores(s, q_desc, descriptor(next_addr, 16))
+            ptx_sm90.wgmma_commit()
+            issue_values(acc, pf, descriptor(slot_addr + uint32(V_OFF), KV_ATOM))
+            ptx_sm90.wgmma_commit()
+            pass_turn(group, False)
+            # -- the softmax of S_it while acc += P V is in flight
+            ptx_sm90.wgmma_wait(1)
+            ptx_sm90.fence_operands(s, S_REGS)
+            release_half(base, EMPTY_K, nxt)
+            n0 = int32((first_tile + it) * BLOCK_N)
+            absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr)
+            # P must be computed before the wait below, not moved after it by the compiler
+            # (it moves register arithmetic freely across the asm statements otherwise)
+            ptx_sm90.fence_operands(s, S_REGS)
+            ptx_sm90.wgmma_wait(0)
+            ptx_sm90.fence_operands(acc, ACC_REGS)
+            release_half(base, EMPTY_V, slot)
+            rescale_and_pack(acc, s, pf, alpha)
+            if not PRODUCER:
+                # -- every thread is done with slot `slot`: refill it; tile it + 1 must land
+                cuda.syncthreads()
+                if it - 1 + STAGES < n_tiles:
+                    load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid)
+                    k_first += int64(BLOCK_N) * k_ss
+                    v_first += int64(BLOCK_N) * v_ss
+                    keys_left = int32(keys_left - BLOCK_N)
+                ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
+                if it + 1 < n_tiles:
+                    landed()
+            slot = nxt
+
+        # -- the last tile's acc += P V
+        landed_half(base, FULL_V, n_tiles - 1, slot)
+        take_turn(group)
+        ptx_sm90.fence_operands(acc, ACC_REGS)
+        ptx_sm90.wgmma_fence()
+        slot_addr = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
+        issue_values(acc, pf, descriptor(slot_addr + uint32(V_OFF), KV_ATOM))
+        ptx_sm90.wgmma_commit()
+        pass_turn(group, True)
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(acc, ACC_REGS)
+        if not PRODUCER:
+            ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
+        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
+
+    # setmaxnreg needs the register count at entry: a block per multiprocessor
+    @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
+    def forward_sm90(
+        q, k, v, o, lse, cu_q, cu_k, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k, heads_per_kv,
+        scale_log2, window_left, window_right, total_q, total_k,
+    ):  # fmt: skip
+        q_sb, q_ss, q_sh = q_st
+        k_sb, k_ss, k_sh = k_st
+        v_sb, v_ss, v_sh = v_st
+        o_sb, o_ss, o_sh = o_st
+        tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
+        lane = tid & 31
+        warp = tid >> 5
+        # The longest rows first: under a causal mask the last query blocks see the most keys.
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        # a 32-bit division: a 64-bit one is a call, which serialises every wgmma (ptx_sm90)
+        kv_head = ptx_sm90.quotient32(head, heads_per_kv)
+        if VARLEN:  # seqlen_q and seqlen_k are the max lengths
+            q_start, rows = packed_sequence(cu_q, b, total_q, seqlen_q)
+            k_start, keys = packed_sequence(cu_k, b, total_k, seqlen_k)
+            lengths = (int32(rows), int32(keys))
+            if m_block * BLOCK_M >= lengths[0]:  # blocks past the sequence's end
+                return
+            bases = (
+                q_start * q_ss + head * q_sh,
+                k_start * k_ss + kv_head * k_sh,
+                k_start * v_ss + kv_head * v_sh,
+                q_start * o_ss + head * o_sh,
+                int64(head) * total_q + q_start,
+            )
+        else:
+            lengths = (seqlen_q, seqlen_k)
+            bases = (
+                b * q_sb + head * q_sh,
+                b * k_sb + kv_head * k_sh,
+                b * v_sb + kv_head * v_sh,
+                b * o_sb + head * o_sh,
+                (int64(b) * cuda.gridDim.y + head) * seqlen_q,
+            )
+        attend_block(
+            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, lengths[0], lengths[1],
+            scale_log2, (window_left, window_right), tid, lane, warp,
+        )  # fmt: skip
+
+    return forward_sm90

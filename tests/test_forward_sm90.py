@@ -1,0 +1,166 @@
+"""The Hopper forward (numflash/kernels/forward_sm90.py) against the float64 reference, in every
+schedule: every thread loading, a producer warpgroup, two consumer warpgroups taking turns.
+
+In the simulator ptx_sm90's Python wgmma, mbarriers and named barriers run the kernel's own
+source (small shapes: every thread is a Python thread); on a GPU of compute capability 9.x the
+same cases and the awkward sizes, head dims and masks below; elsewhere these skip.
+"""
+
+import numpy as np
+import pytest
+from support import assert_matches_reference, poisoned_like, random_array, random_qkv, xp
+
+import numflash
+from numflash import selection
+from numflash.config import WgmmaForwardConfig
+from numflash.device import SIMULATED_DEVICE, WGMMA_FORWARD, DeviceInfo, current_device
+from numflash.kernels.jit import SIMULATOR
+
+W = WgmmaForwardConfig
+MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(37, 5))}
+
+#: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, config)
+CASES = [
+    ("float16", 1, 70, 150, 2, 1, 64, "causal", W(1, 64, 2, producer=False, pingpong=False)),
+    ("bfloat16", 1, 40, 200, 1, 1, 40, "window", W(1, 64, 2, producer=True, pingpong=False)),
+    ("float16", 1, 130, 97, 1, 1, 64, "causal", W(2, 64, 3, producer=True, pingpong=True)),
+]
+if not SIMULATOR:
+    CASES += [
+        (dtype, 2, sq, sk, 4, hk, hd, mask, cfg)
+        for dtype, (sq, sk), hk, hd, mask, cfg in [
+            ("float16", (113, 1023), 2, 128, "causal", W()),
+            ("bfloat16", (1023, 203), 1, 128, "causal", W(2, 64, 4)),
+            ("float16", (1, 777), 4, 64, "none", W(2, 128, 4)),
+            ("bfloat16", (777, 777), 2, 64, "window", W(2, 128, 2, pingpong=False)),
+            ("float16", (300, 1000), 2, 256, "causal", W(2, 64, 2, False, False)),
+            ("float16", (203, 203), 4, 96, "none", W(2, 128, 3, producer=False, pingpong=False)),
+            ("bfloat16", (64, 300), 2, 32, "window", W(1, 128, 3, pingpong=False)),
+            ("float16", (500, 500), 2, 192, "causal", W(2, 64, 2, producer=False, pingpong=False)),
+            ("float16", (129, 4097), 1, 128, "causal", W(2, 128, 3)),
+        ]
+    ]
+
+
+def _wgmma_or_skip(cfg, head_dim):
+    device = current_device()
+    if not device.has_wgmma:
+        pytest.skip("the Hopper forward needs compute capability 9.x")
+    problems = cfg.problems(head_dim, device)
+    assert not problems, problems  # the cases are meant to run
+
+
+@pytest.mark.parametrize(
+    "dtype,batch,seqlen_q,seqlen_k,nheads,nheads_k,head_dim,mask,cfg",
+    [
+        pytest.param(*c, id=f"{c[0]}-q{c[2]}-k{c[3]}-d{c[6]}-{c[7]}-{i}")
+        for i, c in enumerate(CASES)
+    ],
+)
+def test_hopper_forward_matches_reference(
+    dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, cfg
+):
+    _wgmma_or_skip(cfg, head_dim)
+    q, k, v = random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype)
+    out = poisoned_like(q)
+    res, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, **MASKS[mask])
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse, **MASKS[mask])
+
+
+def test_hopper_forward_over_a_packed_batch_matches_each_sequence():
+    """attention_varlen with the Hopper kernel: empty, one-row and longer sequences (one
+    consumer warpgroup in the simulator, whose threads are Python threads)."""
+    cfg = W(1, 64, 2, pingpong=False) if SIMULATOR else W(2, 64, 2)
+    _wgmma_or_skip(cfg, 64)
+    lengths = [37, 0, 70, 1] if SIMULATOR else [37, 0, 900, 1, 1023, 64]
+    heads, kv_heads = (2, 1) if SIMULATOR else (4, 2)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_array((total, heads, 64), "float16")
+    k, v = (random_array((total, kv_heads, 64), "float16") for _ in range(2))
+    offsets = xp.asarray(cu)
+    out, lse = numflash.attention_varlen(
+        q, k, v, offsets, offsets, max(lengths), max(lengths), causal=True, return_lse=True,
+        out=poisoned_like(q), config=cfg,
+    )  # fmt: skip
+    for i, n in enumerate(lengths):
+        if n:
+            s = slice(int(cu[i]), int(cu[i + 1]))
+            assert_matches_reference(
+                q[None, s], k[None, s], v[None, s], out[None, s], lse[None, :, s], causal=True
+            )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="the simulator runs the blocks one after another")
+def test_hopper_forward_repeats_bitwise():
+    """Each output element is summed by one thread in key order: twenty runs, one result."""
+    cfg = W()
+    _wgmma_or_skip(cfg, 128)
+    q, k, v = random_qkv(2, 1000, 1000, 8, 2, 128, "bfloat16")
+    first = numflash.attention(q, k, v, causal=True, config=cfg)
+    for _ in range(20):
+        again = numflash.attention(q, k, v, causal=True, config=cfg)
+        assert bool((again.view(np.uint16) == first.view(np.uint16)).all())
+
+
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 1024)
+A100 = DeviceInfo("NVIDIA A100", (8, 0), 108, 166912, 1024)
+
+
+def _problem(head_dim, dtype="float16"):
+    q, k, v = random_qkv(1, 8, 8, 1, 1, head_dim, dtype)
+    return numflash.validation.problem(q, k, v, False, None, (-1, -1))[-1]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 60, 124])
+def test_hopper_forward_is_chosen_on_hopper_at_its_head_dims(head_dim):
+    """fp16/bf16 on compute capability 9.x at head dims 64, 128 and 256 (as padded to 8):
+    the wgmma family and its default; elsewhere the mma.sync kernel."""
+    p = _problem(head_dim)
+    assert selection.forward_family(p, H200) == WGMMA_FORWARD
+    cfg = selection.forward(p, H200).config
+    assert isinstance(cfg, WgmmaForwardConfig)
+    assert not cfg.problems(cfg.kernel_head_dim(head_dim), H200)
+
+
+@pytest.mark.parametrize(
+    "device,head_dim,dtype,chosen",
+    [
+        (H200, 96, "float16", numflash.TensorCoreConfig),
+        (H200, 32, "bfloat16", numflash.TensorCoreConfig),
+        (H200, 128, "float32", numflash.PortableConfig),
+        (A100, 128, "float16", numflash.TensorCoreConfig),
+    ],
+)
+def test_other_forward_calls_keep_their_family(device, head_dim, dtype, chosen):
+    cfg = selection.forward(_problem(head_dim, dtype), device).config
+    assert isinstance(cfg, chosen)
+
+
+def test_the_simulator_runs_the_hopper_forward_only_when_asked():
+    p = _problem(128)
+    assert selection.forward_family(p, SIMULATED_DEVICE) != WGMMA_FORWARD
+
+
+@pytest.mark.parametrize(
+    "cfg,message",
+    [
+        (W(consumers=1, pingpong=True), "pingpong=True takes consumers=2 and producer=True"),
+        (W(producer=False), "pingpong=True takes consumers=2 and producer=True"),
+        (W(consumers=3, block_n=128, pingpong=False), "fragment registers"),
+        (W(block_n=192, stages=5), "shared memory"),
+    ],
+)
+def test_impossible_schedules_are_refused_by_name(cfg, message):
+    assert any(message in p for p in cfg.problems(128, H200))
+
+
+def test_the_hopper_forward_is_refused_before_hopper():
+    problems = W().problems(128, A100)
+    assert any("compute capability 9.x" in p for p in problems)
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 128, "float16")
+    if not current_device().has_wgmma:
+        with pytest.raises(ValueError, match="compute capability 9.x"):
+            numflash.attention(q, k, v, config=W())
