@@ -69,6 +69,10 @@ def info(out=sys.stdout):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
             backward = "tensor-core (float16, bfloat16); portable (float32)"
             if dev.has_wgmma:
+                from numflash.selection import WGMMA_FORWARD_HEAD_DIMS
+
+                dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
+                paths = f"wgmma at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"

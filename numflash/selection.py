@@ -18,6 +18,7 @@ from .config import (
     TensorCoreConfig,
     TensorCoreDecodeConfig,
     WgmmaBackwardConfig,
+    WgmmaForwardConfig,
     tensor_core_backward_head_dim,
 )
 from .device import (
@@ -28,6 +29,7 @@ from .device import (
     TENSOR_CORE_BACKWARD,
     TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
+    WGMMA_FORWARD,
 )
 from .kernels import decode
 
@@ -65,6 +67,27 @@ def default_tensor_core_config(head_dim):
             block_m=128, block_n=32, num_warps=4, stages=2, q_in_registers=False
         )
     return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
+
+
+#: Head dims (as padded to a multiple of 8) the Hopper forward takes by default: those it was
+#: measured faster at than the mma.sync forward on the H200 (docs/performance.md, "Hopper
+#: forward"). Others pad to whole 64-column atoms and were not faster (96: 0.99-1.01x).
+WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
+
+
+def default_wgmma_forward_config(head_dim):
+    """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
+    (fp16, seqlen 4096, causal and not; tools/hopper_forward.py, docs/performance.md "Hopper
+    forward"): at head_dim 64 a producer warpgroup feeding two consumers (1.2x every thread
+    loading), without pingpong (4% faster than with); at 128 every thread loading (a producer
+    was 0.92-0.95x); at 256 the accumulators leave no registers for a producer."""
+    if head_dim <= 64:
+        return WgmmaForwardConfig(consumers=2, block_n=128, stages=3, pingpong=False)
+    if head_dim <= 128:
+        return WgmmaForwardConfig(
+            consumers=2, block_n=128, stages=3, producer=False, pingpong=False
+        )
+    return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, producer=False, pingpong=False)
 
 
 def default_tensor_core_backward_config(head_dim, device=None):
@@ -145,6 +168,8 @@ def default_config(family, head_dim, device, grid="few"):
         return run_dim, default_tensor_core_backward_config(run_dim, device)
     if family == WGMMA_BACKWARD:
         return run_dim, default_wgmma_backward_config(run_dim)
+    if family == WGMMA_FORWARD:
+        return run_dim, default_wgmma_forward_config(run_dim)
     if family == PORTABLE_DECODE:
         return run_dim, default_portable_decode_config(run_dim)
     if family == TENSOR_CORE_DECODE:
@@ -196,10 +221,22 @@ def _tuned_or_default(family, problem, device, grid=""):
     return choice
 
 
+def forward_family(problem, device):
+    """The forward family of a call without ``config=``: the Hopper (wgmma) kernel for
+    fp16/bf16 on compute capability 9.x at the head dims it is faster at, the tensor-core
+    (mma.sync) one elsewhere from sm_80, the portable one otherwise (and in the simulator)."""
+    family = device.preferred_family(problem.dtype)
+    if family == TENSOR_CORE and device.has_wgmma:
+        head_dim = WgmmaForwardConfig().kernel_head_dim(problem.head_dim)
+        if head_dim in WGMMA_FORWARD_HEAD_DIMS:
+            return WGMMA_FORWARD
+    return family
+
+
 def forward(problem, device):
-    """The forward configuration of a call without ``config=``: the tensor-core kernel for
-    fp16/bf16 on GPUs with mma.sync, the portable one otherwise (and in the simulator)."""
-    return _tuned_or_default(device.preferred_family(problem.dtype), problem, device)[0]
+    """The forward configuration of a call without ``config=``: a tuned one of
+    :func:`forward_family`'s family for the problem's key, else its heuristic default."""
+    return _tuned_or_default(forward_family(problem, device), problem, device)[0]
 
 
 def forward_varlen(problem, device):

@@ -528,8 +528,10 @@ def test_decode_workloads_put_the_grid_in_the_key_s_class():
 
 def test_packed_forward_takes_the_dense_choice(cache_dirs):
     """attention_varlen's configuration: a tuned entry of the max lengths' bucket, as for a dense
-    call; where nothing is tuned, the dense heuristic."""
+    call; where nothing is tuned, the dense heuristic (the Hopper kernel's on compute capability
+    9.x at head_dim 64, 128 and 256)."""
     from numflash import selection, validation
+    from numflash.config import WgmmaForwardConfig
 
     def packed_problem(head_dim, causal):
         q = xp.zeros((8, 16, head_dim), np.float16)
@@ -538,13 +540,18 @@ def test_packed_forward_takes_the_dense_choice(cache_dirs):
 
     chosen = selection.forward_varlen(packed_problem(128, True), H200)
     assert chosen.source == "heuristic"
-    assert chosen.config == selection.default_tensor_core_config(128)
+    assert chosen.config == selection.default_wgmma_forward_config(128)
     assert not chosen.config.problems(128, H200)
-    chosen = selection.forward_varlen(packed_problem(64, False), H200)
+    chosen = selection.forward_varlen(packed_problem(64, False), A100)
     assert chosen.config == selection.default_tensor_core_config(64)  # the dense tiles
-    cache.record(H200, {KEY: entry(CFG)})  # tuned: tensor-core fp16 hd128 causal s4096
-    chosen = selection.forward_varlen(packed_problem(128, True), H200)
+    cache.record(A100, {KEY: entry(CFG)})  # tuned: tensor-core fp16 hd128 causal s4096
+    chosen = selection.forward_varlen(packed_problem(128, True), A100)
     assert chosen.config == CFG and chosen.source.startswith("user cache")
+    tuned = WgmmaForwardConfig(2, 64, 4)
+    hopper_key = cache.ProblemKey("wgmma-forward", "float16", 128, "causal", 4096)
+    cache.record(H200, {hopper_key: entry(tuned)})
+    chosen = selection.forward_varlen(packed_problem(128, True), H200)
+    assert chosen.config == tuned and chosen.source.startswith("user cache")
 
 
 def test_decode_defaults_fit_every_head_dim_and_follow_the_grid():

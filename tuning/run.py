@@ -19,6 +19,7 @@ from numflash.device import (
     TENSOR_CORE_BACKWARD,
     TENSOR_CORE_DECODE,
     WGMMA_BACKWARD,
+    WGMMA_FORWARD,
 )
 from numflash.selection import default_config
 
@@ -76,6 +77,7 @@ def add_arguments(parser):
         default=TENSOR_CORE,
         choices=[
             TENSOR_CORE,
+            WGMMA_FORWARD,
             PORTABLE,
             TENSOR_CORE_BACKWARD,
             WGMMA_BACKWARD,
@@ -160,7 +162,8 @@ def plan(args):
         for name, value in QUICK.items():
             setattr(args, name, value)
     if (
-        args.family in (TENSOR_CORE, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, TENSOR_CORE_DECODE)
+        args.family
+        in (TENSOR_CORE, WGMMA_FORWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, TENSOR_CORE_DECODE)
         and "float32" in args.dtypes
     ):
         raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
