@@ -10,7 +10,7 @@ import contextlib
 import numpy as np
 
 from . import arrays, cache, launch, plans, selection, signature, validation
-from .device import current_device
+from .device import TENSOR_CORE_DECODE, current_device
 from .kernels.jit import SIMULATOR
 
 #: Plans of repeated calls (numflash.plans): on a GPU, for CuPy arrays.
@@ -176,14 +176,20 @@ def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None)
 
     Returns ``(config, source)``: source is "forced" (``config=`` given), "user cache <path>",
     "shipped <path>" (tuned configurations in the user's cache or shipped with numflash, see
-    ``numflash autotune``) or "heuristic". Takes the same arguments and raises the same errors
-    as :func:`attention`; launches nothing.
+    ``numflash autotune``) or "heuristic"; a call with few query rows runs the KV-cache
+    kernel, which its source says with the split count. Takes the same arguments and raises
+    the same errors as :func:`attention`; launches nothing.
     """
     q, k, v, p = validation.problem(q, k, v, causal, None, window_size)
     with _on_device(q):
         device = current_device()
         if config is not None:
             return selection.Selection(validation.check_forward_config(config, p, device), "forced")
+        route = _decode_route(q, k, v, p, causal, None, window_size, device)
+        if route is not None:
+            _, choice, splits = route
+            source = f"{choice.source}; few query rows: the KV-cache kernel, {splits} split(s)"
+            return selection.Selection(choice.config, source)
         return selection.forward(p, device)
 
 
@@ -213,8 +219,11 @@ def attention(
             i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right.
         return_lse: also return the log-sum-exp of each row's scores.
         out: optional output array (q's shape and dtype, sharing no memory with q, k or v).
-        config: force a kernel configuration (:class:`numflash.TensorCoreConfig` or
-            :class:`numflash.PortableConfig`); by default numflash chooses.
+        config: force a kernel configuration (:class:`numflash.TensorCoreConfig`,
+            :class:`numflash.WgmmaForwardConfig` or :class:`numflash.PortableConfig`); by
+            default numflash chooses, and a call of at most 16 query rows runs the split-KV
+            kernel of :func:`attention_with_kvcache` over k and v (:func:`selected_config`
+            says which).
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -243,6 +252,24 @@ def attention(
     return result
 
 
+def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
+    """(KV-cache problem, selection, split count) of a forward call with few query rows that
+    the split-KV decode kernel takes (selection.few_query_rows): k and v as a contiguous cache
+    of seqlen_k keys, nothing appended. None for any other call."""
+    if p.seqlen_k == 0 or not selection.few_query_rows(p):
+        return None
+    try:  # the arguments were checked as attention's: a refusal here only rules the route out
+        kp = validation.kvcache_problem(
+            q, k, v, None, None, p.seqlen_k, None, None, causal, softmax_scale, window_size, 0
+        )[-1]
+    except (TypeError, ValueError):
+        return None
+    if selection.decode_family(kp, device) != TENSOR_CORE_DECODE:
+        return None
+    choice, splits = selection.decode(kp, device)
+    return kp, choice, splits
+
+
 def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config):
     # -- validate and normalise
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
@@ -251,9 +278,12 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
     with _on_device(q):
         device = current_device()
         cfg = validation.check_forward_config(config, p, device)
-        # -- choose
+        # -- choose: few query rows go to the decode kernel, unless a configuration is forced
+        route = None
         if cfg is None:
-            cfg = selection.forward(p, device).config
+            route = _decode_route(q, k, v, p, causal, softmax_scale, window_size, device)
+            if route is None:
+                cfg = selection.forward(p, device).config
         # -- launch
         xp = arrays.array_module(q)
         if out is None:
@@ -263,6 +293,9 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
             if p.seqlen_k == 0:  # nothing to attend to: every row is empty
                 arrays.bits(out)[...] = 0
                 lse[...] = -xp.inf
+            elif route is not None:
+                kp, choice, splits = route
+                launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse)
             else:
                 launch.forward(cfg, p, q, k, v, out, lse)
     return (out, lse) if return_lse else out

@@ -233,6 +233,20 @@ def forward_family(problem, device):
     return family
 
 
+#: Query rows of a dense forward call at or below which it runs on the split-KV decode kernel
+#: (as an attention_with_kvcache call over k and v as the cache, nothing appended): that
+#: kernel's block of 16 rows (kernels/decode.py ROWS) holds them, where a forward block of 64
+#: to 256 rows would compute four times the rows there are or more, and it spreads the keys
+#: over the multiprocessors, which a forward grid of one block a head cannot.
+FEW_QUERY_ROWS = decode.ROWS
+
+
+def few_query_rows(problem):
+    """Whether a dense forward call has few enough query rows for the decode kernel (the
+    caller then checks that kernel takes the call: :func:`decode_family`)."""
+    return 1 <= problem.seqlen_q <= FEW_QUERY_ROWS and problem.batch >= 1
+
+
 def forward(problem, device):
     """The forward configuration of a call without ``config=``: a tuned one of
     :func:`forward_family`'s family for the problem's key, else its heuristic default."""

@@ -300,3 +300,39 @@ def test_windows_wider_than_the_sequences_are_unbounded():
     wide = numflash.attention(q, k, v, window_size=(10**12, 10**15))
     full = numflash.attention(q, k, v)
     assert bool((wide == full).all())
+
+
+H200 = numflash.device.DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 1024)
+
+
+@pytest.mark.parametrize("seqlen_q,routed", [(1, True), (16, True), (17, False)])
+def test_few_query_rows_take_the_kvcache_kernel(seqlen_q, routed):
+    """A dense call of at most 16 query rows runs the split-KV decode kernel over k and v
+    (where the tensor-core decode kernel takes the call); more rows, the forward."""
+    from numflash import api, validation
+
+    q, k, v = random_qkv(2, seqlen_q, 300, 8, 2, 64, "float16")
+    p = validation.problem(q, k, v, True, None, (-1, -1))[-1]
+    route = api._decode_route(q, k, v, p, True, None, (-1, -1), H200)
+    assert (route is not None) == routed
+    if routed:
+        kp, choice, splits = route
+        assert isinstance(choice.config, numflash.TensorCoreDecodeConfig) and splits >= 1
+        assert (kp.capacity, kp.seqlen_new, kp.cache_seqlens) == (300, 0, 300)
+    q32, k32, v32 = random_qkv(1, seqlen_q, 300, 2, 1, 64, "float32")
+    p32 = validation.problem(q32, k32, v32, False, None, (-1, -1))[-1]
+    assert api._decode_route(q32, k32, v32, p32, False, None, (-1, -1), H200) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "seqlen_q,mask", [(1, {}), (5, dict(causal=True)), (16, dict(window_size=(700, 3)))]
+)
+def test_few_query_rows_match_the_reference_and_the_kvcache_call(seqlen_q, mask):
+    q, k, v = random_qkv(2, seqlen_q, 5000, 8, 2, 128, "bfloat16")
+    out, lse = numflash.attention(q, k, v, return_lse=True, out=poisoned_like(q), **mask)
+    assert_matches_reference(q, k, v, out, lse, **mask)
+    if numflash.device.current_device().supports("tensor-core-decode"):
+        cached = numflash.attention_with_kvcache(q, k, v, cache_seqlens=5000, **mask)
+        assert bool((out.view(np.uint16) == cached.view(np.uint16)).all())
+        assert "few query rows" in numflash.selected_config(q, k, v, **mask)[1]
