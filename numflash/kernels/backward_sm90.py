@@ -40,16 +40,15 @@ step; the two warpgroups of a block overlap each other): docs/performance.md.
 
 import functools
 
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, uint32, uint64
 
 from . import backward, ptx, ptx_sm90
 from .fragments import PACK
 from .jit import device_function
+from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_row_loader
 
 #: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
 BLOCK_M = 64
-#: Bytes of one swizzled row (64 16-bit values) and of one 8-row group of it.
-ROW_BYTES, GROUP_BYTES = 128, 1024
 #: Head dims the kernel takes (whole 64-column atoms; 128 is the most that fits in registers).
 HEAD_DIMS = (64, 128)
 #: Warps per block: one or two warpgroups (two need 255 registers a thread, 1 block per SM).
@@ -88,49 +87,14 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     S_REGS = BLOCK_M // 2  # a 64 x BLOCK_M fp32 tile over 128 threads
     ACC_REGS = HEAD_DIM // 2
-    SW = ptx_sm90.SWIZZLE_128B
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
     pack = PACK[dtype_name]
     probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8)
     row_ds = backward.row_ds_function(BLOCK_M // 8)
 
-    @device_function
-    def swizzled(row, chunk, atom_bytes):
-        """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
-        ``atom_bytes`` apart."""
-        c = chunk & 7
-        return (
-            (chunk >> 3) * atom_bytes
-            + (row >> 3) * GROUP_BYTES
-            + (row & 7) * ROW_BYTES
-            + ((c ^ (row & 7)) << 4)
-        )
-
-    @device_function
-    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
-        """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``)
-        into the swizzled tile at shared address ``dst``; rows at or past ``rows_left`` are
-        zero-filled, not read. Consecutive threads take consecutive chunks of a row."""
-        for p in range(nrows * CHUNKS // THREADS):
-            e = tid + p * THREADS
-            row = e // CHUNKS
-            chunk = e & (CHUNKS - 1)
-            valid = row < rows_left
-            at = first + int64(row) * stride + chunk * 8
-            ptx.cp_async_16(
-                dst + uint32(swizzled(row, chunk, atom_bytes)),
-                src,
-                at if valid else first,
-                uint32(16) if valid else uint32(0),
-            )
-
-    @device_function
-    def descriptor(address, leading):
-        """The descriptor of the swizzled operand at ``address``: 8-row groups GROUP_BYTES apart
-        and (MN-major) atoms ``leading`` bytes apart. Adding (bytes >> 4) to it moves it by
-        ``bytes``: shared addresses stay below 2^18, inside the 14-bit field."""
-        return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, SW)
+    load_rows = swizzled_row_loader(CHUNKS, THREADS)
+    descriptor = swizzled_descriptor
 
     @device_function
     def rows_by_queries(acc, a_desc, b_desc):

@@ -31,7 +31,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
-from .forward_portable import packed_sequence
+from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index
 from .jit import device_function, kernel
 from .loads import row_loader
@@ -289,10 +289,6 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         window_left,
         window_right,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        o_sb, o_ss, o_sh = o_st
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
         warp = tid >> 5
@@ -301,15 +297,9 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        bases = (
-            batch * q_sb + head * q_sh,
-            batch * k_sb + kv_head * k_sh,
-            batch * v_sb + kv_head * v_sh,
-            batch * o_sb + head * o_sh,
-            (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
-        )
+        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q)
         attend_block(
-            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, seqlen_q, seqlen_k,
+            q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 
@@ -350,10 +340,6 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in
         total_q,
         total_k,
     ):
-        _, q_ss, q_sh = q_st
-        _, k_ss, k_sh = k_st
-        _, v_ss, v_sh = v_st
-        _, o_ss, o_sh = o_st
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
         warp = tid >> 5
@@ -366,15 +352,9 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in
         if m_block * BLOCK_M >= seqlen_q:
             return
         kv_head = head // heads_per_kv
-        bases = (
-            q_start * q_ss + head * q_sh,
-            k_start * k_ss + kv_head * k_sh,
-            k_start * v_ss + kv_head * v_sh,
-            q_start * o_ss + head * o_sh,
-            int64(head) * total_q + q_start,
-        )
+        bases = packed_bases((q_st, k_st, v_st, o_st), q_start, k_start, head, kv_head, total_q)
         attend_block(
-            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, seqlen_q, seqlen_k,
+            q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 

@@ -92,6 +92,35 @@ def packed_sequence(cu_seqlens, b, total, max_len):
 
 
 @device_function
+def dense_bases(strides, b, head, kv_head, seqlen_q):
+    """Where row 0 of (batch ``b``, ``head``) starts in q, k and v (at ``kv_head``), o, and
+    lse (batch, nheads, seqlen_q), for arrays whose (batch, seqlen, head) element strides are
+    ``strides`` (q, k, v, o); the grid's y is the heads."""
+    q_st, k_st, v_st, o_st = strides
+    return (
+        b * q_st[0] + head * q_st[2],
+        b * k_st[0] + kv_head * k_st[2],
+        b * v_st[0] + kv_head * v_st[2],
+        b * o_st[0] + head * o_st[2],
+        (int64(b) * cuda.gridDim.y + head) * seqlen_q,
+    )
+
+
+@device_function
+def packed_bases(strides, q_start, k_start, head, kv_head, total_q):
+    """As :func:`dense_bases` for the sequence of a packed batch whose rows start at
+    ``q_start`` and ``k_start`` (packed_sequence); lse (nheads, total_q)."""
+    q_st, k_st, v_st, o_st = strides
+    return (
+        q_start * q_st[1] + head * q_st[2],
+        k_start * k_st[1] + kv_head * k_st[2],
+        k_start * v_st[1] + kv_head * v_st[2],
+        q_start * o_st[1] + head * o_st[2],
+        int64(head) * total_q + q_start,
+    )
+
+
+@device_function
 def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, window_right):
     """Where thread ``tid`` of query block ``m_block`` works, one thread per query row:
     (m0, row, active, n_lo, n_hi, lo, hi), ``[n_lo, n_hi)`` the keys any row of the block
@@ -202,23 +231,13 @@ def build(head_dim, dtype_name, block_m, block_n):
         window_left,
         window_right,
     ):
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        o_sb, o_ss, o_sh = o_st
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        bases = (
-            batch * q_sb + head * q_sh,
-            batch * k_sb + kv_head * k_sh,
-            batch * v_sb + kv_head * v_sh,
-            batch * o_sb + head * o_sh,
-            (batch * cuda.gridDim.y + head) * seqlen_q,
-        )
+        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q)
         attend_rows(
-            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), seqlen_q, seqlen_k, scale_log2,
+            q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k, scale_log2,
             (window_left, window_right), m_block,
         )  # fmt: skip
 
@@ -256,10 +275,6 @@ def build_varlen(head_dim, dtype_name, block_m, block_n):
         total_q,
         total_k,
     ):
-        _, q_ss, q_sh = q_st
-        _, k_ss, k_sh = k_st
-        _, v_ss, v_sh = v_st
-        _, o_ss, o_sh = o_st
         head = cuda.blockIdx.y
         b = cuda.blockIdx.z
         q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
@@ -268,15 +283,9 @@ def build_varlen(head_dim, dtype_name, block_m, block_n):
         if m_block * BLOCK_M >= seqlen_q:
             return  # past this sequence's end: the whole block
         kv_head = head // heads_per_kv
-        bases = (
-            q_start * q_ss + head * q_sh,
-            k_start * k_ss + kv_head * k_sh,
-            k_start * v_ss + kv_head * v_sh,
-            q_start * o_ss + head * o_sh,
-            int64(head) * total_q + q_start,
-        )
+        bases = packed_bases((q_st, k_st, v_st, o_st), q_start, k_start, head, kv_head, total_q)
         attend_rows(
-            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), seqlen_q, seqlen_k, scale_log2,
+            q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k, scale_log2,
             (window_left, window_right), m_block,
         )  # fmt: skip
 

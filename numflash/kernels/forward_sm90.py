@@ -40,16 +40,15 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import ptx, ptx_sm90
-from .forward_portable import packed_sequence
+from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
+from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
 from .softmax import NEG_INF, final_lse, shift_of
 
 #: Query rows of one warpgroup: the M of every wgmma.
 WARPGROUP_ROWS = 64
-#: Bytes of one swizzled row (64 16-bit values) and of one 8-row group of it.
-ROW_BYTES, GROUP_BYTES = 128, 1024
 #: Global indices are ANDed with this (kernels/backward.py's NON_NEGATIVE): no wraparound code.
 NON_NEGATIVE = (1 << 63) - 1
 
@@ -114,44 +113,14 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     PENDING = STAGES - 2  # cp.async groups left in flight when the next tile must have landed
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     pack = PACK[dtype_name]
-    SW = ptx_sm90.SWIZZLE_128B
     score_start = ptx_sm90.wgmma_update(ab, BLOCK_N, accumulate=False)
     score_step = ptx_sm90.wgmma_update(ab, BLOCK_N)
     value_step = ptx_sm90.wgmma_update(ab, HD_PAD, a_in_registers=True, b_transposed=True)
 
     # -- shared memory: swizzled atoms, cp.async loads -------------------------------------------
 
-    @device_function
-    def swizzled(row, chunk, atom_bytes):
-        """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
-        ``atom_bytes`` apart."""
-        c = chunk & 7
-        return (
-            (chunk >> 3) * atom_bytes
-            + (row >> 3) * GROUP_BYTES
-            + (row & 7) * ROW_BYTES
-            + ((c ^ (row & 7)) << 4)
-        )
-
-    @device_function
-    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
-        """cp.async ``nrows`` rows of ``src`` from element ``first`` (row pitch ``stride``) into
-        the swizzled tile at shared address ``dst``; rows at or past ``rows_left``, and the
-        columns past HEAD_DIM, are zero-filled, not read. Consecutive threads take consecutive
-        chunks of a row."""
-        for p in range((nrows * PAD_CHUNKS + LOAD_THREADS - 1) // LOAD_THREADS):
-            e = tid + p * LOAD_THREADS
-            row = e // PAD_CHUNKS
-            chunk = e - row * PAD_CHUNKS
-            if (nrows * PAD_CHUNKS) % LOAD_THREADS == 0 or row < nrows:
-                valid = row < rows_left and (CHUNKS == PAD_CHUNKS or chunk < CHUNKS)
-                at = first + int64(row) * stride + chunk * 8
-                ptx.cp_async_16(
-                    dst + uint32(swizzled(row, chunk, atom_bytes)),
-                    src,
-                    at if valid else first,
-                    uint32(16) if valid else uint32(0),
-                )
+    load_rows = swizzled_row_loader(CHUNKS, LOAD_THREADS, PAD_CHUNKS)
+    descriptor = swizzled_descriptor
 
     @device_function
     def load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid):
@@ -167,13 +136,6 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         ptx.cp_async_wait(PENDING)
         ptx_sm90.fence_proxy_async()
         cuda.syncthreads()
-
-    @device_function
-    def descriptor(address, leading):
-        """The descriptor of the swizzled operand at ``address``: 8-row groups GROUP_BYTES apart
-        and (MN-major) atoms ``leading`` bytes apart. Adding (bytes >> 4) to it moves it by
-        ``bytes``: shared addresses stay below 2^18, inside the 14-bit field."""
-        return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, SW)
 
     # -- the two products ------------------------------------------------------------------------
 
@@ -553,13 +515,10 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         q, k, v, o, lse, cu_q, cu_k, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k, heads_per_kv,
         scale_log2, window_left, window_right, total_q, total_k,
     ):  # fmt: skip
-        q_sb, q_ss, q_sh = q_st
-        k_sb, k_ss, k_sh = k_st
-        v_sb, v_ss, v_sh = v_st
-        o_sb, o_ss, o_sh = o_st
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
         warp = tid >> 5
+        strides = (q_st, k_st, v_st, o_st)
         # The longest rows first: under a causal mask the last query blocks see the most keys.
         m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
         head = cuda.blockIdx.y
@@ -572,24 +531,13 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             lengths = (int32(rows), int32(keys))
             if m_block * BLOCK_M >= lengths[0]:  # blocks past the sequence's end
                 return
-            bases = (
-                q_start * q_ss + head * q_sh,
-                k_start * k_ss + kv_head * k_sh,
-                k_start * v_ss + kv_head * v_sh,
-                q_start * o_ss + head * o_sh,
-                int64(head) * total_q + q_start,
-            )
+            bases = packed_bases(strides, q_start, k_start, head, kv_head, total_q)
         else:
             lengths = (seqlen_q, seqlen_k)
-            bases = (
-                b * q_sb + head * q_sh,
-                b * k_sb + kv_head * k_sh,
-                b * v_sb + kv_head * v_sh,
-                b * o_sb + head * o_sh,
-                (int64(b) * cuda.gridDim.y + head) * seqlen_q,
-            )
+            bases = dense_bases(strides, b, head, kv_head, seqlen_q)
         attend_block(
-            q, k, v, o, lse, bases, (q_ss, k_ss, v_ss, o_ss), m_block, lengths[0], lengths[1],
+            q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
+            lengths[1],
             scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 

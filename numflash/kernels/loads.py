@@ -3,15 +3,73 @@
 Every tensor-core kernel moves tiles of rows (one row: head_dim 16-bit values, 16-byte chunks)
 from a strided global tensor into shared memory with cp.async, zero-filling rows past the end
 instead of reading them. :func:`row_loader` writes rows at a fixed pitch (padded rows, for
-ldmatrix); :func:`swizzled_row_loader` writes 128-byte-swizzled atoms (for wgmma).
+ldmatrix); :func:`swizzled_row_loader` writes 128-byte-swizzled atoms (for wgmma): every
+64-column slice of a tile is one atom of 128-byte rows, 16-byte chunk c of row r stored at
+c ^ (r & 7), 8-row groups 1024 bytes apart, the atoms of a tile one after the other (the
+layout ptx_sm90's docstring describes; :func:`swizzled_descriptor` points wgmma at it).
 """
 
 import functools
 
 from numba import int64, uint32
 
-from . import ptx
+from . import ptx, ptx_sm90
 from .jit import device_function
+
+#: Bytes of one swizzled row (64 16-bit values) and of one 8-row group of them.
+ROW_BYTES, GROUP_BYTES = 128, 1024
+
+
+@device_function
+def swizzled(row, chunk, atom_bytes):
+    """Byte offset of 16-byte chunk ``chunk`` of ``row`` in a tile of swizzled atoms
+    ``atom_bytes`` apart."""
+    c = chunk & 7
+    return (
+        (chunk >> 3) * atom_bytes
+        + (row >> 3) * GROUP_BYTES
+        + (row & 7) * ROW_BYTES
+        + ((c ^ (row & 7)) << 4)
+    )
+
+
+@device_function
+def swizzled_descriptor(address, leading):
+    """The wgmma descriptor of the swizzled operand at shared ``address``: 8-row groups
+    GROUP_BYTES apart and (MN-major) atoms ``leading`` bytes apart. Adding (bytes >> 4) to it
+    moves it by ``bytes``: shared addresses stay below 2^18, inside the 14-bit field."""
+    return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, ptx_sm90.SWIZZLE_128B)
+
+
+@functools.lru_cache(maxsize=None)
+def swizzled_row_loader(chunks, threads, padded_chunks=None):
+    """The device function ``load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes,
+    tid)``: cp.async ``nrows`` rows of ``chunks`` 16-byte chunks of ``src`` from element
+    ``first`` (row pitch ``stride``) into the swizzled tile at shared address ``dst``; rows at
+    or past ``rows_left``, and chunks ``chunks``.. ``padded_chunks`` - 1 of every row, are
+    zero-filled, not read. ``threads`` threads share the work, consecutive threads taking
+    consecutive chunks of a row."""
+    CHUNKS, THREADS = chunks, threads
+    PADDED = padded_chunks or chunks
+    POWER_OF_TWO = PADDED & (PADDED - 1) == 0
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        for p in range((nrows * PADDED + THREADS - 1) // THREADS):
+            e = tid + p * THREADS
+            row = e // PADDED
+            chunk = e & (PADDED - 1) if POWER_OF_TWO else e - row * PADDED
+            if (nrows * PADDED) % THREADS == 0 or row < nrows:
+                valid = row < rows_left and (CHUNKS == PADDED or chunk < CHUNKS)
+                at = first + int64(row) * stride + chunk * 8
+                ptx.cp_async_16(
+                    dst + uint32(swizzled(row, chunk, atom_bytes)),
+                    src,
+                    at if valid else first,
+                    uint32(16) if valid else uint32(0),
+                )
+
+    return load_rows
 
 
 @functools.lru_cache(maxsize=None)
