@@ -527,13 +527,20 @@ def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, sh
         _copy_back(out, target, p)
 
 
-def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
+def _tensor_core_inputs(cfg, p, q, k, v):
+    """(q, k, v, scale, head_dim) as the tensor-core forward kernels read them: a positive
+    scale, head_dim padded as ``cfg`` runs it, rows on 16-byte boundaries (cp.async moves 16
+    bytes)."""
     q, scale = _positive_scale(q, p.scale)
     head_dim = cfg.kernel_head_dim(p.head_dim)
     if head_dim != p.head_dim:
         q, k, v = (_padded(x, head_dim) for x in (q, k, v))
-    # cp.async moves 16 bytes: rows must start on 16-byte boundaries.
     q, k, v = (_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    return q, k, v, scale, head_dim
+
+
+def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
+    q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
     key = (TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
@@ -583,44 +590,23 @@ def _absent_offsets(xp):
 
 
 def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
-    """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k); one
-    kernel body, the same parameters (launch.FORWARD_VARLEN's) either way."""
-    q, scale = _positive_scale(q, p.scale)
-    head_dim = cfg.kernel_head_dim(p.head_dim)
-    if head_dim != p.head_dim:
-        q, k, v = (_padded(x, head_dim) for x in (q, k, v))
-    q, k, v = (_kernel_input(x, alignment_elements=8) for x in (q, k, v))
+    """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
+    kernels take the packed one's parameters (launch.FORWARD_VARLEN): a dense call hands it
+    offsets it never reads."""
+    q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
-    if not varlen:
-        offsets = _absent_offsets(arrays.array_module(q))
-    key = (WgmmaForwardConfig, head_dim, p.dtype, cfg, varlen)
-    target, direct = _output_target(out, head_dim, p)
-    views, totals = _packed_offsets(offsets, q, k)
-    named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
-    views.update(
-        (name, arrays.kernel_view(x[None] if varlen and x.ndim == 3 else x)) for name, x in named
+    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, varlen)
+    _launch_forward(
+        lambda: forward_sm90.build(head_dim, p.dtype, *tiles),
+        (WgmmaForwardConfig, head_dim, p.dtype, cfg, varlen),
+        cfg,
+        p,
+        (q, k, v, out, lse),
+        head_dim,
+        scale * LOG2E,
+        cfg.shared_memory_bytes(head_dim),
+        offsets if varlen else _absent_offsets(arrays.array_module(q)),
     )
-    scalars = attention_scalars(p, scale * LOG2E) + (totals if varlen else (0, 0))
-    launch = launcher(
-        key,
-        lambda: forward_sm90.build(
-            head_dim,
-            p.dtype,
-            cfg.consumers,
-            cfg.block_n,
-            cfg.stages,
-            cfg.producer,
-            cfg.pingpong,
-            varlen,
-        ),
-        FORWARD_VARLEN,
-        p.dtype,
-    )
-    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
-    shared = cfg.shared_memory_bytes(head_dim)
-    launch(grid, cfg.threads, arrays.current_stream(), shared, FORWARD_VARLEN.args(views, scalars))
-    if not direct:
-        _copy_back(out, target, p)
 
 
 #: One launch builder per forward family.

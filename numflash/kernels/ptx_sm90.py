@@ -540,35 +540,33 @@ else:
             return first.literal_value, second.literal_value
         return None
 
-    @intrinsic
-    def named_barrier_sync(typingctx, index, count):
-        """bar.sync ``index``, ``count`` (compile-time constants): wait until ``count`` threads,
-        this one included, have arrived at named barrier ``index``."""
-        values = _literal_pair(index, count)
-        if values is None:
-            return None
-        sig = types.void(index, count)
+    def _named_barrier(op, doc):
+        @intrinsic
+        def named_barrier(typingctx, index, count):
+            values = _literal_pair(index, count)
+            if values is None:
+                return None
+            sig = types.void(index, count)
 
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "bar.sync {}, {};".format(*values), "~{memory}", [])
-            return context.get_dummy_value()
+            def codegen(context, builder, sig, args):
+                _void_asm(builder, "bar.{} {}, {};".format(op, *values), "~{memory}", [])
+                return context.get_dummy_value()
 
-        return sig, codegen
+            return sig, codegen
 
-    @intrinsic
-    def named_barrier_arrive(typingctx, index, count):
-        """bar.arrive ``index``, ``count`` (compile-time constants): count this thread toward
-        named barrier ``index`` without waiting."""
-        values = _literal_pair(index, count)
-        if values is None:
-            return None
-        sig = types.void(index, count)
+        named_barrier.__doc__ = doc
+        return named_barrier
 
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "bar.arrive {}, {};".format(*values), "~{memory}", [])
-            return context.get_dummy_value()
-
-        return sig, codegen
+    named_barrier_sync = _named_barrier(
+        "sync",
+        "bar.sync ``index``, ``count`` (compile-time constants): wait until ``count`` "
+        "threads, this one included, have arrived at named barrier ``index``.",
+    )
+    named_barrier_arrive = _named_barrier(
+        "arrive",
+        "bar.arrive ``index``, ``count`` (compile-time constants): count this thread toward "
+        "named barrier ``index`` without waiting.",
+    )
 
     @intrinsic
     def set_max_registers(typingctx, count, increase):
