@@ -71,16 +71,16 @@ def default_tensor_core_config(head_dim):
 
 #: Head dims (as padded to a multiple of 8) the Hopper forward takes by default: those it was
 #: measured faster at than the mma.sync forward on the H200 (docs/performance.md, "Hopper
-#: forward"). Others pad to whole 64-column atoms and were not faster (96: 0.99-1.01x).
+#: forward"). Others pad to whole 64-column atoms and were not faster (96, causal: 1.01x).
 WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
 
 
 def default_wgmma_forward_config(head_dim):
     """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
     (fp16, seqlen 4096, causal and not; tools/hopper_forward.py, docs/performance.md "Hopper
-    forward"): at head_dim 64 a producer warpgroup feeding two consumers (1.2x every thread
-    loading), without pingpong (4% faster than with); at 128 every thread loading (a producer
-    was 0.92-0.95x); at 256 the accumulators leave no registers for a producer."""
+    forward"): at head_dim 64 a producer warpgroup feeding two consumers (1.16-1.21x every
+    thread loading), without pingpong (3-4% faster than with); at 128 every thread loading (a
+    producer was 0.90-0.95x); at 256 the accumulators leave no registers for a producer."""
     if head_dim <= 64:
         return WgmmaForwardConfig(consumers=2, block_n=128, stages=3, pingpong=False)
     if head_dim <= 128:
