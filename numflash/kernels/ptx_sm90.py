@@ -477,61 +477,56 @@ else:
         fnty = ir.FunctionType(ir.VoidType(), [x.type for x in operands])
         builder.asm(fnty, asm, constraints, operands, True)
 
-    @intrinsic
-    def mbarrier_init(typingctx, address, count):
-        """Initialise the mbarrier at shared ``address`` (uint32) to expect ``count`` arrivals
-        (uint32) a phase."""
-        sig = types.void(types.uint32, types.uint32)
+    def _operands_statement(asm, count, doc):
+        """An intrinsic of ``count`` (1 or 2) uint32 operands, $0 and $1, that emits ``asm``
+        with a memory clobber."""
+        constraints = ",".join(["r"] * count + ["~{memory}"])
 
         def codegen(context, builder, sig, args):
-            _void_asm(
-                builder, "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}", list(args)
-            )
+            _void_asm(builder, asm, constraints, list(args))
             return context.get_dummy_value()
 
-        return sig, codegen
+        if count == 1:
 
-    @intrinsic
-    def mbarrier_arrive(typingctx, address):
-        """Arrive at the mbarrier at shared ``address`` (release: earlier writes first)."""
-        sig = types.void(types.uint32)
+            @intrinsic
+            def statement(typingctx, a):
+                return types.void(types.uint32), codegen
 
-        def codegen(context, builder, sig, args):
-            asm = "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }"
-            _void_asm(builder, asm, "r,~{memory}", list(args))
-            return context.get_dummy_value()
+        else:
 
-        return sig, codegen
+            @intrinsic
+            def statement(typingctx, a, b):
+                return types.void(types.uint32, types.uint32), codegen
 
-    @intrinsic
-    def cp_async_arrive(typingctx, address):
-        """Arrive at the mbarrier at shared ``address`` once this thread's earlier cp.async
-        copies have landed (.noinc: the arrival counts toward the expected count)."""
-        sig = types.void(types.uint32)
+        statement.__doc__ = doc
+        return statement
 
-        def codegen(context, builder, sig, args):
-            asm = "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];"
-            _void_asm(builder, asm, "r,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def mbarrier_wait(typingctx, address, parity):
-        """Wait until the phase of parity ``parity`` (0 or 1, uint32) of the mbarrier at shared
-        ``address`` has completed (acquire). The labels are local to the asm's braces."""
-        sig = types.void(types.uint32, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            asm = (
-                "{ .reg .pred done; retry: "
-                "mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
-                "@!done bra retry; }"
-            )
-            _void_asm(builder, asm, "r,r,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
+    mbarrier_init = _operands_statement(
+        "mbarrier.init.shared::cta.b64 [$0], $1;",
+        2,
+        "Initialise the mbarrier at shared ``address`` (uint32) to expect ``count`` arrivals "
+        "(uint32) a phase.",
+    )
+    mbarrier_arrive = _operands_statement(
+        "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }",
+        1,
+        "Arrive at the mbarrier at shared ``address`` (release: earlier writes first).",
+    )
+    cp_async_arrive = _operands_statement(
+        "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+        1,
+        "Arrive at the mbarrier at shared ``address`` once this thread's earlier cp.async "
+        "copies have landed (.noinc: the arrival counts toward the expected count).",
+    )
+    # wait until the phase of parity $1 (0 or 1) of the mbarrier at shared address $0 has
+    # completed (acquire); the label is local to the asm's braces
+    mbarrier_wait = _operands_statement(
+        "{ .reg .pred done; retry: mbarrier.try_wait.parity.shared::cta.b64 done, [$0], $1; "
+        "@!done bra retry; }",
+        2,
+        "Wait until the phase of parity ``parity`` (0 or 1, uint32) of the mbarrier at shared "
+        "``address`` has completed (acquire).",
+    )
 
     def _literal_pair(first, second):
         from numba.cuda.types import IntegerLiteral
