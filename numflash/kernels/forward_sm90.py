@@ -20,6 +20,14 @@ pipelining): S_{j+1} = Q K_{j+1}^T and acc += P_j V_j are issued together, the s
 runs once the first has landed while the second is still in flight, and acc is rescaled only
 after it lands. The warpgroups of a block share every tile and interleave on the tensor cores.
 
+Two schedules load the tiles (``PRODUCER``). Without a producer every thread issues cp.async
+copies, a tile STAGES - 2 tiles ahead of its use, between block-wide barriers. With one, a
+warpgroup of its own does (warp specialisation, its registers handed to the consumers by
+setmaxnreg): each thread's copies arrive at the slot's mbarrier when they land, K and V on
+barriers of their own, and the consumers release a slot's K once S has landed and its V once
+P V has. With two consumers and a producer, ``PINGPONG`` makes them take turns issuing their
+products (named barriers), so that one's softmax runs while the other's products do.
+
 Shared memory: every 64-column slice of a row-major tile (Q: BLOCK_M rows; K, V: BLOCK_N rows)
 is one "atom" of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r &
 7), 8-row groups 1024 bytes apart; ptx_sm90's docstring), the atoms of a tile one after the
@@ -33,6 +41,8 @@ runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forwa
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
 -inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
+Does not: paged KV caches or appends (chunked prefill runs the decode kernel), TMA loads.
+docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
 import functools
@@ -94,8 +104,8 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
     LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue the cp.async copies
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
-    # Registers a thread after setmaxnreg: what the producer gives up the consumers take
-    # (65536 = 128 (producer + consumers x consumer)); FlashAttention-3's split with cp.async.
+    # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
+    # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = REGISTER_SPLIT.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
