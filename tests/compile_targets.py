@@ -63,16 +63,19 @@ def report(kernel, dtype, cc, resources, signature=None):
     ptx = offline.compile_ptx(kernel, signature or forward_signature(dtype), cc)
     entry = {"target": offline.arch_name(cc), "counts": {i: ptx.count(i) for i in INSTRUCTIONS}}
     if resources:
-        usage = offline.resource_usage(ptx, cc)
-        # ptxas' numbered remarks (e.g. "(C7511) ... wgmma.mma_async instructions are
-        # serialized") and warnings
-        usage["remarks"] = [
-            line
-            for line in usage.pop("log").splitlines()
-            if re.search(r"\(C\d{4}\)", line) or "arning" in line
-        ]
-        entry["resources"] = usage
+        entry["resources"] = _with_remarks(offline.resource_usage(ptx, cc))
     return entry
+
+
+def _with_remarks(usage):
+    """ptxas' report with its log cut down to the numbered remarks (e.g. "(C7511) ...
+    wgmma.mma_async instructions are serialized") and warnings."""
+    usage["remarks"] = [
+        line
+        for line in usage.pop("log").splitlines()
+        if re.search(r"\(C\d{4}\)", line) or "arning" in line
+    ]
+    return usage
 
 
 def _shipped():
@@ -335,10 +338,7 @@ def wgmma_forward(hd, dtype, config, varlen):
     signature = launch.FORWARD_VARLEN.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
-    usage = offline.lto_resource_usage(kernel, signature, cc)
-    usage["remarks"] = [
-        line for line in usage.pop("log").splitlines() if re.search(r"\(C\d{4}\)", line)
-    ]
+    usage = _with_remarks(offline.lto_resource_usage(kernel, signature, cc))
     return [
         {
             "family": "wgmma-forward",

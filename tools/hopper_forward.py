@@ -57,8 +57,9 @@ def check_dense(cfg, head_dim, dtype, seed):
         out, lse = numflash.attention(q, k, v, out=out, config=cfg, return_lse=True, **kw)
         res = reference.check(q, k, v, out, lse, **kw)
         ratio = max(res.err / res.bar, res.lse_err / res.lse_bar if res.lse_bar else 0.0)
+        if res.nan:
+            ratio = float("inf")
         if res.nan or not res.ok:
-            ratio = max(ratio, float("inf") if res.nan else ratio)
             failure = failure or f"{(b, sq, sk, h, hk, causal, window)}: {res}"
         worst = max(worst, ratio)
     return worst, failure
@@ -162,7 +163,8 @@ def main():
             cudnn = found.get("cudnn")
             print(
                 f"hd{hd} {dt} causal={int(causal)} s{seqlen} c{cfg.consumers} n{cfg.block_n} "
-                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)}: {tf:6.1f} TFLOP/s | FA2 {found.get('flash', float('nan')):6.1f} "
+                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)}: {tf:6.1f} TFLOP/s | "
+                f"FA2 {found.get('flash', float('nan')):6.1f} "
                 f"cuDNN {cudnn or float('nan'):6.1f} mma.sync {found['mma.sync']:6.1f} | "
                 f"x cuDNN {tf / cudnn if cudnn else float('nan'):.3f}",
                 flush=True,

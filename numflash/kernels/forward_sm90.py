@@ -133,11 +133,22 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     descriptor = swizzled_descriptor
 
     @device_function
+    def slot_address(base, slot):
+        """The shared address of ring slot ``slot`` (its K; its V is V_OFF bytes further)."""
+        return base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
+
+    @device_function
     def load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid):
-        """cp.async one key tile's K and V rows into slot ``slot``."""
-        at = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
+        """cp.async one key tile's K and V rows into slot ``slot``; (k_first, v_first,
+        keys_left) of the tile after it."""
+        at = slot_address(base, slot)
         load_rows(at, k, k_first, k_ss, keys_left, BLOCK_N, KV_ATOM, tid)
         load_rows(at + uint32(V_OFF), v, v_first, v_ss, keys_left, BLOCK_N, KV_ATOM, tid)
+        return (
+            k_first + int64(BLOCK_N) * k_ss,
+            v_first + int64(BLOCK_N) * v_ss,
+            int32(keys_left - BLOCK_N),
+        )
 
     @device_function
     def landed():
@@ -312,8 +323,8 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
             ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
-        at = base + uint32(STAGE0 + offset) + uint32(slot) * uint32(SLOT)
-        load_rows(at, src, first, stride, keys_left, BLOCK_N, KV_ATOM, ptid)
+        load_rows(slot_address(base, slot) + uint32(offset), src, first, stride, keys_left,
+                  BLOCK_N, KV_ATOM, ptid)  # fmt: skip
         ptx_sm90.cp_async_arrive(barrier_address(base, full + slot))
 
     @device_function
@@ -411,10 +422,9 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             ptx.cp_async_commit()
             for st in range(STAGES):
                 if st < n_tiles:
-                    load_tile(base, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid)
-                    k_first += int64(BLOCK_N) * k_ss
-                    v_first += int64(BLOCK_N) * v_ss
-                    keys_left = int32(keys_left - BLOCK_N)
+                    k_first, v_first, keys_left = load_tile(
+                        base, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid
+                    )
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
@@ -451,7 +461,7 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             landed()  # Q and tiles 0 and 1
         take_turn(group)
         ptx_sm90.wgmma_fence()
-        issue_scores(s, q_desc, descriptor(base + uint32(STAGE0), 16))
+        issue_scores(s, q_desc, descriptor(slot_address(base, 0), 16))
         ptx_sm90.wgmma_commit()
         pass_turn(group, False)
         ptx_sm90.wgmma_wait(0)
@@ -464,8 +474,8 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         slot = int32(0)  # the slot of the tile whose P is in pf
         for it in range(1, n_tiles):
             nxt = int32(slot + 1) if slot + 1 < STAGES else int32(0)
-            slot_addr = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
-            next_addr = base + uint32(STAGE0) + uint32(nxt) * uint32(SLOT)
+            slot_addr = slot_address(base, slot)
+            next_addr = slot_address(base, nxt)
             landed_half(base, FULL_K, it, nxt)
             landed_half(base, FULL_V, it - 1, slot)
             # -- S_it = Q K_it^T and acc += P_{it-1} V_{it-1}, issued together
@@ -495,10 +505,9 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
                 # -- every thread is done with slot `slot`: refill it; tile it + 1 must land
                 cuda.syncthreads()
                 if it - 1 + STAGES < n_tiles:
-                    load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid)
-                    k_first += int64(BLOCK_N) * k_ss
-                    v_first += int64(BLOCK_N) * v_ss
-                    keys_left = int32(keys_left - BLOCK_N)
+                    k_first, v_first, keys_left = load_tile(
+                        base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid
+                    )
                 ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
                 if it + 1 < n_tiles:
                     landed()
@@ -509,8 +518,7 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         take_turn(group)
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
-        slot_addr = base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
-        issue_values(acc, pf, descriptor(slot_addr + uint32(V_OFF), KV_ATOM))
+        issue_values(acc, pf, descriptor(slot_address(base, slot) + uint32(V_OFF), KV_ATOM))
         ptx_sm90.wgmma_commit()
         pass_turn(group, True)
         ptx_sm90.wgmma_wait(0)
@@ -547,8 +555,7 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             bases = dense_bases(strides, b, head, kv_head, seqlen_q)
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
-            lengths[1],
-            scale_log2, (window_left, window_right), tid, lane, warp,
+            lengths[1], scale_log2, (window_left, window_right), tid, lane, warp,
         )  # fmt: skip
 
     return forward_sm90

@@ -43,12 +43,16 @@ def compile_ptx(kernel, signature, cc, launch_bounds=False):
     """PTX of ``kernel`` (a ``cuda.jit`` dispatcher) for ``signature`` and target ``cc``; with
     ``launch_bounds``, under the kernel's own launch bounds (.maxntid, .minnctapersm), which
     bound the registers ptxas may give a thread, as when the kernel is compiled for a launch."""
-    options = {}
-    if launch_bounds and kernel.targetoptions.get("launch_bounds") is not None:
-        options["launch_bounds"] = kernel.targetoptions["launch_bounds"]
+    options = _launch_bounds(kernel) if launch_bounds else {}
     with target(cc):
         ptx, _ = cuda.compile_ptx(kernel.py_func, signature, cc=cc, **options)
     return ptx
+
+
+def _launch_bounds(kernel):
+    """The kernel's launch bounds as compile options ({} where it has none)."""
+    bounds = kernel.targetoptions.get("launch_bounds")
+    return {} if bounds is None else {"launch_bounds": bounds}
 
 
 _USAGE = re.compile(
@@ -72,12 +76,15 @@ def lto_resource_usage(kernel, signature, cc):
     (remark C7504), so the warp-specialised kernels are only judged this way."""
     from cuda.core import ObjectCode
 
-    options = {}
-    if kernel.targetoptions.get("launch_bounds") is not None:
-        options["launch_bounds"] = kernel.targetoptions["launch_bounds"]
     with target(cc):
         ltoir, _ = cuda.compile(
-            kernel.py_func, signature, device=False, cc=cc, output="ltoir", abi="numba", **options
+            kernel.py_func,
+            signature,
+            device=False,
+            cc=cc,
+            output="ltoir",
+            abi="numba",
+            **_launch_bounds(kernel),
         )
     return _linked_usage(ObjectCode.from_ltoir(ltoir), cc, lto=True)
 
