@@ -214,6 +214,9 @@ class WgmmaForwardConfig(_Config):
       loads, the tiles ``stages - 2`` ahead of their use, between block-wide barriers.
     - ``pingpong``: the two consumer warpgroups take turns issuing their products, so one's
       softmax runs while the other's products do (needs ``producer`` and two consumers).
+    - ``tma``: the producer loads each tile with TMA copies through tensor maps (needs
+      ``producer``); else with cp.async. A packed batch, and arrays whose strides a tensor map
+      cannot describe (not multiples of 16 bytes), load with cp.async either way.
     """
 
     consumers: int = knob(2, (1, 2, 3))
@@ -221,9 +224,10 @@ class WgmmaForwardConfig(_Config):
     stages: int = knob(2, (2, 3, 4, 5))
     producer: bool = knob(True, (True, False))
     pingpong: bool = knob(True, (True, False))
+    tma: bool = knob(True, (True, False))
 
     family: ClassVar[str] = WGMMA_FORWARD
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2  # 2: TMA loads
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 56
@@ -259,8 +263,9 @@ class WgmmaForwardConfig(_Config):
     def consumer_registers(self):
         """Registers a consumer thread may use: its share of the 65536 (at most 255), or what
         setmaxnreg gives it beside a producer."""
-        if self.producer and self.consumers in forward_sm90.REGISTER_SPLIT:
-            return forward_sm90.REGISTER_SPLIT[self.consumers][1]
+        split = forward_sm90.TMA_REGISTER_SPLIT if self.tma else forward_sm90.REGISTER_SPLIT
+        if self.producer and self.consumers in split:
+            return split[self.consumers][1]
         return min(255, 65536 // self.threads // 8 * 8)
 
     def problems(self, head_dim, device):
@@ -269,6 +274,8 @@ class WgmmaForwardConfig(_Config):
             out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
         if _is_choice(self.pingpong, (True,)) and (self.consumers != 2 or not self.producer):
             out.append("pingpong=True takes consumers=2 and producer=True")
+        if _is_choice(self.tma, (True,)) and not self.producer:
+            out.append("tma=True takes producer=True")
         if out:
             return out
         if device is not None and not device.has_wgmma:

@@ -35,6 +35,7 @@ from .kernels import (
     decode_portable,
     forward_portable,
     forward_sm90,
+    ptx_tma,
 )
 from .kernels import (
     decode as decode_kernels,
@@ -59,10 +60,11 @@ ATTENTION_SCALARS = (
 
 
 class KernelSpec(NamedTuple):
-    """A kernel's parameters: ``arrays`` as (name, "elem" | "float32" | "int32") flat 1-D arrays ("elem":
-    the problem's element type, 16-bit floats as their uint16 bits), then for each name in
-    ``strided`` its (batch, seqlen, head) strides as one int64 triple, then ``scalars`` as
-    (name, "int32" | "float32")."""
+    """A kernel's parameters: ``arrays`` as (name, "elem" | "float32" | "int32" | "int64") flat
+    1-D arrays ("elem": the problem's element type, 16-bit floats as their uint16 bits), then
+    for each name in ``strided`` its (batch, seqlen, head) strides as one int64 triple, then
+    ``scalars`` as (name, "int32" | "float32" | "map"), a "map" a tensor map's template
+    (kernels/ptx_tma.py) as MAP_WORDS int64."""
 
     arrays: tuple
     strided: tuple
@@ -76,7 +78,9 @@ class KernelSpec(NamedTuple):
 
         elem = types.float32 if dtype_name == "float32" else types.uint16
         kinds = {"elem": elem, "float32": types.float32, "int32": types.int32}
+        kinds["int64"] = types.int64
         scalar = {"int32": types.int32, "float32": types.float32}
+        scalar["map"] = types.UniTuple(types.int64, ptx_tma.MAP_WORDS)
         return (
             tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
             + (types.UniTuple(types.int64, 3),) * len(self.strided)
@@ -136,6 +140,13 @@ FORWARD_VARLEN = KernelSpec(
     arrays=FORWARD.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=("q", "k", "v", "o"),
     scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
+)
+#: The Hopper forward, dense or packed: FORWARD_VARLEN's parameters, the buffer its blocks
+#: publish tensor maps into, and the Q, K and V maps' templates (kernels/ptx_tma.py).
+WGMMA_FORWARD = KernelSpec(
+    arrays=FORWARD_VARLEN.arrays + (("maps", "int64"),),
+    strided=FORWARD_VARLEN.strided,
+    scalars=FORWARD_VARLEN.scalars + (("q_map", "map"), ("k_map", "map"), ("v_map", "map")),
 )
 
 
@@ -504,10 +515,13 @@ def _packed_offsets(offsets, q, k):
     return views, (q.shape[0], k.shape[0])
 
 
-def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets):
+def _launch_forward(
+    build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets, extra=None
+):
     """Launch a forward kernel over ``arrays_in`` = (q, k, v, out, lse): dense, or a packed
     batch with ``offsets`` = (cu_q, cu_k) (the kernel of ``build`` is then the varlen one and
-    ``p`` holds the max lengths)."""
+    ``p`` holds the max lengths). ``extra``: (the kernel's spec, views of its arrays beyond
+    FORWARD_VARLEN's, its scalars beyond them)."""
     q, k, v, out, lse = arrays_in
     target, direct = _output_target(out, head_dim, p)
     named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
@@ -520,6 +534,10 @@ def _launch_forward(build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, sh
         views, totals = _packed_offsets(offsets, q, k)
         views.update((name, arrays.kernel_view(x[None] if x.ndim == 3 else x)) for name, x in named)
         scalars += totals
+    if extra is not None:
+        spec, more_views, more_scalars = extra
+        views.update(more_views)
+        scalars += more_scalars
     launch = launcher(spec_key, build, spec, p.dtype)
     grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
     launch(grid, cfg.threads, arrays.current_stream(), shared, spec.args(views, scalars))
@@ -576,36 +594,74 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     )
 
 
-_no_offsets = {}
+_unread = {}
+
+
+def _unread_array(xp, dtype):
+    """A one-element array of ``dtype`` that a kernel is handed and never reads (the offsets
+    of a dense call of a kernel that also serves packed ones), made once per device."""
+    key = (0 if SIMULATOR else xp.cuda.runtime.getDevice(), dtype)
+    found = _unread.get(key)
+    if found is None:
+        found = _unread[key] = xp.zeros((1,), dtype=dtype)
+    return found
 
 
 def _absent_offsets(xp):
     """The (cu_q, cu_k) a dense call hands the Hopper forward, whose dense and packed kernels
-    take the same parameters: one int32 the kernel never reads, made once per device."""
-    device = 0 if SIMULATOR else xp.cuda.runtime.getDevice()
-    found = _no_offsets.get(device)
-    if found is None:
-        found = _no_offsets[device] = xp.zeros((1,), dtype=xp.int32)
+    take the same parameters."""
+    found = _unread_array(xp, xp.int32)
     return found, found
+
+
+#: The template the Hopper forward is handed for a tensor map it does not use (cp.async).
+_NO_MAP = (0,) * ptx_tma.MAP_WORDS
+
+
+def _tensor_maps(cfg, p, q, k, v):
+    """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
+    where a tensor map cannot describe one of the arrays (its strides): dense (batch, seqlen,
+    heads, head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the
+    block's rows (Q) or a tile's (K, V)."""
+    templates = []
+    for x, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)):
+        batch, seqlen, heads, head_dim = x.shape
+        sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
+        dims = (head_dim, seqlen, heads, batch)
+        # the stride of a dimension of one element is never used: any multiple of 16 bytes
+        strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
+        address = 0 if SIMULATOR else x.data.ptr
+        if ptx_tma.problems(dims, strides) or address % 16:
+            return None
+        box = (ptx_tma.BOX_INNER, rows, 1, 1)
+        templates.append(ptx_tma.template(p.dtype, dims, strides, box, address))
+    xp = arrays.array_module(q)
+    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), xp.int64, like=q), templates
 
 
 def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
-    kernels take the packed one's parameters (launch.FORWARD_VARLEN): a dense call hands it
-    offsets it never reads."""
+    kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
+    call without TMA a map buffer and templates it never reads."""
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
-    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, varlen)
+    xp = arrays.array_module(q)
+    maps = _tensor_maps(cfg, p, q, k, v) if cfg.tma and not varlen else None
+    tma = maps is not None
+    if not tma:
+        maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3
+    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
     _launch_forward(
         lambda: forward_sm90.build(head_dim, p.dtype, *tiles),
-        (WgmmaForwardConfig, head_dim, p.dtype, cfg, varlen),
+        (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
         cfg,
         p,
         (q, k, v, out, lse),
         head_dim,
         scale * LOG2E,
         cfg.shared_memory_bytes(head_dim),
-        offsets if varlen else _absent_offsets(arrays.array_module(q)),
+        offsets if varlen else _absent_offsets(xp),
+        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, tuple(maps[1])),
     )
 
 

@@ -82,12 +82,14 @@ def default_wgmma_forward_config(head_dim):
     thread loading), without pingpong (3-4% faster than with); at 128 every thread loading (a
     producer was 0.90-0.95x); at 256 the accumulators leave no registers for a producer."""
     if head_dim <= 64:
-        return WgmmaForwardConfig(consumers=2, block_n=128, stages=3, pingpong=False)
+        return WgmmaForwardConfig(consumers=2, block_n=128, stages=3, pingpong=False, tma=False)
     if head_dim <= 128:
         return WgmmaForwardConfig(
-            consumers=2, block_n=128, stages=3, producer=False, pingpong=False
+            consumers=2, block_n=128, stages=3, producer=False, pingpong=False, tma=False
         )
-    return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, producer=False, pingpong=False)
+    return WgmmaForwardConfig(
+        consumers=2, block_n=64, stages=2, producer=False, pingpong=False, tma=False
+    )
 
 
 def default_tensor_core_backward_config(head_dim, device=None):

@@ -55,6 +55,9 @@ INSTRUCTIONS = [
     "fence.proxy.async",
     "mbarrier.try_wait",
     "cp.async.mbarrier.arrive",
+    "cp.async.bulk.tensor",
+    "tensormap.replace",
+    "tensormap.cp_fenceproxy",
     "setmaxnreg",
 ]
 
@@ -332,10 +335,10 @@ def wgmma_forward(hd, dtype, config, varlen):
     resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
     its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
-    kernel = forward_sm90.build(
-        hd, dtype, cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, varlen
-    )
-    signature = launch.FORWARD_VARLEN.signature(dtype)
+    tma = cfg.tma and not varlen
+    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
+    kernel = forward_sm90.build(hd, dtype, *tiles)
+    signature = launch.WGMMA_FORWARD.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
     usage = _with_remarks(offline.lto_resource_usage(kernel, signature, cc))
@@ -381,16 +384,21 @@ def jobs(quick):
     out += [(wgmma_tiles, (dtype,)) for dtype in ("float16", "bfloat16")]
     # the Hopper backward: two warpgroups at head_dim 128 (the default), one and one stage at 64
     out += [(wgmma_backward, (128, "float16", 8, 2)), (wgmma_backward, (64, "bfloat16", 4, 1))]
-    # the Hopper forward: the defaults (a producer and pingpong; every thread loading at 256),
-    # packed, and one consumer without a producer
+    # the Hopper forward: the defaults, packed, one consumer without a producer, TMA loads
+    # with pingpong and without
     one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}
-    one.update(producer=False, pingpong=False)
+    one.update(producer=False, pingpong=False, tma=False)
+    tma = {"family": "wgmma-forward", "consumers": 2, "block_n": 128, "stages": 2}
+    tma.update(producer=True, pingpong=True, tma=True)
+    tma_plain = dict(tma, stages=3, pingpong=False)
     for hd, dtype, config, varlen in [
         (128, "float16", None, False),
         (64, "bfloat16", None, False),
         (256, "float16", None, False),
         (128, "bfloat16", None, True),
         (64, "float16", one, False),
+        (128, "float16", tma, False),
+        (64, "bfloat16", tma_plain, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
     return out

@@ -114,16 +114,16 @@ CASES = [
         dict(window_size=(20, -1)),
         backward=WgmmaBackwardConfig(8, 1),
     ),
-    # the Hopper forward: every thread loading, a producer, a producer and pingpong; head_dim
-    # 64, 128, 256 and one padded to whole atoms
+    # the Hopper forward: every thread loading, a producer with cp.async, with TMA, with TMA
+    # and pingpong; head_dim 64, 128, 256 and one padded to whole atoms
     Case("float16", (1, 150, 300, 4, 2, 128), dict(causal=True),
-         forward=WgmmaForwardConfig(2, 128, 3, producer=False, pingpong=False)),
+         forward=WgmmaForwardConfig(2, 128, 3, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
-         forward=WgmmaForwardConfig(2, 128, 3, producer=True, pingpong=False)),
+         forward=WgmmaForwardConfig(2, 128, 3, producer=True, pingpong=False, tma=False)),
     Case("float16", (2, 130, 260, 2, 2, 128), dict(),
          forward=WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)),
     Case("float16", (1, 100, 180, 2, 1, 256), dict(causal=True),
-         forward=WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False)),
+         forward=WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 70, 90, 2, 1, 40), dict(),
          forward=WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
 ]  # fmt: skip

@@ -232,7 +232,8 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
     links it: S = Q K^T and acc += P V on wgmma (each issued from two places: the first tile's
     scores and the main loop; the main loop's and the last tile's values), nothing spilled, no
     remark that ptxas serialised the wgmma pipeline or ignored setmaxnreg; a producer hands
-    tiles over through mbarriers and moves registers to the consumers."""
+    tiles over through mbarriers and moves registers to the consumers, its copies cp.async or
+    one TMA copy per 64 columns of a tile through the three tensor maps it publishes."""
     entries = _entries(compiled, "wgmma-forward")
     assert {(e["head_dim"], e["kernel"]) for e in entries} >= {
         (64, "dense"),
@@ -247,9 +248,16 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
         r = e["resources"]
         assert r["spill_stores"] == 0 and r["stack"] == 0, e
         assert not r["remarks"], r["remarks"]
+        tma = cfg["tma"] and e["kernel"] == "dense"
+        if tma:  # a TMA copy per 64-column atom of Q, K and V; the three maps published
+            assert e["counts"]["cp.async.bulk.tensor"] >= 3 * ((hd + 63) // 64), e
+            assert e["counts"]["tensormap.replace"] == e["counts"]["tensormap.cp_fenceproxy"] == 3
+            assert e["counts"]["cp.async.mbarrier.arrive"] == 0, e
         if cfg["producer"]:
-            assert e["counts"]["cp.async.mbarrier.arrive"] > 0 and e["counts"]["mbarrier.try_wait"]
-            assert e["counts"]["setmaxnreg"] == (2 if cfg["consumers"] > 1 else 0), e
+            assert tma or e["counts"]["cp.async.mbarrier.arrive"] > 0, e
+            assert e["counts"]["mbarrier.try_wait"] and e["counts"]["setmaxnreg"] == (
+                2 if cfg["consumers"] > 1 else 0
+            ), e
         else:
             assert e["counts"]["mbarrier.try_wait"] == 0 and e["counts"]["fence.proxy.async"] > 0
 

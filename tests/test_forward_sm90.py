@@ -1,5 +1,6 @@
 """The Hopper forward (numflash/kernels/forward_sm90.py) against the float64 reference, in every
-schedule: every thread loading, a producer warpgroup, two consumer warpgroups taking turns.
+schedule: every thread loading, a producer warpgroup loading by cp.async or by TMA, two consumer
+warpgroups taking turns.
 
 In the simulator ptx_sm90's Python wgmma, mbarriers and named barriers run the kernel's own
 source (small shapes: every thread is a Python thread); on a GPU of compute capability 9.x the
@@ -21,9 +22,10 @@ MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(37
 
 #: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, config)
 CASES = [
-    ("float16", 1, 70, 150, 2, 1, 64, "causal", W(1, 64, 2, producer=False, pingpong=False)),
+    ("float16", 1, 70, 150, 2, 1, 64, "causal", W(1, 64, 2, False, False, tma=False)),
     ("bfloat16", 1, 40, 200, 1, 1, 40, "window", W(1, 64, 2, producer=True, pingpong=False)),
     ("float16", 1, 130, 97, 1, 1, 64, "causal", W(2, 64, 3, producer=True, pingpong=True)),
+    ("bfloat16", 1, 50, 90, 2, 1, 64, "none", W(1, 64, 2, pingpong=False, tma=False)),
 ]
 if not SIMULATOR:
     CASES += [
@@ -33,11 +35,14 @@ if not SIMULATOR:
             ("bfloat16", (1023, 203), 1, 128, "causal", W(2, 64, 4)),
             ("float16", (1, 777), 4, 64, "none", W(2, 128, 4)),
             ("bfloat16", (777, 777), 2, 64, "window", W(2, 128, 2, pingpong=False)),
-            ("float16", (300, 1000), 2, 256, "causal", W(2, 64, 2, False, False)),
-            ("float16", (203, 203), 4, 96, "none", W(2, 128, 3, producer=False, pingpong=False)),
+            ("float16", (300, 1000), 2, 256, "causal", W(2, 64, 2, False, False, False)),
+            ("float16", (203, 203), 4, 96, "none", W(2, 128, 3, False, False, False)),
             ("bfloat16", (64, 300), 2, 32, "window", W(1, 128, 3, pingpong=False)),
-            ("float16", (500, 500), 2, 192, "causal", W(2, 64, 2, producer=False, pingpong=False)),
+            ("float16", (500, 500), 2, 192, "causal", W(2, 64, 2, False, False, False)),
             ("float16", (129, 4097), 1, 128, "causal", W(2, 128, 3)),
+            ("bfloat16", (1000, 1000), 2, 128, "none", W(2, 128, 2, tma=False)),
+            ("float16", (257, 1500), 4, 96, "window", W(2, 128, 2)),
+            ("bfloat16", (700, 333), 1, 64, "causal", W(3, 64, 2, pingpong=False)),
         ]
     ]
 

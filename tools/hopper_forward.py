@@ -94,12 +94,15 @@ def check_varlen(cfg, head_dim, dtype, seed):
 
 
 def parse_config(text):
-    """consumers,block_n,stages[,p (a producer)[,pp (pingpong)]], e.g. 2,128,2,p,pp"""
+    """consumers,block_n,stages[,p (a producer)][,pp (pingpong)][,t (TMA loads)], e.g.
+    2,128,2,p,pp,t"""
     parts = text.split(",")
     consumers, block_n, stages = (int(x) for x in parts[:3])
+    flags = parts[3:]
     return WgmmaForwardConfig(
-        consumers, block_n, stages, producer="p" in parts[3:], pingpong="pp" in parts[3:]
-    )
+        consumers, block_n, stages, producer="p" in flags, pingpong="pp" in flags,
+        tma="t" in flags,
+    )  # fmt: skip
 
 
 def main():
@@ -163,7 +166,8 @@ def main():
             cudnn = found.get("cudnn")
             print(
                 f"hd{hd} {dt} causal={int(causal)} s{seqlen} c{cfg.consumers} n{cfg.block_n} "
-                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)}: {tf:6.1f} TFLOP/s | "
+                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)} t{int(cfg.tma)}: "
+                f"{tf:6.1f} TFLOP/s | "
                 f"FA2 {found.get('flash', float('nan')):6.1f} "
                 f"cuDNN {cudnn or float('nan'):6.1f} mma.sync {found['mma.sync']:6.1f} | "
                 f"x cuDNN {tf / cudnn if cudnn else float('nan'):.3f}",

@@ -25,23 +25,29 @@ copies, a tile STAGES - 2 tiles ahead of its use, between block-wide barriers. W
 warpgroup of its own does (warp specialisation, its registers handed to the consumers by
 setmaxnreg): each thread's copies arrive at the slot's mbarrier when they land, K and V on
 barriers of their own, and the consumers release a slot's K once S has landed and its V once
-P V has. With two consumers and a producer, ``PINGPONG`` makes them take turns issuing their
-products (named barriers), so that one's softmax runs while the other's products do.
+P V has. With ``TMA`` the producer's first warp instead publishes tensor maps of Q, K and V
+(kernels/ptx_tma.py) and one of its threads copies each tile with a TMA instruction per 64
+columns, the bytes completing the slot's mbarrier; the rest of the warpgroup exits. With two
+consumers and a producer, ``PINGPONG`` makes them take turns issuing their products (named
+barriers), so that one's softmax runs while the other's products do.
 
 Shared memory: every 64-column slice of a row-major tile (Q: BLOCK_M rows; K, V: BLOCK_N rows)
 is one "atom" of 128-byte rows with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r &
 7), 8-row groups 1024 bytes apart; ptx_sm90's docstring), the atoms of a tile one after the
-other. Head dims that are not a multiple of 64 are zero-filled up to one in shared memory, never
-read from global memory; S's products skip the k16 steps that hold only zeros.
+other (TMA writes this layout itself). Head dims that are not a multiple of 64 are zero-filled
+up to one in shared memory, never read from global memory; S's products skip the k16 steps
+that hold only zeros.
 
 Key tiles that the causal or window mask hides from every row of the block are neither loaded
 nor computed; tiles it hides partly are masked element by element. A packed batch (``VARLEN``)
-runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forward does.
+runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forward does, its
+tiles loaded by cp.async: a TMA box past a sequence's end would read the next sequence's rows,
+where cp.async zero-fills them.
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
 -inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
-Does not: paged KV caches or appends (chunked prefill runs the decode kernel), TMA loads.
+Does not: paged KV caches or appends (chunked prefill runs the decode kernel).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
@@ -49,7 +55,7 @@ import functools
 
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
-from . import ptx, ptx_sm90
+from . import ptx, ptx_sm90, ptx_tma
 from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
@@ -73,44 +79,60 @@ def padded_head_dim(head_dim):
 #: exactly the registers there are. FlashAttention-3's 40 / 232 made ptxas spill the producer's
 #: cp.async addresses at head_dim 64 (sm_90a, CUDA 13; 224 leave the consumers room at 128).
 REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
+#: ... when the producer's loads are TMA copies issued by one thread: FlashAttention-3's 24 /
+#: 240 (24 + 2 x 240 = 3 x 168).
+TMA_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+#: The tensor maps a block publishes (Q, K, V), each staged in MAP_BYTES of shared memory.
+MAPS = 3
 
 
 def shared_memory_layout(head_dim, block_m, block_n, stages):
-    """(the first slot, one slot, V within a slot, the mbarriers, total) in bytes from the
-    block's 1024-byte aligned base, where the Q tile starts; the total includes 1024 bytes to
-    align that base."""
+    """(the first slot, one slot, V within a slot, the mbarriers, the staged tensor maps,
+    total) in bytes from the block's 1024-byte aligned base, where the Q tile starts; the total
+    includes 1024 bytes to align that base."""
     atoms = padded_head_dim(head_dim) // 64
     q_tile = block_m * ROW_BYTES * atoms
     kv_tile = block_n * ROW_BYTES * atoms
     slot = 2 * kv_tile
     barriers = q_tile + stages * slot
-    return q_tile, slot, kv_tile, barriers, barriers + 8 * (4 * stages + 1) + GROUP_BYTES
+    maps = (barriers + 8 * (4 * stages + 1) + 127) // 128 * 128  # 128-byte aligned
+    total = maps + MAPS * ptx_tma.MAP_BYTES + GROUP_BYTES
+    return q_tile, slot, kv_tile, barriers, maps, total
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, varlen=False):
+def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False):
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
-    ``pingpong``: two consumer warpgroups take turns issuing their products. ``varlen``: over a
-    packed batch (grid (blocks of max_seqlen_q, nheads, batch), lse (nheads, total_q)); else
-    dense (lse (batch, nheads, seqlen_q)); both take launch.FORWARD_VARLEN's parameters."""
+    ``pingpong``: two consumer warpgroups take turns issuing their products; ``tma``: the
+    producer's loads are TMA copies through the tensor maps the kernel is given (else
+    cp.async). ``varlen``: over a packed batch (grid (blocks of max_seqlen_q, nheads, batch),
+    lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
+    launch.WGMMA_FORWARD's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
+    if tma and (varlen or not producer):
+        raise ValueError("TMA loads take a producer and a dense batch")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
-    PRODUCER, PINGPONG = producer, pingpong
+    PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
-    LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue the cp.async copies
+    LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue cp.async copies
+    ARRIVALS = 1 if TMA else LOAD_THREADS  # arrivals that fill a slot: one expect_tx with TMA
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
-    PRODUCER_REGISTERS, CONSUMER_REGISTERS = REGISTER_SPLIT.get(consumers, (0, 0))
+    split = TMA_REGISTER_SPLIT if TMA else REGISTER_SPLIT
+    PRODUCER_REGISTERS, CONSUMER_REGISTERS = split.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
-    STAGE0, SLOT, V_OFF, BARRIERS, _ = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES)
+    layout = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES)
+    STAGE0, SLOT, V_OFF, BARRIERS, STAGED_MAPS, _ = layout
+    ATOMS = HD_PAD // 64
+    MAP_BYTES, MAP_WORDS, BOX_INNER = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS, ptx_tma.BOX_INNER
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a row in global memory
     PAD_CHUNKS = HD_PAD // 8  # ... in shared memory (the rest zero-filled)
     K_STEPS = (HEAD_DIM + 15) // 16  # k16 steps of S = Q K^T that hold data
@@ -306,13 +328,13 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
 
     @device_function
     def init_barriers(base, tid):
-        """The producer's 128 threads arrive at the full barriers and Q's; every consumer thread
-        at the empty ones."""
+        """The producer's 128 threads (with TMA: its one thread that copies) arrive at the full
+        barriers and Q's; every consumer thread at the empty ones."""
         if tid == 0:
             for i in range(2 * STAGES):
-                ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(LOAD_THREADS))
+                ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(ARRIVALS))
                 ptx_sm90.mbarrier_init(barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS))
-            ptx_sm90.mbarrier_init(barrier_address(base, Q_FULL), uint32(LOAD_THREADS))
+            ptx_sm90.mbarrier_init(barrier_address(base, Q_FULL), uint32(ARRIVALS))
         cuda.syncthreads()
 
     @device_function
@@ -343,6 +365,65 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)  # nothing in flight when the thread exits
+
+    @device_function
+    def publish_map(maps, index, staged, words, source, lane):
+        """Warp-wide: tensor map ``index`` of the launch's ``maps`` made from template
+        ``words`` (staged in shared memory at ``staged``) with global address ``source``."""
+        if lane == 0:
+            for w in range(MAP_WORDS):
+                ptx_tma.store_map_word(staged, int32(w), words[w])
+            ptx_tma.replace_address(staged, source)
+        ptx_tma.publish(ptx_tma.global_address(maps, int64(index * MAP_WORDS)), staged)
+
+    @device_function
+    def load_boxes(tensor_map, dst, atom_bytes, barrier, row, head, b):
+        """Every 64-column atom of the box of rows ``row``.. of (head, b) into the tile at
+        ``dst``, its bytes completing on ``barrier``."""
+        for a in range(ATOMS):
+            ptx_tma.load_box(tensor_map, dst + uint32(a * atom_bytes), barrier,
+                             int32(a * BOX_INNER), row, head, b)  # fmt: skip
+
+    @device_function
+    def refill_box(base, empty, full, t, slot, tensor_map, offset, n0, kv_head, b):
+        """TMA: tile t of K or V (``offset`` into the slot) into ``slot`` once its last tile
+        there is released."""
+        if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
+            phase = uint32(((t // STAGES) - 1) & 1)
+            ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
+        barrier = barrier_address(base, full + slot)
+        ptx_sm90.mbarrier_expect_tx(barrier, uint32(ATOMS * KV_ATOM))
+        load_boxes(tensor_map, slot_address(base, slot) + uint32(offset), KV_ATOM, barrier, n0,
+                   kv_head, b)  # fmt: skip
+
+    @device_function
+    def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, lane):
+        """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
+        Q and every key tile's K and V into the ring."""
+        head, kv_head, b = coords
+        q_words, k_words, v_words = templates
+        staged = base + uint32(STAGED_MAPS)
+        publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
+        publish_map(maps, 1, staged + uint32(MAP_BYTES), k_words,
+                    ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
+        publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
+                    ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
+        if lane == 0:
+            q_map = ptx_tma.global_address(maps, int64(0))
+            k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
+            v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
+            ptx_tma.acquire(q_map)
+            ptx_tma.acquire(k_map)
+            ptx_tma.acquire(v_map)
+            q_full = barrier_address(base, Q_FULL)
+            ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
+            load_boxes(q_map, base, Q_ATOM, q_full, int32(m0), head, b)
+            slot = int32(0)
+            for t in range(n_tiles):
+                n0 = int32((first_tile + t) * BLOCK_N)
+                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, b)
+                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, b)
+                slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
     def landed_half(base, full, it, slot):
@@ -382,11 +463,13 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp,
+        tid, lane, warp, maps, templates, coords,
     ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
         o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
-        each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right)."""
+        each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right).
+        With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
+        templates, ``coords`` (head, kv_head, batch) the block's."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -411,8 +494,13 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             if warp < 4:  # the producer warpgroup
                 if MOVE_REGISTERS:
                     ptx_sm90.set_max_registers(PRODUCER_REGISTERS, False)
-                produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first, k_ss,
-                        v_ss, keys_left, n_tiles, tid)  # fmt: skip
+                if TMA:
+                    if warp == 0:
+                        produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile,
+                                      n_tiles, lane)  # fmt: skip
+                else:
+                    produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first,
+                            k_ss, v_ss, keys_left, n_tiles, tid)  # fmt: skip
                 return
             if MOVE_REGISTERS:
                 ptx_sm90.set_max_registers(CONSUMER_REGISTERS, True)
@@ -530,8 +618,9 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     # setmaxnreg needs the register count at entry: a block per multiprocessor
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
     def forward_sm90(
-        q, k, v, o, lse, cu_q, cu_k, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k, heads_per_kv,
-        scale_log2, window_left, window_right, total_q, total_k,
+        q, k, v, o, lse, cu_q, cu_k, maps, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
+        heads_per_kv, scale_log2, window_left, window_right, total_q, total_k, q_map, k_map,
+        v_map,
     ):  # fmt: skip
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
@@ -555,7 +644,8 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             bases = dense_bases(strides, b, head, kv_head, seqlen_q)
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
-            lengths[1], scale_log2, (window_left, window_right), tid, lane, warp,
+            lengths[1], scale_log2, (window_left, window_right), tid, lane, warp, maps,
+            (q_map, k_map, v_map), (head, kv_head, b),
         )  # fmt: skip
 
     return forward_sm90

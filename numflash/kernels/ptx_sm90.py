@@ -53,6 +53,10 @@ Barriers for warp-specialised kernels (PTX ISA, "mbarrier", "bar"):
   once all its earlier cp.async copies have landed, without the thread waiting for them;
   wgmma reads what the copies wrote after a wait on the barrier (CUTLASS's cp.async GMMA
   mainloops hand tiles over this way, with no proxy fence).
+- ``mbarrier.arrive.expect_tx`` arrives and adds a byte count (the transaction count) that
+  the phase also waits for: a TMA copy naming the barrier lowers it by the bytes it wrote
+  (``complete_tx``) when they land, so the phase completes once every arrival is made and
+  every expected byte has landed.
 - Named barriers 1-15 (0 is __syncthreads): ``bar.sync id, n`` waits until ``n`` threads
   (a multiple of 32) have arrived at ``id``, counting itself; ``bar.arrive id, n`` counts
   itself without waiting.
@@ -90,6 +94,7 @@ __all__ = [
     "reciprocal",
     "mbarrier_init",
     "mbarrier_arrive",
+    "mbarrier_expect_tx",
     "mbarrier_wait",
     "cp_async_arrive",
     "named_barrier_sync",
@@ -253,17 +258,28 @@ if SIMULATOR:
         def __init__(self, count=0):
             self.count = count
             self.arrived = 0
+            self.tx = 0  # bytes of asynchronous copies expected and not yet landed
             self.phase = 0
             self.changed = threading.Condition()
 
-        def arrive(self, count=None):
+        def arrive(self, count=None, expect_bytes=0):
             with self.changed:
                 self.arrived += 1
-                if self.arrived == (count or self.count):
-                    self.arrived = 0
-                    self.phase += 1
-                    self.changed.notify_all()
+                self.tx += expect_bytes
+                self._complete_if_done(count)
                 return self.phase
+
+        def complete_tx(self, nbytes):
+            """``nbytes`` of an asynchronous copy have landed."""
+            with self.changed:
+                self.tx -= nbytes
+                self._complete_if_done()
+
+        def _complete_if_done(self, count=None):
+            if self.arrived == (count or self.count) and self.tx == 0:
+                self.arrived = 0
+                self.phase += 1
+                self.changed.notify_all()
 
         def wait_past(self, phase):
             with self.changed:
@@ -288,10 +304,13 @@ if SIMULATOR:
 
     def mbarrier_init(address, count):
         barrier = _mbarrier(address)
-        barrier.count, barrier.arrived, barrier.phase = int(count), 0, 0
+        barrier.count, barrier.arrived, barrier.tx, barrier.phase = int(count), 0, 0, 0
 
     def mbarrier_arrive(address):
         _mbarrier(address).arrive()
+
+    def mbarrier_expect_tx(address, nbytes):
+        _mbarrier(address).arrive(expect_bytes=int(nbytes))
 
     def cp_async_arrive(address):
         _mbarrier(address).arrive()  # the simulator's copies are complete when issued
@@ -511,6 +530,12 @@ else:
         "{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [$0]; }",
         1,
         "Arrive at the mbarrier at shared ``address`` (release: earlier writes first).",
+    )
+    mbarrier_expect_tx = _operands_statement(
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;",
+        2,
+        "Arrive at the mbarrier at shared ``address`` and add ``nbytes`` (uint32) to the bytes "
+        "of asynchronous copies (TMA) its phase waits for besides the arrivals.",
     )
     cp_async_arrive = _operands_statement(
         "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",

@@ -1,0 +1,284 @@
+"""The tensor memory accelerator (TMA, sm_90): tiles copied from global to shared memory by
+the hardware, described by a tensor map.
+
+A kernel asks for a box of a tensor (up to 5 dimensions, the innermost contiguous) with one
+instruction issued by one thread; the copy lands in shared memory with the 128-byte swizzle
+that wgmma reads, elements outside the tensor zero-filled, and it completes a transaction
+count on an mbarrier (ptx_sm90's ``mbarrier_expect_tx``). No registers, no address arithmetic
+per 16 bytes: the loads of the Hopper forward cost its producer a handful of instructions per
+tile instead of cp.async's one per 16 bytes and thread.
+
+Facts used (PTX ISA: cp.async.bulk.tensor, tensormap.replace, tensormap.cp_fenceproxy,
+fence.proxy.tensormap; CUDA driver API: cuTensorMapEncodeTiled):
+
+- A tensor map is 128 opaque bytes made on the host by ``cuTensorMapEncodeTiled``: element
+  type, rank, the global address (16-byte aligned), the sizes (innermost first), the byte
+  strides of the outer dimensions (multiples of 16, below 2^40), the box (at most 256
+  elements a dimension; with the 128-byte swizzle at most 128 bytes innermost), swizzle and
+  out-of-bounds fill. A box written with the 128-byte swizzle is the layout of ptx_sm90's
+  K-major and MN-major 128-byte-swizzled operands (128-byte rows, 16-byte chunk c of row r at
+  c ^ (r & 7)) when its shared address is 1024-byte aligned.
+- ``cp.async.bulk.tensor`` reads the map from ``.param``, ``.const`` or ``.global`` memory.
+  numba-cuda passes no by-value kernel parameter wider than a scalar, so a kernel here takes
+  each map as 16 int64 scalars (a "template"), writes it to shared memory, replaces the global
+  address in it with its array's (``tensormap.replace``) and copies it to global memory with a
+  release fence (``tensormap.cp_fenceproxy``, warp-wide); then ``fence.proxy.tensormap
+  acquire`` before the first copy that reads it. The template depends only on the shapes and
+  strides, never the address, so a recorded launch (numflash.plans) stays exact when its
+  arrays change.
+- Every block of a launch writes the same bytes to the same global map (the launch's arrays
+  are the same for all), so a map is never seen half written by a block that uses it; each
+  launch gets a map buffer of its own.
+
+In Numba's CUDA simulator the template is this module's own encoding of the same fields
+(:func:`template`), a global address is (array, element index), and the copy is done at once,
+swizzle and zero fill included, completing the mbarrier's transaction count as the hardware
+does.
+"""
+
+import threading
+
+import numpy as np
+
+from . import ptx, ptx_sm90
+from .jit import SIMULATOR
+
+#: A tensor map's size, and as the int64 words a kernel takes it in.
+MAP_BYTES = 128
+MAP_WORDS = MAP_BYTES // 8
+#: The box's innermost extent in elements of 16 bits: one 128-byte swizzle row.
+BOX_INNER = 64
+
+_DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+
+
+def problems(dims, strides, itemsize=2):
+    """Why a tensor of ``dims`` elements (innermost first) and outer element ``strides`` can
+    not have a tensor map (empty when it can)."""
+    out = []
+    if any(not 1 <= d <= 1 << 32 for d in dims):
+        out.append(f"sizes {dims} outside [1, 2^32]")
+    if any((s * itemsize) % 16 or not 0 <= s * itemsize < 1 << 40 for s in strides):
+        out.append(f"strides {strides} not multiples of 16 bytes below 2^40")
+    return out
+
+
+#: Templates made, by geometry; a model has a handful of geometries, so this stays small.
+_templates = {}
+
+
+def template(dtype_name, dims, strides, box, address):
+    """The tensor map of a ``dtype_name`` tensor of ``dims`` elements (innermost first) and
+    outer element ``strides``, box ``box``, 128-byte swizzle, zero fill, as MAP_WORDS int64
+    values. The kernel replaces the address in it with its array's, so a template is made once
+    per geometry, with the 16-byte aligned ``address`` of the first tensor seen.
+
+    Raises ValueError when the driver refuses the map (see :func:`problems`)."""
+    key = (dtype_name, dims, strides, box)
+    found = _templates.get(key)
+    if found is None:
+        if len(_templates) >= 4096:
+            _templates.clear()
+        make = _simulated_template if SIMULATOR else _encoded_template
+        found = _templates[key] = make(dtype_name, dims, strides, box, address)
+    return found
+
+
+def _encoded_template(dtype_name, dims, strides, box, address):
+    from cuda.bindings import driver
+
+    rank = len(dims)
+    err, tensor_map = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType(_DATA_TYPES[dtype_name]),
+        rank,
+        address,
+        [driver.cuuint64_t(d) for d in dims],
+        [driver.cuuint64_t(s * 2) for s in strides],
+        [driver.cuuint32_t(b) for b in box],
+        [driver.cuuint32_t(1)] * rank,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+    )
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"cuTensorMapEncodeTiled refused dims {dims} strides {strides}: {err}")
+    words = np.array([int(w) for w in tensor_map.opaque], dtype=np.uint64)
+    return tuple(int(w) for w in words.view(np.int64))
+
+
+if SIMULATOR:
+    _tables_lock = threading.Lock()
+    _sources = {}  # (map buffer address, word index) -> the array a published map reads
+
+    def _simulated_template(dtype_name, dims, strides, box, address):
+        """rank, dims (4), outer strides (3, elements), box (4): the fields the simulated
+        copy reads, padded to MAP_WORDS."""
+        rank = len(dims)
+        pad = 4 - rank
+        words = [rank, *dims, *(1,) * pad, *strides, *(0,) * pad, *box, *(1,) * pad]
+        return tuple(words + [0] * (MAP_WORDS - len(words)))
+
+    class _GlobalAddress:
+        """A global address in the simulator: an array and an element index."""
+
+        def __init__(self, array, index):
+            self.array = array
+            self.index = int(index)
+
+        def key(self):
+            return (self.array.__array_interface__["data"][0], self.index)
+
+    def global_address(array, index):
+        return _GlobalAddress(array, index)
+
+    def _staging_key(address):
+        return (address.array.__array_interface__["data"][0], address.index)
+
+    def store_map_word(address, word, value):
+        """Word ``word`` of the map staged at shared ``address``."""
+        at = address.index + 4 * int(word)
+        address.array[at : at + 4] = np.array([value], dtype=np.int64).view(np.uint16)
+
+    def _staged_sources():
+        """This block's {staged map's shared address: the array it reads}."""
+        manager = threading.current_thread()._manager
+        with _tables_lock:
+            return manager.__dict__.setdefault("_numflash_staged_maps", {})
+
+    def replace_address(address, source):
+        _staged_sources()[_staging_key(address)] = source
+
+    def publish(gmem, address):
+        # warp-wide: runs once every lane has arrived, lane 0's staging done before it
+        def collective(inputs):
+            words = address.array[address.index : address.index + 4 * MAP_WORDS]
+            gmem.array[gmem.index : gmem.index + MAP_WORDS] = words.view(np.int64)
+            with _tables_lock:
+                _sources[gmem.key()] = staged[_staging_key(address)]
+            return [None] * 32
+
+        staged = _staged_sources()
+        ptx._warp_collective(collective, None)
+
+    def acquire(gmem):
+        pass
+
+    def load_box(gmem, dst, barrier, c0, c1, c2, c3):
+        """Copy the box at coordinates (c0 innermost, c1, c2, c3) of the map at ``gmem`` into
+        shared ``dst`` (swizzled 128-byte rows), zeros outside the tensor, and complete its
+        bytes on the mbarrier at shared ``barrier``."""
+        words = [int(w) for w in gmem.array[gmem.index : gmem.index + MAP_WORDS]]
+        dims, strides, box = words[1:5], [1, *words[5:8]], words[8:12]
+        with _tables_lock:
+            source = _sources[gmem.key()]
+        coords = (int(c0), int(c1), int(c2), int(c3))
+        rows = box[1] * box[2] * box[3]
+        tile = np.zeros((rows, box[0]), dtype=np.uint16)
+        for r in range(rows):
+            outer = (r % box[1], (r // box[1]) % box[2], r // (box[1] * box[2]))
+            at = [coords[i + 1] + outer[i] for i in range(3)]
+            if not all(0 <= a < d for a, d in zip(at, dims[1:])):
+                continue
+            first = source.index + sum(a * s for a, s in zip(at, strides[1:]))
+            cols = np.arange(box[0]) + coords[0]
+            inside = (cols >= 0) & (cols < dims[0])
+            tile[r, inside] = source.array[first + cols[inside]]
+        byte = dst.index * 2 + np.arange(rows)[:, None] * 2 * box[0] + np.arange(box[0]) * 2
+        byte = byte ^ (((byte >> 7) & 7) << 4)  # the 128-byte swizzle on the address
+        dst.array[byte // 2] = tile
+        ptx_sm90._mbarrier(barrier).complete_tx(tile.nbytes)
+
+else:
+    from llvmlite import ir
+    from numba.cuda import types
+    from numba.cuda.extending import intrinsic
+
+    _I32, _I64 = ir.IntType(32), ir.IntType(64)
+
+    def _statement(builder, asm, constraints, operands):
+        fnty = ir.FunctionType(ir.VoidType(), [x.type for x in operands])
+        builder.asm(fnty, asm, constraints, operands, True)
+
+    @intrinsic
+    def global_address(typingctx, array, index):
+        """The 64-bit global address of ``array[index]``."""
+        sig = types.uint64(array, types.int64)
+
+        def codegen(context, builder, sig, args):
+            pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
+            return ptx._global_address(builder, pointer)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_map_word(typingctx, address, word, value):
+        """Store int64 ``value`` as word ``word`` of the map staged at shared ``address``."""
+        sig = types.void(types.uint32, types.int32, types.int64)
+
+        def codegen(context, builder, sig, args):
+            at = builder.add(args[0], builder.mul(args[1], ir.Constant(_I32, 8)))
+            _statement(builder, "st.shared.b64 [$0], $1;", "r,l,~{memory}", [at, args[2]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def replace_address(typingctx, address, source):
+        """Set the global address of the map staged at shared ``address`` (128-byte aligned)
+        to ``source`` (uint64, 16-byte aligned)."""
+        sig = types.void(types.uint32, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            asm = "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], $1;"
+            _statement(builder, asm, "r,l,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def publish(typingctx, gmem, address):
+        """Copy the map staged at shared ``address`` to global ``gmem`` (64-byte aligned) and
+        release it to the tensor-map proxy; every thread of the warp together."""
+        sig = types.void(types.uint64, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = (
+                "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
+                ".sync.aligned [$0], [$1], 128;"
+            )
+            _statement(builder, asm, "l,r,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def acquire(typingctx, gmem):
+        """Make the map at global ``gmem``, published by :func:`publish`, the one this
+        thread's copies read (the tensor-map proxy's acquire)."""
+        sig = types.void(types.uint64)
+
+        def codegen(context, builder, sig, args):
+            asm = "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;"
+            _statement(builder, asm, "l,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_box(typingctx, gmem, dst, barrier, c0, c1, c2, c3):
+        """Copy the box at coordinates (c0 innermost, c1, c2, c3; int32) of the 4-D map at
+        global ``gmem`` into shared ``dst`` (1024-byte aligned), completing its bytes on the
+        mbarrier at shared ``barrier``."""
+        sig = types.void(types.uint64, types.uint32, types.uint32, *(types.int32,) * 4)
+
+        def codegen(context, builder, sig, args):
+            gmem, dst, barrier, *coords = args
+            asm = (
+                "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {$3, $4, $5, $6}], [$2];"
+            )
+            _statement(builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords])
+            return context.get_dummy_value()
+
+        return sig, codegen
