@@ -77,19 +77,16 @@ WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
 
 def default_wgmma_forward_config(head_dim):
     """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
-    (fp16, seqlen 4096, causal and not; tools/hopper_forward.py, docs/performance.md "Hopper
-    forward"): at head_dim 64 a producer warpgroup feeding two consumers (1.16-1.21x every
-    thread loading), without pingpong (3-4% faster than with); at 128 every thread loading (a
-    producer was 0.90-0.95x); at 256 the accumulators leave no registers for a producer."""
+    (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
+    docs/performance.md "Hopper forward"): a producer warpgroup loading by TMA everywhere
+    (1.4x cp.async at head_dim 128); at 64 key tiles of 192 (2-4% over 128), without pingpong
+    (1-3% faster); at 128 pingpong (2-10% over 3 stages without); at 256 tiles of 64 keys, the
+    most the accumulators leave registers for, without pingpong (0-4% faster)."""
     if head_dim <= 64:
-        return WgmmaForwardConfig(consumers=2, block_n=128, stages=3, pingpong=False, tma=False)
+        return WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
     if head_dim <= 128:
-        return WgmmaForwardConfig(
-            consumers=2, block_n=128, stages=3, producer=False, pingpong=False, tma=False
-        )
-    return WgmmaForwardConfig(
-        consumers=2, block_n=64, stages=2, producer=False, pingpong=False, tma=False
-    )
+        return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
+    return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
 
 
 def default_tensor_core_backward_config(head_dim, device=None):

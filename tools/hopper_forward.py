@@ -105,14 +105,48 @@ def parse_config(text):
     )  # fmt: skip
 
 
+def ablate(parts):
+    """Take parts out of the kernels about to be built, to see what limits them (the results
+    are wrong, so use with --no-check): "loads" makes cp.async tile loads do nothing (the
+    schedules without TMA), "exp" replaces exp2 by a multiplication. Must run before any
+    kernel is built."""
+    from numba import float32
+
+    from numflash.kernels import forward_sm90, ptx
+    from numflash.kernels.jit import device_function
+
+    if "loads" in parts:
+
+        def no_loader(chunks, threads, padded_chunks=None):
+            @device_function
+            def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+                pass
+
+            return load_rows
+
+        forward_sm90.swizzled_row_loader = no_loader
+    if "exp" in parts:
+
+        @device_function
+        def scaled(x):
+            return x * float32(0.001)
+
+        ptx.exp2 = scaled
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     peers.add_problem_arguments(ap)
+    ap.add_argument("--ablate", nargs="+", choices=["loads", "exp"], default=[],
+                    help=ablate.__doc__.split(":")[0])  # fmt: skip
     ap.add_argument("--configs", nargs="+", required=True, help=parse_config.__doc__)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--runs", type=int, default=20)
     args = ap.parse_args()
+    if args.ablate:
+        ablate(args.ablate)
+        args.no_check = True
     configs = [parse_config(c) for c in args.configs]
     rows = []
     checked = {}
