@@ -39,8 +39,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
-from .config import CONFIG_TYPES, config_from_dict
-from .device import PORTABLE_DECODE, TENSOR_CORE_DECODE
+from .config import CONFIG_TYPES, config_from_dict, families
 
 FORMAT = 3
 SHIPPED_DIR = Path(__file__).parent / "configs"
@@ -48,7 +47,7 @@ MASKS = ("full", "causal", "window")
 #: Grid classes of the KV-cache families' keys (numflash.selection.decode_grid).
 GRIDS = ("few", "many")
 #: The families whose keys carry a grid class: the KV-cache ones.
-GRID_FAMILIES = (PORTABLE_DECODE, TENSOR_CORE_DECODE)
+GRID_FAMILIES = tuple(c.family for c in families("decode"))
 
 #: Sequence-length buckets are powers of two within these bounds.
 MIN_BUCKET, MAX_BUCKET = 128, 1 << 20

@@ -35,7 +35,7 @@ def info(out=sys.stdout):
     """Print what numflash runs with and where; returns the exit status (always 0)."""
     import numflash
     from numflash.cache import cache_dir
-    from numflash.device import TENSOR_CORE, current_device, gpu_available
+    from numflash.device import current_device, gpu_available
     from numflash.kernels.jit import SIMULATOR
 
     print(f"numflash {numflash.__version__} (Python {platform.python_version()})", file=out)
@@ -65,7 +65,7 @@ def info(out=sys.stdout):
             f"{dev.max_shared_per_block // 1024} KiB shared memory per block",
             file=out,
         )
-        if dev.supports(TENSOR_CORE):
+        if dev.runs("mma.sync"):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
             backward = "tensor-core (float16, bfloat16); portable (float32)"
             if dev.has_wgmma:

@@ -65,7 +65,17 @@ def _out_of_choices(cfg):
 
 class _Config:
     """What every configuration dataclass shares: its dict form, family included, and NumPy
-    scalars taken as the Python numbers they hold (``block_m=np.int64(64)`` is 64)."""
+    scalars taken as the Python numbers they hold (``block_m=np.int64(64)`` is 64).
+
+    A configuration type is its kernel family's declaration: ``family`` (its name), ``ROLE``
+    (what the kernels compute: one of ROLES), ``HARDWARE`` (the instructions they need: one of
+    HARDWARE, which :meth:`numflash.device.DeviceInfo.runs` checks), ``REVISION``. A family is
+    registered by its type's place in CONFIG_TYPES; its launcher (numflash.launch) and its
+    heuristic default (numflash.selection) are registered where they are defined."""
+
+    family: ClassVar[str]
+    ROLE: ClassVar[str]
+    HARDWARE: ClassVar[str]
 
     #: The kernels keep per-thread rows in local memory by design (the portable families): local
     #: memory there is no sign of spilled registers, which the autotuner refuses elsewhere.
@@ -113,7 +123,7 @@ def _tensor_core_problems(cfg, head_dim, device, static_shared=0):
     ``head_dim`` on ``device``: the GPU, shared memory (``static_shared`` bytes besides the
     dynamic ones), threads, and fragment registers a thread would hold."""
     out = []
-    if device is not None and not device.supports(cfg.family):
+    if device is not None and not device.runs(cfg.HARDWARE):
         out.append(
             f"{device.name} (compute capability {device.compute_capability}) has no "
             "mma.sync/ldmatrix/cp.async; the tensor-core kernels need 8.0 or newer"
@@ -152,6 +162,8 @@ class TensorCoreConfig(_Config):
     q_in_registers: bool = knob(True, (True, False))
 
     family: ClassVar[str] = TENSOR_CORE
+    ROLE: ClassVar[str] = "forward"
+    HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1
     #: Fragment registers a thread may hold (accumulators, scores, query fragments) before the
     #: rest of the kernel (addresses, softmax state) no longer fits in the 255-register limit.
@@ -227,6 +239,8 @@ class WgmmaForwardConfig(_Config):
     tma: bool = knob(True, (True, False))
 
     family: ClassVar[str] = WGMMA_FORWARD
+    ROLE: ClassVar[str] = "forward"
+    HARDWARE: ClassVar[str] = "wgmma"
     REVISION: ClassVar[int] = 2  # 2: TMA loads
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
@@ -305,6 +319,8 @@ class PortableConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE
+    ROLE: ClassVar[str] = "forward"
+    HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 2  # 2: the rows of one sequence in a device function (varlen)
 
@@ -336,6 +352,8 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = PORTABLE_BACKWARD
+    ROLE: ClassVar[str] = "backward"
+    HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 3  # 3: one sequence's keys or rows in a device function (varlen)
 
@@ -400,6 +418,8 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
     head_split: int = knob(1, (1, 2))
 
     family: ClassVar[str] = TENSOR_CORE_BACKWARD
+    ROLE: ClassVar[str] = "backward"
+    HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1
 
     def shared_memory_bytes(self, head_dim):
@@ -427,7 +447,7 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
                 f"{self.num_warps} warps cannot share dQ's {self.block_m // 16} row tiles "
                 f"x {part // 8} column tiles evenly (pairs of column tiles)"
             )
-        if device is not None and not device.supports(self.family):
+        if device is not None and not device.runs(self.HARDWARE):
             out.append(
                 f"{device.name} (compute capability {device.compute_capability}) has no "
                 "mma.sync; the tensor-core backward needs 8.0 or newer"
@@ -456,6 +476,8 @@ class WgmmaBackwardConfig(_WarpRowsBackward):
     stages: int = knob(2, (1, 2))
 
     family: ClassVar[str] = WGMMA_BACKWARD
+    ROLE: ClassVar[str] = "backward"
+    HARDWARE: ClassVar[str] = "wgmma"
     REVISION: ClassVar[int] = 1
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     dq_separate: ClassVar[bool] = True
@@ -495,6 +517,8 @@ class PortableDecodeConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = PORTABLE_DECODE
+    ROLE: ClassVar[str] = "decode"
+    HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
     REVISION: ClassVar[int] = 2  # 2: the combine kernel takes one block per row
 
@@ -529,6 +553,8 @@ class TensorCoreDecodeConfig(_Config):
     stages: int = knob(2, (2, 3, 4, 5, 6))
 
     family: ClassVar[str] = TENSOR_CORE_DECODE
+    ROLE: ClassVar[str] = "decode"
+    HARDWARE: ClassVar[str] = "mma.sync"
     #: 2: the append and the combine in the kernel; 3: the warps merged at once, masks only
     #: where a tile needs one, a paged tile's row places found a tile ahead; 4: the Q tile's and
     #: the ring's rows swizzled (head dims padded to a multiple of 64); 5: every slot of the ring
@@ -577,22 +603,43 @@ class TensorCoreDecodeConfig(_Config):
         )
 
 
-CONFIG_TYPES = {
-    c.family: c
-    for c in (
-        TensorCoreConfig,
-        WgmmaForwardConfig,
-        PortableConfig,
-        PortableBackwardConfig,
-        TensorCoreBackwardConfig,
-        WgmmaBackwardConfig,
-        PortableDecodeConfig,
-        TensorCoreDecodeConfig,
-    )
-}
-FORWARD_CONFIGS = (TensorCoreConfig, WgmmaForwardConfig, PortableConfig)
-BACKWARD_CONFIGS = (TensorCoreBackwardConfig, WgmmaBackwardConfig, PortableBackwardConfig)
-DECODE_CONFIGS = (TensorCoreDecodeConfig, PortableDecodeConfig)
+#: What a family's kernels compute (``ROLE``): the forward, its gradients, attention over a KV
+#: cache (whose tuned entries also carry a grid class).
+ROLES = ("forward", "backward", "decode")
+#: The instructions a family needs (``HARDWARE``): none beyond Numba's (every GPU, the
+#: simulator), mma.sync/ldmatrix/cp.async (sm_80+), wgmma/TMA/setmaxnreg (sm_90a).
+HARDWARE = ("portable", "mma.sync", "wgmma")
+
+
+def _registry(*config_types):
+    """{family name: configuration type}: the registry of kernel families."""
+    for c in config_types:
+        if c.ROLE not in ROLES or c.HARDWARE not in HARDWARE:
+            raise ValueError(f"{c.__name__}: ROLE {c.ROLE!r} or HARDWARE {c.HARDWARE!r} unknown")
+    return {c.family: c for c in config_types}
+
+
+#: Every kernel family, one line each.
+CONFIG_TYPES = _registry(
+    TensorCoreConfig,
+    WgmmaForwardConfig,
+    PortableConfig,
+    TensorCoreBackwardConfig,
+    WgmmaBackwardConfig,
+    PortableBackwardConfig,
+    TensorCoreDecodeConfig,
+    PortableDecodeConfig,
+)
+
+
+def families(role):
+    """The configuration types of the families of ``role``, in registry order."""
+    return tuple(c for c in CONFIG_TYPES.values() if c.ROLE == role)
+
+
+FORWARD_CONFIGS = families("forward")
+BACKWARD_CONFIGS = families("backward")
+DECODE_CONFIGS = families("decode")
 
 
 def config_from_dict(entry):

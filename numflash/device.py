@@ -43,13 +43,17 @@ class DeviceInfo:
         """The architecture name numflash keys its caches by, e.g. ``sm_90``."""
         return "sm_%d%d" % self.compute_capability
 
-    def supports(self, family):
-        """Whether kernels of ``family`` can run here (the simulator runs every family)."""
-        if family in (PORTABLE, PORTABLE_BACKWARD, PORTABLE_DECODE) or self.simulated:
+    def runs(self, hardware):
+        """Whether kernels that need ``hardware`` (a family's HARDWARE, numflash.config) can run
+        here: "portable" everywhere, "mma.sync" from sm_80, "wgmma" on 9.x; the simulator runs
+        them all."""
+        if hardware == "portable" or self.simulated:
             return True
-        if family in (WGMMA_BACKWARD, WGMMA_FORWARD):
+        if hardware == "wgmma":
             return self.has_wgmma
-        return self.compute_capability >= TENSOR_CORE_MIN_CC
+        if hardware == "mma.sync":
+            return self.compute_capability >= TENSOR_CORE_MIN_CC
+        raise ValueError(f"unknown hardware {hardware!r}")
 
     @property
     def has_wgmma(self):

@@ -46,6 +46,24 @@ from .kernels import (
 from .kernels.jit import SIMULATOR
 from .kernels.softmax import LOG2E
 
+# -- launchers by family ----------------------------------------------------------------------
+
+#: {configuration type: its family's launch builder}; forward and backward builders take
+#: (cfg, problem, arrays..., offsets=None), KV-cache builders (cfg, num_splits, problem, q,
+#: views, geometry, stream).
+LAUNCHERS = {}
+
+
+def launches(config_type):
+    """Register the decorated function as the launch builder of ``config_type``'s family."""
+
+    def register(fn):
+        LAUNCHERS[config_type] = fn
+        return fn
+
+    return register
+
+
 # -- parameter specs --------------------------------------------------------------------------
 
 #: The mask and scale every attention kernel takes after its arrays and strides.
@@ -557,6 +575,7 @@ def _tensor_core_inputs(cfg, p, q, k, v):
     return q, k, v, scale, head_dim
 
 
+@launches(TensorCoreConfig)
 def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
@@ -576,6 +595,7 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     )
 
 
+@launches(PortableConfig)
 def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v = (_kernel_input(x) for x in (q, k, v))
     varlen = offsets is not None
@@ -639,6 +659,7 @@ def _tensor_maps(cfg, p, q, k, v):
     return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), xp.int64, like=q), templates
 
 
+@launches(WgmmaForwardConfig)
 def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
     kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
@@ -665,23 +686,15 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     )
 
 
-#: One launch builder per forward family.
-_FORWARD = {
-    TensorCoreConfig: _tensor_core_forward,
-    WgmmaForwardConfig: _wgmma_forward,
-    PortableConfig: _portable_forward,
-}
-
-
 def forward(cfg, p, q, k, v, out, lse):
     """out and lse of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
-    _FORWARD[type(cfg)](cfg, p, q, k, v, out, lse)
+    LAUNCHERS[type(cfg)](cfg, p, q, k, v, out, lse)
 
 
 def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
     """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch; ``p``
     holds the max lengths and the batch (validated arrays)."""
-    _FORWARD[type(cfg)](cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k))
+    LAUNCHERS[type(cfg)](cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k))
 
 
 # -- backward ---------------------------------------------------------------------------------
@@ -745,6 +758,7 @@ DQ_VARLEN = KernelSpec(
 )
 
 
+@launches(PortableBackwardConfig)
 def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
     """The portable dK/dV and dQ kernels: dense, or a packed batch with ``offsets`` = (cu_q,
     cu_k) (``p`` then holds the max lengths; see _row_statistics)."""
@@ -781,7 +795,7 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
 
 def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
     """dq, dk, dv (total rows first) of a packed batch; ``p`` holds the max lengths."""
-    _BACKWARD[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
+    LAUNCHERS[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
 
 
 #: The tensor-core dK/dV kernels over a packed batch: as FORWARD_VARLEN extends FORWARD.
@@ -858,6 +872,7 @@ def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
     return dkdv, dq if cfg.dq_separate else None
 
 
+@launches(TensorCoreBackwardConfig)
 def _mma_backward(cfg, p, *tensors, offsets=None):
     def kernels(head_dim, varlen):
         def build():
@@ -876,6 +891,7 @@ def _mma_backward(cfg, p, *tensors, offsets=None):
     tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
 
+@launches(WgmmaBackwardConfig)
 def _wgmma_backward(cfg, p, *tensors, offsets=None):
     def kernels(head_dim, varlen):
         def build():
@@ -886,17 +902,9 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None):
     tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
 
-#: One launch builder per backward family.
-_BACKWARD = {
-    PortableBackwardConfig: _portable_backward,
-    TensorCoreBackwardConfig: _mma_backward,
-    WgmmaBackwardConfig: _wgmma_backward,
-}
-
-
 def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
     """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
-    _BACKWARD[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
+    LAUNCHERS[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
 
 
 # -- attention over a KV cache ----------------------------------------------------------------
@@ -987,7 +995,7 @@ def kvcache(
         out=arrays.kernel_view(target),
         lse=arrays.kernel_view(lse),
     )
-    _KVCACHE[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
+    LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:
         combine = launcher(
             (PORTABLE_DECODE_COMBINE, d, dtype),
@@ -1006,6 +1014,7 @@ def kvcache(
         _copy_back(out, target, p)
 
 
+@launches(PortableDecodeConfig)
 def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The portable split kernel: partials, also for one split (the combine writes out)."""
     d, dtype = p.head_dim, p.dtype
@@ -1038,6 +1047,7 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     )
 
 
+@launches(TensorCoreDecodeConfig)
 def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The tensor-core kernel: the append, the attention and (several splits) the combine in
     one launch."""
@@ -1085,7 +1095,6 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
 
 
 #: One launch builder per KV-cache family.
-_KVCACHE = {PortableDecodeConfig: _portable_kvcache, TensorCoreDecodeConfig: _tensor_core_kvcache}
 
 
 #: Launcher keys of the KV-cache kernels that no configuration names.

@@ -7,6 +7,7 @@ measurements and the commands that reproduce them are in docs/performance.md.
 """
 
 import dataclasses
+import inspect
 
 from . import cache
 from .config import (
@@ -22,7 +23,6 @@ from .config import (
     tensor_core_backward_head_dim,
 )
 from .device import (
-    PORTABLE,
     PORTABLE_BACKWARD,
     PORTABLE_DECODE,
     TENSOR_CORE,
@@ -38,12 +38,32 @@ Selection = cache.Selection
 
 # -- heuristic defaults -----------------------------------------------------------------------
 
+#: {family name: its heuristic default as a function of (head_dim as the kernels run it,
+#: device or None, grid class)}, registered by :func:`default_for` on each family's function.
+_DEFAULTS = {}
 
+
+def default_for(config_type):
+    """Register the decorated function, of (head_dim[, device[, grid]]), as the heuristic
+    default of ``config_type``'s family."""
+
+    def register(fn):
+        takes = len(inspect.signature(fn).parameters)
+        _DEFAULTS[config_type.family] = lambda head_dim, device, grid: fn(
+            *(head_dim, device, grid)[:takes]
+        )
+        return fn
+
+    return register
+
+
+@default_for(PortableConfig)
 def default_portable_config(head_dim):
     # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
     return PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
 
 
+@default_for(PortableBackwardConfig)
 def default_portable_backward_config(head_dim):
     """Two fp32 tiles fit the 48 KiB of static shared memory; untuned: these kernels are the
     correctness path, not the fast one."""
@@ -54,6 +74,7 @@ def default_portable_backward_config(head_dim):
     return PortableBackwardConfig(block_m=16, block_n=16)
 
 
+@default_for(TensorCoreConfig)
 def default_tensor_core_config(head_dim):
     """The forward's tiles where nothing is tuned: the fastest configurations without a spill
     on the H200 (docs/performance.md, "Forward tiles"), used on other GPUs until tuned there
@@ -75,6 +96,7 @@ def default_tensor_core_config(head_dim):
 WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
 
 
+@default_for(WgmmaForwardConfig)
 def default_wgmma_forward_config(head_dim):
     """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
     (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
@@ -89,6 +111,7 @@ def default_wgmma_forward_config(head_dim):
     return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
 
 
+@default_for(TensorCoreBackwardConfig)
 def default_tensor_core_backward_config(head_dim, device=None):
     """The mma.sync backward's tiles (head_dim as padded): the first of a short list that fits
     ``device`` (any device when None). dQ from its own kernel everywhere (deterministic, and
@@ -114,12 +137,14 @@ def default_tensor_core_backward_config(head_dim, device=None):
     return candidates[-1]
 
 
+@default_for(WgmmaBackwardConfig)
 def default_wgmma_backward_config(head_dim):
     """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
     warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
     return WgmmaBackwardConfig(num_warps=8, stages=2)
 
 
+@default_for(PortableDecodeConfig)
 def default_portable_decode_config(head_dim):
     # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
     return PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
@@ -142,6 +167,7 @@ def grid_class(blocks, device):
     return "many" if blocks >= 2 * device.multiprocessors else "few"
 
 
+@default_for(TensorCoreDecodeConfig)
 def default_tensor_core_decode_config(head_dim, device=None, grid="few"):
     """The first of the decode tiles for a call of grid class ``grid`` (:func:`grid_class`)
     whose shared memory fits ``device``."""
@@ -159,21 +185,7 @@ def default_config(family, head_dim, device, grid="few"):
     if family not in CONFIG_TYPES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     run_dim = CONFIG_TYPES[family]().kernel_head_dim(head_dim)
-    if family == PORTABLE:
-        return run_dim, default_portable_config(run_dim)
-    if family == PORTABLE_BACKWARD:
-        return run_dim, default_portable_backward_config(run_dim)
-    if family == TENSOR_CORE_BACKWARD:
-        return run_dim, default_tensor_core_backward_config(run_dim, device)
-    if family == WGMMA_BACKWARD:
-        return run_dim, default_wgmma_backward_config(run_dim)
-    if family == WGMMA_FORWARD:
-        return run_dim, default_wgmma_forward_config(run_dim)
-    if family == PORTABLE_DECODE:
-        return run_dim, default_portable_decode_config(run_dim)
-    if family == TENSOR_CORE_DECODE:
-        return run_dim, default_tensor_core_decode_config(run_dim, device, grid)
-    return run_dim, default_tensor_core_config(run_dim)
+    return run_dim, _DEFAULTS[family](run_dim, device, grid)
 
 
 # -- choosing for a call ----------------------------------------------------------------------
@@ -299,7 +311,7 @@ def backward(problem, device, deterministic):
     With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
     the separate dQ kernel instead (same tiles).
     """
-    if problem.dtype == "float32" or not device.supports(TENSOR_CORE):
+    if problem.dtype == "float32" or not device.runs("mma.sync"):
         return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
     families = [TENSOR_CORE_BACKWARD]
     if _wgmma_backward_fits(problem, device):

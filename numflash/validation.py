@@ -13,11 +13,9 @@ import numpy as np
 
 from . import arrays
 from .config import (
-    BACKWARD_CONFIGS,
-    DECODE_CONFIGS,
-    FORWARD_CONFIGS,
     MAX_HEAD_DIM,
     TensorCoreBackwardConfig,
+    families,
 )
 from .kernels.jit import SIMULATOR
 
@@ -289,16 +287,31 @@ def _names(types):
     return ", ".join(f"numflash.{t.__name__}" for t in types)
 
 
+#: How messages name the kernels of each HARDWARE (config.py) but the portable ones, and the
+#: kernels of each ROLE.
+_HARDWARE_NAMES = {"mma.sync": "tensor-core", "wgmma": "wgmma"}
+_ROLE_NAMES = {"forward": "kernel", "backward": "backward", "decode": "KV-cache kernel"}
+
+
+def _check_family(config, role, p):
+    """A forced configuration is of a family of ``role``, and one that takes ``p``'s dtype."""
+    types = families(role)
+    if not isinstance(config, types):
+        raise TypeError(
+            f"config must be one of {_names(types)} or None; got {type(config).__name__}"
+        )
+    if config.HARDWARE != "portable" and p.dtype == "float32":
+        raise TypeError(
+            f"config: the {_HARDWARE_NAMES[config.HARDWARE]} {_ROLE_NAMES[role]} takes float16 "
+            "or bfloat16, not float32"
+        )
+
+
 def check_forward_config(config, p, device):
     """A forced forward configuration, checked against the problem and the device."""
     if config is None:
         return None
-    if not isinstance(config, FORWARD_CONFIGS):
-        raise TypeError(
-            f"config must be one of {_names(FORWARD_CONFIGS)} or None; got {type(config).__name__}"
-        )
-    if config.family != "portable" and p.dtype == "float32":
-        raise TypeError("config: the tensor-core kernel takes float16 or bfloat16, not float32")
+    _check_family(config, "forward", p)
     return _config_problems(config, p, device)
 
 
@@ -311,13 +324,7 @@ def check_backward_config(config, p, deterministic, device):
     """A forced backward configuration, checked against the problem, the flag and the device."""
     if config is None:
         return None
-    if not isinstance(config, BACKWARD_CONFIGS):
-        raise TypeError(
-            f"config must be one of {_names(BACKWARD_CONFIGS)} or None; got {type(config).__name__}"
-        )
-    if config.family != "portable-backward" and p.dtype == "float32":
-        kind = "wgmma" if config.family == "wgmma-backward" else "tensor-core"
-        raise TypeError(f"config: the {kind} backward takes float16 or bfloat16, not float32")
+    _check_family(config, "backward", p)
     if isinstance(config, TensorCoreBackwardConfig) and deterministic and not config.dq_separate:
         raise ValueError(
             "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
@@ -330,13 +337,8 @@ def check_decode_config(config, p, device):
     """A forced KV-cache configuration, checked against the problem and the device."""
     if config is None:
         return None
-    if not isinstance(config, DECODE_CONFIGS):
-        raise TypeError(
-            f"config must be one of {_names(DECODE_CONFIGS)} or None; got {type(config).__name__}"
-        )
-    if config.family != "portable-decode":
-        if p.dtype == "float32":
-            raise TypeError("config: the tensor-core KV-cache kernel takes float16 or bfloat16")
+    _check_family(config, "decode", p)
+    if config.HARDWARE != "portable":
         if not p.cache_aligned:
             raise ValueError(
                 "config: the tensor-core KV-cache kernel reads the caches in place in 16-byte "

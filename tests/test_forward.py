@@ -332,7 +332,7 @@ def test_few_query_rows_match_the_reference_and_the_kvcache_call(seqlen_q, mask)
     q, k, v = random_qkv(2, seqlen_q, 5000, 8, 2, 128, "bfloat16")
     out, lse = numflash.attention(q, k, v, return_lse=True, out=poisoned_like(q), **mask)
     assert_matches_reference(q, k, v, out, lse, **mask)
-    if numflash.device.current_device().supports("tensor-core-decode"):
+    if numflash.device.current_device().runs("mma.sync"):
         cached = numflash.attention_with_kvcache(q, k, v, cache_seqlens=5000, **mask)
         assert bool((out.view(np.uint16) == cached.view(np.uint16)).all())
         assert "few query rows" in numflash.selected_config(q, k, v, **mask)[1]

@@ -17,12 +17,7 @@ import optuna
 import numflash
 from numflash import cache, launch, reference
 from numflash.arrays import from_float
-from numflash.config import CONFIG_TYPES
-from numflash.device import (
-    PORTABLE_BACKWARD,
-    TENSOR_CORE_BACKWARD,
-    WGMMA_BACKWARD,
-)
+from numflash.config import CONFIG_TYPES, families
 from numflash.selection import default_config
 from numflash.timing import attention_flops, time_gpu
 
@@ -35,6 +30,7 @@ MODEL_DIM = 2048
 
 
 DECODE_FAMILIES = cache.GRID_FAMILIES  # the KV-cache families
+BACKWARD_FAMILIES = tuple(c.family for c in families("backward"))
 
 #: KV-cache keys: the timed decoding step has one query row a sequence, 32 query heads and 8 KV
 #: heads at head_dim 128 (Llama 3 8B's GQA ratio, as benchmarks/bench_decode.py measures) and a
@@ -105,9 +101,6 @@ def random_inputs(xp, batch, seqlen, nheads, head_dim, dtype, seed):
     rng = xp.random.default_rng(seed)
     shape = (batch, seqlen, nheads, head_dim)
     return [from_float(rng.standard_normal(shape, dtype=xp.float32), dtype) for _ in range(3)]
-
-
-BACKWARD_FAMILIES = (PORTABLE_BACKWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD)
 
 
 class Objective:

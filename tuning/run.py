@@ -12,14 +12,7 @@ import time
 from numflash import cache
 from numflash.config import CONFIG_TYPES, MAX_HEAD_DIM
 from numflash.device import (
-    PORTABLE,
-    PORTABLE_BACKWARD,
-    PORTABLE_DECODE,
     TENSOR_CORE,
-    TENSOR_CORE_BACKWARD,
-    TENSOR_CORE_DECODE,
-    WGMMA_BACKWARD,
-    WGMMA_FORWARD,
 )
 from numflash.selection import default_config
 
@@ -75,16 +68,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--family",
         default=TENSOR_CORE,
-        choices=[
-            TENSOR_CORE,
-            WGMMA_FORWARD,
-            PORTABLE,
-            TENSOR_CORE_BACKWARD,
-            WGMMA_BACKWARD,
-            PORTABLE_BACKWARD,
-            TENSOR_CORE_DECODE,
-            PORTABLE_DECODE,
-        ],
+        choices=list(CONFIG_TYPES),
         help="the kernels to tune: the forward's (default), the backward's or the KV cache's "
         "(a decoding step over caches of --seqlens keys)",
     )
@@ -161,11 +145,7 @@ def plan(args):
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
-    if (
-        args.family
-        in (TENSOR_CORE, WGMMA_FORWARD, TENSOR_CORE_BACKWARD, WGMMA_BACKWARD, TENSOR_CORE_DECODE)
-        and "float32" in args.dtypes
-    ):
+    if CONFIG_TYPES[args.family].HARDWARE != "portable" and "float32" in args.dtypes:
         raise SystemExit("numflash autotune: the tensor-core kernels take float16 and bfloat16")
     grids = args.grids if args.family in cache.GRID_FAMILIES else [""]
     keys = []

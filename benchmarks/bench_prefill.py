@@ -1,0 +1,133 @@
+"""Chunked-prefill benchmark: many new query rows over a long KV cache, with the append.
+
+    python benchmarks/bench_prefill.py [--dtypes float16] [--page-sizes 16] [--runs 30]
+
+Shapes (32 query heads, 8 KV heads, head_dim 128, causal aligned bottom-right): 4 sequences of
+128 new rows over 8192 cached keys, and 1 sequence of 2048 new rows over 16384. numflash runs
+``attention_with_kvcache`` (the new rows' k and v appended at ``cache_seqlens``, the cache as a
+device array, contiguous and paged with shuffled block tables) and ``attention`` on the same
+tensors (q against the cache's first cached + new rows, nothing appended); SDPA's
+FlashAttention-2 and cuDNN run that second problem on the same memory (``causal_lower_right``).
+The append writes the same slots at every run, so each run does the same work. Kernel time
+from CUDA events (numflash.timing.time_gpu, L2 flushed between runs), TFLOP/s counted over the
+attention alone. Writes benchmarks/results/prefill.json and prefill.md.
+"""
+
+import argparse
+import os
+import sys
+
+import cupy
+
+import numflash
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from bench_decode import paged_copy, sdpa_run  # noqa: E402
+from bench_forward import DTYPES  # noqa: E402
+
+#: (name, batch, new rows, cached keys)
+SHAPES = [
+    ("b4 new128 cached8192", 4, 128, 8192),
+    ("b1 new2048 cached16384", 1, 2048, 16384),
+]
+NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
+
+
+def runs_for(q, k_new, v_new, k_cache, v_cache, cached, page_sizes):
+    """(provider, layout, callable) for one shape: the KV-cache call on each layout, then
+    ``attention`` and SDPA on q against the cache's first cached + new rows."""
+    batch, new = q.shape[:2]
+    lengths = cupy.full((batch,), cached, dtype=cupy.int32)
+    layouts = [("contiguous", k_cache, v_cache, {})]
+    for page in page_sizes:
+        kp, vp, table = paged_copy(k_cache, v_cache, page)
+        layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
+    out = []
+    for layout, kc, vc, kw in layouts:
+
+        def run(kc=kc, vc=vc, kw=kw):
+            return numflash.attention_with_kvcache(
+                q, kc, vc, k_new, v_new, cache_seqlens=lengths, causal=True, **kw
+            )
+
+        out.append(("numflash kvcache", layout, run))
+    # what the KV-cache call attends to once it has appended
+    numflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
+    k_all, v_all = k_cache[:, : cached + new], v_cache[:, : cached + new]
+    out.append(
+        (
+            "numflash attention",
+            "contiguous",
+            lambda: numflash.attention(q, k_all, v_all, causal=True),
+        )
+    )
+    if peers.torch_available():
+        for backend in ("flash", "cudnn"):
+            run = sdpa_run(q, k_all, v_all, True, backend)
+            if run is not None:
+                out.append((f"sdpa-{backend}", "contiguous", run))
+    return out
+
+
+def bench(args):
+    records = []
+    for dtype in args.dtypes:
+        for name, batch, new, cached in SHAPES:
+            q, k_new, v_new = (
+                peers.random_qkv(batch, new, heads, HEAD_DIM, DTYPES[dtype], seed=s)[0]
+                for s, heads in ((1, NHEADS), (2, NHEADS_K), (3, NHEADS_K))
+            )
+            k_cache, v_cache = peers.random_qkv(batch, cached + new, NHEADS_K, HEAD_DIM,
+                                                DTYPES[dtype])[:2]  # fmt: skip
+            flops = attention_flops(batch, NHEADS, new, cached + new, HEAD_DIM, False)
+            flops -= batch * NHEADS * 2 * new * (new - 1) * HEAD_DIM  # the keys causal hides
+            for provider, layout, run in runs_for(
+                q, k_new, v_new, k_cache, v_cache, cached, args.page_sizes
+            ):
+                t = time_gpu(run, warmup=3, runs=args.runs)
+                rec = dict(shape=name, dtype=dtype, provider=provider, layout=layout,
+                           us=t.median_ms * 1e3, tflops=t.tflops(flops))  # fmt: skip
+                records.append(rec)
+                print(f"{dtype} {name:24s} {provider:18s} {layout:10s} {rec['us']:9.1f} us "
+                      f"{rec['tflops']:6.1f} TFLOP/s", flush=True)  # fmt: skip
+    return records
+
+
+def markdown(records, device):
+    lines = [
+        f"Chunked prefill on {device}: {NHEADS} query heads, {NHEADS_K} KV heads, head_dim "
+        f"{HEAD_DIM}, causal; us per call (median of CUDA-event timings), TFLOP/s of the "
+        "attention.",
+        "",
+        "| dtype | shape | provider | layout | us | TFLOP/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['dtype']} | {r['shape']} | {r['provider']} | {r['layout']} | {r['us']:.1f} "
+            f"| {r['tflops']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=sorted(DTYPES))
+    ap.add_argument("--page-sizes", type=int, nargs="*", default=[16])
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    args = ap.parse_args()
+    dev = current_device()
+    records = bench(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    table = markdown(records, dev.name)
+    peers.save_results(args.out_dir, "prefill", dev, records, table)
+    print("\n" + table)
+
+
+if __name__ == "__main__":
+    main()
