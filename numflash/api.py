@@ -10,7 +10,8 @@ import contextlib
 import numpy as np
 
 from . import arrays, cache, launch, plans, selection, signature, validation
-from .device import TENSOR_CORE_DECODE, current_device
+from .config import TensorCoreDecodeConfig
+from .device import current_device
 from .kernels.jit import SIMULATOR
 
 #: Plans of repeated calls (numflash.plans): on a GPU, for CuPy arrays.
@@ -264,7 +265,7 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
         )[-1]
     except (TypeError, ValueError):
         return None
-    if selection.decode_family(kp, device) != TENSOR_CORE_DECODE:
+    if selection.decode_family(kp, device) != TensorCoreDecodeConfig.family:
         return None
     choice, splits = selection.decode(kp, device)
     return kp, choice, splits

@@ -16,16 +16,6 @@ from typing import ClassVar
 
 import numpy as np
 
-from .device import (
-    PORTABLE,
-    PORTABLE_BACKWARD,
-    PORTABLE_DECODE,
-    TENSOR_CORE,
-    TENSOR_CORE_BACKWARD,
-    TENSOR_CORE_DECODE,
-    WGMMA_BACKWARD,
-    WGMMA_FORWARD,
-)
 from .kernels import backward_mma, backward_sm90, decode, forward, forward_sm90
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
@@ -161,7 +151,7 @@ class TensorCoreConfig(_Config):
     stages: int = knob(2, (2, 3, 4))
     q_in_registers: bool = knob(True, (True, False))
 
-    family: ClassVar[str] = TENSOR_CORE
+    family: ClassVar[str] = "tensor-core"
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1
@@ -238,7 +228,7 @@ class WgmmaForwardConfig(_Config):
     pingpong: bool = knob(True, (True, False))
     tma: bool = knob(True, (True, False))
 
-    family: ClassVar[str] = WGMMA_FORWARD
+    family: ClassVar[str] = "wgmma-forward"
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
     REVISION: ClassVar[int] = 2  # 2: TMA loads
@@ -318,7 +308,7 @@ class PortableConfig(_Config):
     block_m: int = knob(64, (16, 32, 64, 128, 256))
     block_n: int = knob(32, (8, 16, 32, 64))
 
-    family: ClassVar[str] = PORTABLE
+    family: ClassVar[str] = "portable"
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
@@ -351,7 +341,7 @@ class PortableBackwardConfig(_Config):
     block_m: int = knob(32, (16, 32, 64, 128))
     block_n: int = knob(32, (16, 32, 64, 128))
 
-    family: ClassVar[str] = PORTABLE_BACKWARD
+    family: ClassVar[str] = "portable-backward"
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
@@ -417,7 +407,7 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
     dq_separate: bool = knob(True, (True, False))
     head_split: int = knob(1, (1, 2))
 
-    family: ClassVar[str] = TENSOR_CORE_BACKWARD
+    family: ClassVar[str] = "tensor-core-backward"
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1
@@ -475,7 +465,7 @@ class WgmmaBackwardConfig(_WarpRowsBackward):
     num_warps: int = knob(8, backward_sm90.NUM_WARPS)
     stages: int = knob(2, (1, 2))
 
-    family: ClassVar[str] = WGMMA_BACKWARD
+    family: ClassVar[str] = "wgmma-backward"
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
     REVISION: ClassVar[int] = 1
@@ -516,7 +506,7 @@ class PortableDecodeConfig(_Config):
     block_m: int = knob(64, (32, 64, 128))
     block_n: int = knob(32, (8, 16, 32, 64))
 
-    family: ClassVar[str] = PORTABLE_DECODE
+    family: ClassVar[str] = "portable-decode"
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
@@ -552,7 +542,7 @@ class TensorCoreDecodeConfig(_Config):
     num_warps: int = knob(8, (1, 2, 4, 8))
     stages: int = knob(2, (2, 3, 4, 5, 6))
 
-    family: ClassVar[str] = TENSOR_CORE_DECODE
+    family: ClassVar[str] = "tensor-core-decode"
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "mma.sync"
     #: 2: the append and the combine in the kernel; 3: the warps merged at once, masks only

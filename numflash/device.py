@@ -1,4 +1,6 @@
-"""Facts about the current device that the dispatcher, the configurations and the CLI need."""
+"""Facts about the current device that the dispatcher, the configurations and the CLI need:
+what it is and which instructions it has (no policy: which kernel family a call takes is
+numflash.selection's)."""
 
 import functools
 from dataclasses import dataclass
@@ -6,23 +8,6 @@ from dataclasses import dataclass
 from numba import cuda
 
 from .kernels.jit import SIMULATOR
-
-#: Families of forward kernels. "tensor-core" needs mma.sync with fp16/bf16 operands (sm_80+);
-#: "portable" runs on every GPU numba-cuda supports and in the simulator.
-TENSOR_CORE = "tensor-core"
-PORTABLE = "portable"
-#: The backward kernels without tensor cores (every GPU, every dtype, the simulator).
-PORTABLE_BACKWARD = "portable-backward"
-#: The tensor-core backward on mma.sync (sm_80+, fp16/bf16).
-TENSOR_CORE_BACKWARD = "tensor-core-backward"
-#: The Hopper backward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim 64 and 128).
-WGMMA_BACKWARD = "wgmma-backward"
-#: The Hopper forward on warpgroup MMAs (sm_90a only, fp16/bf16, head_dim a multiple of 8).
-WGMMA_FORWARD = "wgmma-forward"
-#: Attention over a KV cache without tensor cores (every GPU, every dtype, the simulator).
-PORTABLE_DECODE = "portable-decode"
-#: Attention over a KV cache on mma.sync (sm_80+, fp16/bf16, head_dim a multiple of 8).
-TENSOR_CORE_DECODE = "tensor-core-decode"
 
 #: The first compute capability with mma.sync m16n8k16, ldmatrix and cp.async (Ampere).
 TENSOR_CORE_MIN_CC = (8, 0)
@@ -60,18 +45,6 @@ class DeviceInfo:
         """Whether the Hopper wgmma kernels can run here: compute capability 9.x (sm_90a; its
         instructions are not in later architectures), or the simulator."""
         return self.simulated or self.compute_capability[0] == 9
-
-    def preferred_family(self, dtype_name):
-        """The family a call takes when no configuration is forced.
-
-        fp16 and bf16 go to the tensor cores where the GPU has them; float32 and older GPUs take
-        the portable kernel. The simulator reports compute capability 5.2 and so defaults to the
-        portable kernel; the tensor-core kernel runs there when a configuration asks for it.
-        """
-        if dtype_name in ("float16", "bfloat16") and not self.simulated:
-            if self.compute_capability >= TENSOR_CORE_MIN_CC:
-                return TENSOR_CORE
-        return PORTABLE
 
 
 #: The simulator has no hardware limits of its own; these mirror an H100/H200 so that the same

@@ -22,15 +22,6 @@ from .config import (
     WgmmaForwardConfig,
     tensor_core_backward_head_dim,
 )
-from .device import (
-    PORTABLE_BACKWARD,
-    PORTABLE_DECODE,
-    TENSOR_CORE,
-    TENSOR_CORE_BACKWARD,
-    TENSOR_CORE_DECODE,
-    WGMMA_BACKWARD,
-    WGMMA_FORWARD,
-)
 from .kernels import decode
 
 Selection = cache.Selection
@@ -232,16 +223,29 @@ def _tuned_or_default(family, problem, device, grid=""):
     return choice
 
 
+def on_tensor_cores(problem, device):
+    """Whether a call without ``config=`` runs a tensor-core family: fp16 and bf16 on a GPU with
+    mma.sync. float32 and older GPUs take the portable kernels; so does the simulator (it
+    reports compute capability 5.2), where the tensor-core kernels run when a configuration
+    asks for them or one is tuned."""
+    return (
+        problem.dtype in ("float16", "bfloat16")
+        and not device.simulated
+        and device.runs("mma.sync")
+    )
+
+
 def forward_family(problem, device):
     """The forward family of a call without ``config=``: the Hopper (wgmma) kernel for
     fp16/bf16 on compute capability 9.x at the head dims it is faster at, the tensor-core
     (mma.sync) one elsewhere from sm_80, the portable one otherwise (and in the simulator)."""
-    family = device.preferred_family(problem.dtype)
-    if family == TENSOR_CORE and device.has_wgmma:
+    if not on_tensor_cores(problem, device):
+        return PortableConfig.family
+    if device.has_wgmma:
         head_dim = WgmmaForwardConfig().kernel_head_dim(problem.head_dim)
         if head_dim in WGMMA_FORWARD_HEAD_DIMS:
-            return WGMMA_FORWARD
-    return family
+            return WgmmaForwardConfig.family
+    return TensorCoreConfig.family
 
 
 #: Query rows of a dense forward call at or below which it runs on the split-KV decode kernel
@@ -311,19 +315,20 @@ def backward(problem, device, deterministic):
     With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
     the separate dQ kernel instead (same tiles).
     """
+    portable = PortableBackwardConfig.family
     if problem.dtype == "float32" or not device.runs("mma.sync"):
-        return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
-    families = [TENSOR_CORE_BACKWARD]
+        return _tuned_or_default(portable, problem, device)[0]
+    families = [TensorCoreBackwardConfig.family]
     if _wgmma_backward_fits(problem, device):
-        families.insert(0, WGMMA_BACKWARD)
+        families.insert(0, WgmmaBackwardConfig.family)
     choices = [_tuned_or_default(f, problem, device) for f in families]
     tuned = [(time_ms, i) for i, (c, time_ms) in enumerate(choices) if c.source != "heuristic"]
     if tuned:
         choice = choices[min(tuned)[1]][0]
-    elif device.preferred_family(problem.dtype) == TENSOR_CORE:
+    elif on_tensor_cores(problem, device):
         choice = choices[0][0]
     else:
-        return _tuned_or_default(PORTABLE_BACKWARD, problem, device)[0]
+        return _tuned_or_default(portable, problem, device)[0]
     if deterministic and not choice.config.dq_separate:
         config = dataclasses.replace(choice.config, dq_separate=True)
         return Selection(config, choice.source + ", dq_separate for deterministic=True")
@@ -342,13 +347,9 @@ def decode_family(problem, device):
     """The tensor-core KV-cache kernel for fp16/bf16 on GPUs with mma.sync when the caches'
     rows can be read in place in 16-byte chunks; the portable one otherwise (and in the
     simulator)."""
-    if (
-        device.preferred_family(problem.dtype) == TENSOR_CORE
-        and problem.head_dim % 8 == 0
-        and problem.cache_aligned
-    ):
-        return TENSOR_CORE_DECODE
-    return PORTABLE_DECODE
+    if on_tensor_cores(problem, device) and problem.head_dim % 8 == 0 and problem.cache_aligned:
+        return TensorCoreDecodeConfig.family
+    return PortableDecodeConfig.family
 
 
 def _row_blocks(problem, rows):

@@ -14,7 +14,7 @@ from support import assert_matches_reference, poisoned_like, random_array, rando
 import numflash
 from numflash import selection
 from numflash.config import WgmmaForwardConfig
-from numflash.device import SIMULATED_DEVICE, WGMMA_FORWARD, DeviceInfo, current_device
+from numflash.device import SIMULATED_DEVICE, DeviceInfo, current_device
 from numflash.kernels.jit import SIMULATOR
 
 W = WgmmaForwardConfig
@@ -124,7 +124,7 @@ def test_hopper_forward_is_chosen_on_hopper_at_its_head_dims(head_dim):
     """fp16/bf16 on compute capability 9.x at head dims 64, 128 and 256 (as padded to 8):
     the wgmma family and its default; elsewhere the mma.sync kernel."""
     p = _problem(head_dim)
-    assert selection.forward_family(p, H200) == WGMMA_FORWARD
+    assert selection.forward_family(p, H200) == WgmmaForwardConfig.family
     cfg = selection.forward(p, H200).config
     assert isinstance(cfg, WgmmaForwardConfig)
     assert not cfg.problems(cfg.kernel_head_dim(head_dim), H200)
@@ -146,7 +146,7 @@ def test_other_forward_calls_keep_their_family(device, head_dim, dtype, chosen):
 
 def test_the_simulator_runs_the_hopper_forward_only_when_asked():
     p = _problem(128)
-    assert selection.forward_family(p, SIMULATED_DEVICE) != WGMMA_FORWARD
+    assert selection.forward_family(p, SIMULATED_DEVICE) != WgmmaForwardConfig.family
 
 
 @pytest.mark.parametrize(

@@ -10,10 +10,7 @@ import sys
 import time
 
 from numflash import cache
-from numflash.config import CONFIG_TYPES, MAX_HEAD_DIM
-from numflash.device import (
-    TENSOR_CORE,
-)
+from numflash.config import CONFIG_TYPES, MAX_HEAD_DIM, TensorCoreConfig
 from numflash.selection import default_config
 
 from . import space
@@ -67,7 +64,7 @@ def _positive_float(flag):
 def add_arguments(parser):
     parser.add_argument(
         "--family",
-        default=TENSOR_CORE,
+        default=TensorCoreConfig.family,
         choices=list(CONFIG_TYPES),
         help="the kernels to tune: the forward's (default), the backward's or the KV cache's "
         "(a decoding step over caches of --seqlens keys)",
