@@ -332,9 +332,10 @@ def attention_varlen(
             within each sequence's own lengths.
         return_lse: also return lse, float32 (nheads, total_q).
         out: optional output array (q's shape and dtype, sharing no memory with an input).
-        config: force a :class:`numflash.TensorCoreConfig` or :class:`numflash.PortableConfig`
-            as for :func:`attention`; by default numflash chooses as for a dense call of the
-            max lengths.
+        config: force a forward configuration (:class:`numflash.TensorCoreConfig`,
+            :class:`numflash.WgmmaForwardConfig` or :class:`numflash.PortableConfig`) as for
+            :func:`attention`; by default numflash chooses as for a dense call of the max
+            lengths. The Hopper forward loads a packed batch's tiles by cp.async, not TMA.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its

@@ -640,23 +640,44 @@ _NO_MAP = (0,) * ptx_tma.MAP_WORDS
 
 def _tensor_maps(cfg, p, q, k, v):
     """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
-    where a tensor map cannot describe one of the arrays (its strides): dense (batch, seqlen,
-    heads, head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the
-    block's rows (Q) or a tile's (K, V)."""
+    where a tensor map cannot describe one of the arrays: dense (batch, seqlen, heads,
+    head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the block's rows
+    (Q) or a tile's (K, V). A template holds no address the kernel uses (it writes its arrays'
+    in), so the templates are made once per geometry, with this call's addresses."""
+    addresses = (0, 0, 0) if SIMULATOR else (q.data.ptr, k.data.ptr, v.data.ptr)
+    if any(a % 16 for a in addresses):
+        return None
+    key = (p.dtype, cfg.block_m, cfg.block_n) + tuple((x.shape, x.strides) for x in (q, k, v))
+    templates = _templates.get(key, False)
+    if templates is False:
+        if len(_templates) >= 1024:
+            _templates.clear()
+        templates = _templates[key] = _map_templates(cfg, p, (q, k, v), addresses)
+    if templates is None:
+        return None
+    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
+
+
+#: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, tiles and the
+#: arrays' shapes and strides.
+_templates = {}
+
+
+def _map_templates(cfg, p, xs, addresses):
+    """The Q, K, V templates of :func:`_tensor_maps`, or None where a stride is not a multiple
+    of 16 bytes."""
     templates = []
-    for x, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n)):
+    for x, address, rows in zip(xs, addresses, (cfg.block_m, cfg.block_n, cfg.block_n)):
         batch, seqlen, heads, head_dim = x.shape
         sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
         dims = (head_dim, seqlen, heads, batch)
         # the stride of a dimension of one element is never used: any multiple of 16 bytes
         strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
-        address = 0 if SIMULATOR else x.data.ptr
-        if ptx_tma.problems(dims, strides) or address % 16:
+        if ptx_tma.problems(dims, strides):
             return None
         box = (ptx_tma.BOX_INNER, rows, 1, 1)
         templates.append(ptx_tma.template(p.dtype, dims, strides, box, address))
-    xp = arrays.array_module(q)
-    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), xp.int64, like=q), templates
+    return tuple(templates)
 
 
 @launches(WgmmaForwardConfig)

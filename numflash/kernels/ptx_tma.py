@@ -63,25 +63,15 @@ def problems(dims, strides, itemsize=2):
     return out
 
 
-#: Templates made, by geometry; a model has a handful of geometries, so this stays small.
-_templates = {}
-
-
 def template(dtype_name, dims, strides, box, address):
     """The tensor map of a ``dtype_name`` tensor of ``dims`` elements (innermost first) and
     outer element ``strides``, box ``box``, 128-byte swizzle, zero fill, as MAP_WORDS int64
-    values. The kernel replaces the address in it with its array's, so a template is made once
-    per geometry, with the 16-byte aligned ``address`` of the first tensor seen.
+    values, encoded with ``address`` (16-byte aligned): any address serves, since the kernel
+    replaces it with its array's, so callers make a template once per geometry.
 
     Raises ValueError when the driver refuses the map (see :func:`problems`)."""
-    key = (dtype_name, dims, strides, box)
-    found = _templates.get(key)
-    if found is None:
-        if len(_templates) >= 4096:
-            _templates.clear()
-        make = _simulated_template if SIMULATOR else _encoded_template
-        found = _templates[key] = make(dtype_name, dims, strides, box, address)
-    return found
+    make = _simulated_template if SIMULATOR else _encoded_template
+    return make(dtype_name, dims, strides, box, address)
 
 
 def _encoded_template(dtype_name, dims, strides, box, address):
