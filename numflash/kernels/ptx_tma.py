@@ -229,11 +229,13 @@ else:
     @intrinsic
     def publish(typingctx, gmem, address):
         """Copy the map staged at shared ``address`` to global ``gmem`` (64-byte aligned) and
-        release it to the tensor-map proxy; every thread of the warp together."""
+        release it to the tensor-map proxy; every thread of the warp together, after a warp
+        barrier that orders the lane that staged the map before the copy that reads it."""
         sig = types.void(types.uint64, types.uint32)
 
         def codegen(context, builder, sig, args):
             asm = (
+                "bar.warp.sync -1; "
                 "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
                 ".sync.aligned [$0], [$1], 128;"
             )
