@@ -72,7 +72,7 @@ def info(out=sys.stdout):
                 from numflash.selection import WGMMA_FORWARD_HEAD_DIMS
 
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
-                paths = f"wgmma at head_dim {dims}, else " + paths
+                paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
