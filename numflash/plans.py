@@ -40,8 +40,8 @@ import typing
 
 from . import arrays
 
-#: Plans kept (least recently made dropped first): a plan holds its recorded launches and the
-#: buffers the full path made for itself.
+#: Plans kept (the least recently looked up dropped first): a plan holds its recorded launches
+#: and the buffers the full path made for itself.
 MAX_PLANS = 256
 #: The largest output a plan hands out again once its caller has let go of it (a decoding
 #: step's at batch 512, 32 heads, head_dim 128, fp16): allocating one costs the host 1.8-3.7
@@ -218,7 +218,12 @@ class PlanCache:
         self.recent = collections.defaultdict(Recent)
 
     def get(self, key):
-        return self._plans.get(key)
+        """The plan of ``key`` (None if there is none), now the most recently used."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
 
     def put(self, key, plan):
         with self._lock:

@@ -109,11 +109,13 @@ def test_the_remembered_disjoint_pointers_are_a_copy():
 
 def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
     cache = plans.PlanCache()
-    made = [plans.make(_record((_argument(Q),)), (Q,)) for _ in range(plans.MAX_PLANS + 1)]
-    for i, plan in enumerate(made):
+    made = [plans.make(_record((_argument(Q),)), (Q,)) for _ in range(plans.MAX_PLANS + 2)]
+    for i, plan in enumerate(made[:-1]):
         cache.put(i, plan)
     assert cache.get(0) is None and cache.get(1) is made[1]  # the oldest went first
-    assert cache.get(plans.MAX_PLANS) is made[-1]
+    assert cache.get(plans.MAX_PLANS) is made[-2]
+    cache.put(plans.MAX_PLANS + 1, made[-1])  # the least recently looked up goes: 2, not 1
+    assert cache.get(2) is None and cache.get(1) is made[1]
     cache.pin(made[5])
     cache.clear()
     assert cache.get(5) is None  # forgotten by the cache ...
