@@ -1,5 +1,5 @@
-"""Imports run one way: api -> validation, selection, launch -> config, cache -> kernels; no
-module imports one above it, and nothing in numflash forms an import cycle."""
+"""Imports run one way: distributed -> api -> validation, selection, launch -> config, cache ->
+kernels; no module imports one above it, and nothing in numflash forms an import cycle."""
 
 import ast
 from pathlib import Path
@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "numflash"
 #: Each module's layer: a module may import only modules of a lower layer (kernels/ among
 #: themselves, as long as there is no cycle).
 LAYERS = {
+    "distributed": 6,
     "api": 5,
     "cli": 5,
     "validation": 4,

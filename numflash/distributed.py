@@ -1,0 +1,353 @@
+"""Context parallelism: attention over a sequence split across GPUs (zigzag ring attention).
+
+Each rank holds a slice of every sequence: with ``world`` ranks the sequence is cut into
+``2 * world`` chunks and rank r holds chunks r and 2 world - 1 - r (:func:`shard`), which
+gives every rank the same share of a causal mask's work. K and V slices travel around a ring
+(rank r sends to r + 1 and receives from r - 1) while each rank computes on the slice it
+holds, and the partial outputs are merged through their log-sum-exp:
+
+- step 0, the rank's own K/V: causal attention of its two chunks on its two chunks (the local
+  order is the global order, so the local causal mask is the global one);
+- a K/V slice from a rank ``src < r``: its first chunk precedes both of r's query chunks and
+  its second follows both, so all of r's queries attend to the first chunk, unmasked;
+- from ``src > r``: r's second query chunk follows both of its chunks, its first precedes
+  both, so the second query chunk attends to all of it, unmasked.
+
+Without a causal mask every step is all queries on the whole slice. The merge runs in fp32
+(out = e^{lse - new} out + e^{blk - new} blk_out, new = lse + log1p(e^{blk - lse}) in the
+form that cannot overflow). The backward turns the same ring: K/V travel ahead while a second
+ring carries each slice's dK/dV accumulators (fp32) from rank to rank, every rank adding its
+part, until one last hop hands them to their owner; dQ adds up locally. Memory per rank does
+not grow with the number of ranks: two K/V slices and one dK/dV pair in flight.
+
+The ring moves arrays through a ``comm``: a CuPy NCCL communicator
+(``cupy.cuda.nccl.NcclCommunicator``, one rank per GPU; transfers on a stream of their own,
+grouped send/recv, bytes so that bf16 needs no NCCL type), or any object with the
+:class:`LocalRing` interface (``rank``, ``size``, ``shift(arrays)``), which the tests use to
+run several ranks in one process.
+"""
+
+import contextlib
+import math
+import os
+import threading
+
+import numpy as np
+
+from . import api, arrays
+from .kernels.jit import SIMULATOR
+
+#: Numba's simulator runs one kernel at a time per process (a running kernel rebinds its
+#: modules' ``cuda``): ranks of one process in the simulator take turns at the kernels.
+_kernel_turn = threading.Lock() if SIMULATOR else contextlib.nullcontext()
+
+__all__ = [
+    "shard",
+    "unshard",
+    "ring_attention",
+    "ring_attention_backward",
+    "nccl_communicator",
+    "nccl_communicators",
+    "LocalRing",
+]
+
+
+# -- the zigzag layout ------------------------------------------------------------------------
+
+
+def _chunks(x, world, axis):
+    n = x.shape[axis]
+    if world < 1 or n % (2 * world):
+        raise ValueError(
+            f"shard: the length along axis {axis} ({n}) must divide into 2 x world = "
+            f"{2 * world} equal chunks"
+        )
+    c = n // (2 * world)
+    index = [slice(None)] * x.ndim
+
+    def chunk(i):
+        index[axis] = slice(i * c, (i + 1) * c)
+        return x[tuple(index)]
+
+    return chunk
+
+
+def shard(x, rank, world, axis=1):
+    """Rank ``rank``'s zigzag slice of ``x`` along ``axis``: chunks rank and 2 world - 1 - rank
+    of its 2 world equal chunks, in that order (a new contiguous array)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"shard: rank must be in [0, {world}); got {rank}")
+    chunk = _chunks(x, world, axis)
+    xp = arrays.array_module(x)
+    return xp.concatenate([chunk(rank), chunk(2 * world - 1 - rank)], axis=axis)
+
+
+def unshard(shards, axis=1):
+    """The whole array from every rank's :func:`shard` slice, in rank order."""
+    world = len(shards)
+    if world < 1:
+        raise ValueError("unshard: no shards")
+    halves = [_chunks(s, 1, axis) for s in shards]
+    order = [halves[r](0) for r in range(world)] + [halves[r](1) for r in reversed(range(world))]
+    return arrays.array_module(shards[0]).concatenate(order, axis=axis)
+
+
+# -- moving slices around the ring ------------------------------------------------------------
+
+
+class LocalRing:
+    """Ranks of one process as a ring, for tests and for the simulator: one endpoint per rank
+    (:meth:`group`), each used from its own thread. ``shift(arrays)`` hands copies of
+    ``arrays`` to rank + 1 and returns a handle whose ``wait()`` gives what rank - 1 handed on
+    in its shift of the same number (every rank shifts in the same order, as NCCL pairs a
+    peer's sends and receives in order)."""
+
+    def __init__(self, rank, size, board):
+        self.rank, self.size, self._board = rank, size, board
+        self._shifts = 0
+
+    @classmethod
+    def group(cls, size):
+        board = {"lock": threading.Condition(), "boxes": {}, "stopped": False}
+        return [cls(rank, size, board) for rank in range(size)]
+
+    def stop(self):
+        """A rank gave up: every rank waiting on the ring raises instead of waiting on."""
+        with self._board["lock"]:
+            self._board["stopped"] = True
+            self._board["lock"].notify_all()
+
+    def shift(self, xs):
+        copies = [arrays.array_module(x).array(x, copy=True) for x in xs]
+        number, self._shifts = self._shifts, self._shifts + 1
+        board = self._board
+        with board["lock"]:
+            board["boxes"][(self.rank + 1) % self.size, number] = copies
+            board["lock"].notify_all()
+        return _LocalPending(board, (self.rank, number))
+
+
+class _LocalPending:
+    def __init__(self, board, key):
+        self.board, self.key = board, key
+
+    def wait(self):
+        board = self.board
+        with board["lock"]:
+            arrived = board["lock"].wait_for(
+                lambda: self.key in board["boxes"] or board["stopped"], timeout=600
+            )
+            if board["stopped"] or not arrived:
+                raise RuntimeError("LocalRing: a rank of the ring stopped")
+            return board["boxes"].pop(self.key)
+
+
+class _NcclRing:
+    """A CuPy NCCL communicator as a ring: transfers as bytes on a stream of their own, after
+    the work queued on the current stream; ``wait()`` makes the current stream wait for them."""
+
+    def __init__(self, comm):
+        import cupy
+
+        self.comm = comm
+        self.rank, self.size = comm.rank_id(), comm.size()
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def shift(self, xs):
+        import cupy
+        from cupy.cuda import nccl
+
+        sent = [cupy.ascontiguousarray(x) for x in xs]
+        received = [cupy.empty_like(x) for x in sent]
+        self.stream.wait_event(cupy.cuda.get_current_stream().record())
+        after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        nccl.groupStart()
+        for x, y in zip(sent, received):
+            self.comm.send(x.data.ptr, x.nbytes, nccl.NCCL_UINT8, after, self.stream.ptr)
+            self.comm.recv(y.data.ptr, y.nbytes, nccl.NCCL_UINT8, before, self.stream.ptr)
+        nccl.groupEnd()
+        return _NcclPending(received, sent, self.stream.record())
+
+
+class _NcclPending:
+    def __init__(self, received, sent, done):
+        self.received, self.sent, self.done = received, sent, done  # sent: alive until done
+
+    def wait(self):
+        import cupy
+
+        cupy.cuda.get_current_stream().wait_event(self.done)
+        return self.received
+
+
+def _ring(comm):
+    if hasattr(comm, "shift") and hasattr(comm, "rank") and hasattr(comm, "size"):
+        return comm
+    if hasattr(comm, "rank_id") and hasattr(comm, "send"):
+        return _NcclRing(comm)
+    raise TypeError(
+        "comm must be a cupy.cuda.nccl.NcclCommunicator or a ring with rank, size and shift "
+        f"(numflash.distributed.LocalRing); got {type(comm).__name__}"
+    )
+
+
+def nccl_communicator(rank, world, id_file):
+    """The NCCL communicator of this process's rank, one process per GPU (select the GPU
+    first: ``cupy.cuda.Device(i).use()``). Rank 0 makes NCCL's unique id and writes it to
+    ``id_file`` (a path every process sees); the others wait for the file and read it. Launch
+    with e.g. ``torchrun --nproc-per-node 2 script.py`` or ``mpirun -n 2``, each process taking
+    its rank and world from the launcher's environment (RANK/WORLD_SIZE, OMPI_COMM_WORLD_*)."""
+    import time
+
+    from cupy.cuda import nccl
+
+    if rank == 0:
+        uid = nccl.get_unique_id()
+        tmp = f"{id_file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(" ".join(map(str, uid)))
+        os.replace(tmp, id_file)  # readers never see half a file
+    else:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(id_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nccl_communicator: rank 0 wrote no {id_file} in 600 s")
+            time.sleep(0.05)
+        with open(id_file) as f:
+            uid = tuple(int(x) for x in f.read().split())
+    return nccl.NcclCommunicator(world, uid, rank)
+
+
+def nccl_communicators(devices):
+    """One NCCL communicator per GPU in ``devices`` for a process that drives them all
+    (``NcclCommunicator.initAll``); run each rank's ring calls from a thread of its own, its
+    device current."""
+    from cupy.cuda import nccl
+
+    return nccl.NcclCommunicator.initAll(list(devices))
+
+
+# -- the merge --------------------------------------------------------------------------------
+
+
+def _to_float32(x):
+    return arrays.to_float64(x).astype(np.float32)
+
+
+def _merge(out, lse, rows, block_out, block_lse):
+    """Fold one block's (out, lse) for query rows ``rows`` into the fp32 running (out, lse)."""
+    xp = arrays.array_module(out)
+    old = lse[:, :, rows]
+    blk = block_lse.astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        new = xp.logaddexp(old, blk)
+        seen = new > -np.inf  # rows that saw no key yet keep out 0 and lse -inf
+        keep = xp.where(seen, xp.exp(old - new), 0).astype(np.float32)
+        take = xp.where(seen, xp.exp(blk - new), 0).astype(np.float32)
+    # lse is (batch, heads, rows); out (batch, rows, heads, head_dim)
+    out[:, rows] = (
+        out[:, rows] * keep.transpose(0, 2, 1)[..., None]
+        + _to_float32(block_out) * take.transpose(0, 2, 1)[..., None]
+    )
+    lse[:, :, rows] = new
+
+
+# -- the ring ---------------------------------------------------------------------------------
+
+
+def _blocks(rank, world, step, causal, half):
+    """(query rows, key rows, causal) of step ``step`` on rank ``rank``, or None: the zigzag
+    rules of the module's docstring; ``half`` the chunk length."""
+    everything = slice(None)
+    if not causal:
+        return everything, everything, False
+    if step == 0:
+        return everything, everything, True
+    src = (rank - step) % world
+    if src < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def _check(q, k, ring, window_size, name):
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError(f"{name}: window_size is not supported over a ring yet")
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"{name}: q, k, v are (batch, seqlen_local, heads, head_dim) shards")
+    if q.shape[1] != k.shape[1] or q.shape[1] % 2:
+        raise ValueError(
+            f"{name}: q and k must be zigzag shards of one even length (numflash.distributed."
+            f"shard); got seqlen_local {q.shape[1]} and {k.shape[1]}"
+        )
+    if ring.size < 1 or not 0 <= ring.rank < ring.size:
+        raise ValueError(f"{name}: comm has rank {ring.rank} of {ring.size}")
+
+
+def ring_attention(
+    q, k, v, comm, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False
+):
+    """Attention of this rank's zigzag shard of the queries over the whole sequence, whose K/V
+    shards travel around the ring ``comm``. q, k, v: (batch, seqlen_local, heads, head_dim)
+    shards (:func:`shard` along axis 1; GQA as in :func:`numflash.attention`); the result, and
+    with ``return_lse`` the lse (batch, heads, seqlen_local, float32), are this rank's shards
+    of what :func:`numflash.attention` gives on the whole sequence (same softmax_scale and
+    causal semantics). Every rank calls it together."""
+    ring = _ring(comm)
+    _check(q, k, ring, window_size, "ring_attention")
+    xp = arrays.array_module(q)
+    batch, seqlen, heads, head_dim = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = xp.zeros(q.shape, dtype=np.float32)
+    lse = xp.full((batch, heads, seqlen), -np.inf, dtype=np.float32)
+    kv = (k, v)
+    for step in range(ring.size):
+        pending = ring.shift(kv) if step + 1 < ring.size else None  # the next slice, in flight
+        rows, keys, blk_causal = _blocks(ring.rank, ring.size, step, causal, seqlen // 2)
+        with _kernel_turn:
+            blk_out, blk_lse = api.attention(
+                q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=blk_causal,
+                softmax_scale=scale, return_lse=True,
+            )  # fmt: skip
+        _merge(out, lse, rows, blk_out, blk_lse)
+        if pending is not None:
+            kv = tuple(pending.wait())
+    result = arrays.from_float(out, q.dtype)
+    return (result, lse) if return_lse else result
+
+
+def ring_attention_backward(
+    dout, q, k, v, out, lse, comm, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+    deterministic=False,
+):  # fmt: skip
+    """Gradients of :func:`ring_attention`: (dq, dk, dv), this rank's shards of what
+    :func:`numflash.attention_backward` gives on the whole sequence, from this rank's shards of
+    dout, q, k, v and the forward's out and lse. dK and dV of each K/V shard add up in fp32 as
+    they travel the ring and reach their owner after ``size`` hops; dQ adds up locally, in ring
+    order (with ``deterministic`` every kernel's order is fixed too). Every rank calls it
+    together."""
+    ring = _ring(comm)
+    _check(q, k, ring, window_size, "ring_attention_backward")
+    xp = arrays.array_module(q)
+    seqlen, head_dim = q.shape[1], q.shape[3]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    dq = xp.zeros(q.shape, dtype=np.float32)
+    kv = (k, v)
+    dkv = (xp.zeros(k.shape, dtype=np.float32), xp.zeros(v.shape, dtype=np.float32))
+    for step in range(ring.size):
+        pending = ring.shift(kv) if step + 1 < ring.size else None
+        rows, keys, blk_causal = _blocks(ring.rank, ring.size, step, causal, seqlen // 2)
+        with _kernel_turn:
+            dq_blk, dk_blk, dv_blk = api.attention_backward(
+                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                xp.ascontiguousarray(lse[:, :, rows]), causal=blk_causal, softmax_scale=scale,
+                deterministic=deterministic,
+            )  # fmt: skip
+        dq[:, rows] += _to_float32(dq_blk)
+        dkv[0][:, keys] += _to_float32(dk_blk)
+        dkv[1][:, keys] += _to_float32(dv_blk)
+        dkv = tuple(ring.shift(dkv).wait())  # on to the next rank, which adds its part
+        if pending is not None:
+            kv = tuple(pending.wait())
+    # after ``size`` hops each slice's dK/dV came back around to its owner
+    dk, dv = dkv
+    return tuple(arrays.from_float(x, y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
