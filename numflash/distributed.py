@@ -13,7 +13,9 @@ holds, and the partial outputs are merged through their log-sum-exp:
 - from ``src > r``: r's second query chunk follows both of its chunks, its first precedes
   both, so the second query chunk attends to all of it, unmasked.
 
-Without a causal mask every step is all queries on the whole slice. The merge runs in fp32
+Without a causal mask every step is all queries on the whole slice. With a sliding window
+each pair of a query chunk and a key chunk runs apart, cut to the rows and keys that see
+something, the window moved to where the pair sits (:func:`_visible`). The merge runs in fp32
 (out = e^{lse - new} out + e^{blk - new} blk_out, new = lse + log1p(e^{blk - lse}) in the
 form that cannot overflow). The backward turns the same ring: K/V travel ahead while a second
 ring carries each slice's dK/dV accumulators (fp32) from rank to rank, every rank adding its
@@ -255,23 +257,60 @@ def _merge(out, lse, rows, block_out, block_lse):
 # -- the ring ---------------------------------------------------------------------------------
 
 
-def _blocks(rank, world, step, causal, half):
-    """(query rows, key rows, causal) of step ``step`` on rank ``rank``, or None: the zigzag
-    rules of the module's docstring; ``half`` the chunk length."""
+def _visible(q_first, rows, k_first, keys, left, right):
+    """The part of a block that a window hides nothing of at its edges: query rows [q_first,
+    + rows) against keys [k_first, + keys) (global positions), where query p sees key t iff
+    p - left <= t <= p + right (-1: unbounded). Returns (row slice, key slice, window_size for
+    numflash.attention on that part, aligned bottom-right as it aligns) or None when no pair is
+    visible: the rows that see nothing and the keys nobody sees are cut off, which leaves every
+    bound non-negative."""
+    shift = q_first - k_first  # key index of a row's own position, less the row's index
+    i = np.arange(rows)
+    lo = np.zeros(rows, np.int64) if left < 0 else i + shift - left
+    hi = np.full(rows, keys - 1, np.int64) if right < 0 else i + shift + right
+    seen = (hi >= 0) & (lo <= keys - 1) & (lo <= hi)
+    if not seen.any():
+        return None
+    i0, i1 = int(i[seen][0]), int(i[seen][-1])
+    j0, j1 = max(0, int(lo[i0])), min(keys - 1, int(hi[i1]))
+    sq, sk = i1 - i0 + 1, j1 - j0 + 1
+    offset = (sk - sq) - ((q_first + i0) - (k_first + j0))  # bottom-right alignment's shift
+    window = (-1 if left < 0 else left + offset, -1 if right < 0 else right - offset)
+    return slice(i0, i1 + 1), slice(j0, j1 + 1), window
+
+
+def _pieces(rank, world, step, half, causal, window):
+    """[(query rows, key rows, causal, window_size)] of step ``step`` on rank ``rank`` (local
+    indices; ``half`` the chunk length). Without a window the zigzag rules of the module's
+    docstring (one call a step); with one, each pair of a query chunk and a key chunk with the
+    window moved to where the pair sits in the sequence, cut to what it sees."""
     everything = slice(None)
-    if not causal:
-        return everything, everything, False
-    if step == 0:
-        return everything, everything, True
     src = (rank - step) % world
-    if src < rank:
-        return everything, slice(0, half), False
-    return slice(half, None), everything, False
+    if window == (-1, -1):
+        if not causal:
+            return [(everything, everything, False, window)]
+        if step == 0:
+            return [(everything, everything, True, window)]
+        if src < rank:
+            return [(everything, slice(0, half), False, window)]
+        return [(slice(half, None), everything, False, window)]
+    left, right = window[0], 0 if causal else window[1]
+    out = []
+    for qi, q_chunk in enumerate((rank, 2 * world - 1 - rank)):
+        for ki, k_chunk in enumerate((src, 2 * world - 1 - src)):
+            found = _visible(q_chunk * half, half, k_chunk * half, half, left, right)
+            if found is not None:
+                rows, keys, w = found
+                rows = slice(qi * half + rows.start, qi * half + rows.stop)
+                keys = slice(ki * half + keys.start, ki * half + keys.stop)
+                out.append((rows, keys, False, w))
+    return out
 
 
 def _check(q, k, ring, window_size, name):
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError(f"{name}: window_size is not supported over a ring yet")
+    window_size = tuple(int(w) for w in window_size)
+    if len(window_size) != 2 or any(w < -1 for w in window_size):
+        raise ValueError(f"{name}: window_size must be (left, right), each >= 0 or -1")
     if q.ndim != 4 or k.ndim != 4:
         raise ValueError(f"{name}: q, k, v are (batch, seqlen_local, heads, head_dim) shards")
     if q.shape[1] != k.shape[1] or q.shape[1] % 2:
@@ -281,6 +320,7 @@ def _check(q, k, ring, window_size, name):
         )
     if ring.size < 1 or not 0 <= ring.rank < ring.size:
         raise ValueError(f"{name}: comm has rank {ring.rank} of {ring.size}")
+    return window_size
 
 
 def ring_attention(
@@ -293,7 +333,7 @@ def ring_attention(
     of what :func:`numflash.attention` gives on the whole sequence (same softmax_scale and
     causal semantics). Every rank calls it together."""
     ring = _ring(comm)
-    _check(q, k, ring, window_size, "ring_attention")
+    window = _check(q, k, ring, window_size, "ring_attention")
     xp = arrays.array_module(q)
     batch, seqlen, heads, head_dim = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -302,13 +342,15 @@ def ring_attention(
     kv = (k, v)
     for step in range(ring.size):
         pending = ring.shift(kv) if step + 1 < ring.size else None  # the next slice, in flight
-        rows, keys, blk_causal = _blocks(ring.rank, ring.size, step, causal, seqlen // 2)
-        with _kernel_turn:
-            blk_out, blk_lse = api.attention(
-                q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=blk_causal,
-                softmax_scale=scale, return_lse=True,
-            )  # fmt: skip
-        _merge(out, lse, rows, blk_out, blk_lse)
+        for rows, keys, blk_causal, blk_window in _pieces(
+            ring.rank, ring.size, step, seqlen // 2, causal, window
+        ):
+            with _kernel_turn:
+                blk_out, blk_lse = api.attention(
+                    q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=blk_causal,
+                    softmax_scale=scale, window_size=blk_window, return_lse=True,
+                )  # fmt: skip
+            _merge(out, lse, rows, blk_out, blk_lse)
         if pending is not None:
             kv = tuple(pending.wait())
     result = arrays.from_float(out, q.dtype)
@@ -326,7 +368,7 @@ def ring_attention_backward(
     order (with ``deterministic`` every kernel's order is fixed too). Every rank calls it
     together."""
     ring = _ring(comm)
-    _check(q, k, ring, window_size, "ring_attention_backward")
+    window = _check(q, k, ring, window_size, "ring_attention_backward")
     xp = arrays.array_module(q)
     seqlen, head_dim = q.shape[1], q.shape[3]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -335,16 +377,18 @@ def ring_attention_backward(
     dkv = (xp.zeros(k.shape, dtype=np.float32), xp.zeros(v.shape, dtype=np.float32))
     for step in range(ring.size):
         pending = ring.shift(kv) if step + 1 < ring.size else None
-        rows, keys, blk_causal = _blocks(ring.rank, ring.size, step, causal, seqlen // 2)
-        with _kernel_turn:
-            dq_blk, dk_blk, dv_blk = api.attention_backward(
-                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
-                xp.ascontiguousarray(lse[:, :, rows]), causal=blk_causal, softmax_scale=scale,
-                deterministic=deterministic,
-            )  # fmt: skip
-        dq[:, rows] += _to_float32(dq_blk)
-        dkv[0][:, keys] += _to_float32(dk_blk)
-        dkv[1][:, keys] += _to_float32(dv_blk)
+        for rows, keys, blk_causal, blk_window in _pieces(
+            ring.rank, ring.size, step, seqlen // 2, causal, window
+        ):
+            with _kernel_turn:
+                dq_blk, dk_blk, dv_blk = api.attention_backward(
+                    dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
+                    xp.ascontiguousarray(lse[:, :, rows]), causal=blk_causal,
+                    softmax_scale=scale, window_size=blk_window, deterministic=deterministic,
+                )  # fmt: skip
+            dq[:, rows] += _to_float32(dq_blk)
+            dkv[0][:, keys] += _to_float32(dk_blk)
+            dkv[1][:, keys] += _to_float32(dv_blk)
         dkv = tuple(ring.shift(dkv).wait())  # on to the next rank, which adds its part
         if pending is not None:
             kv = tuple(pending.wait())

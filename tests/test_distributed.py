@@ -59,10 +59,17 @@ def test_shard_refuses_lengths_and_ranks_that_do_not_fit():
 
 
 @pytest.mark.parametrize(
-    "world,causal,dtype",
-    [(2, True, "float16"), (3, True, "float16"), (2, False, "float16"), (3, True, "bfloat16")],
+    "world,causal,dtype,window",
+    [
+        (2, True, "float16", (-1, -1)),
+        (3, True, "float16", (-1, -1)),
+        (2, False, "float16", (-1, -1)),
+        (3, True, "bfloat16", (-1, -1)),
+        (3, True, "float16", (5, -1)),  # a sliding window behind each query
+        (2, False, "float16", (3, 6)),  # a window on both sides
+    ],
 )
-def test_ring_attention_matches_attention_on_the_whole_sequence(world, causal, dtype):
+def test_ring_attention_matches_attention_on_the_whole_sequence(world, causal, dtype, window):
     chunk, heads, kv_heads, head_dim = 4, 2, 1, 16
     seqlen = 2 * world * chunk
     q = random_array((1, seqlen, heads, head_dim), dtype)
@@ -71,23 +78,24 @@ def test_ring_attention_matches_attention_on_the_whole_sequence(world, causal, d
 
     def rank_work(rank, ring):
         mine = [shard(x, rank, world) for x in (q, k, v, dout)]
-        out, lse = ring_attention(*mine[:3], ring, causal=causal, return_lse=True)
-        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, causal=causal)
+        mask = dict(causal=causal, window_size=window)
+        out, lse = ring_attention(*mine[:3], ring, return_lse=True, **mask)
+        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, **mask)
         return out, lse, grads
 
     results = _on_every_rank(world, rank_work)
     out = unshard([r[0] for r in results])
     lse = unshard([r[1] for r in results], axis=2)
-    assert_matches_reference(q, k, v, out, lse, causal=causal)
+    assert_matches_reference(q, k, v, out, lse, causal=causal, window_size=window)
     dq, dk, dv = (unshard([r[2][i] for r in results]) for i in range(3))
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=causal)
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=causal, window_size=window)
 
 
 def test_ring_attention_refuses_what_it_cannot_do():
     q = random_array((1, 8, 2, 16), "float16")
     ring = LocalRing.group(1)[0]
-    with pytest.raises(NotImplementedError, match="window_size"):
-        ring_attention(q, q, q, ring, window_size=(4, 0))
+    with pytest.raises(ValueError, match="window_size"):
+        ring_attention(q, q, q, ring, window_size=(4, -2))
     with pytest.raises(ValueError, match="one even length"):
         ring_attention(q[:, :7], q[:, :7], q[:, :7], ring)
     with pytest.raises(TypeError, match="NcclCommunicator"):
@@ -110,3 +118,40 @@ def test_a_rank_that_fails_stops_the_ring_instead_of_hanging_it():
 
     with pytest.raises(AssertionError, match="rank 1 gives up|a rank of the ring stopped"):
         _on_every_rank(2, rank_work)
+
+
+def test_a_window_moved_to_a_block_keeps_exactly_the_pairs_it_sees():
+    """distributed._visible against brute force: the part of a block it keeps, with the window
+    it gives numflash.attention there (aligned bottom-right), sees exactly the pairs the global
+    window lets through, and nothing it cuts off sees anything."""
+    from numflash.distributed import _visible
+
+    def api_sees(i, j, rows, keys, left, right):  # numflash.attention's window rule
+        d = keys - rows
+        return (left < 0 or j >= i + d - left) and (right < 0 or j <= i + d + right)
+
+    for q_first in range(0, 13, 3):
+        for k_first in range(0, 13, 4):
+            for left in (-1, 0, 2, 5):
+                for right in (-1, 0, 1, 4):
+                    want = {
+                        (i, j)
+                        for i in range(4)
+                        for j in range(5)
+                        if (left < 0 or k_first + j >= q_first + i - left)
+                        and (right < 0 or k_first + j <= q_first + i + right)
+                    }
+                    found = _visible(q_first, 4, k_first, 5, left, right)
+                    if found is None:
+                        assert not want
+                        continue
+                    rows, keys, (wl, wr) = found
+                    assert wl >= -1 and wr >= -1 and (wl != -1 or left < 0)
+                    sq, sk = rows.stop - rows.start, keys.stop - keys.start
+                    got = {
+                        (rows.start + i, keys.start + j)
+                        for i in range(sq)
+                        for j in range(sk)
+                        if api_sees(i, j, sq, sk, wl, wr)
+                    }
+                    assert got == want, (q_first, k_first, left, right)
