@@ -1,4 +1,6 @@
-"""examples/train_reverse.py: its hand-written backward, through numflash, trains the model."""
+"""The examples: train_reverse.py's hand-written backward, through numflash, trains the model;
+ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
+generates the same tokens eagerly and from a CUDA graph."""
 
 import math
 import sys
@@ -68,3 +70,25 @@ def test_decode_graph_refuses_sizes_it_cannot_run(argv, message, capsys):
     with pytest.raises(SystemExit):
         decode_graph.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_ring_training_gives_the_loss_and_gradients_of_one_device():
+    """examples/ring_train.py: the sequence split over two ranks (a LocalRing of threads), the
+    loss and every parameter gradient of one batch as train_reverse computes them whole (tiny
+    sizes: the simulator runs this on CI)."""
+    import ring_train
+
+    xp = train_reverse.xp
+    rng = np.random.default_rng(5)
+    params = train_reverse.init_params(rng, vocab=4, seqlen=8, dim=16)
+    tokens = xp.asarray(rng.integers(0, 4, size=(2, 8)))
+    targets = tokens[:, ::-1].copy()
+    loss, accuracy, grads = ring_train.ring_loss_and_grads(
+        params, tokens, targets, 2, ring_train.make_rings(2, nccl=False)
+    )
+    whole_loss, whole_accuracy, whole = train_reverse.loss_and_grads(params, tokens, targets, 2)
+    assert abs(loss - whole_loss) <= 2e-4 * whole_loss and accuracy == whole_accuracy
+    assert set(grads) == set(whole)
+    for name, g in grads.items():
+        scale = float(xp.abs(whole[name]).max()) or 1.0
+        assert float(xp.abs(g - whole[name]).max()) <= 5e-3 * scale, name  # fp16 attention
