@@ -15,9 +15,9 @@ holds, and the partial outputs are merged through their log-sum-exp:
 
 Without a causal mask every step is all queries on the whole slice. With a sliding window
 each pair of a query chunk and a key chunk runs apart, cut to the rows and keys that see
-something, the window moved to where the pair sits (:func:`_visible`). The merge runs in fp32
-(out = e^{lse - new} out + e^{blk - new} blk_out, new = lse + log1p(e^{blk - lse}) in the
-form that cannot overflow). The backward turns the same ring: K/V travel ahead while a second
+something, the window moved to where the pair sits (:func:`_visible`). The merge runs in fp32:
+new = logaddexp(lse, blk), out = e^{lse - new} out + e^{blk - new} blk_out, both weights at
+most 1, so nothing overflows. The backward turns the same ring: K/V travel ahead while a second
 ring carries each slice's dK/dV accumulators (fp32) from rank to rank, every rank adding its
 part, until one last hop hands them to their owner; dQ adds up locally. Memory per rank does
 not grow with the number of ranks: two K/V slices and one dK/dV pair in flight.
