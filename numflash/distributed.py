@@ -182,11 +182,21 @@ class _NcclPending:
         return self.received
 
 
+#: id(communicator) -> (the communicator, its _NcclRing): one transfer stream per
+#: communicator, made on its first use (the communicator is kept, so its id stays its own).
+_nccl_rings = {}
+_nccl_rings_lock = threading.Lock()
+
+
 def _ring(comm):
     if hasattr(comm, "shift") and hasattr(comm, "rank") and hasattr(comm, "size"):
         return comm
     if hasattr(comm, "rank_id") and hasattr(comm, "send"):
-        return _NcclRing(comm)
+        with _nccl_rings_lock:
+            found = _nccl_rings.get(id(comm))
+            if found is None:
+                found = _nccl_rings[id(comm)] = (comm, _NcclRing(comm))
+        return found[1]
     raise TypeError(
         "comm must be a cupy.cuda.nccl.NcclCommunicator or a ring with rank, size and shift "
         f"(numflash.distributed.LocalRing); got {type(comm).__name__}"
