@@ -23,12 +23,13 @@ fence.proxy.tensormap; CUDA driver API: cuTensorMapEncodeTiled):
   each map as 16 int64 scalars (a "template"), writes it to shared memory, replaces the global
   address in it with its array's (``tensormap.replace``) and copies it to global memory with a
   release fence (``tensormap.cp_fenceproxy``, warp-wide); then ``fence.proxy.tensormap
-  acquire`` before the first copy that reads it. The template depends only on the shapes and
-  strides, never the address, so a recorded launch (numflash.plans) stays exact when its
-  arrays change.
+  acquire`` before the first copy that reads it. What the kernel takes from a template is the
+  shapes and strides, never the address, so a recorded launch (numflash.plans) stays exact
+  when its arrays change.
 - Every block of a launch writes the same bytes to the same global map (the launch's arrays
-  are the same for all), so a map is never seen half written by a block that uses it; each
-  launch gets a map buffer of its own.
+  are the same for all), so a map is never seen half written by a block that uses it. A
+  launch's map buffer is its own, or one that only launches before it on its stream used (a
+  replay plan keeps its buffer, as it keeps its other buffers: numflash.plans).
 
 In Numba's CUDA simulator the template is this module's own encoding of the same fields
 (:func:`template`), a global address is (array, element index), and the copy is done at once,
