@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "numflash"
 #: themselves, as long as there is no cycle).
 LAYERS = {
     "distributed": 6,
+    "jax": 6,
     "api": 5,
     "cli": 5,
     "validation": 4,

@@ -1,0 +1,133 @@
+"""numflash inside JAX: ``jax.jit`` and ``jax.grad`` through ``buffer_callback`` (JAX >= 0.6.1).
+
+``attention(q, k, v, ...)`` takes JAX arrays (batch, seqlen, heads, head_dim) and returns
+JAX arrays, traceable: inside ``jax.jit`` it becomes one ``jax.experimental.buffer_callback``
+whose Python runs numflash's kernels on XLA's own buffers, and under ``jax.grad`` its
+``jax.custom_vjp`` saves out and lse and runs numflash's backward the same way. On a GPU the
+kernels run on XLA's CUDA stream (``ctx.stream``; no copy of the inputs, no host
+synchronisation); in Numba's CUDA simulator, with JAX's CPU backend, the buffers are NumPy
+arrays and the same code runs there (that is how CI tests it).
+
+The lse returned with ``return_lse=True`` is not differentiable (it goes through
+``jax.lax.stop_gradient``): a loss that uses it gets no gradient through it, as in flash-attn.
+Not yet: ``vmap``, packed batches and the KV cache from JAX; on a GPU the kernels must be
+compiled before XLA records a command buffer (a first call outside one does it).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from . import api
+from .kernels.jit import SIMULATOR
+
+__all__ = ["attention"]
+
+
+def _array(buffer):
+    """An XLA buffer as the array numflash takes: NumPy on the CPU (the simulator), CuPy on a
+    GPU (its memory, not a copy: the buffer's dtype kept, bf16 included)."""
+    if SIMULATOR:
+        return np.asarray(buffer)
+    import cupy
+
+    pointer = buffer.__cuda_array_interface__["data"][0]
+    dtype = np.dtype(buffer.dtype)
+    shape = tuple(buffer.shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(pointer, nbytes, buffer)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+
+
+def _on_xla_stream(ctx):
+    """CuPy's current stream made XLA's for the callback (nothing to do in the simulator)."""
+    if SIMULATOR:
+        import contextlib
+
+        return contextlib.nullcontext()
+    import cupy
+
+    stream = ctx.stream
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14; ExternalStream before it
+
+        class _Handle:
+            def __cuda_stream__(self):
+                return (0, stream)
+
+        return cupy.cuda.Stream.from_external(_Handle())
+    return cupy.cuda.ExternalStream(stream)
+
+
+def _forward_callback(options):
+    causal, scale, window = options
+
+    def callback(ctx, outs, q, k, v):
+        out, lse = (_array(b) for b in outs)
+        with _on_xla_stream(ctx):
+            _, got = api.attention(
+                _array(q), _array(k), _array(v), causal=causal, softmax_scale=scale,
+                window_size=window, return_lse=True, out=out,
+            )  # fmt: skip
+            lse[...] = got
+
+    return callback
+
+
+def _backward_callback(options):
+    causal, scale, window = options
+
+    def callback(ctx, outs, dout, q, k, v, out, lse):
+        with _on_xla_stream(ctx):
+            grads = api.attention_backward(
+                *(_array(b) for b in (dout, q, k, v, out, lse)), causal=causal,
+                softmax_scale=scale, window_size=window,
+            )  # fmt: skip
+            for buffer, grad in zip(outs, grads):
+                _array(buffer)[...] = grad
+
+    return callback
+
+
+def _shape(x, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+
+
+def _forward(q, k, v, options):
+    lse = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    return buffer_callback(_forward_callback(options), (_shape(q), lse))(q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, options):
+    return _forward(q, k, v, options)
+
+
+def _attention_fwd(q, k, v, options):
+    out, lse = _forward(q, k, v, options)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _attention_bwd(options, saved, cotangents):
+    q, k, v, out, lse = saved
+    dout = cotangents[0]  # lse's cotangent is zero: the public function stops its gradient
+    shapes = (_shape(q), _shape(k), _shape(v))
+    return buffer_callback(_backward_callback(options), shapes)(dout, q, k, v, out, lse)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
+    """:func:`numflash.attention` on JAX arrays, usable inside ``jax.jit`` and differentiable
+    with ``jax.grad`` (q, k, v; the lse is not differentiable). Same arguments and semantics:
+    q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim), float16
+    or bfloat16 on a GPU; returns out, and with ``return_lse`` the lse (batch, heads, seqlen_q,
+    float32). Bad arguments raise when the call runs (inside the callback under jit)."""
+    scale = None if softmax_scale is None else float(softmax_scale)
+    window = tuple(int(w) for w in window_size)
+    out, lse = _attention(q, k, v, (bool(causal), scale, window))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -1,0 +1,61 @@
+"""numflash.jax: attention inside jax.jit, differentiated by jax.grad, against the float64
+reference. Without a GPU: JAX's CPU backend and numflash's simulator (the buffers are NumPy
+arrays); on a GPU: JAX's GPU backend, the kernels on XLA's stream. Skipped where JAX is absent
+or its backend does not match (a CPU-only JAX on a GPU machine)."""
+
+import numpy as np
+import pytest
+from support import assert_gradients_match, assert_matches_reference, random_array, random_qkv
+
+from numflash.kernels.jit import SIMULATOR
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+if jax.default_backend() != ("cpu" if SIMULATOR else "gpu"):
+    pytest.skip(f"JAX's {jax.default_backend()} backend does not match", allow_module_level=True)
+
+import numflash.jax as njax  # noqa: E402
+
+
+def _host(x):
+    return np.asarray(x) if SIMULATOR else __import__("cupy").asarray(np.asarray(x))
+
+
+CASES = [
+    ("float16", 1, 12, 20, 2, 1, 16, dict(causal=True)),
+    ("bfloat16", 2, 9, 9, 2, 2, 32, dict()),
+    ("float16", 1, 16, 16, 4, 2, 16, dict(window_size=(3, 2))),
+]
+
+
+@pytest.mark.parametrize("dtype,batch,sq,sk,heads,kv_heads,head_dim,mask", CASES)
+def test_attention_under_jit_and_grad_matches_the_reference(
+    dtype, batch, sq, sk, heads, kv_heads, head_dim, mask
+):
+    q, k, v = random_qkv(batch, sq, sk, heads, kv_heads, head_dim, dtype)
+    dout = random_array(q.shape, dtype)
+    jq, jk, jv, jd = (jnp.asarray(np.asarray(x if SIMULATOR else x.get())) for x in (q, k, v, dout))
+
+    out, lse = jax.jit(lambda a, b, c: njax.attention(a, b, c, return_lse=True, **mask))(jq, jk, jv)
+    assert out.dtype == jq.dtype and lse.dtype == jnp.float32
+    assert_matches_reference(q, k, v, _host(out), _host(lse), **mask)
+
+    def loss(a, b, c):
+        o = njax.attention(a, b, c, **mask)
+        return jnp.sum(o.astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(jq, jk, jv)
+    assert_gradients_match(dout, q, k, v, *(_host(g) for g in grads), **mask)
+
+
+def test_the_lse_carries_no_gradient():
+    def fresh():
+        x = random_array((1, 8, 2, 16), "float16")
+        return jnp.asarray(np.asarray(x if SIMULATOR else x.get()))
+
+    q, k, v = fresh(), fresh(), fresh()
+
+    def loss(a):
+        return njax.attention(a, k, v, return_lse=True)[1].sum()
+
+    assert float(jnp.abs(jax.grad(loss)(q).astype(jnp.float32)).max()) == 0.0
