@@ -62,6 +62,7 @@ def _on_xla_stream(ctx):
     return cupy.cuda.ExternalStream(stream)
 
 
+@functools.lru_cache(maxsize=256)  # one callable per options: JAX caches by the callable
 def _forward_callback(options):
     causal, scale, window = options
 
@@ -77,6 +78,7 @@ def _forward_callback(options):
     return callback
 
 
+@functools.lru_cache(maxsize=256)
 def _backward_callback(options):
     causal, scale, window = options
 
