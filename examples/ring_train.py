@@ -18,58 +18,25 @@ import threading
 import time
 
 import numpy as np
-from train_reverse import Adam, init_params, loss_and_grads, xp
+from train_reverse import Adam, add_arguments, init_params, loss_and_grads, part_loss_and_grads, xp
 
 from numflash import distributed
 
 
 def rank_loss_and_grads(params, tokens, targets, heads, rank, world, ring):
-    """The sum of the cross-entropy over this rank's tokens (scaled by the whole batch's token
-    count, as train_reverse's mean), its correct guesses, and its part of every gradient."""
-    batch, seqlen = tokens.shape
-    dim = params["wq"].shape[0]
-    head_dim = dim // heads
-    mine = distributed.shard(xp.arange(seqlen), rank, world, axis=0)  # this rank's positions
-    tok, tgt = tokens[:, mine], targets[:, mine]
-    local = len(mine)
-    n_all = batch * seqlen
+    """This rank's part (train_reverse.part_loss_and_grads) on its zigzag shard of every
+    sequence's positions, the attention over the ring."""
 
-    x = params["tok"][tok] + params["pos"][mine][None]
-    split = (batch, local, heads, head_dim)
-    q, k, v = ((x @ params[w]).reshape(split).astype(np.float16) for w in ("wq", "wk", "wv"))
-    att, lse = distributed.ring_attention(q, k, v, ring, return_lse=True)
-    a = att.astype(np.float32).reshape(batch, local, dim)
-    h = x + a @ params["wo"]
-    logits = h @ params["out"]
-    logits -= logits.max(axis=-1, keepdims=True)
-    probs = xp.exp(logits)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    one_hot = xp.eye(probs.shape[-1], dtype=np.float32)[tgt]
-    loss_sum = float(-(xp.log(probs + 1e-9) * one_hot).sum()) / n_all
-    correct = int((probs.argmax(axis=-1) == tgt).sum())
+    def attend(q, k, v):
+        return distributed.ring_attention(q, k, v, ring, return_lse=True)
 
-    n = batch * local
-    dlogits = (probs - one_hot) / n_all
-    grads = {"out": h.reshape(n, dim).T @ dlogits.reshape(n, -1)}
-    dh = dlogits @ params["out"].T
-    grads["wo"] = a.reshape(n, dim).T @ dh.reshape(n, dim)
-    da = (dh @ params["wo"].T).reshape(split).astype(np.float16)
-    dq, dk, dv = distributed.ring_attention_backward(da, q, k, v, att, lse, ring)
-    dx = dh
-    for w, g in (("wq", dq), ("wk", dk), ("wv", dv)):
-        g = g.astype(np.float32).reshape(batch, local, dim)
-        grads[w] = x.reshape(n, dim).T @ g.reshape(n, dim)
-        dx = dx + g @ params[w].T
-    grads["pos"] = xp.zeros_like(params["pos"])
-    grads["pos"][mine] = dx.sum(axis=0)
-    grads["tok"] = xp.zeros_like(params["tok"])
-    if xp is np:
-        np.add.at(grads["tok"], tok.ravel(), dx.reshape(n, dim))
-    else:
-        import cupyx
+    def attend_backward(dout, q, k, v, out, lse):
+        return distributed.ring_attention_backward(dout, q, k, v, out, lse, ring)
 
-        cupyx.scatter_add(grads["tok"], tok.ravel(), dx.reshape(n, dim))
-    return loss_sum, correct, grads
+    positions = distributed.shard(xp.arange(tokens.shape[1]), rank, world, axis=0)
+    return part_loss_and_grads(
+        params, tokens, targets, heads, positions, tokens.size, attend, attend_backward
+    )
 
 
 def _on_device(rank, nccl):
@@ -137,13 +104,7 @@ def make_rings(world, nccl):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--seqlen", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=16)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    add_arguments(ap)
     ap.add_argument("--nccl", action="store_true", help="one GPU a rank, NCCL between them")
     args = ap.parse_args(argv)
     if args.seqlen % (2 * args.world):

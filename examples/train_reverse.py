@@ -44,15 +44,43 @@ def init_params(rng, vocab, seqlen, dim):
 
 def loss_and_grads(params, tokens, targets, heads):
     """Cross-entropy of the model on one batch, and its gradient for every parameter."""
+    loss_sum, correct, grads = part_loss_and_grads(
+        params,
+        tokens,
+        targets,
+        heads,
+        xp.arange(tokens.shape[1]),
+        tokens.size,
+        _attend,
+        _attend_backward,
+    )
+    return loss_sum, correct / tokens.size, grads
+
+
+def _attend(q, k, v):
+    return numflash.attention(q, k, v, return_lse=True)
+
+
+def _attend_backward(dout, q, k, v, out, lse):
+    return numflash.attention_backward(dout, q, k, v, out, lse)
+
+
+def part_loss_and_grads(params, tokens, targets, heads, positions, n_all, attend, attend_backward):
+    """The model on the tokens at ``positions`` of each sequence (``tokens`` and ``targets``
+    hold every position), its attention through ``attend(q, k, v) -> (out, lse)`` and
+    ``attend_backward(dout, q, k, v, out, lse) -> (dq, dk, dv)``: (the cross-entropy summed
+    over these tokens / ``n_all``, how many it guesses right, its gradient for every
+    parameter). With every position and n_all the batch's token count: the batch's mean loss."""
+    tokens, targets = tokens[:, positions], targets[:, positions]
     batch, seqlen = tokens.shape
     dim = params["wq"].shape[0]
     head_dim = dim // heads
 
     # -- forward
-    x = params["tok"][tokens] + params["pos"][None]  # (B, L, D)
+    x = params["tok"][tokens] + params["pos"][positions][None]  # (B, L, D)
     split = (batch, seqlen, heads, head_dim)
     q, k, v = ((x @ params[w]).reshape(split).astype(np.float16) for w in ("wq", "wk", "wv"))
-    att, lse = numflash.attention(q, k, v, return_lse=True)
+    att, lse = attend(q, k, v)
     a = att.astype(np.float32).reshape(batch, seqlen, dim)
     h = x + a @ params["wo"]
     logits = h @ params["out"]
@@ -60,23 +88,24 @@ def loss_and_grads(params, tokens, targets, heads):
     probs = xp.exp(logits)
     probs /= probs.sum(axis=-1, keepdims=True)
     one_hot = xp.eye(probs.shape[-1], dtype=np.float32)[targets]
-    loss = float(-(xp.log(probs + 1e-9) * one_hot).sum(axis=-1).mean())
-    accuracy = float((probs.argmax(axis=-1) == targets).mean())
+    loss = float(-(xp.log(probs + 1e-9) * one_hot).sum()) / n_all
+    correct = int((probs.argmax(axis=-1) == targets).sum())
 
     # -- backward
     n = batch * seqlen
-    dlogits = (probs - one_hot) / n
+    dlogits = (probs - one_hot) / n_all
     grads = {"out": h.reshape(n, dim).T @ dlogits.reshape(n, -1)}
     dh = dlogits @ params["out"].T
     grads["wo"] = a.reshape(n, dim).T @ dh.reshape(n, dim)
     da = (dh @ params["wo"].T).reshape(split).astype(np.float16)
-    dq, dk, dv = numflash.attention_backward(da, q, k, v, att, lse)
+    dq, dk, dv = attend_backward(da, q, k, v, att, lse)
     dx = dh
     for w, g in (("wq", dq), ("wk", dk), ("wv", dv)):
         g = g.astype(np.float32).reshape(batch, seqlen, dim)
         grads[w] = x.reshape(n, dim).T @ g.reshape(n, dim)
         dx = dx + g @ params[w].T
-    grads["pos"] = dx.sum(axis=0)
+    grads["pos"] = xp.zeros_like(params["pos"])
+    grads["pos"][positions] = dx.sum(axis=0)
     grads["tok"] = xp.zeros_like(params["tok"])
     if xp is np:
         np.add.at(grads["tok"], tokens.ravel(), dx.reshape(n, dim))
@@ -84,7 +113,7 @@ def loss_and_grads(params, tokens, targets, heads):
         import cupyx
 
         cupyx.scatter_add(grads["tok"], tokens.ravel(), dx.reshape(n, dim))
-    return loss, accuracy, grads
+    return loss, correct, grads
 
 
 class Adam:
@@ -136,8 +165,8 @@ def train(
     return history
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap):
+    """The model's and the training's options (examples/ring_train.py takes them too)."""
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seqlen", type=int, default=32)
     ap.add_argument("--batch", type=int, default=64)
@@ -145,6 +174,11 @@ def main():
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
     args = ap.parse_args()
     history = train(args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads, args.lr)
     first, last = history[0][1], history[-1][1]
