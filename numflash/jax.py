@@ -10,7 +10,8 @@ arrays and the same code runs there (that is how CI tests it).
 
 The lse returned with ``return_lse=True`` is not differentiable (it goes through
 ``jax.lax.stop_gradient``): a loss that uses it gets no gradient through it, as in flash-attn.
-Not yet: ``vmap``, packed batches and the KV cache from JAX; on a GPU the kernels must be
+Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them. Not
+yet: packed batches and the KV cache from JAX; on a GPU the kernels must be
 compiled before XLA records a command buffer (a first call outside one does it).
 """
 
@@ -43,6 +44,13 @@ def _array(buffer):
     return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
 
 
+def _flat(array, trailing):
+    """``array`` with every leading dimension beyond its ``trailing`` last ones folded into
+    one: the batch axes ``jax.vmap`` adds (buffer_callback's "broadcast_all" hands every
+    input and output the vmapped axes in front) join the batch dimension."""
+    return array.reshape((-1,) + array.shape[array.ndim - trailing :])
+
+
 def _on_xla_stream(ctx):
     """CuPy's current stream made XLA's for the callback (nothing to do in the simulator)."""
     if SIMULATOR:
@@ -67,10 +75,10 @@ def _forward_callback(options):
     causal, scale, window = options
 
     def callback(ctx, outs, q, k, v):
-        out, lse = (_array(b) for b in outs)
+        out, lse = _flat(_array(outs[0]), 3), _flat(_array(outs[1]), 2)
         with _on_xla_stream(ctx):
             _, got = api.attention(
-                _array(q), _array(k), _array(v), causal=causal, softmax_scale=scale,
+                *(_flat(_array(x), 3) for x in (q, k, v)), causal=causal, softmax_scale=scale,
                 window_size=window, return_lse=True, out=out,
             )  # fmt: skip
             lse[...] = got
@@ -85,13 +93,18 @@ def _backward_callback(options):
     def callback(ctx, outs, dout, q, k, v, out, lse):
         with _on_xla_stream(ctx):
             grads = api.attention_backward(
-                *(_array(b) for b in (dout, q, k, v, out, lse)), causal=causal,
-                softmax_scale=scale, window_size=window,
+                *(_flat(_array(b), 3) for b in (dout, q, k, v, out)), _flat(_array(lse), 2),
+                causal=causal, softmax_scale=scale, window_size=window,
             )  # fmt: skip
             for buffer, grad in zip(outs, grads):
-                _array(buffer)[...] = grad
+                _flat(_array(buffer), 3)[...] = grad
 
     return callback
+
+
+#: Under jax.vmap every input and output gets the vmapped axes in front (the callbacks fold
+#: them into the batch dimension: one launch for the whole vmapped batch).
+_VMAP = "broadcast_all"
 
 
 def _shape(x, dtype=None):
@@ -100,7 +113,8 @@ def _shape(x, dtype=None):
 
 def _forward(q, k, v, options):
     lse = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
-    return buffer_callback(_forward_callback(options), (_shape(q), lse))(q, k, v)
+    call = buffer_callback(_forward_callback(options), (_shape(q), lse), vmap_method=_VMAP)
+    return call(q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -117,7 +131,8 @@ def _attention_bwd(options, saved, cotangents):
     q, k, v, out, lse = saved
     dout = cotangents[0]  # lse's cotangent is zero: the public function stops its gradient
     shapes = (_shape(q), _shape(k), _shape(v))
-    return buffer_callback(_backward_callback(options), shapes)(dout, q, k, v, out, lse)
+    call = buffer_callback(_backward_callback(options), shapes, vmap_method=_VMAP)
+    return call(dout, q, k, v, out, lse)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -59,3 +59,31 @@ def test_the_lse_carries_no_gradient():
         return njax.attention(a, k, v, return_lse=True)[1].sum()
 
     assert float(jnp.abs(jax.grad(loss)(q).astype(jnp.float32)).max()) == 0.0
+
+
+def test_vmap_folds_its_axis_into_the_batch():
+    """jax.vmap over a leading axis (k and v shared by every slice in the forward): each slice
+    as the reference gives it, forward and gradients (the callbacks fold the vmapped axis into
+    the batch dimension)."""
+    slices = [random_qkv(2, 8, 10, 2, 1, 16, "float16") for _ in range(3)]
+    douts = [random_array(s[0].shape, "float16") for s in slices]
+
+    def stack(xs):
+        return jnp.asarray(np.stack([np.asarray(x if SIMULATOR else x.get()) for x in xs]))
+
+    q, k, v = (stack([s[i] for s in slices]) for i in range(3))
+    dout = stack(douts)
+    shared = jax.vmap(lambda a: njax.attention(a, k[0], v[0], causal=True, return_lse=True))
+    out, lse = jax.jit(shared)(q)
+    for i, (qi, _, _) in enumerate(slices):
+        assert_matches_reference(qi, slices[0][1], slices[0][2], _host(out[i]), _host(lse[i]),
+                                 causal=True)  # fmt: skip
+
+    def loss(a, b, c, d):
+        return jnp.sum(
+            njax.attention(a, b, c, causal=True).astype(jnp.float32) * d.astype(jnp.float32)
+        )
+
+    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, dout)
+    for i, (qi, ki, vi) in enumerate(slices):
+        assert_gradients_match(douts[i], qi, ki, vi, *(_host(g[i]) for g in grads), causal=True)
