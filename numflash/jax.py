@@ -10,8 +10,9 @@ arrays and the same code runs there (that is how CI tests it).
 
 The lse returned with ``return_lse=True`` is not differentiable (it goes through
 ``jax.lax.stop_gradient``): a loss that uses it gets no gradient through it, as in flash-attn.
-Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them. Not
-yet: packed batches and the KV cache from JAX; on a GPU the kernels must be
+Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them.
+``attention_varlen`` does the same for packed batches (offsets as int32 JAX arrays, the max
+lengths static). Not yet: the KV cache from JAX; on a GPU the kernels must be
 compiled before XLA records a command buffer (a first call outside one does it).
 """
 
@@ -26,7 +27,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import api
 from .kernels.jit import SIMULATOR
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
 
 
 def _array(buffer):
@@ -147,4 +148,84 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     scale = None if softmax_scale is None else float(softmax_scale)
     window = tuple(int(w) for w in window_size)
     out, lse = _attention(q, k, v, (bool(causal), scale, window))
+    return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# -- packed batches ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_forward_callback(options):
+    causal, scale, window, max_q, max_k = options
+
+    def callback(ctx, outs, q, k, v, cu_q, cu_k):
+        out, lse = (_array(b) for b in outs)
+        with _on_xla_stream(ctx):
+            _, got = api.attention_varlen(
+                *(_array(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
+                softmax_scale=scale, window_size=window, return_lse=True, out=out,
+            )  # fmt: skip
+            lse[...] = got
+
+    return callback
+
+
+@functools.lru_cache(maxsize=256)
+def _varlen_backward_callback(options):
+    causal, scale, window, max_q, max_k = options
+
+    def callback(ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k):
+        with _on_xla_stream(ctx):
+            grads = api.attention_varlen_backward(
+                *(_array(x) for x in (dout, q, k, v, out, lse, cu_q, cu_k)), max_q, max_k,
+                causal=causal, softmax_scale=scale, window_size=window,
+            )  # fmt: skip
+            for buffer, grad in zip(outs, grads):
+                _array(buffer)[...] = grad
+
+    return callback
+
+
+def _varlen_forward(q, k, v, cu_q, cu_k, options):
+    lse = jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
+    # a packed batch has no batch axis to fold a vmapped one into: slices run one by one
+    call = buffer_callback(
+        _varlen_forward_callback(options), (_shape(q), lse), vmap_method="sequential"
+    )
+    return call(q, k, v, cu_q, cu_k)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention_varlen(q, k, v, cu_q, cu_k, options):
+    return _varlen_forward(q, k, v, cu_q, cu_k, options)
+
+
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, options):
+    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, options)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k)
+
+
+def _attention_varlen_bwd(options, saved, cotangents):
+    q, k, v, out, lse, cu_q, cu_k = saved
+    shapes = (_shape(q), _shape(k), _shape(v))
+    call = buffer_callback(_varlen_backward_callback(options), shapes, vmap_method="sequential")
+    dq, dk, dv = call(cotangents[0], q, k, v, out, lse, cu_q, cu_k)
+    return dq, dk, dv, None, None  # the offsets are integers: no cotangent
+
+
+_attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
+
+
+def attention_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+    softmax_scale=None, window_size=(-1, -1), return_lse=False,
+):  # fmt: skip
+    """:func:`numflash.attention_varlen` on JAX arrays, under ``jax.jit`` and ``jax.grad``:
+    q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), ``cu_seqlens_*`` int32
+    JAX arrays (batch + 1,), ``max_seqlen_*`` Python ints (static: they size the launch).
+    Returns out, and with ``return_lse`` the lse (heads, total_q), not differentiable."""
+    scale = None if softmax_scale is None else float(softmax_scale)
+    window = tuple(int(w) for w in window_size)
+    options = (bool(causal), scale, window, int(max_seqlen_q), int(max_seqlen_k))
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

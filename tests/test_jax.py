@@ -87,3 +87,34 @@ def test_vmap_folds_its_axis_into_the_batch():
     grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v, dout)
     for i, (qi, ki, vi) in enumerate(slices):
         assert_gradients_match(douts[i], qi, ki, vi, *(_host(g[i]) for g in grads), causal=True)
+
+
+def test_attention_varlen_under_jit_and_grad_matches_each_sequence():
+    """A packed batch with an empty sequence, GQA, causal: out, lse and gradients of every
+    sequence against the reference (the offsets traced as int32 JAX arrays)."""
+    lengths = [5, 0, 9, 3]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_array((total, 2, 16), "float16")
+    k, v = (random_array((total, 1, 16), "float16") for _ in range(2))
+    dout = random_array(q.shape, "float16")
+    jq, jk, jv, jd = (jnp.asarray(np.asarray(x if SIMULATOR else x.get())) for x in (q, k, v, dout))
+    offsets = jnp.asarray(cu)
+
+    def attend(a, b, c, offsets, return_lse=False):
+        return njax.attention_varlen(a, b, c, offsets, offsets, 9, 9, causal=True,
+                                     return_lse=return_lse)  # fmt: skip
+
+    out, lse = jax.jit(lambda a, b, c, o: attend(a, b, c, o, True))(jq, jk, jv, offsets)
+
+    def loss(a, b, c):
+        return jnp.sum(attend(a, b, c, offsets).astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+    out, lse, *grads = (_host(x) for x in (out, lse, *grads))
+    for i, n in enumerate(lengths):
+        if n:
+            s = slice(int(cu[i]), int(cu[i + 1]))
+            one = [x[None, s] for x in (q, k, v)]
+            assert_matches_reference(*one, out[None, s], lse[None, :, s], causal=True)
+            assert_gradients_match(dout[None, s], *one, *(g[None, s] for g in grads), causal=True)
