@@ -12,8 +12,9 @@ The lse returned with ``return_lse=True`` is not differentiable (it goes through
 ``jax.lax.stop_gradient``): a loss that uses it gets no gradient through it, as in flash-attn.
 Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them.
 ``attention_varlen`` does the same for packed batches (offsets as int32 JAX arrays, the max
-lengths static). Not yet: the KV cache from JAX; on a GPU the kernels must be
-compiled before XLA records a command buffer (a first call outside one does it).
+lengths static); ``attention_with_kvcache`` appends to caches aliased in and out (donated, they
+are updated in place). On a GPU the kernels must be compiled before XLA records a command
+buffer (a first call outside one does it).
 """
 
 import functools
@@ -27,7 +28,7 @@ from jax.experimental.buffer_callback import buffer_callback
 from . import api
 from .kernels.jit import SIMULATOR
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 
 def _array(buffer):
@@ -229,3 +230,53 @@ def attention_varlen(
     options = (bool(causal), scale, window, int(max_seqlen_q), int(max_seqlen_k))
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
+
+
+# -- the KV cache -----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _kvcache_callback(options, appends, paged):
+    causal, scale, window = options
+
+    def callback(ctx, outs, q, k_cache, v_cache, *rest):
+        # the caches' outputs alias their inputs (input_output_aliases): the append and the
+        # attention work on the output buffers, which hold the caches
+        out, k_out, v_out = (_array(b) for b in outs)
+        rest = [_array(x) for x in rest]
+        k, v = (rest.pop(0), rest.pop(0)) if appends else (None, None)
+        seqlens = rest.pop(0)
+        block_table = rest.pop(0) if paged else None
+        with _on_xla_stream(ctx):
+            api.attention_with_kvcache(
+                _array(q), k_out, v_out, k, v, cache_seqlens=seqlens, block_table=block_table,
+                causal=causal, softmax_scale=scale, window_size=window, out=out,
+            )  # fmt: skip
+
+    return callback
+
+
+def attention_with_kvcache(
+    q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
+    softmax_scale=None, window_size=(-1, -1),
+):  # fmt: skip
+    """:func:`numflash.attention_with_kvcache` on JAX arrays, under ``jax.jit`` (not
+    differentiable: inference). Returns ``(out, k_cache, v_cache)``: the caches with k and v
+    appended at ``cache_seqlens`` (an int32 JAX array (batch,)), as outputs aliased to the
+    caches given, so that with donated caches (``jax.jit(..., donate_argnums=...)``, or the
+    carry of ``jax.lax.fori_loop`` / ``scan``) a decoding step appends in place without
+    copying them. Contiguous caches (batch, seqlen_cache, heads_k, head_dim) or paged ones
+    with ``block_table`` (batch, max_blocks) int32."""
+    scale = None if softmax_scale is None else float(softmax_scale)
+    options = (bool(causal), scale, tuple(int(w) for w in window_size))
+    appends, paged = k is not None, block_table is not None
+    if appends != (v is not None):
+        raise ValueError("attention_with_kvcache: give k and v together, or neither")
+    args = [q, k_cache, v_cache] + ([k, v] if appends else [])
+    args += [jnp.asarray(cache_seqlens, jnp.int32)] + ([block_table] if paged else [])
+    shapes = (_shape(q), _shape(k_cache), _shape(v_cache))
+    call = buffer_callback(
+        _kvcache_callback(options, appends, paged), shapes, vmap_method="sequential",
+        input_output_aliases={1: 1, 2: 2},
+    )  # fmt: skip
+    return call(*args)

@@ -118,3 +118,43 @@ def test_attention_varlen_under_jit_and_grad_matches_each_sequence():
             one = [x[None, s] for x in (q, k, v)]
             assert_matches_reference(*one, out[None, s], lse[None, :, s], causal=True)
             assert_gradients_match(dout[None, s], *one, *(g[None, s] for g in grads), causal=True)
+
+
+def test_a_decoding_step_appends_to_donated_caches_and_loops_in_fori_loop():
+    """attention_with_kvcache under jit with the caches donated: the new keys and values land
+    at each sequence's length, the rest of the caches kept, the output as the reference gives
+    it over the appended cache; in a fori_loop the caches are the carry, lengths advancing."""
+    from numflash.reference import check
+
+    batch, capacity = 2, 24
+    kc, vc = (random_array((batch, capacity, 1, 16), "float16") for _ in range(2))
+    q = random_array((batch, 1, 2, 16), "float16")
+    kn, vn = (random_array((batch, 1, 1, 16), "float16") for _ in range(2))
+    lengths = np.array([5, 11], np.int32)
+    host = [np.asarray(x if SIMULATOR else x.get()) for x in (q, kc, vc, kn, vn)]
+    jq, jkc, jvc, jkn, jvn = (jnp.asarray(x) for x in host)
+
+    def step(a, kc, vc, k, v, lengths):
+        return njax.attention_with_kvcache(a, kc, vc, k, v, cache_seqlens=lengths, causal=True)
+
+    out, kc2, vc2 = jax.jit(step, donate_argnums=(1, 2))(jq, jkc, jvc, jkn, jvn, lengths)
+    out, kc2, vc2 = (np.asarray(x) for x in (out, kc2, vc2))
+    q_h, kc_h, _, kn_h, vn_h = host
+    for b, n in enumerate(lengths):
+        assert (kc2[b, n].view(np.uint16) == kn_h[b, 0].view(np.uint16)).all()
+        assert (vc2[b, n].view(np.uint16) == vn_h[b, 0].view(np.uint16)).all()
+        assert (kc2[b, :n].view(np.uint16) == kc_h[b, :n].view(np.uint16)).all()
+        assert check(q_h[b : b + 1], kc2[b : b + 1, : n + 1], vc2[b : b + 1, : n + 1],
+                     out[b : b + 1], causal=True).ok  # fmt: skip
+
+    def body(i, carry):
+        kc, vc, lengths = carry
+        _, kc, vc = step(jq, kc, vc, jkn, jvn, lengths)
+        return kc, vc, lengths + 1
+
+    loop = jax.jit(lambda kc, vc: jax.lax.fori_loop(0, 3, body, (kc, vc, jnp.asarray(lengths))))
+    kc3, _, final = (np.asarray(x) for x in loop(jnp.asarray(host[1]), jnp.asarray(host[2])))
+    assert (final == lengths + 3).all()
+    for b, n in enumerate(lengths):
+        for t in range(3):
+            assert (kc3[b, n + t].view(np.uint16) == kn_h[b, 0].view(np.uint16)).all()
