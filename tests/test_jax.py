@@ -158,3 +158,32 @@ def test_a_decoding_step_appends_to_donated_caches_and_loops_in_fori_loop():
     for b, n in enumerate(lengths):
         for t in range(3):
             assert (kc3[b, n + t].view(np.uint16) == kn_h[b, 0].view(np.uint16)).all()
+
+
+def test_a_decoding_step_over_a_paged_cache_matches_the_contiguous_one():
+    """The same step over pages of 4 rows in shuffled order (block_table): the same output, the
+    appended rows in the right pages."""
+    batch, capacity, page = 2, 24, 4
+    kc, vc = (random_array((batch, capacity, 1, 16), "float16") for _ in range(2))
+    q = random_array((batch, 1, 2, 16), "float16")
+    kn, vn = (random_array((batch, 1, 1, 16), "float16") for _ in range(2))
+    lengths = jnp.asarray(np.array([5, 11], np.int32))
+    host = [np.asarray(x if SIMULATOR else x.get()) for x in (q, kc, vc, kn, vn)]
+    pages = capacity // page
+    order = np.random.default_rng(7).permutation(batch * pages)  # page slot of (b, p)
+    table = order.reshape(batch, pages).astype(np.int32)
+    paged = []
+    for cache in host[1:3]:
+        p = np.zeros((batch * pages, page, 1, 16), cache.dtype)
+        p[order] = cache.reshape(batch * pages, page, 1, 16)
+        paged.append(jnp.asarray(p))
+    jq, jkn, jvn = (jnp.asarray(host[i]) for i in (0, 3, 4))
+    want, kc2, _ = njax.attention_with_kvcache(
+        jq, jnp.asarray(host[1]), jnp.asarray(host[2]), jkn, jvn, cache_seqlens=lengths
+    )
+    got, kp2, _ = njax.attention_with_kvcache(
+        jq, *paged, jkn, jvn, cache_seqlens=lengths, block_table=jnp.asarray(table)
+    )
+    assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= 1e-3
+    kp2 = np.asarray(kp2)[table].reshape(batch, capacity, 1, 16)  # back in sequence order
+    assert (kp2.view(np.uint16) == np.asarray(kc2).view(np.uint16)).all()
