@@ -496,10 +496,15 @@ else:
         fnty = ir.FunctionType(ir.VoidType(), [x.type for x in operands])
         builder.asm(fnty, asm, constraints, operands, True)
 
-    def _operands_statement(asm, count, doc):
-        """An intrinsic of ``count`` (1 or 2) uint32 operands, $0 and $1, that emits ``asm``
-        with a memory clobber."""
-        constraints = ",".join(["r"] * count + ["~{memory}"])
+    #: The inline-asm constraint of each operand type the statements take.
+    _CONSTRAINTS = {types.uint32: "r", types.uint64: "l"}
+
+    def _operands_statement(asm, count, doc, operand_types=None):
+        """An intrinsic of ``count`` (1 or 2) operands, $0 and $1, uint32 unless
+        ``operand_types`` says otherwise (uint32 or uint64 each), that emits ``asm`` with a
+        memory clobber."""
+        operand_types = operand_types or (types.uint32,) * count
+        constraints = ",".join([_CONSTRAINTS[t] for t in operand_types] + ["~{memory}"])
 
         def codegen(context, builder, sig, args):
             _void_asm(builder, asm, constraints, list(args))
@@ -509,13 +514,13 @@ else:
 
             @intrinsic
             def statement(typingctx, a):
-                return types.void(types.uint32), codegen
+                return types.void(*operand_types), codegen
 
         else:
 
             @intrinsic
             def statement(typingctx, a, b):
-                return types.void(types.uint32, types.uint32), codegen
+                return types.void(*operand_types), codegen
 
         statement.__doc__ = doc
         return statement

@@ -185,11 +185,7 @@ else:
     from numba.cuda import types
     from numba.cuda.extending import intrinsic
 
-    _I32, _I64 = ir.IntType(32), ir.IntType(64)
-
-    def _statement(builder, asm, constraints, operands):
-        fnty = ir.FunctionType(ir.VoidType(), [x.type for x in operands])
-        builder.asm(fnty, asm, constraints, operands, True)
+    _I32 = ir.IntType(32)
 
     @intrinsic
     def global_address(typingctx, array, index):
@@ -209,54 +205,36 @@ else:
 
         def codegen(context, builder, sig, args):
             at = builder.add(args[0], builder.mul(args[1], ir.Constant(_I32, 8)))
-            _statement(builder, "st.shared.b64 [$0], $1;", "r,l,~{memory}", [at, args[2]])
+            ptx_sm90._void_asm(builder, "st.shared.b64 [$0], $1;", "r,l,~{memory}", [at, args[2]])
             return context.get_dummy_value()
 
         return sig, codegen
 
-    @intrinsic
-    def replace_address(typingctx, address, source):
-        """Set the global address of the map staged at shared ``address`` (128-byte aligned)
-        to ``source`` (uint64, 16-byte aligned)."""
-        sig = types.void(types.uint32, types.uint64)
-
-        def codegen(context, builder, sig, args):
-            asm = "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], $1;"
-            _statement(builder, asm, "r,l,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def publish(typingctx, gmem, address):
-        """Copy the map staged at shared ``address`` to global ``gmem`` (64-byte aligned) and
-        release it to the tensor-map proxy; every thread of the warp together, after a warp
-        barrier that orders the lane that staged the map before the copy that reads it."""
-        sig = types.void(types.uint64, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            asm = (
-                "bar.warp.sync -1; "
-                "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
-                ".sync.aligned [$0], [$1], 128;"
-            )
-            _statement(builder, asm, "l,r,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def acquire(typingctx, gmem):
-        """Make the map at global ``gmem``, published by :func:`publish`, the one this
-        thread's copies read (the tensor-map proxy's acquire)."""
-        sig = types.void(types.uint64)
-
-        def codegen(context, builder, sig, args):
-            asm = "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;"
-            _statement(builder, asm, "l,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
+    replace_address = ptx_sm90._operands_statement(
+        "tensormap.replace.tile.global_address.shared::cta.b1024.b64 [$0], $1;",
+        2,
+        "Set the global address of the map staged at shared ``address`` (uint32, 128-byte "
+        "aligned) to ``source`` (uint64, 16-byte aligned).",
+        (types.uint32, types.uint64),
+    )
+    publish = ptx_sm90._operands_statement(
+        "bar.warp.sync -1; "
+        "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu"
+        ".sync.aligned [$0], [$1], 128;",
+        2,
+        "Copy the map staged at shared ``address`` (uint32) to global ``gmem`` (uint64, 64-byte "
+        "aligned) and release it to the tensor-map proxy; every thread of the warp together, "
+        "after a warp barrier that orders the lane that staged the map before the copy that "
+        "reads it.",
+        (types.uint64, types.uint32),
+    )
+    acquire = ptx_sm90._operands_statement(
+        "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+        1,
+        "Make the map at global ``gmem`` (uint64), published by :func:`publish`, the one this "
+        "thread's copies read (the tensor-map proxy's acquire).",
+        (types.uint64,),
+    )
 
     @intrinsic
     def load_box(typingctx, gmem, dst, barrier, c0, c1, c2, c3):
@@ -271,7 +249,9 @@ else:
                 "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
                 "[$0], [$1, {$3, $4, $5, $6}], [$2];"
             )
-            _statement(builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords])
+            ptx_sm90._void_asm(
+                builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
+            )
             return context.get_dummy_value()
 
         return sig, codegen
