@@ -95,10 +95,12 @@ class KernelSpec(NamedTuple):
         from numba.cuda import types
 
         elem = types.float32 if dtype_name == "float32" else types.uint16
-        kinds = {"elem": elem, "float32": types.float32, "int32": types.int32}
-        kinds["int64"] = types.int64
-        scalar = {"int32": types.int32, "float32": types.float32}
-        scalar["map"] = types.UniTuple(types.int64, ptx_tma.MAP_WORDS)
+        kinds = {"elem": elem, "float32": types.float32, "int32": types.int32, "int64": types.int64}
+        scalar = {
+            "int32": types.int32,
+            "float32": types.float32,
+            "map": types.UniTuple(types.int64, ptx_tma.MAP_WORDS),
+        }
         return (
             tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
             + (types.UniTuple(types.int64, 3),) * len(self.strided)
@@ -692,9 +694,9 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     tma = maps is not None
     if not tma:
         maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3
-    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
+    schedule = forward_sm90.schedule(cfg, varlen, tma)
     _launch_forward(
-        lambda: forward_sm90.build(head_dim, p.dtype, *tiles),
+        lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
         (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
         cfg,
         p,

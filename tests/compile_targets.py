@@ -335,9 +335,7 @@ def wgmma_forward(hd, dtype, config, varlen):
     resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
     its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
-    tma = cfg.tma and not varlen
-    tiles = (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
-    kernel = forward_sm90.build(hd, dtype, *tiles)
+    kernel = forward_sm90.build(hd, dtype, *forward_sm90.schedule(cfg, varlen))
     signature = launch.WGMMA_FORWARD.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)

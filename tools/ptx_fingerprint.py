@@ -192,12 +192,13 @@ def cases():
         (128, "float16", pingpong, False),
     ]:
         c = c or selection.default_wgmma_forward_config(hd)
-        tiles = (c.consumers, c.block_n, c.stages, c.producer, c.pingpong, c.tma and not varlen)
-        name = f"{hd}-{dt}-{'x'.join(str(int(t)) for t in tiles)}{'-varlen' if varlen else ''}"
+        schedule = forward_sm90.schedule(c, varlen)
+        tiles = "x".join(str(int(t)) for t in schedule[:-1])
+        name = f"{hd}-{dt}-{tiles}{'-varlen' if varlen else ''}"
         yield (
             family,
             f"forward-{name}",
-            forward_sm90.build(hd, dt, *tiles, varlen),
+            forward_sm90.build(hd, dt, *schedule),
             launch.WGMMA_FORWARD.signature(dt),
         )
 

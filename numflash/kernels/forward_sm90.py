@@ -100,6 +100,14 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
     return q_tile, slot, kv_tile, barriers, maps, total
 
 
+def schedule(cfg, varlen=False, tma=True):
+    """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
+    schedule, TMA loads where it asks for them, the batch is dense and ``tma`` (the arrays allow
+    them), and ``varlen``."""
+    tma = cfg.tma and tma and not varlen
+    return (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
+
+
 @functools.lru_cache(maxsize=None)
 def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False):
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
