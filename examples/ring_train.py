@@ -13,6 +13,7 @@ simulator, with tiny sizes), or with ``--nccl`` one GPU each over NCCL.
 """
 
 import argparse
+import contextlib
 import math
 import threading
 import time
@@ -41,18 +42,10 @@ def rank_loss_and_grads(params, tokens, targets, heads, rank, world, ring):
 
 def _on_device(rank, nccl):
     if not nccl:
-        return _Nothing()
+        return contextlib.nullcontext()
     import cupy
 
     return cupy.cuda.Device(rank)
-
-
-class _Nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _to_device(x, rank, nccl):

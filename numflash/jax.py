@@ -17,6 +17,7 @@ are updated in place). On a GPU the kernels must be compiled before XLA records 
 buffer (a first call outside one does it).
 """
 
+import contextlib
 import functools
 import math
 
@@ -56,8 +57,6 @@ def _flat(array, trailing):
 def _on_xla_stream(ctx):
     """CuPy's current stream made XLA's for the callback (nothing to do in the simulator)."""
     if SIMULATOR:
-        import contextlib
-
         return contextlib.nullcontext()
     import cupy
 
