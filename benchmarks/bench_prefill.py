@@ -11,15 +11,21 @@ FlashAttention-2 and cuDNN run that second problem on the same memory (``causal_
 The append writes the same slots at every run, so each run does the same work. Kernel time
 from CUDA events (numflash.timing.time_gpu, L2 flushed between runs), TFLOP/s counted over the
 attention alone. Writes benchmarks/results/prefill.json and prefill.md.
+
+``--crossover`` instead times the KV-cache call (4 sequences over 8192 cached keys, contiguous
+and paged) at 16-256 new rows on both of its routes, the split-KV decode kernel and the Hopper
+forward, the evidence for selection.PREFILL_ROWS (docs/performance.md, "Chunked prefill").
 """
 
 import argparse
 import os
 import sys
+import types
 
 import cupy
 
 import numflash
+from numflash import selection
 from numflash.device import current_device
 from numflash.timing import attention_flops, time_gpu
 
@@ -96,6 +102,48 @@ def bench(args):
     return records
 
 
+def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
+    """us of the KV-cache call per route (the decode kernel: what numflash chooses with
+    PREFILL_ROWS out of reach; the Hopper forward: its default configuration forced)."""
+    records = []
+    dtype = DTYPES[args.dtypes[0]]
+    k_cache, v_cache = peers.random_qkv(batch, cached + max(rows), NHEADS_K, HEAD_DIM, dtype)[:2]
+    lengths = cupy.full((batch,), cached, dtype=cupy.int32)
+    layouts = [("contiguous", k_cache, v_cache, {})]
+    for page in args.page_sizes:
+        kp, vp, table = paged_copy(k_cache, v_cache, page)
+        layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
+    for new in rows:
+        q, k_new, v_new = (
+            peers.random_qkv(batch, new, heads, HEAD_DIM, dtype, seed=s)[0]
+            for s, heads in ((1, NHEADS), (2, NHEADS_K), (3, NHEADS_K))
+        )
+        for layout, kc, vc, kw in layouts:
+            args_ = (q, kc, vc, k_new, v_new)
+            kw = dict(kw, cache_seqlens=lengths, causal=True)
+            hopper = selection.prefill_config(
+                selection.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
+            )
+            saved = selection.PREFILL_ROWS
+            selection.PREFILL_ROWS = 1 << 30
+            try:
+                decode = numflash.selected_kvcache_config(*args_, **kw)[0].config
+            finally:
+                selection.PREFILL_ROWS = saved
+            for route, config in (("decode", decode), ("hopper", hopper)):
+                t = time_gpu(lambda c=config: numflash.attention_with_kvcache(*args_, **kw, config=c),
+                             warmup=3, runs=args.runs)  # fmt: skip
+                rec = dict(rows=new, layout=layout, route=route, us=t.median_ms * 1e3)
+                records.append(rec)
+                print(f"rows {new:4d} {layout:10s} {route:7s} {rec['us']:9.1f} us", flush=True)
+    return records
+
+
+def _paged(kw):
+    """A stand-in problem for selection.prefill_config: whether the call is paged."""
+    return types.SimpleNamespace(paged="block_table" in kw)
+
+
 def markdown(records, device):
     lines = [
         f"Chunked prefill on {device}: {NHEADS} query heads, {NHEADS_K} KV heads, head_dim "
@@ -120,8 +168,20 @@ def main():
     ap.add_argument("--page-sizes", type=int, nargs="*", default=[16])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--out-dir", default=os.path.join(here, "results"))
+    ap.add_argument("--crossover", action="store_true", help="time both routes at 16-256 rows")
     args = ap.parse_args()
     dev = current_device()
+    if args.crossover:
+        records = crossover(args)
+        lines = [f"KV-cache call by route on {dev.name} (b4, 8192 cached keys, causal), us:", ""]
+        lines += ["| rows | layout | decode kernel | Hopper forward |", "|---|---|---|---|"]
+        by = {(r["rows"], r["layout"], r["route"]): r["us"] for r in records}
+        for new, layout in dict.fromkeys((r["rows"], r["layout"]) for r in records):
+            lines.append(f"| {new} | {layout} | {by[new, layout, 'decode']:.1f} | "
+                         f"{by[new, layout, 'hopper']:.1f} |")  # fmt: skip
+        peers.save_results(args.out_dir, "prefill_crossover", dev, records, "\n".join(lines))
+        print("\n".join(lines))
+        return
     records = bench(args)
     os.makedirs(args.out_dir, exist_ok=True)
     table = markdown(records, dev.name)

@@ -611,12 +611,17 @@ def attention_with_kvcache(
         block_table: int32 (batch, max_blocks), the pages of each sequence (paged caches).
         causal, softmax_scale, window_size: as :func:`attention`, aligned bottom-right against
             each sequence's length after the append.
-        num_splits: thread blocks sharing one sequence's keys; 0 chooses.
+        num_splits: thread blocks sharing one sequence's keys; 0 chooses. More than 1 keeps
+            the call on the split-KV decode kernels.
         return_lse: also return lse, float32 (batch, nheads, seqlen_q).
         out: optional output array (q's shape and dtype, sharing no memory with an input).
         config: force a :class:`numflash.TensorCoreDecodeConfig` (fp16/bf16, compute
-            capability 8.0+, head_dim a multiple of 8, caches with 16-byte aligned rows) or a
-            :class:`numflash.PortableDecodeConfig`; by default numflash chooses.
+            capability 8.0+, head_dim a multiple of 8, caches with 16-byte aligned rows), a
+            :class:`numflash.PortableDecodeConfig`, or a :class:`numflash.WgmmaForwardConfig`
+            (the Hopper forward over the caches; compute capability 9.x, as the tensor-core
+            kernel otherwise, one split); by default numflash chooses: on compute capability
+            9.x a call with more than 32 new query rows (chunked prefill, long drafts) runs
+            the Hopper forward after appending, fewer the split-KV decode kernel.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the

@@ -994,10 +994,11 @@ def kvcache(
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     portable = isinstance(cfg, PortableDecodeConfig)
+    prefill = isinstance(cfg, WgmmaForwardConfig)  # chunked prefill on the Hopper forward
     if k is not None and p.seqlen_new:
         k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
-        if portable:
+        if portable or prefill:  # the tensor-core decode kernel appends by itself
             append = launcher(
                 (PORTABLE_DECODE_APPEND, d, dtype, paged),
                 lambda: decode_portable.build_append(d, dtype, paged),
@@ -1018,7 +1019,10 @@ def kvcache(
         out=arrays.kernel_view(target),
         lse=arrays.kernel_view(lse),
     )
-    LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
+    if prefill:  # a forward configuration: LAUNCHERS holds its forward's launcher
+        _wgmma_kvcache(cfg, p, q, views, geometry, stream)
+    else:
+        LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:
         combine = launcher(
             (PORTABLE_DECODE_COMBINE, d, dtype),
@@ -1115,6 +1119,42 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         cfg.shared_memory_bytes(d),
         DECODE.args(views, scalars),
     )
+
+
+#: The Hopper forward over a KV cache (forward_sm90.build's ``cache``): the arrays, the
+#: tensor-map buffer, the strides, the KV-cache scalars and the (unused) map templates.
+WGMMA_KVCACHE = KernelSpec(
+    arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("o", "elem"),
+            ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),
+            ("block_table", "int32"), ("maps", "int64")),
+    strided=("q", "k_cache", "v_cache", "o"),
+    scalars=SPLIT_ATTENTION.scalars[:6] + SPLIT_ATTENTION.scalars[6:10]
+    + (("q_map", "map"), ("k_map", "map"), ("v_map", "map")),
+)  # fmt: skip
+
+
+def _wgmma_kvcache(cfg, p, q, views, geometry, stream):
+    """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
+    rows appended already (kvcache); its tiles load by cp.async (forward_sm90.schedule)."""
+    d, dtype = p.head_dim, p.dtype
+    xp = arrays.array_module(q)
+    q, scale = _positive_scale(q, p.scale)
+    views["q"] = arrays.kernel_view(_kernel_input(q, alignment_elements=8))
+    views["o"] = views["out"]
+    views["maps"] = arrays.kernel_view(_unread_array(xp, xp.int64))
+    cache = "paged" if p.paged else "contiguous"
+    schedule = forward_sm90.schedule(cfg, cache=cache)
+    launch = launcher(
+        (WgmmaForwardConfig, d, dtype, cfg, cache),
+        lambda: forward_sm90.build(d, dtype, *schedule),
+        WGMMA_KVCACHE,
+        dtype,
+    )
+    scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * LOG2E))
+    scalars += (p.window_left, p.window_right, *geometry) + (_NO_MAP,) * 3
+    shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
+    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    launch(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))
 
 
 #: One launch builder per KV-cache family.

@@ -400,15 +400,50 @@ def split_count(config, problem, device):
     return next(s for s in range(1, most + 1) if efficiency(s) >= 0.95 * best)
 
 
+#: New query rows of a KV-cache call above which it runs on the Hopper forward rather than
+#: the split-KV decode kernel (chunked prefill): from 48 rows it is the faster on the H200,
+#: at 32 the two tie (benchmarks/bench_prefill.py --crossover; docs/performance.md).
+PREFILL_ROWS = 32
+
+
+def prefill(problem, device):
+    """Whether a KV-cache call runs on the Hopper forward (chunked prefill, long speculative
+    drafts): more than PREFILL_ROWS new query rows, no split count above 1 asked for, caches
+    it reads in place (16-byte aligned rows, head_dim a multiple of 8), and a call the forward
+    family takes on this device (:func:`forward_family`)."""
+    return (
+        problem.seqlen_q > PREFILL_ROWS
+        and problem.num_splits <= 1
+        and problem.cache_aligned
+        and problem.head_dim % 8 == 0
+        and forward_family(problem, device) == WgmmaForwardConfig.family
+    )
+
+
+def prefill_config(config, problem):
+    """A forward configuration as chunked prefill runs it: a paged cache's copies find each
+    row's page, and past 128-key tiles at head_dim 64 that spilled the producer's registers
+    (sm_90a, CUDA 13: tests/compile_targets.py), so its tiles keep at most 128 keys."""
+    if problem.paged and config.block_n > 128:
+        return dataclasses.replace(config, block_n=128)
+    return config
+
+
 def decode(problem, device, config=None):
     """(Selection, split count) of an ``attention_with_kvcache`` call: ``config`` when forced,
-    else a tuned or default configuration of :func:`decode_family`; ``num_splits`` when the call
-    gives one, else :func:`split_count`."""
+    else a tuned or default configuration of the Hopper forward's family where
+    :func:`prefill` says so, of :func:`decode_family`'s otherwise; one split for the Hopper
+    forward, else ``num_splits`` when the call gives one, else :func:`split_count`."""
     if config is not None:
         choice = Selection(config, "forced")
+    elif prefill(problem, device):
+        choice = _tuned_or_default(WgmmaForwardConfig.family, problem, device)[0]
+        choice = choice._replace(config=prefill_config(choice.config, problem))
     else:
         family = decode_family(problem, device)
         choice = _tuned_or_default(family, problem, device, decode_grid(problem, device))[0]
+    if isinstance(choice.config, WgmmaForwardConfig):
+        return choice, 1
     if problem.num_splits > 0:
         return choice, min(problem.num_splits, MAX_SPLITS)
     return choice, split_count(choice.config, problem, device)

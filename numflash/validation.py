@@ -15,6 +15,7 @@ from . import arrays
 from .config import (
     MAX_HEAD_DIM,
     TensorCoreBackwardConfig,
+    WgmmaForwardConfig,
     families,
 )
 from .kernels.jit import SIMULATOR
@@ -334,10 +335,24 @@ def check_backward_config(config, p, deterministic, device):
 
 
 def check_decode_config(config, p, device):
-    """A forced KV-cache configuration, checked against the problem and the device."""
+    """A forced KV-cache configuration, checked against the problem and the device: a decode
+    family's, or the Hopper forward's (chunked prefill: it reads the caches in place, so it
+    takes no head_dim it would pad)."""
     if config is None:
         return None
-    _check_family(config, "decode", p)
+    if isinstance(config, WgmmaForwardConfig):
+        _check_family(config, "forward", p)
+        if p.head_dim % 8:
+            raise ValueError(
+                "config: the Hopper forward reads a KV cache in place and takes head_dim a "
+                f"multiple of 8; got head_dim={p.head_dim}"
+            )
+        if p.num_splits > 1:
+            raise ValueError(
+                f"config: the Hopper forward does not split the keys; got num_splits={p.num_splits}"
+            )
+    else:
+        _check_family(config, "decode", p)
     if config.HARDWARE != "portable":
         if not p.cache_aligned:
             raise ValueError(

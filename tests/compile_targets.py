@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import types
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
@@ -33,6 +34,7 @@ from numflash.selection import (  # noqa: E402
     default_portable_config,
     default_tensor_core_config,
     default_tensor_core_varlen_backward_config,
+    prefill_config,
 )
 
 forward_signature = launch.FORWARD.signature
@@ -330,20 +332,24 @@ def wgmma_backward(hd, dtype, warps, stages):
     ]
 
 
-def wgmma_forward(hd, dtype, config, varlen):
-    """The Hopper forward with ``config`` (None: the default at ``hd``), dense or packed. Its
-    resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
-    its PTX alone makes ptxas ignore setmaxnreg."""
+def wgmma_forward(hd, dtype, config, varlen, cache=None):
+    """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
+    a KV cache (``cache``: "contiguous" or "paged"). Its resources are read as Numba builds it
+    for a launch (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore
+    setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
-    kernel = forward_sm90.build(hd, dtype, *forward_sm90.schedule(cfg, varlen))
-    signature = launch.WGMMA_FORWARD.signature(dtype)
+    if cache:  # as selection runs it
+        cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
+    kernel = forward_sm90.build(hd, dtype, *forward_sm90.schedule(cfg, varlen, cache=cache))
+    spec = launch.WGMMA_KVCACHE if cache else launch.WGMMA_FORWARD
+    signature = spec.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
     usage = _with_remarks(offline.lto_resource_usage(kernel, signature, cc))
     return [
         {
             "family": "wgmma-forward",
-            "kernel": "varlen" if varlen else "dense",
+            "kernel": f"kvcache-{cache}" if cache else "varlen" if varlen else "dense",
             "head_dim": hd,
             "dtype": dtype,
             "config": cfg.to_dict(),
@@ -399,6 +405,10 @@ def jobs(quick):
         (64, "bfloat16", tma_plain, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
+    # ... over a KV cache (chunked prefill): the defaults, contiguous and paged
+    for hd, dtype, layout in [(128, "float16", "contiguous"), (128, "bfloat16", "paged"),
+                              (64, "float16", "paged")]:  # fmt: skip
+        out.append((wgmma_forward, (hd, dtype, None, False, layout)))
     return out
 
 

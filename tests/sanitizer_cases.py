@@ -10,8 +10,9 @@ choice) and checks both against the reference. Families: tensor-core and portabl
 mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (where the GPU
 has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
 contiguous caches with appends; the packed (varlen) kernels, forward and backward (portable,
-mma.sync and wgmma), also over device offsets that lie; the Hopper forward in each schedule. ``--family NAME`` runs the cases of
-one family (``varlen`` for the packed ones).
+mma.sync and wgmma), also over device offsets that lie; the Hopper forward in each schedule,
+and over KV caches (chunked prefill, hostile lengths and pages included). ``--family NAME``
+runs the cases of one family (``varlen`` for the packed ones).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -38,6 +39,7 @@ from numflash.config import (  # noqa: E402
 from numflash.device import current_device  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import test_kvcache  # noqa: E402
 import test_varlen  # noqa: E402
 from support import (  # noqa: E402
     assert_gradients_match,
@@ -146,6 +148,19 @@ KVCACHE_CASES = [
             head_dim=128, page_size=5), TensorCoreDecodeConfig(16, 8, 3)),
     (KVCase("bfloat16", (33, 2), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=64,
             page_size=16), PortableDecodeConfig()),
+    # chunked prefill on the Hopper forward: paged (pages of 16 and 3), a permuted contiguous
+    # cache, and the schedule without a producer
+    (KVCase("bfloat16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
+            head_dim=128, page_size=16, mask=dict(causal=True)),
+     WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
+    (KVCase("float16", (0, 517), seqlen_q=90, seqlen_new=40, nheads=4, nheads_k=1,
+            head_dim=64, page_size=3, mask=dict(window_size=(100, 0))),
+     WgmmaForwardConfig(2, 128, 2, pingpong=False)),
+    (KVCase("float16", (40, 250), seqlen_q=70, seqlen_new=70, nheads=4, nheads_k=2,
+            head_dim=256, permute=True), WgmmaForwardConfig(2, 64, 2, pingpong=False)),
+    (KVCase("bfloat16", (33, 200), seqlen_q=65, seqlen_new=65, nheads=2, nheads_k=1,
+            head_dim=64, page_size=5),
+     WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
 ]  # fmt: skip
 
 
@@ -178,6 +193,11 @@ def main(argv):
         run_and_check(case, config)
         cupy.cuda.Device().synchronize()
         print(f"ok {case} {config}", flush=True)
+    if family in (None, WgmmaForwardConfig.family):  # bad pages and lengths in chunked prefill
+        test_kvcache.test_hostile_device_lengths_and_pages_stay_inside_the_arrays("hopper")
+        test_kvcache.test_keys_behind_a_page_outside_the_cache_are_absent("hopper")
+        cupy.cuda.Device().synchronize()
+        print("ok chunked prefill over hostile lengths and pages", flush=True)
     if family in (None, "varlen"):
         test_varlen.REPEATS = 1  # the bitwise repeats are pytest's; here one run of each kernel
         for case in test_varlen.SMALL_CASES:

@@ -233,13 +233,16 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
     scores and the main loop; the main loop's and the last tile's values), nothing spilled, no
     remark that ptxas serialised the wgmma pipeline or ignored setmaxnreg; a producer hands
     tiles over through mbarriers and moves registers to the consumers, its copies cp.async or
-    one TMA copy per 64 columns of a tile through the three tensor maps it publishes."""
+    one TMA copy per 64 columns of a tile through the three tensor maps it publishes. Over a
+    KV cache (chunked prefill) its copies are cp.async."""
     entries = _entries(compiled, "wgmma-forward")
     assert {(e["head_dim"], e["kernel"]) for e in entries} >= {
         (64, "dense"),
         (128, "dense"),
         (256, "dense"),
         (128, "varlen"),
+        (128, "kvcache-contiguous"),
+        (128, "kvcache-paged"),
     }
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]

@@ -59,6 +59,15 @@ CASES = [
          page_size=16, num_splits=2),
     Case("bfloat16", (37,), seqlen_q=1, seqlen_new=2, nheads=2, nheads_k=1, head_dim=56,
          mask=dict(causal=True)),
+    # chunked prefill: more new rows than a block of the Hopper forward holds, over pages that
+    # a key tile crosses (16 and 3 rows), a permuted contiguous cache, fewer new keys than
+    # query rows under a window
+    Case("bfloat16", (70, 3), seqlen_q=80, seqlen_new=80, nheads=4, nheads_k=2, head_dim=64,
+         page_size=16, mask=dict(causal=True)),
+    Case("float16", (5, 100), seqlen_q=66, seqlen_new=66, nheads=2, nheads_k=2, head_dim=128,
+         page_size=3),
+    Case("float16", (40, 0), seqlen_q=70, seqlen_new=30, nheads=2, nheads_k=1, head_dim=64,
+         permute=True, mask=dict(window_size=(50, 10))),
 ]  # fmt: skip
 if not SIMULATOR:  # the lengths of the issue's grid, on the GPU
     CASES += [
@@ -119,6 +128,8 @@ KERNELS = {
     # a deeper ring, several rows a thread per slot and more key rows than threads (each
     # thread finds two rows' places in a paged cache)
     "tensor-core-deep": numflash.TensorCoreDecodeConfig(block_n=64, num_warps=1, stages=3),
+    # the Hopper forward over the caches (chunked prefill), its producer loading by cp.async
+    "hopper": numflash.WgmmaForwardConfig(consumers=1, block_n=64, stages=2, pingpong=False),
 }
 
 
@@ -127,8 +138,12 @@ def _config(kernel, case):
     config = KERNELS[kernel]
     if kernel == "portable" and SIMULATOR:
         pytest.skip("the simulator's default kernel")
-    if kernel.startswith("tensor-core") and (case.dtype == "float32" or case.head_dim % 8):
-        pytest.skip("the tensor-core kernel takes fp16/bf16 and head_dim a multiple of 8")
+    if kernel in ("tensor-core", "tensor-core-deep", "hopper") and (
+        case.dtype == "float32" or case.head_dim % 8
+    ):
+        pytest.skip("the tensor-core kernels take fp16/bf16 and head_dim a multiple of 8")
+    if kernel == "hopper" and case.num_splits > 1:
+        pytest.skip("the Hopper forward does not split the keys")
     return config
 
 
@@ -198,7 +213,7 @@ def test_an_int_cache_seqlens_is_every_sequence_s_length():
     assert (to_numpy(by_int).view(np.uint16) == to_numpy(by_array).view(np.uint16)).all()
 
 
-@pytest.mark.parametrize("kernel", ["default", "tensor-core"])
+@pytest.mark.parametrize("kernel", ["default", "tensor-core", "hopper"])
 def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
     """Lengths beyond the capacity or negative, and block-table entries out of range: nothing
     outside the caches is read or written (the simulator raises on any out-of-range index),
@@ -228,12 +243,36 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
+def test_keys_behind_a_page_outside_the_cache_are_absent(kernel):
+    """Keys whose block-table entry is no page of the cache count as absent: the output is
+    the reference over the other keys (the page may be anywhere in the sequence)."""
+    config = _config(kernel, Case("float16", (0,), 3, 0, 2, 1, 16))
+    rng = np.random.default_rng(13)
+    q = random_array((2, 3, 2, 16), "float16", rng)
+    k_cache, v_cache = (random_array((4, 4, 1, 16), "float16", rng) for _ in range(2))
+    table = xp.asarray(np.array([[0, 99, 1], [-1, 2, 3]], np.int32))
+    lengths = xp.asarray(np.array([11, 12], np.int32))
+    out, lse = numflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, return_lse=True,
+        config=config,
+    )  # fmt: skip
+    pages = to_numpy(k_cache), to_numpy(v_cache)
+    present = ([0, 1], [2, 3])  # each sequence's pages in the cache, in order
+    for b, (used, keys) in enumerate(zip(present, (7, 8))):
+        ks, vs = (xp.asarray(np.concatenate([c[i] for i in used])[None, :keys]) for c in pages)
+        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1])
+        assert result.err <= result.bar and result.lse_err <= result.lse_bar, (b, result)
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("splits", [1, 3])
 def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kernel, splits):
     """A NaN in one cached key: the query rows that see it get NaN outputs and lse (the exact
     result, never hidden by the merge of warps or of splits), the rows that do not stay
     exact. The tensor-core kernel's padding rows (16 a block, here 2 of them real) see every
     key; their NaNs must not reach the real rows."""
+    if kernel == "hopper" and splits > 1:
+        pytest.skip("the Hopper forward does not split the keys")
     rng = np.random.default_rng(5)
     length = 150
     q = random_array((2, 2, 1, 16), "float16", rng)  # 2 query positions, 1 head: 2 rows

@@ -47,7 +47,10 @@ where cp.async zero-fills them.
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
 -inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
-Does not: paged KV caches or appends (chunked prefill runs the decode kernel).
+With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
+first), contiguous or paged, each sequence's length read on the device; a paged cache's tiles
+load by cp.async through the block table, keys behind a page outside the cache flagged absent
+(load_keys).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
@@ -56,10 +59,18 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import ptx, ptx_sm90, ptx_tma
+from .decode_portable import sequence_length
 from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
-from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_row_loader
+from .loads import (
+    GROUP_BYTES,
+    ROW_BYTES,
+    page_of,
+    paged_row_loader,
+    swizzled_descriptor,
+    swizzled_row_loader,
+)
 from .mask import block_key_range, tile_needs_mask, visible_keys
 from .softmax import NEG_INF, final_lse, shift_of
 
@@ -82,63 +93,80 @@ REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 #: ... when the producer's loads are TMA copies issued by one thread: FlashAttention-3's 24 /
 #: 240 (24 + 2 x 240 = 3 x 168).
 TMA_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
+#: ... when the producer's cp.async copies read a paged cache: its per-row page lookups spilled
+#: at 56 (head_dim 64, sm_90a, CUDA 13).
+PAGED_REGISTER_SPLIT = {2: (72, 216), 3: (32, 160)}
 #: The tensor maps a block publishes (Q, K, V), each staged in MAP_BYTES of shared memory.
 MAPS = 3
 
 
-def shared_memory_layout(head_dim, block_m, block_n, stages):
-    """(the first slot, one slot, V within a slot, the mbarriers, the staged tensor maps,
-    total) in bytes from the block's 1024-byte aligned base, where the Q tile starts; the total
-    includes 1024 bytes to align that base."""
+def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
+    """(the first slot, one slot, V within a slot, the mbarriers, the staged tensor maps, the
+    absent-key flags, total) in bytes from the block's 1024-byte aligned base, where the Q tile
+    starts; the total includes 1024 bytes to align that base. The flags (a paged cache's:
+    an int32 per key of every slot, then one per slot) take room only when ``paged``."""
     atoms = padded_head_dim(head_dim) // 64
     q_tile = block_m * ROW_BYTES * atoms
     kv_tile = block_n * ROW_BYTES * atoms
     slot = 2 * kv_tile
     barriers = q_tile + stages * slot
     maps = (barriers + 8 * (4 * stages + 1) + 127) // 128 * 128  # 128-byte aligned
-    total = maps + MAPS * ptx_tma.MAP_BYTES + GROUP_BYTES
-    return q_tile, slot, kv_tile, barriers, maps, total
+    flags = maps + MAPS * ptx_tma.MAP_BYTES
+    total = flags + (4 * stages * (block_n + 1) if paged else 0) + GROUP_BYTES
+    return q_tile, slot, kv_tile, barriers, maps, flags, total
 
 
-def schedule(cfg, varlen=False, tma=True):
+def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
-    schedule, TMA loads where it asks for them, the batch is dense and ``tma`` (the arrays allow
-    them), and ``varlen``."""
-    tma = cfg.tma and tma and not varlen
-    return (cfg.consumers, cfg.block_n, cfg.stages, cfg.producer, cfg.pingpong, tma, varlen)
+    schedule, TMA loads where it asks for them, the batch is dense, not a KV cache and ``tma``
+    (the arrays allow them), ``varlen`` and ``cache``."""
+    tma = cfg.tma and tma and not varlen and cache is None
+    sizes = (cfg.consumers, cfg.block_n, cfg.stages)
+    return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache)
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False):
+def build(
+    head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
+    cache=None,
+):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
     ``pingpong``: two consumer warpgroups take turns issuing their products; ``tma``: the
     producer's loads are TMA copies through the tensor maps the kernel is given (else
     cp.async). ``varlen``: over a packed batch (grid (blocks of max_seqlen_q, nheads, batch),
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
-    launch.WGMMA_FORWARD's parameters."""
+    launch.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
+    cache's (chunked prefill), each sequence's length read on the device; the kernel takes
+    launch.WGMMA_KVCACHE's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
-    if tma and (varlen or not producer):
+    if tma and (varlen or cache is not None or not producer):
         raise ValueError("TMA loads take a producer and a dense batch")
+    if varlen and cache is not None:
+        raise ValueError("a KV cache's call is not a packed batch")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
+    CACHE, PAGED = cache is not None, cache == "paged"
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
     LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue cp.async copies
     ARRIVALS = 1 if TMA else LOAD_THREADS  # arrivals that fill a slot: one expect_tx with TMA
+    # ... a K slot of a paged cache: each thread's copies and its absent-key flags (paged_keys)
+    K_ARRIVALS = 2 * ARRIVALS if PAGED else ARRIVALS
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
-    split = TMA_REGISTER_SPLIT if TMA else REGISTER_SPLIT
+    split = TMA_REGISTER_SPLIT if TMA else PAGED_REGISTER_SPLIT if PAGED else REGISTER_SPLIT
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = split.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
-    layout = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES)
-    STAGE0, SLOT, V_OFF, BARRIERS, STAGED_MAPS, _ = layout
+    layout = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES, PAGED)
+    STAGE0, SLOT, V_OFF, BARRIERS, STAGED_MAPS, FLAGS, _ = layout
+    ANY_ABSENT = STAGES * BLOCK_N  # the per-slot flags after the per-key ones
     ATOMS = HD_PAD // 64
     MAP_BYTES, MAP_WORDS, BOX_INNER = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS, ptx_tma.BOX_INNER
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a row in global memory
@@ -160,6 +188,7 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     # -- shared memory: swizzled atoms, cp.async loads -------------------------------------------
 
     load_rows = swizzled_row_loader(CHUNKS, LOAD_THREADS, PAD_CHUNKS)
+    load_paged_rows = paged_row_loader(CHUNKS, LOAD_THREADS, PAD_CHUNKS)
     descriptor = swizzled_descriptor
 
     @device_function
@@ -167,13 +196,82 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         """The shared address of ring slot ``slot`` (its K; its V is V_OFF bytes further)."""
         return base + uint32(STAGE0) + uint32(slot) * uint32(SLOT)
 
+    # -- a paged KV cache: where its keys are, and those behind a page outside the cache ------
+
+    # ``pages`` (kernel arguments of a paged cache, dummies otherwise): (block_table, the
+    # sequence's first entry in it, page_size, log2(page_size) or -1, K's and V's page strides,
+    # pages in the cache, the sequence's keys, K's and V's kv-head offsets, the int32 index of
+    # the flags in the dynamic shared memory). A key behind a page outside [0, slots) is absent:
+    # its row is zero-filled and (mark_absent) flagged with its tile's number, so that the
+    # consumers mask it; the flags need no reset between the uses of a slot.
+    TABLE, TABLE_BASE, PAGE_SIZE, PAGE_SHIFT, K_PAGES, V_PAGES, SLOTS, SEQLEN_K = range(8)
+    K_HEAD, V_HEAD, FLAG0 = 8, 9, 10
+
     @device_function
-    def load_tile(base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid):
-        """cp.async one key tile's K and V rows into slot ``slot``; (k_first, v_first,
+    def load_keys(dst, src, first, stride, keys_left, pages, v_side, tid):
+        """cp.async one tile of K (V with ``v_side``) rows: ``first`` row ``stride`` elements
+        apart, or (paged) keys seqlen_k - keys_left .. through the block table."""
+        if PAGED:
+            geometry = (
+                pages[TABLE],
+                pages[TABLE_BASE],
+                pages[PAGE_SIZE],
+                pages[PAGE_SHIFT],
+                pages[V_PAGES] if v_side else pages[K_PAGES],
+                pages[SLOTS],
+            )
+            head = pages[V_HEAD] if v_side else pages[K_HEAD]
+            n0 = pages[SEQLEN_K] - keys_left
+            load_paged_rows(dst, src, head, stride, geometry, n0, keys_left, BLOCK_N, KV_ATOM,
+                            tid)  # fmt: skip
+        else:
+            load_rows(dst, src, first, stride, keys_left, BLOCK_N, KV_ATOM, tid)
+
+    @device_function
+    def init_flags(pages, tid):
+        """Paged: no key flagged absent (-1 is no tile's number); a block barrier follows."""
+        if PAGED:
+            flags = cuda.shared.array(0, int32)
+            for i in range(tid, STAGES * BLOCK_N + STAGES, THREADS):
+                flags[pages[FLAG0] + i] = int32(-1)
+
+    @device_function
+    def mark_absent(pages, slot, t, keys_left, tid):
+        """Paged: flag the keys of tile ``t`` (in ``slot``) behind a page outside the cache, and
+        the slot as holding one."""
+        if PAGED:
+            flags = cuda.shared.array(0, int32)
+            n0 = pages[SEQLEN_K] - keys_left
+            for r in range(tid, min(BLOCK_N, keys_left), LOAD_THREADS):
+                index, _ = page_of(n0 + r, pages[PAGE_SIZE], pages[PAGE_SHIFT])
+                page = pages[TABLE][pages[TABLE_BASE] + int64(index)]
+                if page < 0 or page >= pages[SLOTS]:
+                    flags[pages[FLAG0] + slot * BLOCK_N + r] = int32(t)
+                    flags[pages[FLAG0] + ANY_ABSENT + slot] = int32(t)
+
+    @device_function
+    def absent_keys(pages, slot, t, lane):
+        """Paged: bit i set where this lane's i-th key column of tile ``t`` (in ``slot``) is
+        absent; 0 otherwise. Read before the slot is released (a refill rewrites its flags)."""
+        bad = uint64(0)
+        if PAGED:
+            flags = cuda.shared.array(0, int32)
+            at = pages[FLAG0] + slot * BLOCK_N + (lane & 3) * 2
+            if flags[pages[FLAG0] + ANY_ABSENT + slot] == t:
+                for i in range(S_REGS // 2):
+                    _, col = accumulator_position(4 * (i >> 1) + (i & 1), 0)
+                    if flags[at + col] == t:
+                        bad |= uint64(1) << uint64(i)
+        return bad
+
+    @device_function
+    def load_tile(base, slot, t, k, v, k_first, v_first, k_ss, v_ss, keys_left, pages, tid):
+        """cp.async key tile ``t``'s K and V rows into slot ``slot``; (k_first, v_first,
         keys_left) of the tile after it."""
         at = slot_address(base, slot)
-        load_rows(at, k, k_first, k_ss, keys_left, BLOCK_N, KV_ATOM, tid)
-        load_rows(at + uint32(V_OFF), v, v_first, v_ss, keys_left, BLOCK_N, KV_ATOM, tid)
+        mark_absent(pages, slot, t, keys_left, tid)
+        load_keys(at, k, k_first, k_ss, keys_left, pages, False, tid)
+        load_keys(at + uint32(V_OFF), v, v_first, v_ss, keys_left, pages, True, tid)
         return (
             k_first + int64(BLOCK_N) * k_ss,
             v_first + int64(BLOCK_N) * v_ss,
@@ -212,9 +310,9 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     # -- softmax on the accumulator layout -------------------------------------------------------
 
     @device_function
-    def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
+    def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr, bad):
         """-inf for the keys this lane's rows (row0 + lane // 4 and 8 below) do not see among
-        the tile's scores (keys n0..)."""
+        the tile's scores (keys n0..), and (paged) for its ``bad`` key columns."""
         for h in range(2):
             lo, hi = visible_keys(row0 + 8 * h + (lane >> 2), seqlen_q, seqlen_k, wl, wr)
             first = n0 + (lane & 3) * 2  # this lane's first column: the offsets are constants
@@ -224,6 +322,8 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
                 index = 4 * (i >> 1) + 2 * h + (i & 1)
                 _, col = accumulator_position(index, 0)
                 seen = (lo <= int32(col)) & (int32(col) < hi)
+                if PAGED:
+                    seen = seen & (((bad >> uint64(i)) & uint64(1)) == uint64(0))
                 s[index] = s[index] if seen else NEG_INF
 
     def softmax_function(masked):
@@ -260,13 +360,18 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
 
     @device_function
-    def absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr):
-        """Mask the tile of keys n0.. where it needs it, then its softmax. Each case runs its
-        own copy of the softmax, so that the wait for acc += P V that follows starts a basic
-        block of its own: ptxas hoisted it to the top of the block that held the softmax, which
-        then no longer overlapped the product."""
-        if tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr):
-            mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr)
+    def absorb(
+        s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, bad
+    ):  # fmt: skip
+        """Mask the tile of keys n0.. where it needs it (``bad``: absent_keys), then its
+        softmax. Each case runs its own copy of the softmax, so that the wait for acc += P V
+        that follows starts a basic block of its own: ptxas hoisted it to the top of the block
+        that held the softmax, which then no longer overlapped the product."""
+        needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
+        if PAGED:
+            needs = needs or bad != uint64(0)
+        if needs:
+            mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr, bad)
             masked_softmax_rows(s, m_i, l_i, alpha, scale_log2)
         else:
             softmax_rows(s, m_i, l_i, alpha, scale_log2)
@@ -339,34 +444,52 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         """The producer's 128 threads (with TMA: its one thread that copies) arrive at the full
         barriers and Q's; every consumer thread at the empty ones."""
         if tid == 0:
-            for i in range(2 * STAGES):
-                ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(ARRIVALS))
-                ptx_sm90.mbarrier_init(barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS))
+            if PAGED:  # a K slot's flags arrive apart from its copies (refill)
+                for i in range(STAGES):
+                    ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(K_ARRIVALS))
+                    ptx_sm90.mbarrier_init(barrier_address(base, FULL_V + i), uint32(ARRIVALS))
+                for i in range(2 * STAGES):
+                    ptx_sm90.mbarrier_init(
+                        barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS)
+                    )
+            else:
+                for i in range(2 * STAGES):
+                    ptx_sm90.mbarrier_init(barrier_address(base, FULL_K + i), uint32(ARRIVALS))
+                    ptx_sm90.mbarrier_init(
+                        barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS)
+                    )
             ptx_sm90.mbarrier_init(barrier_address(base, Q_FULL), uint32(ARRIVALS))
         cuda.syncthreads()
 
     @device_function
-    def refill(base, empty, full, t, slot, src, first, stride, keys_left, offset, ptid):
-        """Tile t of K or V (``offset`` into the slot) into ``slot`` once its last tile there is
-        released; its copies arrive at ``full`` by themselves when they land
-        (cp.async.mbarrier.arrive): the producer never waits for its own loads."""
+    def refill(base, empty, full, t, slot, src, first, stride, keys_left, offset, pages, v_side,
+               ptid):  # fmt: skip
+        """Tile t of K or V (``v_side``; ``offset`` into the slot) into ``slot`` once its last
+        tile there is released; its copies arrive at ``full`` by themselves when they land
+        (cp.async.mbarrier.arrive): the producer never waits for its own loads. Paged, K's
+        absent-key flags arrive first (an arrival releases the thread's writes)."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
             ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
-        load_rows(slot_address(base, slot) + uint32(offset), src, first, stride, keys_left,
-                  BLOCK_N, KV_ATOM, ptid)  # fmt: skip
+        if PAGED and not v_side:
+            mark_absent(pages, slot, t, keys_left, ptid)
+            ptx_sm90.mbarrier_arrive(barrier_address(base, full + slot))
+        load_keys(slot_address(base, slot) + uint32(offset), src, first, stride, keys_left,
+                  pages, v_side, ptid)  # fmt: skip
         ptx_sm90.cp_async_arrive(barrier_address(base, full + slot))
 
     @device_function
     def produce(q, k, v, base, q_first, q_ss, q_rows, k_first, v_first, k_ss, v_ss, keys_left,
-                n_tiles, ptid):  # fmt: skip
+                n_tiles, pages, ptid):  # fmt: skip
         """The producer warpgroup: Q, then every key tile's K and V into the ring."""
         load_rows(base, q, q_first, q_ss, q_rows, BLOCK_M, Q_ATOM, ptid)
         ptx_sm90.cp_async_arrive(barrier_address(base, Q_FULL))
         slot = int32(0)
         for t in range(n_tiles):
-            refill(base, EMPTY_K, FULL_K, t, slot, k, k_first, k_ss, keys_left, 0, ptid)
-            refill(base, EMPTY_V, FULL_V, t, slot, v, v_first, v_ss, keys_left, V_OFF, ptid)
+            refill(base, EMPTY_K, FULL_K, t, slot, k, k_first, k_ss, keys_left, 0, pages, False,
+                   ptid)  # fmt: skip
+            refill(base, EMPTY_V, FULL_V, t, slot, v, v_first, v_ss, keys_left, V_OFF, pages,
+                   True, ptid)  # fmt: skip
             k_first += int64(BLOCK_N) * k_ss
             v_first += int64(BLOCK_N) * v_ss
             keys_left = int32(keys_left - BLOCK_N)
@@ -471,13 +594,14 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, maps, templates, coords,
+        tid, lane, warp, maps, templates, coords, pages,
     ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
         o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
         each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right).
         With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
-        templates, ``coords`` (head, kv_head, batch) the block's."""
+        templates, ``coords`` (head, kv_head, batch) the block's. ``pages``: a paged cache's
+        (see load_keys)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -497,6 +621,10 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         v_first = v_base + int64(first_tile * BLOCK_N) * v_ss
         keys_left = int32(seqlen_k - first_tile * BLOCK_N)  # valid rows of the next tile to load
 
+        if PAGED:
+            init_flags(pages, tid)
+            if not PRODUCER:
+                cuda.syncthreads()
         if PRODUCER:
             init_barriers(base, tid)
             if warp < 4:  # the producer warpgroup
@@ -508,7 +636,7 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
                                       n_tiles, lane)  # fmt: skip
                 else:
                     produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first,
-                            k_ss, v_ss, keys_left, n_tiles, tid)  # fmt: skip
+                            k_ss, v_ss, keys_left, n_tiles, pages, tid)  # fmt: skip
                 return
             if MOVE_REGISTERS:
                 ptx_sm90.set_max_registers(CONSUMER_REGISTERS, True)
@@ -519,17 +647,17 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             for st in range(STAGES):
                 if st < n_tiles:
                     k_first, v_first, keys_left = load_tile(
-                        base, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid
+                        base, st, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, pages, tid
                     )
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp)  # fmt: skip
+                lane, warp, pages)  # fmt: skip
 
     @device_function
     def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp):  # fmt: skip
+                lane, warp, pages):  # fmt: skip
         """A consumer warpgroup's 64 rows over the block's key tiles; without a producer its
         threads also refill the ring (k_first, v_first, keys_left: the next tile to load)."""
         s = cuda.local.array(S_REGS, float32)
@@ -562,9 +690,11 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         pass_turn(group, False)
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(s, S_REGS)
+        bad = absent_keys(pages, 0, 0, lane)
         release_half(base, EMPTY_K, 0)
         n0 = int32(first_tile * BLOCK_N)
-        absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr)
+        absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
+               bad)  # fmt: skip
         rescale_and_pack(acc, s, pf, alpha)
 
         slot = int32(0)  # the slot of the tile whose P is in pf
@@ -587,9 +717,11 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
             # -- the softmax of S_it while acc += P V is in flight
             ptx_sm90.wgmma_wait(1)
             ptx_sm90.fence_operands(s, S_REGS)
+            bad = absent_keys(pages, nxt, it, lane)
             release_half(base, EMPTY_K, nxt)
             n0 = int32((first_tile + it) * BLOCK_N)
-            absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr)
+            absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
+                   bad)  # fmt: skip
             # P must be computed before the wait below, not moved after it by the compiler
             # (it moves register arithmetic freely across the asm statements otherwise)
             ptx_sm90.fence_operands(s, S_REGS)
@@ -602,8 +734,9 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
                 cuda.syncthreads()
                 if it - 1 + STAGES < n_tiles:
                     k_first, v_first, keys_left = load_tile(
-                        base, slot, k, v, k_first, v_first, k_ss, v_ss, keys_left, tid
-                    )
+                        base, slot, it - 1 + STAGES, k, v, k_first, v_first, k_ss, v_ss,
+                        keys_left, pages, tid,
+                    )  # fmt: skip
                 ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
                 if it + 1 < n_tiles:
                     landed()
@@ -650,10 +783,59 @@ def build(head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, 
         else:
             lengths = (seqlen_q, seqlen_k)
             bases = dense_bases(strides, b, head, kv_head, seqlen_q)
+        unpaged = (cu_q, int64(0), int32(0), int32(0), int64(0), int64(0), int32(0), int32(0),
+                   int64(0), int64(0), int32(0))  # fmt: skip
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, (window_left, window_right), tid, lane, warp, maps,
-            (q_map, k_map, v_map), (head, kv_head, b),
+            (q_map, k_map, v_map), (head, kv_head, b), unpaged,
         )  # fmt: skip
 
-    return forward_sm90
+    @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
+    def forward_sm90_kvcache(
+        q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, q_st, kc_st, vc_st,
+        o_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left, window_right,
+        page_size, max_blocks, slots, capacity, q_map, k_map, v_map,
+    ):  # fmt: skip
+        """Chunked prefill: q (batch, seqlen_q, nheads, head_dim) over sequence b's keys of the
+        caches, cache_seqlens[b] + seqlen_new of them within [0, capacity] (the new rows were
+        appended before), in cache row batch_idx[b] (contiguous; none outside [0, slots): every
+        row sees no key) or through block_table's row b (paged)."""
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
+        head = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        kv_head = ptx_sm90.quotient32(head, heads_per_kv)
+        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        q_base, _, _, o_base, lse_base = dense_bases((q_st, kc_st, vc_st, o_st), b, head, kv_head,
+                                                     seqlen_q)  # fmt: skip
+        k_head = int64(kv_head) * kc_st[2]
+        v_head = int64(kv_head) * vc_st[2]
+        if PAGED:
+            k_base, v_base = k_head, v_head
+        else:
+            slot = batch_idx[b]
+            if slot < 0 or slot >= slots:
+                seqlen_k = int32(0)
+                slot = int32(0)
+            k_base = k_head + int64(slot) * kc_st[0]
+            v_base = v_head + int64(slot) * vc_st[0]
+        page_shift = int32(-1)  # log2(page_size) when it is a power of two
+        if PAGED and (page_size & (page_size - 1)) == 0:
+            page_shift = int32(0)
+            while (1 << page_shift) < page_size:
+                page_shift += 1
+        smem = cuda.shared.array(0, uint16)
+        flag0 = int32((ptx_sm90.aligned_index(smem, GROUP_BYTES) * 2 + FLAGS) >> 2)
+        pages = (block_table, int64(b) * max_blocks, page_size, page_shift, kc_st[0], vc_st[0],
+                 slots, seqlen_k, k_head, v_head, flag0)  # fmt: skip
+        attend_block(
+            q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
+            (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
+            (window_left, window_right), tid, lane, warp, maps, (q_map, k_map, v_map),
+            (head, kv_head, b), pages,
+        )  # fmt: skip
+
+    return forward_sm90_kvcache if CACHE else forward_sm90

@@ -11,7 +11,7 @@ layout ptx_sm90's docstring describes; :func:`swizzled_descriptor` points wgmma 
 
 import functools
 
-from numba import int64, uint32
+from numba import int32, int64, uint32
 
 from . import ptx, ptx_sm90
 from .jit import device_function
@@ -110,5 +110,55 @@ def row_loader(row_pitch, chunks, threads, whole_tile_fast_path=False):
                             uint32(16) if valid else uint32(0),
                         )
                     offset += step
+
+    return load_rows
+
+
+@device_function
+def page_of(key, page_size, page_shift):
+    """(index in the block table, row within the page) of a sequence's key ``key``: a shift
+    for a power-of-two page size (``page_shift`` >= 0), else one 32-bit division."""
+    if page_shift >= 0:
+        index = uint32(key) >> uint32(page_shift)
+    else:
+        index = uint32(key) // uint32(page_size)
+    return index, uint32(key) - index * uint32(page_size)
+
+
+@functools.lru_cache(maxsize=None)
+def paged_row_loader(chunks, threads, padded_chunks=None):
+    """:func:`swizzled_row_loader` for rows of a paged KV cache: the device function
+    ``load_rows(dst, src, head, row_stride, pages, n0, rows_left, nrows, atom_bytes, tid)``
+    copies keys n0 .. n0 + nrows - 1 of one sequence, key j from row j % page_size of page
+    ``table[table_base + j // page_size]`` (element ``page * page_stride + row * row_stride +
+    head``), where ``pages`` = (table, table_base, page_size, page_shift, page_stride, slots);
+    rows at or past ``rows_left`` and rows behind a page outside [0, slots) are zero-filled,
+    not read."""
+    CHUNKS, THREADS = chunks, threads
+    PADDED = padded_chunks or chunks
+    POWER_OF_TWO = PADDED & (PADDED - 1) == 0
+
+    @device_function
+    def load_rows(dst, src, head, row_stride, pages, n0, rows_left, nrows, atom_bytes, tid):
+        table, table_base, page_size, page_shift, page_stride, slots = pages
+        for p in range((nrows * PADDED + THREADS - 1) // THREADS):
+            e = tid + p * THREADS
+            row = e // PADDED
+            chunk = e & (PADDED - 1) if POWER_OF_TWO else e - row * PADDED
+            if (nrows * PADDED) % THREADS == 0 or row < nrows:
+                valid = row < rows_left and (CHUNKS == PADDED or chunk < CHUNKS)
+                page = int32(0)
+                within = uint32(0)
+                if valid:
+                    index, within = page_of(n0 + row, page_size, page_shift)
+                    page = table[table_base + int64(index)]
+                    valid = page >= 0 and page < slots
+                at = int64(page) * page_stride + int64(within) * row_stride + head + chunk * 8
+                ptx.cp_async_16(
+                    dst + uint32(swizzled(row, chunk, atom_bytes)),
+                    src,
+                    at if valid else head,
+                    uint32(16) if valid else uint32(0),
+                )
 
     return load_rows
