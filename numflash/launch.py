@@ -1020,7 +1020,7 @@ def kvcache(
         lse=arrays.kernel_view(lse),
     )
     if prefill:  # a forward configuration: LAUNCHERS holds its forward's launcher
-        _wgmma_kvcache(cfg, p, q, views, geometry, stream)
+        _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream)
     else:
         LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:
@@ -1133,25 +1133,33 @@ WGMMA_KVCACHE = KernelSpec(
 )  # fmt: skip
 
 
-def _wgmma_kvcache(cfg, p, q, views, geometry, stream):
+def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
-    rows appended already (kvcache); its tiles load by cp.async (forward_sm90.schedule)."""
+    rows appended already (kvcache): a contiguous cache's tiles by TMA where ``cfg`` asks for
+    it and tensor maps describe the arrays, else (and a paged cache's) by cp.async."""
     d, dtype = p.head_dim, p.dtype
     xp = arrays.array_module(q)
     q, scale = _positive_scale(q, p.scale)
-    views["q"] = arrays.kernel_view(_kernel_input(q, alignment_elements=8))
+    q = _kernel_input(q, alignment_elements=8)
+    views["q"] = arrays.kernel_view(q)
     views["o"] = views["out"]
-    views["maps"] = arrays.kernel_view(_unread_array(xp, xp.int64))
     cache = "paged" if p.paged else "contiguous"
-    schedule = forward_sm90.schedule(cfg, cache=cache)
+    maps = None
+    if cfg.tma and not p.paged:
+        maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
+    tma = maps is not None
+    if not tma:
+        maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3
+    views["maps"] = arrays.kernel_view(maps[0])
+    schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     launch = launcher(
-        (WgmmaForwardConfig, d, dtype, cfg, cache),
+        (WgmmaForwardConfig, d, dtype, cfg, cache, tma),
         lambda: forward_sm90.build(d, dtype, *schedule),
         WGMMA_KVCACHE,
         dtype,
     )
     scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * LOG2E))
-    scalars += (p.window_left, p.window_right, *geometry) + (_NO_MAP,) * 3
+    scalars += (p.window_left, p.window_right, *geometry) + tuple(maps[1])
     shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
     grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
     launch(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))

@@ -148,8 +148,8 @@ KVCACHE_CASES = [
             head_dim=128, page_size=5), TensorCoreDecodeConfig(16, 8, 3)),
     (KVCase("bfloat16", (33, 2), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=64,
             page_size=16), PortableDecodeConfig()),
-    # chunked prefill on the Hopper forward: paged (pages of 16 and 3), a permuted contiguous
-    # cache, and the schedule without a producer
+    # chunked prefill on the Hopper forward: paged (pages of 16 and 3), contiguous (permuted,
+    # by TMA and by cp.async), and the schedule without a producer
     (KVCase("bfloat16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
             head_dim=128, page_size=16, mask=dict(causal=True)),
      WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
@@ -158,6 +158,9 @@ KVCACHE_CASES = [
      WgmmaForwardConfig(2, 128, 2, pingpong=False)),
     (KVCase("float16", (40, 250), seqlen_q=70, seqlen_new=70, nheads=4, nheads_k=2,
             head_dim=256, permute=True), WgmmaForwardConfig(2, 64, 2, pingpong=False)),
+    (KVCase("bfloat16", (3, 190), seqlen_q=100, seqlen_new=20, nheads=4, nheads_k=4,
+            head_dim=128, mask=dict(causal=True)),
+     WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
     (KVCase("bfloat16", (33, 200), seqlen_q=65, seqlen_new=65, nheads=2, nheads_k=1,
             head_dim=64, page_size=5),
      WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
@@ -196,6 +199,10 @@ def main(argv):
     if family in (None, WgmmaForwardConfig.family):  # bad pages and lengths in chunked prefill
         test_kvcache.test_hostile_device_lengths_and_pages_stay_inside_the_arrays("hopper")
         test_kvcache.test_keys_behind_a_page_outside_the_cache_are_absent("hopper")
+        for paged in (False, True):
+            test_kvcache.test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(
+                "hopper", paged
+            )
         cupy.cuda.Device().synchronize()
         print("ok chunked prefill over hostile lengths and pages", flush=True)
     if family in (None, "varlen"):

@@ -242,6 +242,38 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
     assert not np.isnan(to_numpy(out).astype(np.float32)).any()
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(kernel, paged):
+    """NaN in every cache row past each sequence's length (after its append): the outputs are
+    finite and equal the reference over the sequence's keys. (The Hopper forward's TMA copies
+    read whole tiles of a contiguous cache, those rows included.)"""
+    config = _config(kernel, Case("float16", (0,), 3, 0, 2, 1, 64))
+    rng = np.random.default_rng(17)
+    lengths, new = (5, 70), 2
+    q = random_array((2, 3, 2, 64), "float16", rng)
+    k, v = (random_array((2, new, 1, 64), "float16", rng) for _ in range(2))
+    caches = [to_numpy(random_array((2, 128, 1, 64), "float16", rng)) for _ in range(2)]
+    for c in caches:
+        for b, n in enumerate(lengths):
+            c[b, n + new :] = np.nan
+    kw = {}
+    if paged:  # pages of 16, each sequence's in order, after the other's
+        caches = [c.reshape(16, 16, 1, 64) for c in caches]
+        kw["block_table"] = xp.asarray(np.arange(16, dtype=np.int32).reshape(2, 8))
+    k_cache, v_cache = (xp.asarray(c) for c in caches)
+    out, lse = numflash.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=xp.asarray(np.array(lengths, np.int32)),
+        return_lse=True, config=config, **kw,
+    )  # fmt: skip
+    assert np.isfinite(to_numpy(out).astype(np.float32)).all()
+    for b, n in enumerate(lengths):
+        ks, vs = (xp.asarray(to_numpy(c).reshape(2, 128, 1, 64)[b : b + 1, : n + new])
+                  for c in (k_cache, v_cache))  # fmt: skip
+        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1])
+        assert result.err <= result.bar and result.lse_err <= result.lse_bar, (b, result)
+
+
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_keys_behind_a_page_outside_the_cache_are_absent(kernel):
     """Keys whose block-table entry is no page of the cache count as absent: the output is

@@ -118,9 +118,9 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
 
 def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
-    schedule, TMA loads where it asks for them, the batch is dense, not a KV cache and ``tma``
+    schedule, TMA loads where it asks for them, the batch is dense, no paged KV cache and ``tma``
     (the arrays allow them), ``varlen`` and ``cache``."""
-    tma = cfg.tma and tma and not varlen and cache is None
+    tma = cfg.tma and tma and not varlen and cache != "paged"
     sizes = (cfg.consumers, cfg.block_n, cfg.stages)
     return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache)
 
@@ -141,8 +141,8 @@ def build(
     launch.WGMMA_KVCACHE's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
-    if tma and (varlen or cache is not None or not producer):
-        raise ValueError("TMA loads take a producer and a dense batch")
+    if tma and (varlen or cache == "paged" or not producer):
+        raise ValueError("TMA loads take a producer and a dense batch or contiguous cache")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
@@ -531,7 +531,7 @@ def build(
     def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, lane):
         """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
         Q and every key tile's K and V into the ring."""
-        head, kv_head, b = coords
+        head, kv_head, b, kv_b = coords
         q_words, k_words, v_words = templates
         staged = base + uint32(STAGED_MAPS)
         publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
@@ -552,8 +552,8 @@ def build(
             slot = int32(0)
             for t in range(n_tiles):
                 n0 = int32((first_tile + t) * BLOCK_N)
-                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, b)
-                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, b)
+                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b)
+                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b)
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
@@ -589,6 +589,28 @@ def build(
             elif not last:
                 ptx_sm90.named_barrier_arrive(1, 256)
 
+    @device_function
+    def zero_rows_past_end(base, slot, keys_left, tid):
+        """A KV cache's last tile by TMA: its V rows at or past ``keys_left`` hold whatever the
+        cache holds there (a NaN times a probability of 0 is NaN), so the consumers zero them
+        before acc += P V reads them (K's are masked out of S)."""
+        if keys_left < BLOCK_N:
+            words = cuda.shared.array(0, uint32)
+            first = (ptx_sm90.aligned_index(cuda.shared.array(0, uint16), GROUP_BYTES) >> 1) + (
+                STAGE0 + slot * SLOT + V_OFF
+            ) // 4
+            row_words = ROW_BYTES // 4  # an atom's rows are ROW_BYTES apart (the swizzle
+            # permutes chunks within a row)
+            per_atom = (BLOCK_N - keys_left) * row_words
+            t = tid - (128 if PRODUCER else 0)
+            for i in range(t, ATOMS * per_atom, CONSUMER_THREADS):
+                a = i // per_atom
+                words[first + a * (KV_ATOM // 4) + keys_left * row_words + (i - a * per_atom)] = (
+                    uint32(0)
+                )
+            ptx_sm90.fence_proxy_async()  # the zeros, for wgmma's reads (the async proxy)
+            ptx_sm90.named_barrier_sync(3, CONSUMER_THREADS)
+
     # -- one block of query rows ---------------------------------------------------------------
 
     @device_function
@@ -600,7 +622,8 @@ def build(
         o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
         each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right).
         With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
-        templates, ``coords`` (head, kv_head, batch) the block's. ``pages``: a paged cache's
+        templates, ``coords`` (head, kv_head, batch of q, batch of k and v) the block's.
+        ``pages``: a paged cache's
         (see load_keys)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
@@ -744,6 +767,8 @@ def build(
 
         # -- the last tile's acc += P V
         landed_half(base, FULL_V, n_tiles - 1, slot)
+        if CACHE and TMA:
+            zero_rows_past_end(base, slot, seqlen_k - (first_tile + n_tiles - 1) * BLOCK_N, tid)
         take_turn(group)
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
@@ -788,7 +813,7 @@ def build(
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, (window_left, window_right), tid, lane, warp, maps,
-            (q_map, k_map, v_map), (head, kv_head, b), unpaged,
+            (q_map, k_map, v_map), (head, kv_head, b, b), unpaged,
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
@@ -813,6 +838,7 @@ def build(
                                                      seqlen_q)  # fmt: skip
         k_head = int64(kv_head) * kc_st[2]
         v_head = int64(kv_head) * vc_st[2]
+        slot = int32(0)  # the sequence's cache row (contiguous)
         if PAGED:
             k_base, v_base = k_head, v_head
         else:
@@ -835,7 +861,7 @@ def build(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             (window_left, window_right), tid, lane, warp, maps, (q_map, k_map, v_map),
-            (head, kv_head, b), pages,
+            (head, kv_head, b, slot), pages,
         )  # fmt: skip
 
     return forward_sm90_kvcache if CACHE else forward_sm90
