@@ -124,12 +124,12 @@ def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
             hopper = selection.prefill_config(
                 selection.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
             )
-            saved = selection.PREFILL_ROWS
-            selection.PREFILL_ROWS = 1 << 30
+            saved = dict(selection.PREFILL_ROWS)
+            selection.PREFILL_ROWS.update(contiguous=1 << 30, paged=1 << 30)
             try:
                 decode = numflash.selected_kvcache_config(*args_, **kw)[0].config
             finally:
-                selection.PREFILL_ROWS = saved
+                selection.PREFILL_ROWS.update(saved)
             for route, config in (("decode", decode), ("hopper", hopper)):
                 t = time_gpu(lambda c=config: numflash.attention_with_kvcache(*args_, **kw, config=c),
                              warmup=3, runs=args.runs)  # fmt: skip

@@ -99,6 +99,39 @@ def padded_sdpa_runs(lengths, nheads, head_dim, dtype, causal):
     return peers.sdpa_forward(q, k, v, causal, "flash"), bwd
 
 
+def torch_varlen_runs(lengths, nheads, head_dim, dtype, causal):
+    """(forward, backward) of ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2's
+    varlen kernel) on the same packed rows, the backward through autograd from one saved
+    forward; (None, None) where this torch has no varlen_attn."""
+    import torch
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, None
+    total = sum(lengths)
+    q, k, v = (
+        torch.from_dlpack(x[0]).requires_grad_()
+        for x in peers.random_qkv(1, total, nheads, head_dim, dtype)
+    )
+    dout = torch.from_dlpack(peers.random_qkv(1, total, nheads, head_dim, dtype, seed=5)[0][0])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    cu = torch.from_dlpack(cupy.asarray(offsets))
+    longest = max(lengths)
+    window = (-1, 0) if causal else (-1, -1)
+
+    def fwd():
+        with torch.no_grad():
+            return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window)
+
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window)
+
+    def bwd():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return fwd, bwd
+
+
 def sweep_configs(dtype, head_dim):
     """(forward, backward) configurations a packed call is also timed with under ``--sweep``:
     every tensor-core forward tiling shipped for this dtype and head_dim (any length bucket),
@@ -155,6 +188,10 @@ def bench(args, lengths):
                         lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
                     )
         if peers.torch_available():
+            providers["torch-varlen"] = (
+                lambda: torch_varlen_runs(lengths, nheads, hd, DTYPES[dtype], causal),
+                lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
+            )
             providers["sdpa-flash-padded"] = (
                 lambda: padded_sdpa_runs(lengths, nheads, hd, DTYPES[dtype], causal),
                 lambda mode: useful_flops(lengths, nheads, hd, causal, mode),
@@ -197,24 +234,28 @@ def markdown(records, device, lengths):
         f"Packed batch on {device}: {len(lengths)} sequences, {sum(lengths)} tokens, lengths "
         f"{min(lengths)}-{max(lengths)}; useful TFLOP/s (median of CUDA-event timings). "
         "vs dense: packed / numflash dense at the same head_dim, mask and dtype; "
-        "vs padded: SDPA FA2 time on the padded batch / packed time.",
+        "vs padded: SDPA FA2 time on the padded batch / packed time; vs varlen_attn: "
+        "torch.nn.attention.varlen.varlen_attn's time on the same rows / packed time.",
         "",
-        "| mode | dtype | head_dim | causal | packed | dense | SDPA FA2 padded | vs dense "
-        "| vs padded |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | dtype | head_dim | causal | packed | dense | SDPA FA2 padded | varlen_attn "
+        "| vs dense | vs padded | vs varlen_attn |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (mode, dtype, hd, causal), row in sorted(rows.items()):
         packed, dense = row.get("numflash-varlen"), row.get("numflash-dense")
         padded = row.get("sdpa-flash-padded")
+        torch_varlen = row.get("torch-varlen")
 
         def cell(r):
             return f"{r['tflops']:.0f}" if r else "-"
 
         vs_dense = f"{packed['tflops'] / dense['tflops']:.2f}" if packed and dense else "-"
         vs_padded = f"{padded['ms'] / packed['ms']:.2f}x" if packed and padded else "-"
+        vs_varlen = f"{torch_varlen['ms'] / packed['ms']:.2f}x" if packed and torch_varlen else "-"
         lines.append(
             f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {cell(packed)} | "
-            f"{cell(dense)} | {cell(padded)} | {vs_dense} | {vs_padded} |"
+            f"{cell(dense)} | {cell(padded)} | {cell(torch_varlen)} | {vs_dense} | {vs_padded} "
+            f"| {vs_varlen} |"
         )
     swept = {key: row for key, row in rows.items() if any(p.startswith("sweep") for p in row)}
     if swept:

@@ -620,8 +620,9 @@ def attention_with_kvcache(
             :class:`numflash.PortableDecodeConfig`, or a :class:`numflash.WgmmaForwardConfig`
             (the Hopper forward over the caches; compute capability 9.x, as the tensor-core
             kernel otherwise, one split); by default numflash chooses: on compute capability
-            9.x a call with more than 32 new query rows (chunked prefill, long drafts) runs
-            the Hopper forward after appending, fewer the split-KV decode kernel.
+            9.x a call with more new query rows than selection.PREFILL_ROWS (24 over a
+            contiguous cache, 48 over a paged one: chunked prefill, long drafts) runs the
+            Hopper forward after appending, fewer the split-KV decode kernel.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the

@@ -401,9 +401,11 @@ def split_count(config, problem, device):
 
 
 #: New query rows of a KV-cache call above which it runs on the Hopper forward rather than
-#: the split-KV decode kernel (chunked prefill): from 48 rows it is the faster on the H200,
-#: at 32 the two tie (benchmarks/bench_prefill.py --crossover; docs/performance.md).
-PREFILL_ROWS = 32
+#: the split-KV decode kernel (chunked prefill), for a contiguous and a paged cache: on the
+#: H200 the forward takes ~120 us from 16 to 128 rows contiguous, where the decode kernel's
+#: time grows with the rows (82 us at 16, 173 at 32: they cross near 24); paged they tie at
+#: 48 (benchmarks/bench_prefill.py --crossover, docs/performance.md "Chunked prefill").
+PREFILL_ROWS = {"contiguous": 24, "paged": 48}
 
 
 def prefill(problem, device):
@@ -412,7 +414,7 @@ def prefill(problem, device):
     it reads in place (16-byte aligned rows, head_dim a multiple of 8), and a call the forward
     family takes on this device (:func:`forward_family`)."""
     return (
-        problem.seqlen_q > PREFILL_ROWS
+        problem.seqlen_q > PREFILL_ROWS["paged" if problem.paged else "contiguous"]
         and problem.num_splits <= 1
         and problem.cache_aligned
         and problem.head_dim % 8 == 0
