@@ -41,33 +41,55 @@ def swizzled_descriptor(address, leading):
     return ptx_sm90.matrix_descriptor(address, leading, GROUP_BYTES, ptx_sm90.SWIZZLE_128B)
 
 
-@functools.lru_cache(maxsize=None)
-def swizzled_row_loader(chunks, threads, padded_chunks=None):
-    """The device function ``load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes,
-    tid)``: cp.async ``nrows`` rows of ``chunks`` 16-byte chunks of ``src`` from element
-    ``first`` (row pitch ``stride``) into the swizzled tile at shared address ``dst``; rows at
-    or past ``rows_left``, and chunks ``chunks``.. ``padded_chunks`` - 1 of every row, are
-    zero-filled, not read. ``threads`` threads share the work, consecutive threads taking
+def _swizzled_copier(chunks, threads, padded_chunks, locate):
+    """The device function ``load_rows(dst, src, where, rows_left, nrows, atom_bytes, tid)``:
+    cp.async ``nrows`` rows of ``chunks`` 16-byte chunks of ``src`` into the swizzled tile at
+    shared address ``dst``, row r's first element at ``locate(where, r)`` = (element, whether
+    it is there to read); rows at or past ``rows_left`` or not there, and chunks ``chunks``..
+    ``padded_chunks`` - 1 of every row, are zero-filled, not read (from ``where[0]``, an
+    element of ``src``). ``threads`` threads share the work, consecutive threads taking
     consecutive chunks of a row."""
     CHUNKS, THREADS = chunks, threads
     PADDED = padded_chunks or chunks
     POWER_OF_TWO = PADDED & (PADDED - 1) == 0
 
     @device_function
-    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+    def load_rows(dst, src, where, rows_left, nrows, atom_bytes, tid):
         for p in range((nrows * PADDED + THREADS - 1) // THREADS):
             e = tid + p * THREADS
             row = e // PADDED
             chunk = e & (PADDED - 1) if POWER_OF_TWO else e - row * PADDED
             if (nrows * PADDED) % THREADS == 0 or row < nrows:
                 valid = row < rows_left and (CHUNKS == PADDED or chunk < CHUNKS)
-                at = first + int64(row) * stride + chunk * 8
+                at, there = locate(where, row, valid)
+                at += chunk * 8
+                valid = valid and there
                 ptx.cp_async_16(
                     dst + uint32(swizzled(row, chunk, atom_bytes)),
                     src,
-                    at if valid else first,
+                    at if valid else where[0],
                     uint32(16) if valid else uint32(0),
                 )
+
+    return load_rows
+
+
+@device_function
+def _strided_row(where, row, wanted):
+    """(first element, True) of row ``row`` of rows ``where`` = (first, stride)."""
+    return where[0] + int64(row) * where[1], True
+
+
+@functools.lru_cache(maxsize=None)
+def swizzled_row_loader(chunks, threads, padded_chunks=None):
+    """The device function ``load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes,
+    tid)``: :func:`_swizzled_copier`'s, for rows of ``src`` from element ``first``, ``stride``
+    elements apart."""
+    copy = _swizzled_copier(chunks, threads, padded_chunks, _strided_row)
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        copy(dst, src, (first, stride), rows_left, nrows, atom_bytes, tid)
 
     return load_rows
 
@@ -125,6 +147,22 @@ def page_of(key, page_size, page_shift):
     return index, uint32(key) - index * uint32(page_size)
 
 
+@device_function
+def _paged_row(where, row, wanted):
+    """(first element, whether its page is in the cache) of row ``row`` of the keys ``where``
+    = (head, row_stride, pages, n0) (see :func:`paged_row_loader`); the table is read only
+    for a ``wanted`` row (one past the sequence may be past the table)."""
+    head, row_stride, pages, n0 = where
+    table, table_base, page_size, page_shift, page_stride, slots = pages
+    page = int32(0)
+    within = uint32(0)
+    if wanted:
+        index, within = page_of(n0 + row, page_size, page_shift)
+        page = table[table_base + int64(index)]
+    at = int64(page) * page_stride + int64(within) * row_stride + head
+    return at, page >= 0 and page < slots
+
+
 @functools.lru_cache(maxsize=None)
 def paged_row_loader(chunks, threads, padded_chunks=None):
     """:func:`swizzled_row_loader` for rows of a paged KV cache: the device function
@@ -134,31 +172,10 @@ def paged_row_loader(chunks, threads, padded_chunks=None):
     head``), where ``pages`` = (table, table_base, page_size, page_shift, page_stride, slots);
     rows at or past ``rows_left`` and rows behind a page outside [0, slots) are zero-filled,
     not read."""
-    CHUNKS, THREADS = chunks, threads
-    PADDED = padded_chunks or chunks
-    POWER_OF_TWO = PADDED & (PADDED - 1) == 0
+    copy = _swizzled_copier(chunks, threads, padded_chunks, _paged_row)
 
     @device_function
     def load_rows(dst, src, head, row_stride, pages, n0, rows_left, nrows, atom_bytes, tid):
-        table, table_base, page_size, page_shift, page_stride, slots = pages
-        for p in range((nrows * PADDED + THREADS - 1) // THREADS):
-            e = tid + p * THREADS
-            row = e // PADDED
-            chunk = e & (PADDED - 1) if POWER_OF_TWO else e - row * PADDED
-            if (nrows * PADDED) % THREADS == 0 or row < nrows:
-                valid = row < rows_left and (CHUNKS == PADDED or chunk < CHUNKS)
-                page = int32(0)
-                within = uint32(0)
-                if valid:
-                    index, within = page_of(n0 + row, page_size, page_shift)
-                    page = table[table_base + int64(index)]
-                    valid = page >= 0 and page < slots
-                at = int64(page) * page_stride + int64(within) * row_stride + head + chunk * 8
-                ptx.cp_async_16(
-                    dst + uint32(swizzled(row, chunk, atom_bytes)),
-                    src,
-                    at if valid else head,
-                    uint32(16) if valid else uint32(0),
-                )
+        copy(dst, src, (head, row_stride, pages, n0), rows_left, nrows, atom_bytes, tid)
 
     return load_rows
