@@ -335,7 +335,7 @@ def attention_varlen(
         config: force a forward configuration (:class:`numflash.TensorCoreConfig`,
             :class:`numflash.WgmmaForwardConfig` or :class:`numflash.PortableConfig`) as for
             :func:`attention`; by default numflash chooses as for a dense call of the max
-            lengths. The Hopper forward loads a packed batch's tiles by cp.async, not TMA.
+            lengths.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its

@@ -217,8 +217,8 @@ class WgmmaForwardConfig(_Config):
     - ``pingpong``: the two consumer warpgroups take turns issuing their products, so one's
       softmax runs while the other's products do (needs ``producer`` and two consumers).
     - ``tma``: the producer loads each tile with TMA copies through tensor maps (needs
-      ``producer``); else with cp.async. A packed batch, and arrays whose strides a tensor map
-      cannot describe (not multiples of 16 bytes), load with cp.async either way.
+      ``producer``); else with cp.async. A paged KV cache, and arrays whose strides a tensor
+      map cannot describe (not multiples of 16 bytes), load with cp.async either way.
     """
 
     consumers: int = knob(2, (1, 2, 3))
@@ -231,7 +231,7 @@ class WgmmaForwardConfig(_Config):
     family: ClassVar[str] = "wgmma-forward"
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 2  # 2: TMA loads
+    REVISION: ClassVar[int] = 3  # 2: TMA loads; 3: packed batches by TMA
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 56

@@ -690,7 +690,9 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
     xp = arrays.array_module(q)
-    maps = _tensor_maps(cfg, p, q, k, v) if cfg.tma and not varlen else None
+    maps = None
+    if cfg.tma:  # a packed batch's maps are over all its rows: one batch of total rows
+        maps = _tensor_maps(cfg, p, *((x[None] for x in (q, k, v)) if varlen else (q, k, v)))
     tma = maps is not None
     if not tma:
         maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3

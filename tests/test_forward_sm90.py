@@ -9,7 +9,14 @@ same cases and the awkward sizes, head dims and masks below; elsewhere these ski
 
 import numpy as np
 import pytest
-from support import assert_matches_reference, poisoned_like, random_array, random_qkv, xp
+from support import (
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+    to_numpy,
+    xp,
+)
 
 import numflash
 from numflash import selection
@@ -95,6 +102,28 @@ def test_hopper_forward_over_a_packed_batch_matches_each_sequence():
             assert_matches_reference(
                 q[None, s], k[None, s], v[None, s], out[None, s], lse[None, :, s], causal=True
             )
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_a_packed_sequence_never_sees_the_next_one_s_rows(tma):
+    """NaN in every row of the second sequence's V: the first sequence's outputs stay finite
+    and exact, though its last key tile reaches into the second's rows (by TMA: a box over the
+    packed rows)."""
+    cfg = W(1, 64, 2, pingpong=False, tma=tma)
+    _wgmma_or_skip(cfg, 64)
+    lengths = [37, 70]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (random_array((int(cu[-1]), 2, 64), "bfloat16") for _ in range(3))
+    v_host = to_numpy(v)
+    v_host[37:] = np.nan
+    v = xp.asarray(v_host)
+    offsets = xp.asarray(cu)
+    out, lse = numflash.attention_varlen(
+        q, k, v, offsets, offsets, 70, 70, return_lse=True, out=poisoned_like(q), config=cfg
+    )
+    s = slice(0, 37)
+    assert np.isfinite(to_numpy(out[s]).astype(np.float32)).all()
+    assert_matches_reference(q[None, s], k[None, s], v[None, s], out[None, s], lse[None, :, s])
 
 
 @pytest.mark.gpu

@@ -40,9 +40,9 @@ that hold only zeros.
 
 Key tiles that the causal or window mask hides from every row of the block are neither loaded
 nor computed; tiles it hides partly are masked element by element. A packed batch (``VARLEN``)
-runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forward does, its
-tiles loaded by cp.async: a TMA box past a sequence's end would read the next sequence's rows,
-where cp.async zero-fills them.
+runs the same body over each sequence's rows (cu_seqlens), as the mma.sync forward does; its
+tensor maps are over all the packed rows, so a box reaching past a sequence's end holds the
+next sequence's rows: masked out of S, and (zero_rows_past_end) zeroed in the last V tile.
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
@@ -118,9 +118,9 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
 
 def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
-    schedule, TMA loads where it asks for them, the batch is dense, no paged KV cache and ``tma``
+    schedule, TMA loads where it asks for them, the keys are no paged KV cache's and ``tma``
     (the arrays allow them), ``varlen`` and ``cache``."""
-    tma = cfg.tma and tma and not varlen and cache != "paged"
+    tma = cfg.tma and tma and cache != "paged"
     sizes = (cfg.consumers, cfg.block_n, cfg.stages)
     return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache)
 
@@ -141,8 +141,8 @@ def build(
     launch.WGMMA_KVCACHE's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
-    if tma and (varlen or cache == "paged" or not producer):
-        raise ValueError("TMA loads take a producer and a dense batch or contiguous cache")
+    if tma and (cache == "paged" or not producer):
+        raise ValueError("TMA loads take a producer, and no paged cache")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
@@ -531,7 +531,7 @@ def build(
     def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, lane):
         """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
         Q and every key tile's K and V into the ring."""
-        head, kv_head, b, kv_b = coords
+        head, kv_head, b, kv_b, q_row0, k_row0 = coords
         q_words, k_words, v_words = templates
         staged = base + uint32(STAGED_MAPS)
         publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
@@ -548,10 +548,10 @@ def build(
             ptx_tma.acquire(v_map)
             q_full = barrier_address(base, Q_FULL)
             ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
-            load_boxes(q_map, base, Q_ATOM, q_full, int32(m0), head, b)
+            load_boxes(q_map, base, Q_ATOM, q_full, int32(q_row0 + m0), head, b)
             slot = int32(0)
             for t in range(n_tiles):
-                n0 = int32((first_tile + t) * BLOCK_N)
+                n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
                 refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b)
                 refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b)
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
@@ -591,9 +591,10 @@ def build(
 
     @device_function
     def zero_rows_past_end(base, slot, keys_left, tid):
-        """A KV cache's last tile by TMA: its V rows at or past ``keys_left`` hold whatever the
-        cache holds there (a NaN times a probability of 0 is NaN), so the consumers zero them
-        before acc += P V reads them (K's are masked out of S)."""
+        """The last tile by TMA of a KV cache or a packed batch: its V rows at or past
+        ``keys_left`` hold whatever the cache holds there, or the next sequence's rows (a NaN
+        times a probability of 0 is NaN), so the consumers zero them before acc += P V reads
+        them (K's are masked out of S)."""
         if keys_left < BLOCK_N:
             words = cuda.shared.array(0, uint32)
             first = (ptx_sm90.aligned_index(cuda.shared.array(0, uint16), GROUP_BYTES) >> 1) + (
@@ -622,7 +623,9 @@ def build(
         o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
         each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right).
         With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
-        templates, ``coords`` (head, kv_head, batch of q, batch of k and v) the block's.
+        templates, ``coords`` (head, kv_head, batch of q, batch of k and v, the sequence's
+        first row in q and in k and v: a packed batch's tensor maps are over all its rows) the
+        block's.
         ``pages``: a paged cache's
         (see load_keys)."""
         q_base, k_base, v_base, o_base, lse_base = bases
@@ -767,7 +770,7 @@ def build(
 
         # -- the last tile's acc += P V
         landed_half(base, FULL_V, n_tiles - 1, slot)
-        if CACHE and TMA:
+        if (CACHE or VARLEN) and TMA:
             zero_rows_past_end(base, slot, seqlen_k - (first_tile + n_tiles - 1) * BLOCK_N, tid)
         take_turn(group)
         ptx_sm90.fence_operands(acc, ACC_REGS)
@@ -805,15 +808,17 @@ def build(
             if m_block * BLOCK_M >= lengths[0]:  # blocks past the sequence's end
                 return
             bases = packed_bases(strides, q_start, k_start, head, kv_head, total_q)
+            coords = (head, kv_head, int32(0), int32(0), q_start, k_start)
         else:
             lengths = (seqlen_q, seqlen_k)
             bases = dense_bases(strides, b, head, kv_head, seqlen_q)
+            coords = (head, kv_head, b, b, int64(0), int64(0))
         unpaged = (cu_q, int64(0), int32(0), int32(0), int64(0), int64(0), int32(0), int32(0),
                    int64(0), int64(0), int32(0))  # fmt: skip
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, (window_left, window_right), tid, lane, warp, maps,
-            (q_map, k_map, v_map), (head, kv_head, b, b), unpaged,
+            (q_map, k_map, v_map), coords, unpaged,
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
@@ -861,7 +866,7 @@ def build(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             (window_left, window_right), tid, lane, warp, maps, (q_map, k_map, v_map),
-            (head, kv_head, b, slot), pages,
+            (head, kv_head, b, slot, int64(0), int64(0)), pages,
         )  # fmt: skip
 
     return forward_sm90_kvcache if CACHE else forward_sm90
