@@ -640,21 +640,23 @@ def _absent_offsets(xp):
 _NO_MAP = (0,) * ptx_tma.MAP_WORDS
 
 
-def _tensor_maps(cfg, p, q, k, v):
+def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
     """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
     where a tensor map cannot describe one of the arrays: dense (batch, seqlen, heads,
     head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the block's rows
     (Q) or a tile's (K, V). A template holds no address the kernel uses (it writes its arrays'
-    in), so the templates are made once per geometry, with this call's addresses."""
+    in), so the templates are made once per geometry, with this call's addresses. ``kv_rows``:
+    the rows of a K or V box where not a tile's (a paged cache's: a page's)."""
     addresses = (0, 0, 0) if SIMULATOR else (q.data.ptr, k.data.ptr, v.data.ptr)
     if any(a % 16 for a in addresses):
         return None
-    key = (p.dtype, cfg.block_m, cfg.block_n) + tuple((x.shape, x.strides) for x in (q, k, v))
+    rows = (cfg.block_m, kv_rows or cfg.block_n, kv_rows or cfg.block_n)
+    key = (p.dtype, rows) + tuple((x.shape, x.strides) for x in (q, k, v))
     templates = _templates.get(key, False)
     if templates is False:
         if len(_templates) >= 1024:
             _templates.clear()
-        templates = _templates[key] = _map_templates(cfg, p, (q, k, v), addresses)
+        templates = _templates[key] = _map_templates(p, (q, k, v), addresses, rows)
     if templates is None:
         return None
     return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
@@ -665,11 +667,11 @@ def _tensor_maps(cfg, p, q, k, v):
 _templates = {}
 
 
-def _map_templates(cfg, p, xs, addresses):
-    """The Q, K, V templates of :func:`_tensor_maps`, or None where a stride is not a multiple
-    of 16 bytes."""
+def _map_templates(p, xs, addresses, box_rows):
+    """The Q, K, V templates of :func:`_tensor_maps` (boxes of ``box_rows`` rows each), or None
+    where a stride is not a multiple of 16 bytes."""
     templates = []
-    for x, address, rows in zip(xs, addresses, (cfg.block_m, cfg.block_n, cfg.block_n)):
+    for x, address, rows in zip(xs, addresses, box_rows):
         batch, seqlen, heads, head_dim = x.shape
         sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
         dims = (head_dim, seqlen, heads, batch)
@@ -1137,8 +1139,9 @@ WGMMA_KVCACHE = KernelSpec(
 
 def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
-    rows appended already (kvcache): a contiguous cache's tiles by TMA where ``cfg`` asks for
-    it and tensor maps describe the arrays, else (and a paged cache's) by cp.async."""
+    rows appended already (kvcache): the tiles by TMA where ``cfg`` asks for it and tensor
+    maps describe the arrays (a paged cache's pages: forward_sm90.paged_tma), else by
+    cp.async."""
     d, dtype = p.head_dim, p.dtype
     xp = arrays.array_module(q)
     q, scale = _positive_scale(q, p.scale)
@@ -1149,6 +1152,8 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     maps = None
     if cfg.tma and not p.paged:
         maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
+    elif cfg.tma and forward_sm90.paged_tma(p.page_size, cfg.block_n):  # boxes of a page
+        maps = _tensor_maps(cfg, p, q, k_cache, v_cache, min(p.page_size, cfg.block_n))
     tma = maps is not None
     if not tma:
         maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3

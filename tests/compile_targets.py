@@ -405,10 +405,16 @@ def jobs(quick):
         (64, "bfloat16", tma_plain, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
-    # ... over a KV cache (chunked prefill): the defaults, contiguous and paged
-    for hd, dtype, layout in [(128, "float16", "contiguous"), (128, "bfloat16", "paged"),
-                              (64, "float16", "paged")]:  # fmt: skip
-        out.append((wgmma_forward, (hd, dtype, None, False, layout)))
+    # ... over a KV cache (chunked prefill): the defaults (TMA), contiguous and paged, and a
+    # paged cache by cp.async (page sizes TMA boxes cannot take)
+    copies = dict(tma_plain, block_n=128, stages=2, tma=False)
+    for hd, dtype, config, layout in [
+        (128, "float16", None, "contiguous"),
+        (128, "bfloat16", None, "paged"),
+        (64, "float16", None, "paged"),
+        (64, "float16", copies, "paged"),
+    ]:
+        out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     return out
 
 

@@ -274,23 +274,25 @@ def test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(kernel, pag
         assert result.err <= result.bar and result.lse_err <= result.lse_bar, (b, result)
 
 
+@pytest.mark.parametrize("page", [4, 16])
 @pytest.mark.parametrize("kernel", list(KERNELS))
-def test_keys_behind_a_page_outside_the_cache_are_absent(kernel):
+def test_keys_behind_a_page_outside_the_cache_are_absent(kernel, page):
     """Keys whose block-table entry is no page of the cache count as absent: the output is
-    the reference over the other keys (the page may be anywhere in the sequence)."""
+    the reference over the other keys (the page may be anywhere in the sequence). Pages of 16
+    take the Hopper forward's TMA boxes, of 4 its cp.async copies."""
     config = _config(kernel, Case("float16", (0,), 3, 0, 2, 1, 16))
     rng = np.random.default_rng(13)
     q = random_array((2, 3, 2, 16), "float16", rng)
-    k_cache, v_cache = (random_array((4, 4, 1, 16), "float16", rng) for _ in range(2))
+    k_cache, v_cache = (random_array((4, page, 1, 16), "float16", rng) for _ in range(2))
     table = xp.asarray(np.array([[0, 99, 1], [-1, 2, 3]], np.int32))
-    lengths = xp.asarray(np.array([11, 12], np.int32))
+    lengths = xp.asarray(np.array([2 * page + 3, 3 * page], np.int32))
     out, lse = numflash.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, return_lse=True,
         config=config,
     )  # fmt: skip
     pages = to_numpy(k_cache), to_numpy(v_cache)
     present = ([0, 1], [2, 3])  # each sequence's pages in the cache, in order
-    for b, (used, keys) in enumerate(zip(present, (7, 8))):
+    for b, (used, keys) in enumerate(zip(present, (page + 3, 2 * page))):
         ks, vs = (xp.asarray(np.concatenate([c[i] for i in used])[None, :keys]) for c in pages)
         result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1])
         assert result.err <= result.bar and result.lse_err <= result.lse_bar, (b, result)

@@ -48,9 +48,10 @@ Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; cau
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
 -inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
-first), contiguous or paged, each sequence's length read on the device; a paged cache's tiles
-load by cp.async through the block table, keys behind a page outside the cache flagged absent
-(load_keys).
+first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
+load through the block table: by TMA as boxes of whole pages where the page size allows it
+(paged_tma), else by cp.async a row at a time; keys behind a page outside the cache are flagged
+absent (load_keys, load_page_boxes).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
@@ -93,8 +94,8 @@ REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 #: ... when the producer's loads are TMA copies issued by one thread: FlashAttention-3's 24 /
 #: 240 (24 + 2 x 240 = 3 x 168).
 TMA_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
-#: ... when the producer's cp.async copies read a paged cache: its per-row page lookups spilled
-#: at 56 (head_dim 64, sm_90a, CUDA 13).
+#: ... when the producer reads a paged cache: its per-row page lookups (cp.async) spilled at 56
+#: (head_dim 64, sm_90a, CUDA 13); by TMA, one thread's page lookups and flags take more than 24.
 PAGED_REGISTER_SPLIT = {2: (72, 216), 3: (32, 160)}
 #: The tensor maps a block publishes (Q, K, V), each staged in MAP_BYTES of shared memory.
 MAPS = 3
@@ -116,11 +117,19 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
     return q_tile, slot, kv_tile, barriers, maps, flags, total
 
 
+def paged_tma(page_size, block_n):
+    """Whether TMA reads a paged cache with tiles of ``block_n`` keys: each tile a whole number
+    of boxes of min(page_size, block_n) rows, each box within one page and starting on a
+    1024-byte boundary of the swizzled tile (8 rows)."""
+    rows = min(page_size, block_n)
+    return rows % 8 == 0 and block_n % rows == 0 and page_size % rows == 0
+
+
 def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
-    schedule, TMA loads where it asks for them, the keys are no paged KV cache's and ``tma``
-    (the arrays allow them), ``varlen`` and ``cache``."""
-    tma = cfg.tma and tma and cache != "paged"
+    schedule, TMA loads where it asks for them and ``tma`` (the arrays allow them), ``varlen``
+    and ``cache``."""
+    tma = cfg.tma and tma
     sizes = (cfg.consumers, cfg.block_n, cfg.stages)
     return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache)
 
@@ -141,8 +150,8 @@ def build(
     launch.WGMMA_KVCACHE's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
-    if tma and (cache == "paged" or not producer):
-        raise ValueError("TMA loads take a producer, and no paged cache")
+    if tma and not producer:
+        raise ValueError("TMA loads take a producer")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
@@ -160,7 +169,7 @@ def build(
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
-    split = TMA_REGISTER_SPLIT if TMA else PAGED_REGISTER_SPLIT if PAGED else REGISTER_SPLIT
+    split = PAGED_REGISTER_SPLIT if PAGED else TMA_REGISTER_SPLIT if TMA else REGISTER_SPLIT
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = split.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
@@ -516,19 +525,52 @@ def build(
                              int32(a * BOX_INNER), row, head, b)  # fmt: skip
 
     @device_function
-    def refill_box(base, empty, full, t, slot, tensor_map, offset, n0, kv_head, b):
-        """TMA: tile t of K or V (``offset`` into the slot) into ``slot`` once its last tile
-        there is released."""
+    def load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side):
+        """Paged TMA: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows, each
+        within one page (the map is over the pages: kernels.forward_sm90.paged_tma). A page
+        outside the cache, or past the sequence's end (never looked up), is read out of the
+        map's bounds: zeros. K's side flags the keys behind a page outside the cache, then
+        arrives (releasing the flags)."""
+        flags = cuda.shared.array(0, int32)
+        box_rows = min(pages[PAGE_SIZE], BLOCK_N)
+        keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
+        for i in range(BLOCK_N // box_rows):
+            r0 = i * box_rows
+            page = pages[SLOTS]  # no page: out of the map
+            within = uint32(0)
+            if r0 < keys:
+                index, within = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
+                found = pages[TABLE][pages[TABLE_BASE] + int64(index)]
+                if found >= 0 and found < pages[SLOTS]:
+                    page = found
+                elif not v_side:
+                    for r in range(r0, min(r0 + box_rows, keys)):
+                        flags[pages[FLAG0] + slot * BLOCK_N + r] = int32(t)
+                    flags[pages[FLAG0] + ANY_ABSENT + slot] = int32(t)
+            load_boxes(tensor_map, dst + uint32(r0 * ROW_BYTES), KV_ATOM, barrier, int32(within),
+                       kv_head, int32(page))  # fmt: skip
+        if not v_side:
+            ptx_sm90.mbarrier_arrive(barrier)
+
+    @device_function
+    def refill_box(base, empty, full, t, slot, tensor_map, offset, n0, kv_head, b, pages,
+                   v_side):  # fmt: skip
+        """TMA: tile t of K or V (``v_side``; ``offset`` into the slot) into ``slot`` once its
+        last tile there is released."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
             ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
         barrier = barrier_address(base, full + slot)
         ptx_sm90.mbarrier_expect_tx(barrier, uint32(ATOMS * KV_ATOM))
-        load_boxes(tensor_map, slot_address(base, slot) + uint32(offset), KV_ATOM, barrier, n0,
-                   kv_head, b)  # fmt: skip
+        dst = slot_address(base, slot) + uint32(offset)
+        if PAGED:
+            load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side)
+        else:
+            load_boxes(tensor_map, dst, KV_ATOM, barrier, n0, kv_head, b)
 
     @device_function
-    def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, lane):
+    def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, pages,
+                      lane):  # fmt: skip
         """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
         Q and every key tile's K and V into the ring."""
         head, kv_head, b, kv_b, q_row0, k_row0 = coords
@@ -552,8 +594,10 @@ def build(
             slot = int32(0)
             for t in range(n_tiles):
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
-                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b)
-                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b)
+                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b, pages,
+                           False)  # fmt: skip
+                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b, pages,
+                           True)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
@@ -659,7 +703,7 @@ def build(
                 if TMA:
                     if warp == 0:
                         produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile,
-                                      n_tiles, lane)  # fmt: skip
+                                      n_tiles, pages, lane)  # fmt: skip
                 else:
                     produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first,
                             k_ss, v_ss, keys_left, n_tiles, pages, tid)  # fmt: skip
