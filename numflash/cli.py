@@ -68,17 +68,24 @@ def info(out=sys.stdout):
         if dev.runs("mma.sync"):
             paths = "tensor-core (float16, bfloat16); portable (float32)"
             backward = "tensor-core (float16, bfloat16); portable (float32)"
+            kvcache = "split-KV tensor-core kernel (float16, bfloat16); portable (float32)"
             if dev.has_wgmma:
-                from numflash.selection import WGMMA_FORWARD_HEAD_DIMS
+                from numflash.selection import PREFILL_ROWS, WGMMA_FORWARD_HEAD_DIMS
 
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
                 paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
+                kvcache = (
+                    f"the wgmma forward past {PREFILL_ROWS['contiguous']} new rows "
+                    f"({PREFILL_ROWS['paged']} paged) at its head dims, else " + kvcache
+                )
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"
             backward = "portable (every dtype)"
+            kvcache = "portable (every dtype)"
         print(f"  kernel paths: {paths}", file=out)
         print(f"  backward kernels: {backward}", file=out)
+        print(f"  KV-cache kernels: {kvcache}", file=out)
     print(f"configuration cache: {cache_dir()}", file=out)
     if not SIMULATOR and gpu_available():
         _print_entries(current_device(), out)
