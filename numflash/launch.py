@@ -1126,7 +1126,8 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
 
 
 #: The Hopper forward over a KV cache (forward_sm90.build's ``cache``): the arrays, the
-#: tensor-map buffer, the strides, the KV-cache scalars and the (unused) map templates.
+#: tensor-map buffer, the strides, the KV-cache scalars and the map templates (unread with
+#: cp.async).
 WGMMA_KVCACHE = KernelSpec(
     arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("o", "elem"),
             ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),

@@ -340,6 +340,11 @@ def check_decode_config(config, p, device):
     takes no head_dim it would pad)."""
     if config is None:
         return None
+    takes = families("decode") + (WgmmaForwardConfig,)
+    if not isinstance(config, takes):
+        raise TypeError(
+            f"config must be one of {_names(takes)} or None; got {type(config).__name__}"
+        )
     if isinstance(config, WgmmaForwardConfig):
         _check_family(config, "forward", p)
         if p.head_dim % 8:

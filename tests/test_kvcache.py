@@ -348,6 +348,12 @@ def test_a_nan_key_reaches_exactly_the_rows_that_see_it(kernel, splits):
         (dict(num_splits=2.0), TypeError, "num_splits must be an int"),
         (dict(cache_batch_idx="table"), TypeError, "cache_batch_idx"),
         (dict(causal="yes"), TypeError, "causal must be a bool"),
+        (dict(config=KERNELS["hopper"], num_splits=2), ValueError, "does not split the keys"),
+        (
+            dict(config=numflash.TensorCoreConfig()),
+            TypeError,
+            "WgmmaForwardConfig or None; got TensorCoreConfig",
+        ),
     ],
 )
 def test_bad_arguments_are_refused_by_name(change, error, message):
@@ -418,6 +424,14 @@ def test_one_cache_for_both_k_and_v_is_refused_only_with_an_append():
         numflash.attention_with_kvcache(q, cache, cache, k, v, cache_seqlens=2)
     assert (to_numpy(cache).view(np.uint16) == before.view(np.uint16)).all()
     numflash.attention_with_kvcache(q, cache, cache, cache_seqlens=2)  # read only: V = K
+
+
+def test_the_hopper_forward_takes_no_head_dim_it_would_pad():
+    rng = np.random.default_rng(3)
+    q = random_array((1, 40, 2, 20), "float16", rng)
+    cache = random_array((1, 64, 1, 20), "float16", rng)
+    with pytest.raises(ValueError, match="head_dim a multiple of 8; got head_dim=20"):
+        numflash.attention_with_kvcache(q, cache, cache, cache_seqlens=10, config=KERNELS["hopper"])
 
 
 def test_shapes_and_dtypes_are_refused_by_name():

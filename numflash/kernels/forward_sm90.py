@@ -163,7 +163,7 @@ def build(
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
     LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue cp.async copies
     ARRIVALS = 1 if TMA else LOAD_THREADS  # arrivals that fill a slot: one expect_tx with TMA
-    # ... a K slot of a paged cache: each thread's copies and its absent-key flags (paged_keys)
+    # ... a K slot of a paged cache: the copies and the absent-key flags (refill, load_page_boxes)
     K_ARRIVALS = 2 * ARRIVALS if PAGED else ARRIVALS
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
