@@ -669,9 +669,7 @@ def build(
         With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
         templates, ``coords`` (head, kv_head, batch of q, batch of k and v, the sequence's
         first row in q and in k and v: a packed batch's tensor maps are over all its rows) the
-        block's.
-        ``pages``: a paged cache's
-        (see load_keys)."""
+        block's. ``pages``: a paged cache's geometry (see load_keys)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
