@@ -53,29 +53,20 @@ class _Done:
 
 
 def _run_ranks(world, work):
-    """work(rank) on every GPU at once, one thread each; its wall time (after all started)."""
-    start = threading.Barrier(world + 1)
-    errors = []
+    """work(rank) on every GPU at once, one thread each; the wall time from the moment all
+    have started until the last has finished (its stream drained)."""
+    start = threading.Barrier(world)
+    times = [None] * world
 
-    def run(rank):
-        with cupy.cuda.Device(rank):
-            start.wait()
-            try:
-                work(rank)
-                cupy.cuda.get_current_stream().synchronize()
-            except BaseException as exc:
-                errors.append((rank, exc))
+    def run(rank, _ring):
+        start.wait()
+        t0 = time.perf_counter()
+        work(rank)
+        cupy.cuda.get_current_stream().synchronize()
+        times[rank] = (t0, time.perf_counter())
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"rank {errors[0][0]} failed: {errors[0][1]!r}")
-    return time.perf_counter() - t0
+    distributed.run_ranks(run, [None] * world, devices=range(world))
+    return max(t[1] for t in times) - max(t[0] for t in times)
 
 
 def bench(args):

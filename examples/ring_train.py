@@ -13,9 +13,7 @@ simulator, with tiny sizes), or with ``--nccl`` one GPU each over NCCL.
 """
 
 import argparse
-import contextlib
 import math
-import threading
 import time
 
 import numpy as np
@@ -40,14 +38,6 @@ def rank_loss_and_grads(params, tokens, targets, heads, rank, world, ring):
     )
 
 
-def _on_device(rank, nccl):
-    if not nccl:
-        return contextlib.nullcontext()
-    import cupy
-
-    return cupy.cuda.Device(rank)
-
-
 def _to_device(x, rank, nccl):
     """``x`` on rank ``rank``'s device (through the host: this is a toy)."""
     if not nccl:
@@ -62,26 +52,13 @@ def ring_loss_and_grads(params, tokens, targets, heads, rings, nccl=False):
     """(mean loss, accuracy, gradients) of one batch, its sequence split over ``rings``' ranks,
     each in a thread; the gradients summed on the first rank's device."""
     world = len(rings)
-    results, errors = [None] * world, []
 
-    def run(rank):
-        try:
-            with _on_device(rank, nccl):
-                mine = {k: _to_device(p, rank, nccl) for k, p in params.items()}
-                data = [_to_device(a, rank, nccl) for a in (tokens, targets)]
-                results[rank] = rank_loss_and_grads(mine, *data, heads, rank, world, rings[rank])
-        except BaseException as exc:
-            errors.append((rank, exc))
-            if hasattr(rings[rank], "stop"):
-                rings[rank].stop()
+    def run(rank, ring):
+        mine = {k: _to_device(p, rank, nccl) for k, p in params.items()}
+        data = [_to_device(a, rank, nccl) for a in (tokens, targets)]
+        return rank_loss_and_grads(mine, *data, heads, rank, world, ring)
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise RuntimeError(f"rank {errors[0][0]} failed: {errors[0][1]!r}") from errors[0][1]
+    results = distributed.run_ranks(run, rings, devices=range(world) if nccl else None)
     loss = sum(r[0] for r in results)
     accuracy = sum(r[1] for r in results) / tokens.size
     grads = {name: sum(_to_device(r[2][name], 0, nccl) for r in results) for name in results[0][2]}

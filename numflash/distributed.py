@@ -50,6 +50,7 @@ __all__ = [
     "ring_attention_backward",
     "nccl_communicator",
     "nccl_communicators",
+    "run_ranks",
     "LocalRing",
 ]
 
@@ -237,6 +238,49 @@ def nccl_communicators(devices):
     from cupy.cuda import nccl
 
     return nccl.NcclCommunicator.initAll(list(devices))
+
+
+def run_ranks(fn, rings, devices=None, timeout=None):
+    """``[fn(rank, rings[rank]) for every rank]``, each rank in a thread of its own: one process
+    driving several GPUs (``nccl_communicators``) or the ranks of a :class:`LocalRing` group.
+    With ``devices``, rank r runs with ``cupy.cuda.Device(devices[r])`` current. A rank that
+    raises stops its ring where the ring can be stopped (``LocalRing.stop``), so that the other
+    ranks raise instead of waiting for it (an NCCL ring cannot be: its ranks wait in NCCL);
+    once every thread has ended, or ``timeout`` seconds have passed, the first failure is
+    raised again as a RuntimeError naming its rank."""
+    world = len(rings)
+    results, errors = [None] * world, []
+
+    def run(rank):
+        try:
+            with _device(devices, rank):
+                results[rank] = fn(rank, rings[rank])
+        except BaseException as exc:  # raised again below, with the rank
+            errors.append((rank, exc))
+            stop = getattr(rings[rank], "stop", None)
+            if stop is not None:
+                stop()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        rank, exc = errors[0]
+        raise RuntimeError(f"rank {rank} failed: {exc!r}") from exc
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"ranks still running after {timeout} s")
+    return results
+
+
+def _device(devices, rank):
+    """The context that makes rank ``rank``'s GPU current (nothing without ``devices``)."""
+    if devices is None:
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.Device(devices[rank])
 
 
 # -- the merge --------------------------------------------------------------------------------

@@ -2,8 +2,6 @@
 from nccl_communicators), against the float64 reference on the whole sequence. Needs two GPUs
 (the H200 x2 machine); skipped elsewhere."""
 
-import threading
-
 import numpy as np
 import pytest
 from support import assert_gradients_match, assert_matches_reference, random_array
@@ -37,32 +35,16 @@ def test_ring_over_nccl_matches_attention_on_the_whole_sequence(causal, window, 
     k, v = (random_array((2, 1024, 2, 128), dtype) for _ in range(2))
     dout = random_array(q.shape, dtype)
     comms = distributed.nccl_communicators(list(range(world)))
-    results, errors = [None] * world, []
 
-    def rank_work(rank):
-        try:
-            with cupy.cuda.Device(rank):
-                mine = [
-                    cupy.asarray(distributed.shard(x, rank, world).get()) for x in (q, k, v, dout)
-                ]
-                mask = dict(causal=causal, window_size=window)
-                out, lse = distributed.ring_attention(
-                    *mine[:3], comms[rank], return_lse=True, **mask
-                )
-                grads = distributed.ring_attention_backward(
-                    mine[3], *mine[:3], out, lse, comms[rank], **mask
-                )
-                cupy.cuda.get_current_stream().synchronize()
-                results[rank] = [x.get() for x in (out, lse, *grads)]
-        except BaseException as exc:
-            errors.append((rank, exc))
+    def rank_work(rank, comm):
+        mine = [cupy.asarray(distributed.shard(x, rank, world).get()) for x in (q, k, v, dout)]
+        mask = dict(causal=causal, window_size=window)
+        out, lse = distributed.ring_attention(*mine[:3], comm, return_lse=True, **mask)
+        grads = distributed.ring_attention_backward(mine[3], *mine[:3], out, lse, comm, **mask)
+        cupy.cuda.get_current_stream().synchronize()
+        return [x.get() for x in (out, lse, *grads)]
 
-    threads = [threading.Thread(target=rank_work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=600)
-    assert not errors, errors
+    results = distributed.run_ranks(rank_work, comms, devices=range(world), timeout=600)
     whole = [
         cupy.asarray(
             distributed.unshard([np.asarray(r[i]) for r in results], axis=2 if i == 1 else 1)
