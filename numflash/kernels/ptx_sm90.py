@@ -220,9 +220,11 @@ if SIMULATOR:
             else:
                 b = _as_float(desc_b.read(n, 16, mn_major=False), ab).T
             d = a @ b  # products of 16-bit floats are exact; one rounding to fp32 below
-            acc = np.array([x[0] for x in inputs], dtype=np.float64)  # (128, values)
-            if not accumulate:
-                acc = np.zeros_like(acc)
+            if accumulate:
+                acc = np.array([x[0] for x in inputs], dtype=np.float64)  # (128, values)
+            else:  # scale-d 0: the registers' old bits are never read (they may be a NaN
+                # whose cast numpy reports as an invalid value)
+                acc = np.zeros((128, values))
             i, r = np.arange(values) >> 2, np.arange(values) & 3
             rows = (16 * w + g)[:, None] + 8 * (r >> 1)[None, :]
             cols = 8 * i[None, :] + (2 * t)[:, None] + (r & 1)[None, :]
