@@ -128,7 +128,8 @@ KERNELS = {
     # a deeper ring, several rows a thread per slot and more key rows than threads (each
     # thread finds two rows' places in a paged cache)
     "tensor-core-deep": numflash.TensorCoreDecodeConfig(block_n=64, num_warps=1, stages=3),
-    # the Hopper forward over the caches (chunked prefill), its producer loading by cp.async
+    # the Hopper forward over the caches (chunked prefill), its producer loading by TMA (by
+    # cp.async the pages TMA boxes cannot take: sizes not a multiple of 8)
     "hopper": numflash.WgmmaForwardConfig(consumers=1, block_n=64, stages=2, pingpong=False),
 }
 
@@ -247,7 +248,7 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
 def test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(kernel, paged):
     """NaN in every cache row past each sequence's length (after its append): the outputs are
     finite and equal the reference over the sequence's keys. (The Hopper forward's TMA copies
-    read whole tiles of a contiguous cache, those rows included.)"""
+    read whole tiles, or whole pages, of a cache: those rows included.)"""
     config = _config(kernel, Case("float16", (0,), 3, 0, 2, 1, 64))
     rng = np.random.default_rng(17)
     lengths, new = (5, 70), 2
