@@ -68,6 +68,7 @@ from .loads import (
     GROUP_BYTES,
     ROW_BYTES,
     page_of,
+    page_shift_of,
     paged_row_loader,
     swizzled_descriptor,
     swizzled_row_loader,
@@ -895,11 +896,7 @@ def build(
                 slot = int32(0)
             k_base = k_head + int64(slot) * kc_st[0]
             v_base = v_head + int64(slot) * vc_st[0]
-        page_shift = int32(-1)  # log2(page_size) when it is a power of two
-        if PAGED and (page_size & (page_size - 1)) == 0:
-            page_shift = int32(0)
-            while (1 << page_shift) < page_size:
-                page_shift += 1
+        page_shift = page_shift_of(page_size) if PAGED else int32(-1)
         smem = cuda.shared.array(0, uint16)
         flag0 = int32((ptx_sm90.aligned_index(smem, GROUP_BYTES) * 2 + FLAGS) >> 2)
         pages = (block_table, int64(b) * max_blocks, page_size, page_shift, kc_st[0], vc_st[0],

@@ -137,6 +137,17 @@ def row_loader(row_pitch, chunks, threads, whole_tile_fast_path=False):
 
 
 @device_function
+def page_shift_of(page_size):
+    """log2(page_size) for a power-of-two page size, else -1 (what :func:`page_of` takes)."""
+    page_shift = int32(-1)
+    if page_size > 0 and (page_size & (page_size - 1)) == 0:
+        page_shift = int32(0)
+        while (1 << page_shift) < page_size:
+            page_shift += 1
+    return page_shift
+
+
+@device_function
 def page_of(key, page_size, page_shift):
     """(index in the block table, row within the page) of a sequence's key ``key``: a shift
     for a power-of-two page size (``page_shift`` >= 0), else one 32-bit division."""
