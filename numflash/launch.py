@@ -662,6 +662,14 @@ def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
     return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
 
 
+def _maps_or_none(maps, xp):
+    """(whether the kernel loads by TMA, what it is handed for the maps): :func:`_tensor_maps`'
+    result, or where that is None a buffer and templates it never reads."""
+    if maps is None:
+        return False, (_unread_array(xp, xp.int64), (_NO_MAP,) * 3)
+    return True, maps
+
+
 #: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, tiles and the
 #: arrays' shapes and strides.
 _templates = {}
@@ -695,9 +703,7 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     maps = None
     if cfg.tma:  # a packed batch's maps are over all its rows: one batch of total rows
         maps = _tensor_maps(cfg, p, *((x[None] for x in (q, k, v)) if varlen else (q, k, v)))
-    tma = maps is not None
-    if not tma:
-        maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3
+    tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     _launch_forward(
         lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
@@ -1155,9 +1161,7 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
         maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
     elif cfg.tma and forward_sm90.paged_tma(p.page_size, cfg.block_n):  # boxes of a page
         maps = _tensor_maps(cfg, p, q, k_cache, v_cache, min(p.page_size, cfg.block_n))
-    tma = maps is not None
-    if not tma:
-        maps = _unread_array(xp, xp.int64), (_NO_MAP,) * 3
+    tma, maps = _maps_or_none(maps, xp)
     views["maps"] = arrays.kernel_view(maps[0])
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     launch = launcher(
