@@ -178,12 +178,20 @@ def pad_last_dim(x, size):
     return padded.view(x.dtype)
 
 
+def to_float32(x):
+    """A float32 copy, exact for 16-bit floats (bfloat16 through its bits: CuPy has no bf16
+    arithmetic)."""
+    xp = array_module(x)
+    if dtype_name(x.dtype) == "bfloat16":
+        return (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(xp.float32)
+
+
 def to_float64(x):
     """An exact float64 copy (bfloat16 through its bits: CuPy has no bf16 arithmetic)."""
     xp = array_module(x)
     if dtype_name(x.dtype) == "bfloat16":
-        bits = x.view(xp.uint16).astype(xp.uint32) << 16
-        return bits.view(xp.float32).astype(xp.float64)
+        return to_float32(x).astype(xp.float64)
     return x.astype(xp.float64)
 
 

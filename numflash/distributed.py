@@ -286,10 +286,6 @@ def _device(devices, rank):
 # -- the merge --------------------------------------------------------------------------------
 
 
-def _to_float32(x):
-    return arrays.to_float64(x).astype(np.float32)
-
-
 def _merge(out, lse, rows, block_out, block_lse):
     """Fold one block's (out, lse) for query rows ``rows`` into the fp32 running (out, lse)."""
     xp = arrays.array_module(out)
@@ -303,7 +299,7 @@ def _merge(out, lse, rows, block_out, block_lse):
     # lse is (batch, heads, rows); out (batch, rows, heads, head_dim)
     out[:, rows] = (
         out[:, rows] * keep.transpose(0, 2, 1)[..., None]
-        + _to_float32(block_out) * take.transpose(0, 2, 1)[..., None]
+        + arrays.to_float32(block_out) * take.transpose(0, 2, 1)[..., None]
     )
     lse[:, :, rows] = new
 
@@ -440,9 +436,9 @@ def ring_attention_backward(
                     xp.ascontiguousarray(lse[:, :, rows]), causal=blk_causal,
                     softmax_scale=scale, window_size=blk_window, deterministic=deterministic,
                 )  # fmt: skip
-            dq[:, rows] += _to_float32(dq_blk)
-            dkv[0][:, keys] += _to_float32(dk_blk)
-            dkv[1][:, keys] += _to_float32(dv_blk)
+            dq[:, rows] += arrays.to_float32(dq_blk)
+            dkv[0][:, keys] += arrays.to_float32(dk_blk)
+            dkv[1][:, keys] += arrays.to_float32(dv_blk)
         dkv = tuple(ring.shift(dkv).wait())  # on to the next rank, which adds its part
         if pending is not None:
             kv = tuple(pending.wait())

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import array_module, dtype_name, from_float, to_float64
+from .arrays import array_module, dtype_name, from_float, to_float32, to_float64
 
 
 def visibility_mask(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), xp=np):
@@ -85,16 +85,13 @@ def attention_reference(
     return out.transpose(0, 2, 1, 3), lse
 
 
-def _low_precision(xp, dtype):
+def _low_precision(dtype):
     """(to fp32, round through ``dtype`` and back to fp32): how the naive versions compute."""
 
-    def as_f32(a):
-        return to_float64(a).astype(xp.float32)
-
     def rounding(a):
-        return to_float64(from_float(a, dtype)).astype(xp.float32)
+        return to_float32(from_float(a, dtype))
 
-    return as_f32, rounding
+    return to_float32, rounding
 
 
 def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)):
@@ -106,7 +103,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, window_size=(-
     """
     xp = array_module(q)
     dtype = q.dtype
-    as_f32, rounding = _low_precision(xp, dtype)
+    as_f32, rounding = _low_precision(dtype)
     qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
     mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
     out, lse = _softmax_attention(qh, kh, vh, xp.float32(scale), mask, rounding)
@@ -240,7 +237,7 @@ def attention_backward_naive(
     GQA sums in fp32. Returns (dq, dk, dv) in the input dtype."""
     xp = array_module(q)
     dtype = q.dtype
-    as_f32, rounding = _low_precision(xp, dtype)
+    as_f32, rounding = _low_precision(dtype)
     qh, kh, vh, scale = _prepare(q, k, v, softmax_scale, as_f32)
     doh = as_f32(dout).transpose(0, 2, 1, 3)
     mask = visibility_mask(q.shape[1], k.shape[1], causal, window_size, xp)
