@@ -164,6 +164,13 @@ KVCACHE_CASES = [
     (KVCase("bfloat16", (33, 200), seqlen_q=65, seqlen_new=65, nheads=2, nheads_k=1,
             head_dim=64, page_size=5),
      WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
+    # paged by TMA: pages of 16 in a tile of 128 keys, and pages of 256 holding two tiles
+    (KVCase("float16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
+            head_dim=128, page_size=16, mask=dict(causal=True)),
+     WgmmaForwardConfig(2, 128, 2, pingpong=True)),
+    (KVCase("bfloat16", (5, 400), seqlen_q=50, seqlen_new=10, nheads=4, nheads_k=2,
+            head_dim=64, page_size=256, mask=dict(window_size=(60, 0))),
+     WgmmaForwardConfig(2, 128, 2, pingpong=False)),
 ]  # fmt: skip
 
 
