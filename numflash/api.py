@@ -28,7 +28,7 @@ class _Cupy:
     """CuPy's functions the repeated-call path uses, bound on first use (a GPU call) instead of
     an import statement and attribute lookups in every call."""
 
-    empty = get_device = current_stream = stream_is_capturing = device_count = None
+    empty = get_device = current_stream = stream_is_capturing = device_count = fill = None
 
     @classmethod
     def bind(cls):
@@ -39,9 +39,11 @@ class _Cupy:
         cls.current_stream = cupy.cuda.get_current_stream
         cls.stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
         cls.device_count = cupy.cuda.runtime.getDeviceCount
+        cls.fill = launch.memset_d32()
 
 
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
+_NAMESPACE.update(ROWS=validation.PACKED_ROWS)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
 #: arrays' roles follow this order; a replay appends the outputs the call makes).
 _ATTENTION = signature.Signature(
@@ -56,6 +58,14 @@ _BACKWARD = signature.Signature(
     [(name, "array") for name in ("dout", "q", "k", "v", "out", "lse")]
     + [("causal", "value"), ("softmax_scale", "value"), ("window_size", "window")]
     + [("deterministic", "value"), ("config", "config")],
+    _NAMESPACE,
+)
+_VARLEN = signature.Signature(
+    "varlen",
+    [(name, "array") for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
+    + [("max_seqlen_q", "rows"), ("max_seqlen_k", "rows"), ("causal", "value")]
+    + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
+    + [("out", "optional"), ("config", "config")],
     _NAMESPACE,
 )
 _KVCACHE = signature.Signature(
@@ -109,7 +119,7 @@ def _find(sig, args):
     except (AttributeError, TypeError):
         return None, None, None
     if plan is not None:
-        _plans.recent[sig.name].add(plan.run)
+        _plans.recent[sig.name].add(plan.ready().run)
     return plan, pointers, key
 
 
@@ -137,17 +147,25 @@ def _repeated(sig, args, out, name):
     return plan.replay(pointers, out), key
 
 
-def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=()):
+def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=(), lengths=()):
     """Keep the plan of a recorded call whose arrays are on the current device (``tail``: what
     its replays do besides the launches, :class:`numflash.plans.Tail`; ``outputs``: the
-    (shape, dtype) of each output its replays make), first among its function's recent plans."""
+    (shape, dtype) of each output its replays make; ``lengths``: its int lengths, as
+    :func:`numflash.plans.make` takes them). Its replay is written when a call first finds it
+    (:meth:`numflash.plans.Plan.ready`), which puts it first among its function's recent
+    plans."""
     if roles[0].data.device_id == key[0]:
-        plan = plans.make(recorded, roles, overlaps, outputs)
+        plan = plans.make(recorded, roles, overlaps, outputs, lengths)
         if plan is not None:
-            head = sig.match_parts(key, one_device=_Cupy.device_count() == 1)
-            plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin, head)
+            one_device = _Cupy.device_count() == 1
+
+            def write():
+                head = sig.match_parts(key, one_device)
+                plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin,
+                              head, _Cupy.fill)  # fmt: skip
+
+            plan.defer(write)
             _plans.put(key, plan)
-            _plans.recent[sig.name].add(plan.run)
 
 
 def _forward_tail(out_role, given, return_lse):
@@ -313,7 +331,7 @@ def attention_varlen(
     *,
     causal=False,
     softmax_scale=None,
-    window_size=(-1, -1),
+    window_size=_DEFAULT_WINDOW,
     return_lse=False,
     out=None,
     config=None,
@@ -326,8 +344,8 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b is rows
             cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (starting at 0, never decreasing; empty
             sequences allowed).
-        max_seqlen_q, max_seqlen_k: ints >= 1, the longest sequences (they size the grid
-            without reading the offsets).
+        max_seqlen_q, max_seqlen_k: ints >= 1, the longest sequences or more (rounded up to
+            a multiple of 128, they size the grid without reading the offsets).
         causal, softmax_scale, window_size: as :func:`attention`, masks aligned bottom-right
             within each sequence's own lengths.
         return_lse: also return lse, float32 (nheads, total_q).
@@ -338,13 +356,50 @@ def attention_varlen(
             lengths.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
-    they are clamped to [0, total], and a sequence longer than max_seqlen is cut to it (its
-    later rows are not written). Rows that see no key give 0 and lse -inf.
+    they are clamped to [0, total], and a sequence longer than its max_seqlen rounded up to a
+    multiple of 128 is cut to that (its later rows are not written, its later keys not seen).
+    Rows that see no key give 0 and lse -inf.
 
-    Kernels run on CuPy's current stream; the call returns without synchronising. Not under
-    stream capture yet (it allocates buffers a graph would outlive): refused there.
+    Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
+    call (same shapes, strides, dtypes, flags, device and stream, max lengths in the same
+    multiple of 128, ``out`` given or not) replays the launches of the first, whatever the
+    offsets hold (numflash.plans).
     """
-    _refuse_under_capture("attention_varlen", planned=False)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
+    args += (softmax_scale, window_size, return_lse, out, config)
+    result, key = _repeated(_VARLEN, args, out, "attention_varlen")
+    if result is not None:
+        return result
+    if key is None:
+        return _attention_varlen(*args)
+    given = out is not None
+    with launch.recording() as recorded:
+        result = _attention_varlen(*args)
+    out, lse = result if return_lse else (result, None)
+    # a given out was refused overlapping an input
+    overlaps = [(5, r) for r in range(5) if given]
+    tail = _forward_tail(5, given, return_lse)
+    outputs = (q.shape, q.dtype), ((q.shape[1], q.shape[0]), np.dtype(np.float32))
+    _planned(_VARLEN, key, recorded, (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse), tail,
+             overlaps, outputs)  # fmt: skip
+    return result
+
+
+def _attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    causal,
+    softmax_scale,
+    window_size,
+    return_lse,
+    out,
+    config,
+):
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
         q,
         k,
@@ -404,7 +459,8 @@ def attention_varlen_backward(
     a max_seqlen, get zero gradients.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
-    under stream capture, as :func:`attention_varlen`.
+    under stream capture: it zeroes the gradients outside its kernels, which a replay plan
+    does not redo.
     """
     _refuse_under_capture("attention_varlen_backward", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(
@@ -642,7 +698,9 @@ def attention_with_kvcache(
     # v (an append would write one over the other): the full path refuses it by name
     if key is None:
         return _attention_with_kvcache(*args)
-    seqlens = None if isinstance(cache_seqlens, int) else cache_seqlens
+    seqlens, lengths = cache_seqlens, ()
+    if isinstance(cache_seqlens, int):  # filled into an array of its own (launch.host_lengths)
+        seqlens, lengths = None, ((5, 0, _capacity(k_cache, block_table) - _rows(k)),)
     given = out is not None
     with launch.recording() as recorded:
         result = _attention_with_kvcache(*args)
@@ -656,8 +714,20 @@ def attention_with_kvcache(
     tail = _forward_tail(8, given, return_lse)
     if k is not None:  # the signature fixes the two caches' layouts: equal addresses, one cache
         tail = tail._replace(distinct=((1, 2),))
-    _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q))
+    _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q), lengths)
     return result
+
+
+def _capacity(k_cache, block_table):
+    """Keys a sequence of a validated KV-cache call can hold."""
+    if block_table is None:
+        return k_cache.shape[1]
+    return block_table.shape[1] * k_cache.shape[1]
+
+
+def _rows(k):
+    """New rows a validated KV-cache call appends."""
+    return 0 if k is None else k.shape[1]
 
 
 def _attention_with_kvcache(

@@ -229,17 +229,24 @@ def _driver():
     return driver
 
 
+def memset_d32():
+    """The driver's cuMemsetD32Async(address, value, count, stream) -> (error,)."""
+    return _driver().cuMemsetD32Async
+
+
 def _dim3(block):
     return (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(block))
 
 
 class Record:
     """The launches of one recorded call: (launcher, grid, block, shared bytes, args) each,
-    and whether device work ran outside them."""
+    whether device work ran outside them, and the int32 arrays filled with a host length
+    (:func:`host_lengths`), which a replay fills again with its call's value."""
 
     def __init__(self):
         self.launches = []
         self.unrecorded_work = False
+        self.fills = []
 
 
 class _Recording(threading.local):
@@ -258,6 +265,16 @@ def recording():
         yield record
     finally:
         _recording.record = None
+
+
+def host_lengths(xp, n, value):
+    """An int32 array of ``n`` copies of a length given as a Python int (a KV-cache call's
+    int cache_seqlens), for kernels that read lengths from the device; noted in the call's
+    Record, if recorded: a replay writes the next call's value into it."""
+    lengths = xp.full((n,), value, dtype=xp.int32)
+    if _recording.record is not None:
+        _recording.record.fills.append(lengths)
+    return lengths
 
 
 def note_unrecorded_work():
@@ -281,10 +298,11 @@ class PreparedLaunch:
     the packed parameters, one assignment each, and the launch through CuPy's binding of
     cuLaunchKernel with its constants bound, so a replay runs no loop and unpacks nothing
     (numflash.plans writes a plan's launches into one function). :attr:`launch` ``(stream,
-    role_pointers)`` is that code for this launch alone (``source``). ``patch``: (slot of a
-    data pointer, index of the role whose pointer it takes), one pair per patched array."""
+    role_pointers)`` is that code for this launch alone (``source``), written on first use.
+    ``patch``: (slot of a data pointer, index of the role whose pointer it takes), one pair
+    per patched array."""
 
-    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "leading", "launch", "source")
+    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "leading", "_launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
@@ -294,11 +312,17 @@ class PreparedLaunch:
         self.patch = patch
         # the launch's function, grid, block and shared bytes, as source text
         self.leading = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
-        lines = ["def launch(stream, p):", *self.lines("s", "p[{}]".format, "stream", "    ")]
-        self.source = "\n".join(lines) + "\n"
-        namespace = self.namespace("s")
-        exec(compile(self.source, "<numflash prepared launch>", "exec"), namespace)
-        self.launch = namespace["launch"]
+        self._launch = self.source = None
+
+    @property
+    def launch(self):
+        if self._launch is None:
+            lines = ["def launch(stream, p):", *self.lines("s", "p[{}]".format, "stream", "    ")]
+            namespace = self.namespace("s")
+            source = "\n".join(lines) + "\n"
+            exec(compile(source, "<numflash prepared launch>", "exec"), namespace)
+            self._launch, self.source = namespace["launch"], source
+        return self._launch
 
     def lines(self, slots, pointer, stream, pad):
         """Lines of code that patch and launch: ``slots`` names :attr:`slots`, ``pointer(role)``
@@ -988,7 +1012,7 @@ def kvcache(
     them, nothing the size of the cache."""
     xp = arrays.array_module(q)
     if seqlens is None:
-        seqlens = xp.full((p.batch,), p.cache_seqlens, dtype=xp.int32)
+        seqlens = host_lengths(xp, p.batch, p.cache_seqlens)
     if batch_idx is None:
         batch_idx = xp.arange(p.batch, dtype=xp.int32)
     if block_table is None:

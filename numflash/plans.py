@@ -85,8 +85,9 @@ class Plan:
 
     __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
     __slots__ += ("outputs", "spares", "alone", "replay", "replay_source", "run", "run_source")
+    __slots__ += ("same", "fills", "deferred")
 
-    def __init__(self, launches, keep, spans, overlaps, outputs=()):
+    def __init__(self, launches, keep, spans, overlaps, outputs=(), same=(), fills=()):
         self.launches = launches
         self.keep = keep  # the arrays whose pointers the launches hold
         self.pinned = False  # replayed under stream capture: a graph may hold ``keep``
@@ -98,8 +99,30 @@ class Plan:
         self.outputs = outputs  # (shape, dtype) of each output a replay makes, by index
         self.spares = [None, None, None]  # the outputs last returned, by output index
         self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
+        #: role pairs that were one array in the recorded call: the launches take the first's
+        #: pointer for both, so a replay needs them one array again
+        self.same = same
+        #: (role, array, low, high) of each int length the call passed in place of an array
+        #: (make's ``lengths``): the array the full path filled with it, refilled at replay
+        self.fills = fills
         self.replay = self.replay_source = None  # :meth:`replayer`'s, once made
         self.run = self.run_source = None  # ... with the key's matcher, once made
+        self.deferred = None  # :meth:`defer`'s writer of the replay
+
+    def defer(self, write):
+        """Put off writing the replay, ``write()`` (which calls :meth:`replayer`), until
+        :meth:`ready` is first called: writing and compiling it costs about a millisecond,
+        which a signature seen once (a call of a new shape) never pays back."""
+        self.deferred = write
+
+    def ready(self):
+        """Write the replay :meth:`defer` put off, once (several threads may ask at once)."""
+        if self.run is None and self.deferred is not None:
+            with self.lock:
+                if self.run is None:
+                    self.deferred()
+                    self.deferred = None
+        return self
 
     def output(self, index, allocate):
         """Output ``index`` of a replay: the array this plan returned last time there if
@@ -116,7 +139,7 @@ class Plan:
             self.alone[index] = _holders(spare)
         return spare
 
-    def replayer(self, stream, tail, allocate, capturing, pin, head=None):
+    def replayer(self, stream, tail, allocate, capturing, pin, head=None, fill=None):
         """Set :attr:`replay` to a function written out for this plan (``replay_source`` is
         its code): ``replay(p, out)``, given a matching call's pointers in role order ``p``
         and its ``out`` argument, refuses it (None) where a pair of :attr:`overlaps` shares
@@ -128,6 +151,12 @@ class Plan:
         ``stream`` under the plan's lock, and returns what ``tail.result`` names
         (docs/performance.md, "One replay function per plan").
 
+        A replay also refuses a call whose roles that were one array in the recorded call
+        (:attr:`same`) are not one again, or whose int length is outside its bounds; it
+        writes each int length into its array (:attr:`fills`) through
+        ``fill(address, value, count, stream)`` (cuMemsetD32Async: it returns (error,)) before
+        the launches.
+
         With ``head`` (numflash.signature.Signature.match_parts of the plan's key), also set
         :attr:`run` (``run_source``): the key's matcher and the replay as one function of the
         call's arguments, which returns None where the call has another key or the replay
@@ -135,6 +164,7 @@ class Plan:
         namespace = dict(plan=self, disjoint=self.disjoint, output=self.output, lock=self.lock)
         namespace.update(spares=self.spares, alone=self.alone, holders=_holders)
         namespace.update(allocate=allocate, capturing=capturing, pin=pin, STREAM=stream)
+        namespace.update(fill=fill, FillFailed=FillFailed)
         for i, prepared in enumerate(self.launches):
             namespace.update(prepared.namespace(f"s{i}"))
         roles = [f"p[{role}]" for role in range(len(self.spans))]
@@ -158,6 +188,8 @@ class Plan:
         lines = []
         refused = [f"not disjoint({pointers})"] if self.overlaps else []
         refused += [f"{roles[a]} == {roles[b]}" for a, b in tail.distinct]
+        refused += [f"{roles[a]} != {roles[b]}" for a, b in self.same]
+        refused += [f"not {low} <= {roles[r]} <= {high}" for r, _, low, high in self.fills]
         if refused:
             lines += [f"    if {' or '.join(refused)}:", "        return None"]
         made = {}
@@ -172,11 +204,23 @@ class Plan:
         if self.keep and stream != 0:
             lines += ["    if not plan.pinned and capturing(STREAM):", "        pin(plan)"]
         lines.append("    with lock:")
+        for role, lengths, _, _ in self.fills:
+            lines += [
+                f"        if fill({lengths.data.ptr}, {roles[role]}, {lengths.size}, STREAM)[0]:",
+                "            raise FillFailed()",
+            ]
         for i, prepared in enumerate(self.launches):
             lines += prepared.lines(f"s{i}", lambda r: made.get(r) or roles[r], "STREAM", " " * 8)
         returned = ["out" if index is None else f"o{index}" for index in tail.result]
         lines.append(f"    return {returned[0] if len(returned) == 1 else ', '.join(returned)}")
         return lines
+
+
+class FillFailed(RuntimeError):
+    """The driver refused to write a replay's int length into its array."""
+
+    def __init__(self):
+        super().__init__("cuMemsetD32Async failed writing a KV-cache length for a replay")
 
 
 class Tail(typing.NamedTuple):
@@ -251,23 +295,37 @@ def _span(x):
     return sum((n - 1) * s for n, s in zip(x.shape, x.strides)) + x.dtype.itemsize
 
 
-def make(recorded, roles, overlaps=(), outputs=()):
+def _layout(x):
+    return x.shape, x.strides, x.dtype
+
+
+def make(recorded, roles, overlaps=(), outputs=(), lengths=()):
     """The plan of a recorded call, or None where a replay would not be exact.
 
     ``roles``: the call's arrays in role order (None for an absent one), each of which must
-    appear, by its pointer, among the recorded launches' array arguments; ``overlaps``: pairs
-    of role indices that must not share memory at replay (validation refused it);
-    ``outputs``: (shape, dtype) of each output a replay makes (:meth:`Plan.output`)."""
+    appear, by its pointer, among the recorded launches' array arguments; roles at one
+    address must be one array (the same elements: shape, strides and dtype), which the
+    launches read through the first of them, and the plan replays only calls where they are
+    one array again (:attr:`Plan.same`); ``overlaps``: pairs of role indices that must not
+    share memory at replay (validation refused it); ``outputs``: (shape, dtype) of each output
+    a replay makes (:meth:`Plan.output`); ``lengths``: (role, low, high) of each int length
+    the call passed (its role None in ``roles``), in the order the full path filled arrays
+    with them (``recorded.fills``), with the bounds the full path checked it against."""
     if recorded.unrecorded_work or not recorded.launches:
         return None
+    if len(lengths) != len(recorded.fills):
+        return None  # a fill no length explains, or a length that filled nothing
     present = {i: x for i, x in enumerate(roles) if x is not None}
     by_pointer = {}
     for i, x in present.items():
         if any(s < 0 for s in x.strides):
             return None  # a replay patches x.data.ptr; the kernel took the lowest address
         by_pointer.setdefault(x.data.ptr, []).append(i)
-    if any(len(found) > 1 for found in by_pointer.values()):
-        return None  # two roles at one address: which one a slot holds is unknown
+    same = []
+    for found in by_pointer.values():
+        if any(_layout(present[i]) != _layout(present[found[0]]) for i in found[1:]):
+            return None  # two arrays at one address: which one a slot holds is unknown
+        same += [(found[0], i) for i in found[1:]]
     seen = set()
     keep = []
     prepared = []
@@ -278,7 +336,7 @@ def make(recorded, roles, overlaps=(), outputs=()):
                 found = by_pointer.get(arg.pointer)
                 if found:
                     slots[position] = found[0]
-                    seen.add(found[0])
+                    seen.update(found)
                 else:
                     keep.append(arg.owner)
         prepared.append(launcher.prepare(grid, block, shared_bytes, args, slots))
@@ -286,4 +344,5 @@ def make(recorded, roles, overlaps=(), outputs=()):
         return None  # an array was copied or padded before the kernel read it
     spans = [0 if x is None else _span(x) for x in roles]
     overlaps = tuple((a, b) for a, b in overlaps if a in present and b in present)
-    return Plan(tuple(prepared), keep, spans, overlaps, outputs)
+    fills = tuple((role, x, low, high) for (role, low, high), x in zip(lengths, recorded.fills))
+    return Plan(tuple(prepared), keep, spans, overlaps, outputs, tuple(same), fills)

@@ -387,10 +387,11 @@ def split_count(config, problem, device):
     wave = device.multiprocessors * resident
     if blocks >= 0.8 * wave:
         return 1
-    keys = problem.capacity
-    if problem.cache_seqlens is not None:
-        keys = min(keys, problem.cache_seqlens + problem.seqlen_new)
-    most = max(1, min(MAX_SPLITS, -(-keys // keys_per_tile)))
+    # by the capacity, as flash-attn's rule (seqlen_k of the cache), also for an int
+    # cache_seqlens: the choice must not hinge on a length that changes every decoding step,
+    # so that one replay plan serves every step (numflash.plans); splits past a sequence's
+    # end find no key and cost one empty block each
+    most = max(1, min(MAX_SPLITS, -(-problem.capacity // keys_per_tile)))
 
     def efficiency(splits):
         n = blocks * splits

@@ -27,11 +27,15 @@ changed alone, turns a call away.
 #:     the strides of dimensions of extent 1: they address nothing, so such arrays of one
 #:     shape and dtype lay out their elements alike and share a plan);
 #: ``optional``: an array as ``array``, or None (None, address 0);
-#: ``lengths``: an int as ``value`` (address 0), or an array as ``array``;
+#: ``lengths``: an int, (type,), with its value in place of an address (a plan's replay checks
+#:     it and writes it into the lengths array the full path made: numflash.plans), or an
+#:     array as ``array``;
 #: ``value``: a flag or scalar, (type, value): True and 1, 2 and 2.0 are different calls;
+#: ``rows``: a packed batch's max length, (type, value rounded up to a multiple of ``ROWS``):
+#:     what the full path makes of it (numflash.validation.packed_bound);
 #: ``window``: the default window (None) or a window_size, (type, element types, value);
 #: ``config``: a configuration or None, itself.
-KINDS = ("array", "optional", "lengths", "value", "window", "config")
+KINDS = ("array", "optional", "lengths", "value", "rows", "window", "config")
 #: The kinds that may hold an array, each giving the call an address (0 where absent).
 _ARRAY_KINDS = ("array", "optional", "lengths")
 
@@ -63,12 +67,14 @@ def _key_source(parameters):
         elif kind == "lengths":
             lines += [f"    if isinstance({name}, int):"]
             lines += [
-                f"        k{position} = ({name}.__class__, {name})",
-                f"        p{position} = 0",
+                f"        k{position} = ({name}.__class__,)",
+                f"        p{position} = {name}",
             ]
             lines += ["    else:", *_array_lines(name, position, "        ")]
         elif kind == "value":
             part = f"({name}.__class__, {name})"
+        elif kind == "rows":
+            part = f"({name}.__class__, -(-{name} // ROWS))"
         elif kind == "window":
             part = f"None if {name} is DEFAULT_WINDOW else window_key({name})"
         else:  # a configuration (Signature checked every kind)
@@ -110,6 +116,7 @@ def _array_checks(name, index, contiguous, one_device, pad):
 _DIFFERS = {
     "bool": "{name} is not {c}",
     "value": "{name}.__class__ is not {c}_0 or {name} != {c}_1",
+    "rows": "{name}.__class__ is not {c}_0 or -(-{name} // ROWS) != {c}_1",
     "window": "{name} is DEFAULT_WINDOW or window_key({name}) != {c}",
     "config": "{name}.__class__ is not {c}.__class__ or {name} != {c}",
 }
@@ -130,12 +137,12 @@ def _match_body(parameters, parts, one_device):
             if part is None:  # an absent optional array
                 flags.append(f"{name} is not None")
                 arrays.append(f"    p{position} = 0")
-            elif kind == "lengths" and isinstance(part[1], int):  # an int: (type, value)
-                constants[c] = part
+            elif kind == "lengths" and len(part) == 1:  # an int: (type,)
+                constants[c] = part[0]
                 arrays += [
-                    f"    if {name}.__class__ is not {c}[0] or {name} != {c}[1]:",
+                    f"    if {name}.__class__ is not {c}:",
                     "        return None",
-                    f"    p{position} = 0",
+                    f"    p{position} = {name}",
                 ]
             else:
                 if kind == "optional":
@@ -154,7 +161,7 @@ def _match_body(parameters, parts, one_device):
             elif kind == "value" and part[0] is bool:
                 constants[c] = part[1]
                 flags.append(_DIFFERS["bool"].format(name=name, c=c))
-            elif kind == "value":
+            elif kind in ("value", "rows"):
                 constants.update({f"{c}_0": part[0], f"{c}_1": part[1]})
                 flags.append(_DIFFERS[kind].format(name=name, c=c))
             else:
@@ -176,7 +183,7 @@ class Signature:
     """A public function's parameters, as (name, kind) in its order (kinds: :data:`KINDS`),
     with the generated :meth:`key` and the matchers of its keys. ``namespace``: what the
     generated code reads besides its arguments: ``Cupy`` (get_device, current_stream),
-    ``cache`` (generation), ``DEFAULT_WINDOW`` and ``window_key``."""
+    ``cache`` (generation), ``DEFAULT_WINDOW``, ``window_key`` and ``ROWS``."""
 
     def __init__(self, name, parameters, namespace):
         for parameter, kind in parameters:

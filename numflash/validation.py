@@ -232,7 +232,8 @@ def varlen_problem(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window
 ):
     """Validated packed arrays (q, k, v, cu_seqlens_q, cu_seqlens_k) and the :class:`Problem`
-    of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths."""
+    of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths as the kernels cover
+    them (:func:`packed_bound`)."""
     q = arrays.intake(q, "q")
     k = arrays.intake(k, "k")
     v = arrays.intake(v, "v")
@@ -270,10 +271,24 @@ def varlen_problem(
     causal = check_flag(causal, "causal")
     left, right = check_window(window, causal)
     scale = check_scale(scale, q.shape[-1])
-    left, right = (_clamp_window(w, max_seqlen_q, max_seqlen_k) for w in (left, right))
+    rows_q, rows_k = packed_bound(max_seqlen_q), packed_bound(max_seqlen_k)
+    left, right = (_clamp_window(w, rows_q, rows_k) for w in (left, right))
     h, d = q.shape[1:]
-    p = Problem(batch, max_seqlen_q, max_seqlen_k, h, k.shape[1], d, dtype, scale, left, right)
+    p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right)
     return q, k, v, cu_q, cu_k, p
+
+
+#: A packed batch's grid and cut take its max lengths rounded up to a multiple of this, so
+#: that a training loop whose max lengths change every step runs a few configurations and
+#: replay plans, not one per value (numflash.plans): a multiple of every Hopper and tensor-core
+#: row tile, so the grid has no more row blocks than the exact value would give them.
+PACKED_ROWS = 128
+
+
+def packed_bound(max_seqlen):
+    """The rows of a packed sequence the kernels cover: ``max_seqlen`` rounded up to a
+    multiple of :data:`PACKED_ROWS` (within int32)."""
+    return min(-(-max_seqlen // PACKED_ROWS) * PACKED_ROWS, MAX_INT32)
 
 
 def _config_problems(config, p, device):

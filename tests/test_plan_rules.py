@@ -30,10 +30,11 @@ class _Launcher:
         return dict(roles)
 
 
-def _record(*launches, unrecorded_work=False):
+def _record(*launches, unrecorded_work=False, fills=()):
     record = Record()
     record.launches = [(_Launcher(), (1, 1, 1), (32, 1, 1), 0, args) for args in launches]
     record.unrecorded_work = unrecorded_work
+    record.fills = list(fills)
     return record
 
 
@@ -62,7 +63,12 @@ def test_each_array_argument_is_replaced_by_its_role_and_the_rest_is_kept():
         (
             _record((_argument(Q), _argument(_array(0x1000, (8,))))),
             (Q, _array(0x1000, (8,))),
-            "two roles at one address",
+            "two roles of different layouts at one address",
+        ),
+        (
+            _record((_argument(Q), _argument(K)), fills=(K,)),
+            (Q, None),
+            "a fill (an int length's array) that no length explains",
         ),
         (
             _record((_argument(_array(0x1000, (4, 4), strides=(-8, 2))),)),
@@ -73,6 +79,21 @@ def test_each_array_argument_is_replaced_by_its_role_and_the_rest_is_kept():
 )
 def test_no_plan_where_a_replay_would_not_be_exact(record, roles, why):
     assert plans.make(record, roles) is None, why
+
+
+def test_one_array_in_two_roles_is_read_through_the_first_and_must_be_one_again():
+    """attention(q, q, q), or one array as both new k and new v: the launches take the first
+    role's pointer for each, and a replay refuses a call where the roles are apart."""
+    record = _record((_argument(Q), _argument(Q), _argument(Q), _argument(OUT)))
+    plan = plans.make(record, (Q, Q, Q, OUT))
+    assert plan.launches == ({0: 0, 1: 0, 2: 0, 3: 3},) and plan.same == ((0, 1), (0, 2))
+
+
+def test_an_int_length_s_array_is_kept_with_the_bounds_a_replay_checks():
+    lengths = _array(0x30000, (2,), np.int32)
+    record = _record((_argument(Q), _argument(lengths)), fills=(lengths,))
+    plan = plans.make(record, (Q, None), lengths=((1, 0, 31),))
+    assert plan.fills == ((1, lengths, 0, 31),) and plan.keep == [lengths]
 
 
 def test_absent_roles_are_skipped_and_their_overlaps_dropped():

@@ -79,6 +79,89 @@ def test_a_decoding_loop_replays_with_lengths_advancing_on_the_device():
     assert _plan_count() == 1
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_a_decoding_loop_with_an_int_length_advancing_replays_one_plan(paged):
+    """An int cache_seqlens advancing every step replays one plan, each replay writing the
+    step's length into the plan's lengths array; outputs, lse and caches equal a second loop
+    run through the full path, and a length past the capacity is still refused."""
+    api._plans.clear()
+    rng = np.random.default_rng(4)
+    batch, capacity = 2, 128
+    shape = (batch * capacity // 16, 16, 2, 64) if paged else (batch, capacity, 2, 64)
+    table = xp.arange(batch * capacity // 16, dtype=xp.int32).reshape(batch, -1) if paged else None
+    caches = [random_array(shape, "float16", rng) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    for step in range(6):
+        q = random_array((batch, 1, 8, 64), "float16", rng)
+        k, v = (random_array((batch, 1, 2, 64), "float16", rng) for _ in range(2))
+        length = 30 + 17 * step
+        got, got_lse = numflash.attention_with_kvcache(
+            q, *caches, k, v, cache_seqlens=length, block_table=table, return_lse=True
+        )
+        want, want_lse = api._attention_with_kvcache(
+            q, *twins, k, v, length, None, table, False, None, (-1, -1), 0, True, None, None
+        )
+        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        assert (_bits(got_lse) == _bits(want_lse)).all(), f"step {step}"
+    for c, t in zip(caches, twins):
+        assert (_bits(c) == _bits(t)).all()
+    assert _plan_count() == 1
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        numflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=capacity, block_table=table)
+
+
+def test_one_array_in_several_roles_replays_and_equals_the_full_path():
+    """attention(q, q, q) as the first call of its signature, then repeated; one array as both
+    new k and new v of a decoding step."""
+    api._plans.clear()
+    rng = np.random.default_rng(5)
+    for trial in range(3):
+        q = random_array((2, 70, 4, 64), "bfloat16", rng)
+        got = numflash.attention(q, q, q, causal=True)
+        want = api._attention(q, q, q, True, None, (-1, -1), False, None, None)
+        assert (_bits(got) == _bits(want)).all(), f"trial {trial}"
+    caches = [random_array((2, 64, 2, 64), "float16", rng) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    lengths = xp.asarray(np.array([3, 20], np.int32))
+    for step in range(3):
+        q = random_array((2, 1, 4, 64), "float16", rng)
+        kv = random_array((2, 1, 2, 64), "float16", rng)
+        got = numflash.attention_with_kvcache(q, *caches, kv, kv, cache_seqlens=lengths)
+        want = api._attention_with_kvcache(
+            q, *twins, kv, kv, lengths, None, None, False, None, (-1, -1), 0, False, None, None
+        )
+        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        lengths += 1
+    for c, t in zip(caches, twins):
+        assert (_bits(c) == _bits(t)).all()
+    assert _plan_count() == 2
+
+
+def test_packed_batches_with_new_offsets_and_max_lengths_replay_and_equal_the_full_path():
+    """A training loop over packed batches: new offsets and max lengths every step (one
+    offsets array for q and k), replayed by one plan per multiple of 128 of the max length."""
+    api._plans.clear()
+    rng = np.random.default_rng(6)
+    total = 600
+    q, k, v = (random_array((total, 4, 64), "float16", rng) for _ in range(3))
+    for step in range(5):
+        cuts = np.sort(rng.choice(np.arange(1, total), 3, replace=False))
+        cu_host = np.concatenate([[0], cuts, [total]]).astype(np.int32)
+        longest = int(np.diff(cu_host).max())
+        cu = xp.asarray(cu_host)
+        for return_lse in (False, True):
+            got = numflash.attention_varlen(
+                q, k, v, cu, cu, longest, longest, causal=True, return_lse=return_lse
+            )
+            want = api._attention_varlen(
+                q, k, v, cu, cu, longest, longest, True, None, (-1, -1), return_lse, None, None
+            )
+            for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
+                assert (_bits(a) == _bits(b)).all(), f"step {step}, return_lse={return_lse}"
+    # one plan per multiple of 128 and return_lse: max lengths of 150-599 fall in at most 4
+    assert _plan_count() <= 8
+
+
 def _stride_0_seqlen(x):
     """x (batch, heads, head_dim) as (batch, 1, heads, head_dim), its seqlen stride 0."""
     b, h, d = x.shape

@@ -56,6 +56,7 @@ class _Device:
         self.devices = 1
         self.full_calls = 0
         self.replays = []
+        self.fills = []  # (address, value, count, stream) of each int length a replay wrote
         monkeypatch.setattr(api, "SIMULATOR", False)
         monkeypatch.setattr(api, "_plans", plans.PlanCache())
         monkeypatch.setattr(api._Cupy, "empty", lambda shape, dtype: DeviceArray(shape, dtype))
@@ -63,9 +64,11 @@ class _Device:
         monkeypatch.setattr(api._Cupy, "device_count", lambda: self.devices)
         monkeypatch.setattr(api._Cupy, "current_stream", _Stream)
         monkeypatch.setattr(api._Cupy, "stream_is_capturing", lambda stream: self.capturing)
+        monkeypatch.setattr(api._Cupy, "fill", lambda *args: (self.fills.append(args) or 0,))
         monkeypatch.setattr(api, "_attention", self._forward)
         monkeypatch.setattr(api, "_attention_with_kvcache", self._kvcache)
         monkeypatch.setattr(api, "_attention_backward", self._backward)
+        monkeypatch.setattr(api, "_attention_varlen", self._varlen)
 
     def _launch(self, *arrays):
         """The one launch a full path records: every array, then a scalar."""
@@ -86,8 +89,19 @@ class _Device:
         return_lse, out = rest[4], rest[5]
         out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+        if isinstance(seqlens, int):  # an array filled with it, as launch.host_lengths makes
+            seqlens = DeviceArray((q.shape[0],), np.int32)
+            if launch._recording.record is not None:
+                launch._recording.record.fills.append(seqlens)
         present = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
-        self._launch(*(x for x in present if x is not None and not isinstance(x, int)))
+        self._launch(*(x for x in present if x is not None))
+        return (out, lse) if return_lse else out
+
+    def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, return_lse, *rest):
+        self.full_calls += 1
+        out = DeviceArray(q.shape, q.dtype) if rest[0] is None else rest[0]
+        lse = DeviceArray((q.shape[1], q.shape[0]), np.float32)
+        self._launch(q, k, v, cu_q, cu_k, out, lse)
         return (out, lse) if return_lse else out
 
     def _backward(self, dout, q, k, v, out, lse, *flags):
@@ -189,11 +203,21 @@ def test_a_paged_decoding_step_replays_with_the_new_calls_pointers(device):
     assert {p: replay[p] for p in want} == want
 
 
-def test_an_int_cache_length_is_part_of_the_signature(device):
-    q, (kc, vc), _, _, table = _kvcache_arrays()
-    for length in (3, 3, 4):
-        numflash.attention_with_kvcache(q, kc, vc, cache_seqlens=length, block_table=table)
-    assert device.full_calls == 2  # 3 recorded and replayed; 4 is another launch
+def test_an_int_cache_length_replays_with_its_value_written_into_the_plan_s_lengths(device):
+    """A decoding loop passing its length as an int advancing every step replays one plan,
+    each replay writing the step's length into the array the full path filled; a length the
+    full path would refuse (past the capacity, 32, less the appended row) is left to it."""
+    q, (kc, vc), (k, v), _, table = _kvcache_arrays()
+    for length in (3, 4, 5, 31):
+        numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=length, block_table=table)
+    assert device.full_calls == 1 and len(device.replays) == 3
+    (plan,) = api._plans._plans.values()
+    ((_, filled, _, _),) = plan.fills
+    assert device.fills == [(filled.data.ptr, n, 2, STREAM) for n in (4, 5, 31)]
+    assert all(5 not in replay for replay in device.replays)  # its address stays in the launch
+    for refused in (32, -1, True):
+        numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=refused, block_table=table)
+    assert device.full_calls == 4 and len(device.fills) == 3
 
 
 def test_a_replay_with_an_int_cache_length_gives_the_table_its_pointer(device):
@@ -204,8 +228,51 @@ def test_a_replay_with_an_int_cache_length_gives_the_table_its_pointer(device):
     out = numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, block_table=table2)
     assert device.full_calls == 1
     (replay,) = device.replays
-    want = _pointers(q, kc, vc, k, v, table2, out)
-    assert {p: replay[p] for p in want} == want
+    want = _pointers(q, kc, vc, k, v, table2, out)  # the filled lengths at 5, kept
+    want = {p + (p >= 5): pointer for p, pointer in want.items()}
+    assert {p: replay[p] for p in want} == want and 5 not in replay
+
+
+def test_one_array_in_several_roles_replays_and_a_call_with_them_apart_gets_its_own_plan(
+    device,
+):
+    """attention(q, q, q) replays; a call with three arrays of its key is refused by that plan
+    and records its own, which then serves both."""
+    q = DeviceArray((2, 40, 2, 64))
+    for _ in range(3):
+        out = numflash.attention(q, q, q)
+    assert device.full_calls == 1 and len(device.replays) == 2
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, q, q, out)
+    apart = [DeviceArray(q.shape) for _ in range(3)]
+    numflash.attention(*apart)
+    assert device.full_calls == 2
+    out = numflash.attention(*apart)
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(*apart, out)
+    out = numflash.attention(q, q, q)
+    assert device.full_calls == 2
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, q, q, out)
+
+
+def test_one_array_as_new_k_and_v_replays(device):
+    q, (kc, vc), (k, _), seqlens, table = _kvcache_arrays()
+    for _ in range(3):
+        numflash.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=seqlens, block_table=table)
+    assert device.full_calls == 1 and len(device.replays) == 2
+    assert device.replays[-1][3] == device.replays[-1][4] == k.data.ptr
+
+
+def test_a_packed_batch_replays_with_new_offsets_and_max_lengths_in_one_multiple_of_128(device):
+    """A training loop's packed batches: new offsets every step (one array for q and k, as
+    self-attention passes them), max lengths that change within a multiple of 128."""
+    q, k, v = (DeviceArray((300, 4, 64)) for _ in range(3))
+    steps = [(DeviceArray((5,), np.int32), m) for m in (100, 128, 1, 77)]
+    for cu, longest in steps:
+        out = numflash.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+    assert device.full_calls == 1 and len(device.replays) == 3
+    assert {p: device.replays[-1][p] for p in range(6)} == _pointers(q, k, v, cu, cu, out)
+    for other in (129, 0, True):  # another multiple; two the full path refuses
+        numflash.attention_varlen(q, k, v, cu, cu, other, 100, causal=True)
+    assert device.full_calls == 4
 
 
 def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):
@@ -266,9 +333,10 @@ def test_a_replay_on_the_legacy_default_stream_asks_nothing_about_capture(device
     monkeypatch.setattr(_Prepared, "_replayed", lambda self, stream, pointers: None)
     numflash.attention(*_qkv())
     (plan,) = api._plans._plans.values()
-    assert "capturing" not in plan.replay_source
+    assert plan.replay_source is None  # written when a call first finds the plan
     device.capturing = 1  # what the check would have found
     numflash.attention(*_qkv())
+    assert "capturing" not in plan.replay_source
     assert device.full_calls == 1 and not plan.pinned
 
 
@@ -359,6 +427,7 @@ def test_a_repeated_call_is_taken_by_its_plans_matcher_without_building_the_key(
     device, monkeypatch
 ):
     numflash.attention(*_qkv())  # records the plan, and builds the key
+    numflash.attention(*_qkv())  # finds the plan by its key: it is written and made recent
     keys = []
     original = api._ATTENTION.key
     monkeypatch.setattr(api._ATTENTION, "key", lambda *a: keys.append(a) or original(*a))

@@ -137,13 +137,17 @@ def test_c_contiguous_arrays_of_one_shape_share_a_key_whatever_their_extent_1_st
     assert sig.matcher(strided_key, one_device=True)(*strided) is not None
 
 
-def test_an_int_length_matches_by_type_and_value(namespace):
+def test_an_int_length_matches_by_type_with_its_value_in_place_of_an_address(namespace):
+    """A replay writes an int length into an array of the plan's (numflash.plans), so any
+    value has the key: one plan serves a decoding loop whose length advances every step."""
     sig = _kvcache(namespace)
-    key, _ = sig.key(*_call(cache_seqlens=5))
+    key, pointers = sig.key(*_call(cache_seqlens=5))
+    assert pointers[5] == 5 and key == sig.key(*_call(cache_seqlens=6))[0]
     match = sig.matcher(key, one_device=True)
-    assert match(*_call(cache_seqlens=5))[5] == 0
-    assert match(*_call(cache_seqlens=6)) is None
+    assert match(*_call(cache_seqlens=5))[5] == 5
+    assert match(*_call(cache_seqlens=6))[5] == 6
     assert match(*_call(cache_seqlens=True)) is None  # an int, but a bool
+    assert sig.key(*_call(cache_seqlens=True))[0] != key
 
 
 @pytest.mark.parametrize(

@@ -200,14 +200,27 @@ def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
             assert r.err <= r.bar, f"sequence {b}: {r.name} err {r.err:.3e} > {r.bar:.3e}"
 
 
-def test_a_max_seqlen_below_a_sequence_cuts_it_and_writes_nothing_past():
+def test_a_max_seqlen_below_a_sequence_cuts_it_at_its_bound_and_writes_nothing_past():
+    """The kernels cover a max length rounded up to a multiple of 128 (packed_bound)."""
     rng = np.random.default_rng(2)
-    q, k, v, cu_q, cu_k = _packed(Case("float16", (4, 9), (4, 9), 2, 2, 16), rng)
+    q, k, v, cu_q, cu_k = _packed(Case("float16", (4, 140), (4, 140), 2, 2, 16), rng)
     out = poisoned_like(q)
-    numflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 9, out=out)
+    numflash.attention_varlen(q, k, v, cu_q, cu_k, 6, 140, out=out)
     got = to_numpy(out).astype(np.float32)
-    assert not np.isnan(got[: 4 + 6]).any()  # the first sequence and 6 rows of the second
-    assert np.isnan(got[4 + 6 :]).all()  # the second sequence's rows past max_seqlen_q
+    assert not np.isnan(got[: 4 + 128]).any()  # the first sequence and 128 rows of the second
+    assert np.isnan(got[4 + 128 :]).all()  # the second sequence's rows past the bound
+
+
+def test_max_lengths_in_one_multiple_of_128_run_alike():
+    """A training loop's max lengths change every step: within one multiple of 128 they give
+    one configuration and grid, and bitwise the same results."""
+    rng = np.random.default_rng(3)
+    q, k, v, cu_q, cu_k = _packed(Case("bfloat16", (40, 90), (70, 3), 2, 1, 32), rng)
+    runs = [
+        to_numpy(numflash.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=True))
+        for mq, mk in ((90, 70), (128, 101))
+    ]
+    assert (runs[0].view(np.uint16) == runs[1].view(np.uint16)).all()
 
 
 #: (forward, backward) configurations run over lying offsets (None: numflash's choice).
