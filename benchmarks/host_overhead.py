@@ -148,6 +148,102 @@ def kvcache_parts(call, args):
     }
 
 
+def call_patterns():
+    """{pattern: host us a call} for the call patterns of a training or serving loop, each
+    repeated (bursts, as :func:`per_call_us`); and the host time of the first call of a new
+    shape whose kernel is compiled already (median over shapes never seen before)."""
+    found = {}
+
+    def timed(fn):
+        return per_call_us(fn, bursts=150)
+
+    q, k, v = random_qkv(2, 128, 4, 64, "float16")
+    found["attention, distinct q k v"] = timed(lambda: numflash.attention(q, k, v))
+    qkv = random_qkv(2, 128, 12, 64, "float16")[0].reshape(2, 128, 3, 4, 64)
+    fq, fk, fv = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    found["attention, views of a fused qkv"] = timed(lambda: numflash.attention(fq, fk, fv))
+    qs = random_qkv(2, 96, 4, 64, "float16", seed=4)[0]  # a signature no call made before
+    found["attention(q, q, q)"] = timed(lambda: numflash.attention(qs, qs, qs))
+    # decoding over a contiguous cache: one new row appended per step
+    qd = random_qkv(4, 1, 8, 64, "float16", seed=5)[0]
+    k_cache, v_cache = random_qkv(4, 4096, 2, 64, "float16", seed=6)[:2]
+    k_new, v_new = random_qkv(4, 1, 2, 64, "float16", seed=7)[:2]
+    lengths = cupy.full((4,), 100, dtype=cupy.int32)
+
+    def decode(kn, vn, seqlens):
+        return numflash.attention_with_kvcache(
+            qd, k_cache, v_cache, kn, vn, cache_seqlens=seqlens, causal=True
+        )
+
+    found["kvcache decode, device lengths"] = timed(lambda: decode(k_new, v_new, lengths))
+    step = iter(range(10**9))
+    found["kvcache decode, int cache_seqlens advancing"] = timed(
+        lambda: decode(k_new, v_new, 100 + next(step) % 3000)
+    )
+    found["kvcache decode, one array as new k and v"] = timed(lambda: decode(k_new, k_new, lengths))
+    # packed batches: 8 sequences, 1024 rows in all
+    total, nseq = 1024, 8
+    pq, pk, pv = (x[0] for x in random_qkv(1, total, 4, 64, "float16", seed=8))
+    rng = np.random.default_rng(0)
+    offsets = []
+    for _ in range(64):
+        cuts = np.sort(rng.choice(np.arange(1, total), nseq - 1, replace=False))
+        cu = np.concatenate([[0], cuts, [total]]).astype(np.int32)
+        offsets.append((cupy.asarray(cu), int(np.diff(cu).max())))
+    cu0, max0 = offsets[0]
+    found["varlen, same offsets"] = timed(
+        lambda: numflash.attention_varlen(pq, pk, pv, cu0, cu0, max0, max0, causal=True)
+    )
+    turn = iter(range(10**9))
+
+    def varlen_new_offsets():
+        cu, longest = offsets[next(turn) % len(offsets)]
+        return numflash.attention_varlen(pq, pk, pv, cu, cu, longest, longest, causal=True)
+
+    found["varlen, new offsets and max_seqlen each step"] = timed(varlen_new_offsets)
+    # a plan-less call: the full path alone
+    found["attention, full path (no plan)"] = timed(
+        lambda: numflash.api._attention(q, k, v, False, None, (-1, -1), False, None, None)
+    )
+    found["first call of a new shape, us"] = first_call_us()
+    return found
+
+
+def first_call_us(shapes=40):
+    """Median host time of the first call of each of ``shapes`` new shapes (seqlens 257..),
+    their kernel compiled by an earlier call of the same configuration."""
+    stream = cupy.cuda.get_current_stream()
+    q, k, v = random_qkv(1, 256, 4, 64, "float16", seed=9)
+    numflash.attention(q, k, v, causal=True)
+    stream.synchronize()
+    times = []
+    for seqlen in range(257, 257 + shapes):
+        q, k, v = random_qkv(1, seqlen, 4, 64, "float16", seed=seqlen)
+        stream.synchronize()
+        start = time.perf_counter()
+        numflash.attention(q, k, v, causal=True)
+        times.append((time.perf_counter() - start) * 1e6)
+        stream.synchronize()
+    return statistics.median(times)
+
+
+def full_path_profile(calls=2000):
+    """cProfile's top entries (by own time) of ``calls`` plan-less calls of the full path."""
+    import cProfile
+    import io
+    import pstats
+
+    q, k, v = random_qkv(2, 128, 4, 64, "float16")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        numflash.api._attention(q, k, v, False, None, (-1, -1), False, None, None)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(45)
+    return text.getvalue().splitlines()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default=None)
@@ -204,6 +300,9 @@ def main():
         step = (qd, k_cache, v_cache, k_new, v_new, lengths, None, table, False, None)
         step += (numflash.api._DEFAULT_WINDOW, 0, False, None, None)
         results["attention_with_kvcache_parts"] = kvcache_parts(decode_step, step)
+    results["patterns"] = call_patterns()
+    if args.profile:
+        results["full_path_profile"] = full_path_profile()
     results["selected_config_us"] = per_call_us(lambda: numflash.selected_config(q, k, v))
     results["current_device_us"] = per_call_us(current_device)
     views = [q, k, v]
