@@ -125,7 +125,7 @@ def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
                 selection.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
             )
             saved = dict(selection.PREFILL_ROWS)
-            selection.PREFILL_ROWS.update(contiguous=1 << 30, paged=1 << 30)
+            selection.PREFILL_ROWS.update(dict.fromkeys(saved, 1 << 30))
             try:
                 decode = numflash.selected_kvcache_config(*args_, **kw)[0].config
             finally:

@@ -676,8 +676,9 @@ def attention_with_kvcache(
             :class:`numflash.PortableDecodeConfig`, or a :class:`numflash.WgmmaForwardConfig`
             (the Hopper forward over the caches; compute capability 9.x, as the tensor-core
             kernel otherwise, one split); by default numflash chooses: on compute capability
-            9.x a call with more new query rows than selection.PREFILL_ROWS (24 over a
-            contiguous cache, 48 over a paged one: chunked prefill, long drafts) runs the
+            9.x a call with more new query rows than selection.prefill_rows (24 over a
+            contiguous cache or pages of 64 rows or more, 36 over smaller pages whose size is
+            a multiple of 8, 48 over other pages: chunked prefill, long drafts) runs the
             Hopper forward after appending, fewer the split-KV decode kernel.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths

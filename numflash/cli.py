@@ -70,14 +70,16 @@ def info(out=sys.stdout):
             backward = "tensor-core (float16, bfloat16); portable (float32)"
             kvcache = "split-KV tensor-core kernel (float16, bfloat16); portable (float32)"
             if dev.has_wgmma:
-                from numflash.selection import PREFILL_ROWS, WGMMA_FORWARD_HEAD_DIMS
+                from numflash.selection import LARGE_PAGE, PREFILL_ROWS, WGMMA_FORWARD_HEAD_DIMS
 
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
                 paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
                 kvcache = (
                     f"the wgmma forward past {PREFILL_ROWS['contiguous']} new rows "
-                    f"({PREFILL_ROWS['paged']} paged) at its head dims, else " + kvcache
+                    f"({PREFILL_ROWS['small pages']} over pages below {LARGE_PAGE} rows, "
+                    f"{PREFILL_ROWS['paged by cp.async']} over pages read by cp.async) at its "
+                    "head dims, else " + kvcache
                 )
         else:
             paths = "portable (float16, bfloat16, float32); no tensor-core path before sm_80"

@@ -22,7 +22,7 @@ from .config import (
     WgmmaForwardConfig,
     tensor_core_backward_head_dim,
 )
-from .kernels import decode
+from .kernels import decode, forward_sm90
 
 Selection = cache.Selection
 
@@ -402,20 +402,35 @@ def split_count(config, problem, device):
 
 
 #: New query rows of a KV-cache call above which it runs on the Hopper forward rather than
-#: the split-KV decode kernel (chunked prefill), for a contiguous and a paged cache: on the
-#: H200 the forward takes ~120 us from 16 to 128 rows contiguous, where the decode kernel's
-#: time grows with the rows (82 us at 16, 173 at 32: they cross near 24); paged they tie at
-#: 48 (benchmarks/bench_prefill.py --crossover, docs/performance.md "Chunked prefill").
-PREFILL_ROWS = {"contiguous": 24, "paged": 48}
+#: the split-KV decode kernel (chunked prefill), by how the forward reads the cache. On the
+#: H200 (benchmarks/bench_prefill.py --crossover, docs/performance.md "Chunked prefill") the
+#: forward takes about the same time from 16 to 128 rows while the decode kernel's grows with
+#: them; they cross near 22 rows over a contiguous cache, 24 over pages of 64 (TMA boxes of 64
+#: rows), 37 over pages of 16 (boxes of 16 rows) and 48 over pages the forward reads by
+#: cp.async.
+PREFILL_ROWS = {"contiguous": 24, "large pages": 24, "small pages": 36, "paged by cp.async": 48}
+#: Pages of this many rows or more load as few TMA boxes as a contiguous cache's tile.
+LARGE_PAGE = 64
+
+
+def prefill_rows(problem):
+    """The PREFILL_ROWS entry of a KV-cache call's cache: its layout, and for a paged cache
+    whether the forward's tiles (64 or 128 keys) load its pages by TMA, and in boxes of how
+    many rows."""
+    if not problem.paged:
+        return PREFILL_ROWS["contiguous"]
+    if not forward_sm90.paged_tma(problem.page_size, 64):
+        return PREFILL_ROWS["paged by cp.async"]
+    return PREFILL_ROWS["large pages" if problem.page_size >= LARGE_PAGE else "small pages"]
 
 
 def prefill(problem, device):
     """Whether a KV-cache call runs on the Hopper forward (chunked prefill, long speculative
-    drafts): more than PREFILL_ROWS new query rows, no split count above 1 asked for, caches
-    it reads in place (16-byte aligned rows, head_dim a multiple of 8), and a call the forward
-    family takes on this device (:func:`forward_family`)."""
+    drafts): more new query rows than :func:`prefill_rows`, no split count above 1 asked for,
+    caches it reads in place (16-byte aligned rows, head_dim a multiple of 8), and a call the
+    forward family takes on this device (:func:`forward_family`)."""
     return (
-        problem.seqlen_q > PREFILL_ROWS["paged" if problem.paged else "contiguous"]
+        problem.seqlen_q > prefill_rows(problem)
         and problem.num_splits <= 1
         and problem.cache_aligned
         and problem.head_dim % 8 == 0

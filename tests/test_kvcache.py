@@ -505,7 +505,7 @@ def test_split_count_fills_the_multiprocessors():
         simulated=False,
     )
 
-    def splits(batch, capacity, num_splits=0, seqlen_q=1):
+    def splits(batch, capacity, num_splits=0, seqlen_q=1, cache_seqlens=None):
         p = KVCacheProblem(
             batch=batch,
             seqlen_q=seqlen_q,
@@ -521,7 +521,7 @@ def test_split_count_fills_the_multiprocessors():
             slots=batch,
             page_size=0,
             max_blocks=0,
-            cache_seqlens=None,
+            cache_seqlens=cache_seqlens,
             num_splits=num_splits,
             cache_aligned=True,
         )
@@ -534,3 +534,25 @@ def test_split_count_fills_the_multiprocessors():
     assert splits(batch=1, capacity=64) == 1  # one 64-key tile: one split
     assert splits(batch=1, capacity=4096, num_splits=5) == 5
     assert splits(batch=1, capacity=4096, num_splits=1000) == selection.MAX_SPLITS
+    # an int cache_seqlens does not move the choice: one replay plan serves every step
+    assert splits(batch=1, capacity=131072, cache_seqlens=100) == 16
+
+
+def test_prefill_rows_follow_how_the_forward_reads_the_cache():
+    import dataclasses
+
+    from numflash import selection
+    from numflash.validation import KVCacheProblem
+
+    p = KVCacheProblem(1, 64, 64, 8, 2, 128, "float16", 0.1, -1, -1, 8192, 1, 0, 0, None, 0)
+    assert selection.prefill_rows(p) == selection.PREFILL_ROWS["contiguous"]
+    for page, entry in (
+        (16, "small pages"),
+        (8, "small pages"),
+        (64, "large pages"),
+        (256, "large pages"),
+        (5, "paged by cp.async"),
+        (24, "paged by cp.async"),
+    ):
+        paged = dataclasses.replace(p, page_size=page, max_blocks=8192 // page + 1)
+        assert selection.prefill_rows(paged) == selection.PREFILL_ROWS[entry], page
