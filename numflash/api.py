@@ -385,33 +385,10 @@ def attention_varlen(
     return result
 
 
-def _attention_varlen(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    causal,
-    softmax_scale,
-    window_size,
-    return_lse,
-    out,
-    config,
-):
-    q, k, v, cu_q, cu_k, p = validation.varlen_problem(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        softmax_scale,
-        window_size,
-    )
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      softmax_scale, window_size, return_lse, out, config):  # fmt: skip
+    q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size)  # fmt: skip
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
@@ -463,18 +440,8 @@ def attention_varlen_backward(
     does not redo.
     """
     _refuse_under_capture("attention_varlen_backward", planned=False)
-    q, k, v, cu_q, cu_k, p = validation.varlen_problem(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        causal,
-        softmax_scale,
-        window_size,
-    )
+    q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size)  # fmt: skip
     dout = validation.check_like(dout, "dout", q, "q")
     out = validation.check_like(out, "out", q, "q")
     lse = validation.check_like(

@@ -342,6 +342,9 @@ def make(recorded, roles, overlaps=(), outputs=(), lengths=()):
         prepared.append(launcher.prepare(grid, block, shared_bytes, args, slots))
     if seen != set(present):
         return None  # an array was copied or padded before the kernel read it
+    for a, b in same:  # one of them copied, the other read in place, would look the same
+        if any(_layout(x) == _layout(present[a]) for x in keep):
+            return None
     spans = [0 if x is None else _span(x) for x in roles]
     overlaps = tuple((a, b) for a, b in overlaps if a in present and b in present)
     fills = tuple((role, x, low, high) for (role, low, high), x in zip(lengths, recorded.fills))

@@ -87,6 +87,10 @@ def test_one_array_in_two_roles_is_read_through_the_first_and_must_be_one_again(
     record = _record((_argument(Q), _argument(Q), _argument(Q), _argument(OUT)))
     plan = plans.make(record, (Q, Q, Q, OUT))
     assert plan.launches == ({0: 0, 1: 0, 2: 0, 3: 3},) and plan.same == ((0, 1), (0, 2))
+    # an array of their layout among the launches' own: a copy of one of them, maybe
+    copy = _array(0x40000, Q.shape)
+    record = _record((_argument(copy), _argument(Q), _argument(Q), _argument(OUT)))
+    assert plans.make(record, (Q, Q, Q, OUT)) is None
 
 
 def test_an_int_length_s_array_is_kept_with_the_bounds_a_replay_checks():
