@@ -45,7 +45,11 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_sim = pytest.mark.skip(reason="simulator only")
+    skip_slow = pytest.mark.skip(reason="long-running: select it with -m slow")
+    slow_chosen = "slow" in (config.getoption("markexpr") or "")
     for item in items:
+        if "slow" in item.keywords and not slow_chosen:
+            item.add_marker(skip_slow)
         if SIMULATOR and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
         if not SIMULATOR and "simulator" in item.keywords:
