@@ -19,6 +19,24 @@ def _plan_count():
     return len(api._plans._plans)
 
 
+def _step_equals_full_path(step, q, caches, twins, k, v, lengths, table=None):
+    """One KV-cache step through the public call on ``caches`` and through the full path on
+    their ``twins`` (the same contents): out and lse bitwise equal."""
+    got = numflash.attention_with_kvcache(
+        q, *caches, k, v, cache_seqlens=lengths, block_table=table, return_lse=True
+    )
+    want = api._attention_with_kvcache(
+        q, *twins, k, v, lengths, None, table, False, None, (-1, -1), 0, True, None, None
+    )
+    for name, a, b in zip(("out", "lse"), got, want):
+        assert (_bits(a) == _bits(b)).all(), f"step {step}: {name}"
+
+
+def _same_caches(caches, twins):
+    for c, t in zip(caches, twins):
+        assert (_bits(c) == _bits(t)).all()
+
+
 def test_repeated_attention_replays_and_equals_the_full_path():
     api._plans.clear()
     for return_lse in (False, True):
@@ -60,22 +78,12 @@ def test_a_decoding_loop_replays_with_lengths_advancing_on_the_device():
     caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
     twins = [c.copy() for c in caches]
     lengths = xp.asarray(np.array([5, 40, 71], np.int32))
-    twin_lengths = lengths.copy()
     for step in range(4):
         q = random_array((batch, 1, 8, 64), "bfloat16", rng)
         k, v = (random_array((batch, 1, 2, 64), "bfloat16", rng) for _ in range(2))
-        got, got_lse = numflash.attention_with_kvcache(
-            q, *caches, k, v, cache_seqlens=lengths, block_table=table, return_lse=True
-        )
-        want, want_lse = api._attention_with_kvcache(
-            q, *twins, k, v, twin_lengths, None, table, False, None, (-1, -1), 0, True, None, None
-        )
-        assert (_bits(got) == _bits(want)).all(), f"step {step}"
-        assert (_bits(got_lse) == _bits(want_lse)).all(), f"step {step}"
+        _step_equals_full_path(step, q, caches, twins, k, v, lengths, table)
         lengths += 1
-        twin_lengths += 1
-    for c, t in zip(caches, twins):
-        assert (_bits(c) == _bits(t)).all()
+    _same_caches(caches, twins)
     assert _plan_count() == 1
 
 
@@ -94,17 +102,8 @@ def test_a_decoding_loop_with_an_int_length_advancing_replays_one_plan(paged):
     for step in range(6):
         q = random_array((batch, 1, 8, 64), "float16", rng)
         k, v = (random_array((batch, 1, 2, 64), "float16", rng) for _ in range(2))
-        length = 30 + 17 * step
-        got, got_lse = numflash.attention_with_kvcache(
-            q, *caches, k, v, cache_seqlens=length, block_table=table, return_lse=True
-        )
-        want, want_lse = api._attention_with_kvcache(
-            q, *twins, k, v, length, None, table, False, None, (-1, -1), 0, True, None, None
-        )
-        assert (_bits(got) == _bits(want)).all(), f"step {step}"
-        assert (_bits(got_lse) == _bits(want_lse)).all(), f"step {step}"
-    for c, t in zip(caches, twins):
-        assert (_bits(c) == _bits(t)).all()
+        _step_equals_full_path(step, q, caches, twins, k, v, 30 + 17 * step, table)
+    _same_caches(caches, twins)
     assert _plan_count() == 1
     with pytest.raises(ValueError, match="cache_seqlens"):
         numflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=capacity, block_table=table)
@@ -126,14 +125,9 @@ def test_one_array_in_several_roles_replays_and_equals_the_full_path():
     for step in range(3):
         q = random_array((2, 1, 4, 64), "float16", rng)
         kv = random_array((2, 1, 2, 64), "float16", rng)
-        got = numflash.attention_with_kvcache(q, *caches, kv, kv, cache_seqlens=lengths)
-        want = api._attention_with_kvcache(
-            q, *twins, kv, kv, lengths, None, None, False, None, (-1, -1), 0, False, None, None
-        )
-        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        _step_equals_full_path(step, q, caches, twins, kv, kv, lengths)
         lengths += 1
-    for c, t in zip(caches, twins):
-        assert (_bits(c) == _bits(t)).all()
+    _same_caches(caches, twins)
     assert _plan_count() == 2
 
 
@@ -184,14 +178,9 @@ def test_c_contiguous_inputs_with_other_strides_on_extent_1_dims_replay_one_plan
         else:
             q, k, v = (_stride_0_seqlen(x) for x in (q, k, v))
             assert q.strides[1] == 0 and q.flags.c_contiguous
-        got = numflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths)
-        want = api._attention_with_kvcache(
-            q, *twins, k, v, lengths, None, None, False, None, (-1, -1), 0, False, None, None
-        )
-        assert (_bits(got) == _bits(want)).all(), f"step {step}"
+        _step_equals_full_path(step, q, caches, twins, k, v, lengths)
         lengths += 1
-    for c, t in zip(caches, twins):
-        assert (_bits(c) == _bits(t)).all()
+    _same_caches(caches, twins)
     assert _plan_count() == 1
 
 
