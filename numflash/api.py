@@ -582,19 +582,8 @@ def selected_kvcache_config(
     for these arguments, where it comes from (as :func:`selected_config` says), and the split
     count. Raises the same errors; launches and writes nothing."""
     q, k_cache, v_cache, k, v, _, _, _, p = validation.kvcache_problem(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        cache_seqlens,
-        cache_batch_idx,
-        block_table,
-        causal,
-        None,
-        window_size,
-        num_splits,
-    )
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, None,
+        window_size, num_splits)  # fmt: skip
     with _on_device(q):
         device = current_device()
         return selection.decode(p, device, validation.check_decode_config(config, p, device))
@@ -698,37 +687,12 @@ def _rows(k):
     return 0 if k is None else k.shape[1]
 
 
-def _attention_with_kvcache(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    cache_batch_idx,
-    block_table,
-    causal,
-    softmax_scale,
-    window_size,
-    num_splits,
-    return_lse,
-    out,
-    config,
-):
+def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+                            block_table, causal, softmax_scale, window_size, num_splits,
+                            return_lse, out, config):  # fmt: skip
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
-        q,
-        k_cache,
-        v_cache,
-        k,
-        v,
-        cache_seqlens,
-        cache_batch_idx,
-        block_table,
-        causal,
-        softmax_scale,
-        window_size,
-        num_splits,
-    )
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
+        softmax_scale, window_size, num_splits)  # fmt: skip
     return_lse = validation.check_flag(return_lse, "return_lse")
     if out is not None:
         out = validation.check_like(out, "out", q, "q")

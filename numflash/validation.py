@@ -445,20 +445,8 @@ def _check_int(value, name, low=None):
     return int(value)
 
 
-def kvcache_problem(
-    q,
-    k_cache,
-    v_cache,
-    k,
-    v,
-    cache_seqlens,
-    cache_batch_idx,
-    block_table,
-    causal,
-    softmax_scale,
-    window_size,
-    num_splits,
-):
+def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                    causal, softmax_scale, window_size, num_splits):  # fmt: skip
     """Validated arrays (q, k_cache, v_cache, k, v, cache_seqlens as an array or None,
     cache_batch_idx, block_table) and the :class:`KVCacheProblem` they pose. Checks everything
     that can be known without reading device memory; nothing is written."""
