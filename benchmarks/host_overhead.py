@@ -201,6 +201,13 @@ def call_patterns():
         return numflash.attention_varlen(pq, pk, pv, cu, cu, longest, longest, causal=True)
 
     found["varlen, new offsets and max_seqlen each step"] = timed(varlen_new_offsets)
+    try:  # PyTorch tensors, taken as CuPy arrays through DLPack every call
+        import torch
+
+        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+        found["attention, PyTorch tensors"] = timed(lambda: numflash.attention(tq, tk, tv))
+    except ImportError:
+        pass
     # a plan-less call: the full path alone
     found["attention, full path (no plan)"] = timed(
         lambda: numflash.api._attention(q, k, v, False, None, (-1, -1), False, None, None)

@@ -52,6 +52,7 @@ _ATTENTION = signature.Signature(
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config")],
     _NAMESPACE,
+    output="out",
 )
 _BACKWARD = signature.Signature(
     "backward",
@@ -67,6 +68,7 @@ _VARLEN = signature.Signature(
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config")],
     _NAMESPACE,
+    output="out",
 )
 _KVCACHE = signature.Signature(
     "kvcache",
@@ -76,6 +78,7 @@ _KVCACHE = signature.Signature(
     + [("window_size", "window"), ("num_splits", "value"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config")],
     _NAMESPACE,
+    output="out",
 )
 
 
@@ -123,28 +126,53 @@ def _find(sig, args):
     return plan, pointers, key
 
 
-def _repeated(sig, args, out, name):
-    """(result, key) of a call of public function ``name`` with arguments ``args`` (in
-    signature ``sig``'s order): its result where a plan replays it, else None; and its key
-    where it was built (None where a recent plan took the call, where the call has no key, and
-    in the simulator). A call first tries its function's most recent plans, each through its
-    run (its key's matcher and its replay in one function, numflash.plans), then builds its key
-    and replays that key's plan; a call without a plan under stream capture is refused
-    (:func:`_refuse_under_capture`)."""
+def _adopted(sig, args):
+    """``args`` with each array argument that is not a CuPy array taken as one through
+    :func:`numflash.arrays.intake` (a PyTorch tensor or JAX array through DLPack: the same
+    memory, no copy), which the full path would do anyway; None where one cannot be taken
+    (the full path then refuses it by name) or where every array is a CuPy one already."""
+    adopted, taken = list(args), False
+    for i in sig.array_positions:
+        x = args[i]
+        if x is None or isinstance(x, int) or isinstance(x, arrays.cupy_ndarray()):
+            continue
+        try:
+            adopted[i] = arrays.intake(x, sig.parameters[i][0])
+        except TypeError:
+            return None
+        taken = True
+    return tuple(adopted) if taken else None
+
+
+def _repeated(sig, args, name):
+    """(result, key, args) of a call of public function ``name`` with arguments ``args`` (in
+    signature ``sig``'s order): its result where a plan replays it, else None; its key where
+    it was built (None where a recent plan took the call, where the call has no key, and in
+    the simulator); and its arguments, the arrays that are not CuPy arrays taken as CuPy ones
+    (:func:`_adopted`) when that gives the call a key. A call first tries its function's
+    most recent plans, each through its run (its key's matcher and its replay in one function,
+    numflash.plans), then builds its key and replays that key's plan; a call without a plan
+    under stream capture is refused (:func:`_refuse_under_capture`)."""
     plan = key = None
     if not SIMULATOR:
         try:
             for run in _plans.recent[sig.name].entries:
                 result = run(*args)
                 if result is not None:
-                    return result, None
+                    return result, None, args
         except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
             pass
         plan, pointers, key = _find(sig, args)
+        if key is None:  # PyTorch tensors, JAX arrays: as CuPy arrays they have a key
+            adopted = _adopted(sig, args)
+            if adopted is not None:
+                args = adopted
+                plan, pointers, key = _find(sig, args)
     if plan is None:
         _refuse_under_capture(name)
-        return None, key
-    return plan.replay(pointers, out), key
+        return None, key, args
+    out = None if sig.out_position is None else args[sig.out_position]
+    return plan.replay(pointers, out), key, args
 
 
 def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=(), lengths=()):
@@ -254,9 +282,10 @@ def attention(
     replays the launches of the first (numflash.plans).
     """
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
-    result, key = _repeated(_ATTENTION, args, out, "attention")
+    result, key, args = _repeated(_ATTENTION, args, "attention")
     if result is not None:
         return result
+    q, k, v, out = args[0], args[1], args[2], args[7]
     # else no plan yet, or an out= overlapping an input: the full path refuses it by name
     if key is None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
@@ -367,11 +396,12 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config)
-    result, key = _repeated(_VARLEN, args, out, "attention_varlen")
+    result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
     if key is None:
         return _attention_varlen(*args)
+    q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
     with launch.recording() as recorded:
         result = _attention_varlen(*args)
@@ -520,11 +550,12 @@ def attention_backward(
     call replays the launches of the first (numflash.plans).
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    grads, key = _repeated(_BACKWARD, args, None, "attention_backward")
+    grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
     if key is None:
         return _attention_backward(*args)
+    dout, q, k, v, out, lse = args[:6]
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
     outputs = [(x.shape, x.dtype) for x in (q, k, v)]
@@ -648,13 +679,15 @@ def attention_with_kvcache(
     """
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config)
-    result, key = _repeated(_KVCACHE, args, out, "attention_with_kvcache")
+    result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
     # v (an append would write one over the other): the full path refuses it by name
     if key is None:
         return _attention_with_kvcache(*args)
+    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
+    out = args[13]
     seqlens, lengths = cache_seqlens, ()
     if isinstance(cache_seqlens, int):  # filled into an array of its own (launch.host_lengths)
         seqlens, lengths = None, ((5, 0, _capacity(k_cache, block_table) - _rows(k)),)

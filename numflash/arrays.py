@@ -39,6 +39,11 @@ def _cupy():
     return cupy
 
 
+def cupy_ndarray():
+    """CuPy's array type."""
+    return _cupy().ndarray
+
+
 def intake(x, name):
     """``x`` as a CuPy array (NumPy in the simulator); TypeError naming ``name`` otherwise."""
     if SIMULATOR:

@@ -183,14 +183,21 @@ class Signature:
     """A public function's parameters, as (name, kind) in its order (kinds: :data:`KINDS`),
     with the generated :meth:`key` and the matchers of its keys. ``namespace``: what the
     generated code reads besides its arguments: ``Cupy`` (get_device, current_stream),
-    ``cache`` (generation), ``DEFAULT_WINDOW``, ``window_key`` and ``ROWS``."""
+    ``cache`` (generation), ``DEFAULT_WINDOW``, ``window_key`` and ``ROWS``. ``output``: the
+    parameter a replay writes its result into when given (``out``), if the function has one."""
 
-    def __init__(self, name, parameters, namespace):
+    def __init__(self, name, parameters, namespace, output=None):
         for parameter, kind in parameters:
             if kind not in KINDS:
                 raise ValueError(f"unknown parameter kind {kind!r} of {parameter!r}")
         self.name = name
         self.parameters = tuple(parameters)
+        #: the positions of the parameters that may hold an array, and of ``out`` (None)
+        self.array_positions = tuple(
+            i for i, (_, kind) in enumerate(self.parameters) if kind in _ARRAY_KINDS
+        )
+        names = [parameter for parameter, _ in self.parameters]
+        self.out_position = None if output is None else names.index(output)
         self.namespace = dict(namespace, NAME=name)
         self.key_source = _key_source(self.parameters)
         namespace = dict(self.namespace)

@@ -275,6 +275,34 @@ def test_a_packed_batch_replays_with_new_offsets_and_max_lengths_in_one_multiple
     assert device.full_calls == 4
 
 
+class _Foreign:
+    """An array of another library (a PyTorch tensor, a JAX array), which numflash takes as a
+    CuPy array of the same memory (arrays.intake: DLPack)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def test_arrays_of_another_library_replay_as_the_arrays_they_are_taken_as(device, monkeypatch):
+    monkeypatch.setattr(
+        api.arrays, "intake", lambda x, name: x.inner if isinstance(x, _Foreign) else x
+    )
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    for _ in range(3):
+        given = [_Foreign(x) for x in (q, kc, vc, k, v, seqlens, table)]
+        out = numflash.attention_with_kvcache(
+            *given[:5], cache_seqlens=given[5], block_table=given[6]
+        )
+    assert device.full_calls == 1 and len(device.replays) == 2
+    (q, kc, vc, k, v, seqlens, table) = (x.inner for x in given)
+    assert {p: device.replays[-1][p] for p in range(8)} == _pointers(
+        q, kc, vc, k, v, seqlens, table, out
+    )
+    for _ in range(2):
+        out = numflash.attention(*(_Foreign(x) for x in _qkv()))
+    assert device.full_calls == 2 and len(device.replays) == 3
+
+
 def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):
     q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
     numflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
