@@ -310,11 +310,13 @@ def make(recorded, roles, overlaps=(), outputs=(), lengths=()):
     share memory at replay (validation refused it); ``outputs``: (shape, dtype) of each output
     a replay makes (:meth:`Plan.output`); ``lengths``: (role, low, high) of each int length
     the call passed (its role None in ``roles``), in the order the full path filled arrays
-    with them (``recorded.fills``), with the bounds the full path checked it against."""
+    with them (``recorded.fills``: the first of them), with the bounds the full path checked
+    it against. A fill no length names holds what the signature fixes (the keys of k's shape
+    where `attention` runs the KV-cache kernel over k and v) and is kept as it is."""
     if recorded.unrecorded_work or not recorded.launches:
         return None
-    if len(lengths) != len(recorded.fills):
-        return None  # a fill no length explains, or a length that filled nothing
+    if len(lengths) > len(recorded.fills):
+        return None  # a length that filled nothing
     present = {i: x for i, x in enumerate(roles) if x is not None}
     by_pointer = {}
     for i, x in present.items():

@@ -49,6 +49,19 @@ def test_repeated_attention_replays_and_equals_the_full_path():
     assert _plan_count() == 2  # one plan per return_lse
 
 
+def test_attention_with_few_query_rows_replays_the_kv_cache_kernel_s_plan():
+    """Few query rows run the KV-cache kernel over k and v, with lengths it fills from k's
+    shape (part of the signature): the plan keeps them and replays."""
+    api._plans.clear()
+    for trial in range(3):
+        q, k, v = random_qkv(2, 4, 3000, 8, 2, 128, "float16")
+        got = numflash.attention(q, k, v, return_lse=True)
+        want = api._attention(q, k, v, False, None, (-1, -1), True, None, None)
+        for a, b in zip(got, want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}"
+    assert _plan_count() == 1
+
+
 def test_no_plan_where_the_full_path_copies_an_input():
     api._plans.clear()
     q, k, v = random_qkv(1, 40, 40, 2, 2, 100, "bfloat16")  # head_dim 100: padded to 104
