@@ -463,7 +463,7 @@ def attention_varlen_backward(
     the forward's arguments and its outputs out and lse (nheads, total_q). The kernels and
     ``deterministic`` as for :func:`attention_backward`, chosen as for a dense call of the max
     lengths; ``config`` forces a backward configuration as there. Rows of no sequence, or past
-    a max_seqlen, get zero gradients.
+    a max_seqlen rounded up to a multiple of 128 (the forward's cut), get zero gradients.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
     under stream capture: it zeroes the gradients outside its kernels, which a replay plan

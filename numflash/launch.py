@@ -791,7 +791,8 @@ def _preprocess(p, dout, out, lse):
 def _row_statistics(p, dout, out, lse, grads, offsets):
     """(lse, D) of a backward (_preprocess). For a packed batch (``offsets`` given) D is row
     by row, so the dense preprocess kernel computes it over the packed rows as one sequence,
-    and the gradients ``grads`` are zeroed: rows of no sequence, or past a max_seqlen, keep 0."""
+    and the gradients ``grads`` are zeroed: rows of no sequence, or past the kernels' cut
+    (validation.packed_bound), keep 0."""
     if offsets is None:
         return _preprocess(p, dout, out, lse)
     packed = dataclasses.replace(p, batch=1, seqlen_q=dout.shape[0], seqlen_k=grads[1].shape[0])
