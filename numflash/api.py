@@ -43,7 +43,7 @@ class _Cupy:
 
 
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
-_NAMESPACE.update(ROWS=validation.PACKED_ROWS)
+_NAMESPACE.update(ROWS=validation.packed_bound)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
 #: arrays' roles follow this order; a replay appends the outputs the call makes).
 _ATTENTION = signature.Signature(
@@ -373,8 +373,9 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,) on q's device: sequence b is rows
             cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (starting at 0, never decreasing; empty
             sequences allowed).
-        max_seqlen_q, max_seqlen_k: ints >= 1, the longest sequences or more (rounded up to
-            a multiple of 128, they size the grid without reading the offsets).
+        max_seqlen_q, max_seqlen_k: ints >= 1, the longest sequences or more (rounded up by
+            at most an eighth, exact below 16: validation.packed_bound; they size the grid
+            without reading the offsets).
         causal, softmax_scale, window_size: as :func:`attention`, masks aligned bottom-right
             within each sequence's own lengths.
         return_lse: also return lse, float32 (nheads, total_q).
@@ -385,14 +386,14 @@ def attention_varlen(
             lengths.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
-    they are clamped to [0, total], and a sequence longer than its max_seqlen rounded up to a
-    multiple of 128 is cut to that (its later rows are not written, its later keys not seen).
+    they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
+    to it (its later rows are not written, its later keys not seen).
     Rows that see no key give 0 and lse -inf.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
-    call (same shapes, strides, dtypes, flags, device and stream, max lengths in the same
-    multiple of 128, ``out`` given or not) replays the launches of the first, whatever the
-    offsets hold (numflash.plans).
+    call (same shapes, strides, dtypes, flags, device and stream, max lengths of the same
+    bound, ``out`` given or not) replays the launches of the first, whatever the offsets hold
+    (numflash.plans).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config)
@@ -463,7 +464,7 @@ def attention_varlen_backward(
     the forward's arguments and its outputs out and lse (nheads, total_q). The kernels and
     ``deterministic`` as for :func:`attention_backward`, chosen as for a dense call of the max
     lengths; ``config`` forces a backward configuration as there. Rows of no sequence, or past
-    a max_seqlen rounded up to a multiple of 128 (the forward's cut), get zero gradients.
+    a max_seqlen's bound (the forward's cut), get zero gradients.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
     under stream capture: it zeroes the gradients outside its kernels, which a replay plan

@@ -31,8 +31,8 @@ changed alone, turns a call away.
 #:     it and writes it into the lengths array the full path made: numflash.plans), or an
 #:     array as ``array``;
 #: ``value``: a flag or scalar, (type, value): True and 1, 2 and 2.0 are different calls;
-#: ``rows``: a packed batch's max length, (type, value rounded up to a multiple of ``ROWS``):
-#:     what the full path makes of it (numflash.validation.packed_bound);
+#: ``rows``: a packed batch's max length, (type, ``ROWS(value)``): the bound the full path
+#:     makes of it (numflash.validation.packed_bound);
 #: ``window``: the default window (None) or a window_size, (type, element types, value);
 #: ``config``: a configuration or None, itself.
 KINDS = ("array", "optional", "lengths", "value", "rows", "window", "config")
@@ -74,7 +74,7 @@ def _key_source(parameters):
         elif kind == "value":
             part = f"({name}.__class__, {name})"
         elif kind == "rows":
-            part = f"({name}.__class__, -(-{name} // ROWS))"
+            part = f"({name}.__class__, ROWS({name}))"
         elif kind == "window":
             part = f"None if {name} is DEFAULT_WINDOW else window_key({name})"
         else:  # a configuration (Signature checked every kind)
@@ -116,7 +116,7 @@ def _array_checks(name, index, contiguous, one_device, pad):
 _DIFFERS = {
     "bool": "{name} is not {c}",
     "value": "{name}.__class__ is not {c}_0 or {name} != {c}_1",
-    "rows": "{name}.__class__ is not {c}_0 or -(-{name} // ROWS) != {c}_1",
+    "rows": "{name}.__class__ is not {c}_0 or ROWS({name}) != {c}_1",
     "window": "{name} is DEFAULT_WINDOW or window_key({name}) != {c}",
     "config": "{name}.__class__ is not {c}.__class__ or {name} != {c}",
 }

@@ -278,17 +278,22 @@ def varlen_problem(
     return q, k, v, cu_q, cu_k, p
 
 
-#: A packed batch's grid and cut take its max lengths rounded up to a multiple of this, so
-#: that a training loop whose max lengths change every step runs a few configurations and
-#: replay plans, not one per value (numflash.plans): a multiple of every Hopper and tensor-core
-#: row tile, so the grid has no more row blocks than the exact value would give them.
-PACKED_ROWS = 128
+#: A packed batch's grid and cut take its max lengths rounded up to a step of 1/8 to 1/16 of
+#: their size (PACKED_STEPS steps a power of two, exact below it), so that a training loop
+#: whose max lengths change every step runs a few configurations and replay plans, not one
+#: per value (numflash.plans). Steps are powers of two: where a step is no larger than the
+#: row tile (up to 8 tiles of rows) the grid has exactly the row blocks the value gives, past
+#: that at most an eighth more, which find no row and return.
+PACKED_STEPS = 16
 
 
 def packed_bound(max_seqlen):
-    """The rows of a packed sequence the kernels cover: ``max_seqlen`` rounded up to a
-    multiple of :data:`PACKED_ROWS` (within int32)."""
-    return min(-(-max_seqlen // PACKED_ROWS) * PACKED_ROWS, MAX_INT32)
+    """The rows of a packed sequence the kernels cover: ``max_seqlen`` (an int) rounded up to
+    a multiple of the power of two 1/8 to 1/16 of it (itself below PACKED_STEPS), within
+    int32."""
+    n = int(max_seqlen)
+    step = 1 << max(0, n.bit_length() - PACKED_STEPS.bit_length() + 1)
+    return min(-(-n // step) * step, MAX_INT32)
 
 
 def _config_problems(config, p, device):

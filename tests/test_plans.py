@@ -6,7 +6,7 @@ import pytest
 from support import random_array, random_qkv, xp
 
 import numflash
-from numflash import api
+from numflash import api, validation
 
 pytestmark = pytest.mark.gpu
 
@@ -146,15 +146,17 @@ def test_one_array_in_several_roles_replays_and_equals_the_full_path():
 
 def test_packed_batches_with_new_offsets_and_max_lengths_replay_and_equal_the_full_path():
     """A training loop over packed batches: new offsets and max lengths every step (one
-    offsets array for q and k), replayed by one plan per multiple of 128 of the max length."""
+    offsets array for q and k), replayed by one plan per bound of the max length."""
     api._plans.clear()
     rng = np.random.default_rng(6)
     total = 600
     q, k, v = (random_array((total, 4, 64), "float16", rng) for _ in range(3))
+    bounds = set()
     for step in range(5):
         cuts = np.sort(rng.choice(np.arange(1, total), 3, replace=False))
         cu_host = np.concatenate([[0], cuts, [total]]).astype(np.int32)
         longest = int(np.diff(cu_host).max())
+        bounds.add(validation.packed_bound(longest))
         cu = xp.asarray(cu_host)
         for return_lse in (False, True):
             got = numflash.attention_varlen(
@@ -165,8 +167,7 @@ def test_packed_batches_with_new_offsets_and_max_lengths_replay_and_equal_the_fu
             )
             for a, b in zip(got if return_lse else (got,), want if return_lse else (want,)):
                 assert (_bits(a) == _bits(b)).all(), f"step {step}, return_lse={return_lse}"
-    # one plan per multiple of 128 and return_lse: max lengths of 150-599 fall in at most 4
-    assert _plan_count() <= 8
+    assert _plan_count() == 2 * len(bounds)  # one plan per bound and return_lse
 
 
 def _stride_0_seqlen(x):
