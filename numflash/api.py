@@ -42,8 +42,14 @@ class _Cupy:
         cls.fill = launch.memset_d32()
 
 
+def _rows_key(max_seqlen):
+    """A packed batch's max length as its plan key holds it: the bound the kernels cover where
+    it is an int (validation.packed_bound), else itself (the full path refuses it by name)."""
+    return validation.packed_bound(max_seqlen) if max_seqlen.__class__ is int else max_seqlen
+
+
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
-_NAMESPACE.update(ROWS=validation.packed_bound)
+_NAMESPACE.update(ROWS=_rows_key)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
 #: arrays' roles follow this order; a replay appends the outputs the call makes).
 _ATTENTION = signature.Signature(

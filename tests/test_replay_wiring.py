@@ -270,9 +270,9 @@ def test_a_packed_batch_replays_with_new_offsets_and_max_lengths_in_one_multiple
         out = numflash.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
     assert device.full_calls == 1 and len(device.replays) == 3
     assert {p: device.replays[-1][p] for p in range(6)} == _pointers(q, k, v, cu, cu, out)
-    for other in (105, 0, True):  # another bound; two the full path refuses
+    for other in (105, 0, True, float("nan"), float("inf")):  # another bound; four refused
         numflash.attention_varlen(q, k, v, cu, cu, other, 100, causal=True)
-    assert device.full_calls == 4
+    assert device.full_calls == 6
 
 
 class _Foreign:
