@@ -12,7 +12,8 @@ has it) and portable backward; tensor-core and portable KV-cache kernels over pa
 contiguous caches with appends; the packed (varlen) kernels, forward and backward (portable,
 mma.sync and wgmma), also over device offsets that lie; the Hopper forward in each schedule,
 and over KV caches (chunked prefill, hostile lengths and pages included). ``--family NAME``
-runs the cases of one family (``varlen`` for the packed ones).
+runs the cases of one family (``varlen`` for the packed ones); ``--kvcache-only`` only its
+KV-cache cases (for the Hopper forward: chunked prefill, hostile lengths and pages included).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -188,8 +189,9 @@ def run(case):
 
 def main(argv):
     family = argv[argv.index("--family") + 1] if "--family" in argv else None
+    kvcache_only = "--kvcache-only" in argv
     for case in CASES:
-        if family is not None and case.family != family:
+        if kvcache_only or family is not None and case.family != family:
             continue
         hopper = (WgmmaBackwardConfig, WgmmaForwardConfig)
         if isinstance(case.backward or case.forward, hopper) and not current_device().has_wgmma:
@@ -213,7 +215,7 @@ def main(argv):
             )
         cupy.cuda.Device().synchronize()
         print("ok chunked prefill over hostile lengths and pages", flush=True)
-    if family in (None, "varlen"):
+    if family in (None, "varlen") and not kvcache_only:
         test_varlen.REPEATS = 1  # the bitwise repeats are pytest's; here one run of each kernel
         for case in test_varlen.SMALL_CASES:
             test_varlen.test_varlen_matches_the_reference_per_sequence(case)

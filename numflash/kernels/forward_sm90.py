@@ -50,7 +50,7 @@ windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (o
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
 first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
 load through the block table: by TMA as boxes of whole pages where the page size allows it
-(paged_tma), else by cp.async a row at a time; keys behind a page outside the cache are flagged
+(paged_tma; a box a lane of the producer warp), else by cp.async a row at a time; keys behind a page outside the cache are flagged
 absent (load_keys, load_page_boxes).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
@@ -96,7 +96,7 @@ REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 #: 240 (24 + 2 x 240 = 3 x 168).
 TMA_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 #: ... when the producer reads a paged cache: its per-row page lookups (cp.async) spilled at 56
-#: (head_dim 64, sm_90a, CUDA 13); by TMA, one thread's page lookups and flags take more than 24.
+#: (head_dim 64, sm_90a, CUDA 13); by TMA, the warp's page lookups and flags take more than 24.
 PAGED_REGISTER_SPLIT = {2: (72, 216), 3: (32, 160)}
 #: The tensor maps a block publishes (Q, K, V), each staged in MAP_BYTES of shared memory.
 MAPS = 3
@@ -526,46 +526,69 @@ def build(
                              int32(a * BOX_INNER), row, head, b)  # fmt: skip
 
     @device_function
-    def load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side):
-        """Paged TMA: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows, each
-        within one page (the map is over the pages: kernels.forward_sm90.paged_tma). A page
-        outside the cache, or past the sequence's end (never looked up), is read out of the
-        map's bounds: zeros. K's side flags the keys behind a page outside the cache, then
-        arrives (releasing the flags)."""
+    def tile_pages(pages, n0, lane):
+        """Paged TMA, warp-wide: the page of this lane's box of the tile of keys n0.. (boxes of
+        min(page_size, BLOCK_N) rows, the lane's number its box's), or ``pages[SLOTS]`` where
+        the box starts past the sequence's end (never looked up) or its page is outside the
+        cache: either is read out of the map's bounds (zeros). Every box's table entry is read
+        at once, one a lane, instead of one after another by the thread issuing the copies
+        (each a dependent global load: at 16-key pages they took most of a tile's time)."""
+        box_rows = min(pages[PAGE_SIZE], BLOCK_N)
+        r0 = lane * box_rows
+        page = pages[SLOTS]
+        if r0 < BLOCK_N and r0 < pages[SEQLEN_K] - n0:
+            index, _ = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
+            found = pages[TABLE][pages[TABLE_BASE] + int64(index)]
+            if found >= 0 and found < pages[SLOTS]:
+                page = found
+        return page
+
+    @device_function
+    def load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side, page,
+                        lane):  # fmt: skip
+        """Paged TMA, warp-wide: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows,
+        each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
+        i copying box i from the page it found (tile_pages): one thread issuing every box's
+        copies one after another took most of a tile's time at 16-key pages. K's side flags
+        the keys behind a page outside the cache (lane 0), then arrives (releasing the flags)."""
         flags = cuda.shared.array(0, int32)
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
-        for i in range(BLOCK_N // box_rows):
-            r0 = i * box_rows
-            page = pages[SLOTS]  # no page: out of the map
-            within = uint32(0)
-            if r0 < keys:
-                index, within = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
-                found = pages[TABLE][pages[TABLE_BASE] + int64(index)]
-                if found >= 0 and found < pages[SLOTS]:
-                    page = found
-                elif not v_side:
+        boxes = BLOCK_N // box_rows
+        if not v_side:
+            for i in range(boxes):
+                box_page = ptx.shfl_index(page, i)
+                r0 = i * box_rows
+                if lane == 0 and r0 < keys and box_page == pages[SLOTS]:
                     for r in range(r0, min(r0 + box_rows, keys)):
                         flags[pages[FLAG0] + slot * BLOCK_N + r] = int32(t)
                     flags[pages[FLAG0] + ANY_ABSENT + slot] = int32(t)
+        if lane < boxes:
+            r0 = lane * box_rows
+            within = uint32(0)
+            if r0 < keys:
+                _, within = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
             load_boxes(tensor_map, dst + uint32(r0 * ROW_BYTES), KV_ATOM, barrier, int32(within),
                        kv_head, int32(page))  # fmt: skip
-        if not v_side:
+        if not v_side and lane == 0:
             ptx_sm90.mbarrier_arrive(barrier)
 
     @device_function
     def refill_box(base, empty, full, t, slot, tensor_map, offset, n0, kv_head, b, pages,
-                   v_side):  # fmt: skip
+                   v_side, page, lane):  # fmt: skip
         """TMA: tile t of K or V (``v_side``; ``offset`` into the slot) into ``slot`` once its
-        last tile there is released."""
+        last tile there is released; lane 0 alone, or (paged) the producer warp with the pages
+        of its boxes (tile_pages)."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
             ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
         barrier = barrier_address(base, full + slot)
-        ptx_sm90.mbarrier_expect_tx(barrier, uint32(ATOMS * KV_ATOM))
+        if lane == 0:
+            ptx_sm90.mbarrier_expect_tx(barrier, uint32(ATOMS * KV_ATOM))
         dst = slot_address(base, slot) + uint32(offset)
         if PAGED:
-            load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side)
+            load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side, page,
+                            lane)  # fmt: skip
         else:
             load_boxes(tensor_map, dst, KV_ATOM, barrier, n0, kv_head, b)
 
@@ -573,7 +596,8 @@ def build(
     def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, pages,
                       lane):  # fmt: skip
         """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
-        Q and every key tile's K and V into the ring."""
+        Q and every key tile's K and V into the ring (a paged cache's tiles: the whole warp,
+        a box a lane, tile_pages)."""
         head, kv_head, b, kv_b, q_row0, k_row0 = coords
         q_words, k_words, v_words = templates
         staged = base + uint32(STAGED_MAPS)
@@ -592,13 +616,28 @@ def build(
             q_full = barrier_address(base, Q_FULL)
             ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
             load_boxes(q_map, base, Q_ATOM, q_full, int32(q_row0 + m0), head, b)
+            if not PAGED:
+                slot = int32(0)
+                for t in range(n_tiles):
+                    n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
+                    refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b,
+                               pages, False, int32(0), int32(0))  # fmt: skip
+                    refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b,
+                               pages, True, int32(0), int32(0))  # fmt: skip
+                    slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        if PAGED:  # the whole warp looks the tiles' pages up and copies their boxes
+            k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
+            v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
+            ptx_tma.acquire(k_map)
+            ptx_tma.acquire(v_map)
             slot = int32(0)
             for t in range(n_tiles):
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
+                page = tile_pages(pages, n0, lane)
                 refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b, pages,
-                           False)  # fmt: skip
+                           False, page, lane)  # fmt: skip
                 refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b, pages,
-                           True)  # fmt: skip
+                           True, page, lane)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function

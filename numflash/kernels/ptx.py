@@ -46,6 +46,7 @@ __all__ = [
     "pack_f16x2",
     "pack_bf16x2",
     "shfl_xor",
+    "shfl_index",
     "f16_to_f32",
     "bf16_to_f32",
     "f32_to_f16",
@@ -256,6 +257,11 @@ if not SIMULATOR:
     def shfl_xor(x, lane_mask):
         """The value of ``x`` held by lane ``lane ^ lane_mask``, all 32 lanes taking part."""
         return cuda.shfl_xor_sync(0xFFFFFFFF, x, lane_mask)
+
+    @device_function
+    def shfl_index(x, source):
+        """The value of ``x`` held by lane ``source``, all 32 lanes taking part."""
+        return cuda.shfl_sync(0xFFFFFFFF, x, source)
 
     @intrinsic
     def f16_to_f32(typingctx, bits):
@@ -472,6 +478,12 @@ else:
 
     def shfl_xor(x, lane_mask):
         return _warp_collective(_shfl_xor_collective, (x, lane_mask))
+
+    def _shfl_index_collective(inputs):
+        return [inputs[int(inputs[lane][1]) & 31][0] for lane in range(32)]
+
+    def shfl_index(x, source):
+        return _warp_collective(_shfl_index_collective, (x, source))
 
     def f16_to_f32(bits):
         return np.float32(np.uint16(bits).view(np.float16))
