@@ -193,7 +193,7 @@ def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=(), lengths=(
         if plan is not None:
             one_device = _Cupy.device_count() == 1
 
-            def write():
+            def write(plan):
                 head = sig.match_parts(key, one_device)
                 plan.replayer(key[1], tail, _Cupy.empty, _Cupy.stream_is_capturing, _plans.pin,
                               head, _Cupy.fill)  # fmt: skip

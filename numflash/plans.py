@@ -34,6 +34,7 @@ key and looks its plan up.
 """
 
 import collections
+import functools
 import sys
 import threading
 import typing
@@ -75,22 +76,53 @@ def _disjoint_check(spans, overlaps):
     lines += [f"    a{role} = p[{role}]; e{role} = a{role} + {int(spans[role])}" for role in roles]
     lines += [f"    if {' or '.join(terms) or 'False'}:", "        return False"]
     lines += ["    passed[0] = list(p)", "    return True"]
-    namespace = {"passed": [None]}
-    exec("\n".join(lines) + "\n", namespace)
-    return namespace["disjoint"]
+    return _defined("\n".join(lines) + "\n", {"passed": [None]}, "disjoint")
+
+
+class Holder:
+    """What a replay under stream capture pins (:meth:`PlanCache.pin`): the arrays whose
+    addresses a plan's launches hold, which a CUDA graph may keep using."""
+
+    __slots__ = ("keep", "pinned")
+
+    def __init__(self, keep):
+        self.keep = keep
+        self.pinned = False
+
+
+def _output(spares, alone, outputs, index, allocate):
+    """:meth:`Plan.output` over a plan's spares, their holders and its outputs."""
+    spare = spares[index]
+    if spare is not None and _holders(spare) == alone[index]:
+        return spare
+    spare = allocate(*outputs[index])
+    if spare.nbytes <= REUSE_BYTES:
+        spares[index] = spare
+        alone[index] = _holders(spare)
+    return spare
+
+
+def _defined(source, namespace, name):
+    """The function ``name`` that ``source`` defines, run in ``namespace``, which keeps no
+    reference to it: a function in its own globals is a reference cycle, which only the
+    cyclic garbage collector frees, and it would hold its plan's buffers until then."""
+    exec(source, namespace)
+    return namespace.pop(name)
 
 
 class Plan:
-    """Recorded launches, replayed in order on one stream with the call's pointers."""
+    """Recorded launches, replayed in order on one stream with the call's pointers. Nothing a
+    plan refers to refers back to it (its replay's namespace holds its :class:`Holder`, not
+    the plan), so a plan dropped from the cache frees its buffers at once."""
 
-    __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "pinned")
+    __slots__ = ("launches", "keep", "spans", "overlaps", "disjoint", "lock", "holder")
     __slots__ += ("outputs", "spares", "alone", "replay", "replay_source", "run", "run_source")
-    __slots__ += ("same", "fills", "deferred")
+    __slots__ += ("same", "fills", "deferred", "__weakref__")
 
     def __init__(self, launches, keep, spans, overlaps, outputs=(), same=(), fills=()):
         self.launches = launches
         self.keep = keep  # the arrays whose pointers the launches hold
-        self.pinned = False  # replayed under stream capture: a graph may hold ``keep``
+        self.holder = Holder(keep)  # pinned once replayed under capture
         self.spans = spans  # bytes each role's array spans (its signature fixes them)
         self.overlaps = overlaps  # role pairs that must not share memory
         #: disjoint(pointers): whether those pairs do not overlap at these pointers
@@ -109,10 +141,16 @@ class Plan:
         self.run = self.run_source = None  # ... with the key's matcher, once made
         self.deferred = None  # :meth:`defer`'s writer of the replay
 
+    @property
+    def pinned(self):
+        """Whether a replay under stream capture pinned the plan's buffers."""
+        return self.holder.pinned
+
     def defer(self, write):
-        """Put off writing the replay, ``write()`` (which calls :meth:`replayer`), until
+        """Put off writing the replay, ``write(plan)`` (which calls :meth:`replayer`), until
         :meth:`ready` is first called: writing and compiling it costs about a millisecond,
-        which a signature seen once (a call of a new shape) never pays back."""
+        which a signature seen once (a call of a new shape) never pays back. ``write`` takes
+        the plan as its argument rather than holding it (no reference cycle)."""
         self.deferred = write
 
     def ready(self):
@@ -120,7 +158,7 @@ class Plan:
         if self.run is None and self.deferred is not None:
             with self.lock:
                 if self.run is None:
-                    self.deferred()
+                    self.deferred(self)
                     self.deferred = None
         return self
 
@@ -130,14 +168,7 @@ class Plan:
         loop does), else a new one from ``allocate(shape, dtype)`` with the shape and dtype of
         :attr:`outputs` (the signature fixes them). Either way the kernels write all of it;
         replays run in stream order on one stream, as CuPy's memory pool reuses freed memory."""
-        spare = self.spares[index]
-        if spare is not None and _holders(spare) == self.alone[index]:
-            return spare
-        spare = allocate(*self.outputs[index])
-        if spare.nbytes <= REUSE_BYTES:
-            self.spares[index] = spare
-            self.alone[index] = _holders(spare)
-        return spare
+        return _output(self.spares, self.alone, self.outputs, index, allocate)
 
     def replayer(self, stream, tail, allocate, capturing, pin, head=None, fill=None):
         """Set :attr:`replay` to a function written out for this plan (``replay_source`` is
@@ -145,7 +176,7 @@ class Plan:
         and its ``out`` argument, refuses it (None) where a pair of :attr:`overlaps` shares
         memory or a pair of ``tail.distinct`` shares an address, else takes each output
         ``tail.made`` names (:meth:`output`, ``allocate(shape, dtype)`` a new one), pins the
-        plan through ``pin(plan)`` the first time it replays while ``capturing(stream)`` (not
+        plan through ``pin(holder)`` (its :class:`Holder`) the first time it replays while ``capturing(stream)`` (not
         checked on the legacy default stream, 0, which cannot capture; nor where the plan
         keeps nothing a graph could outlive), patches and launches every launch on
         ``stream`` under the plan's lock, and returns what ``tail.result`` names
@@ -161,7 +192,8 @@ class Plan:
         :attr:`run` (``run_source``): the key's matcher and the replay as one function of the
         call's arguments, which returns None where the call has another key or the replay
         refuses it."""
-        namespace = dict(plan=self, disjoint=self.disjoint, output=self.output, lock=self.lock)
+        output = functools.partial(_output, self.spares, self.alone, self.outputs)
+        namespace = dict(holder=self.holder, disjoint=self.disjoint, output=output, lock=self.lock)
         namespace.update(spares=self.spares, alone=self.alone, holders=_holders)
         namespace.update(allocate=allocate, capturing=capturing, pin=pin, STREAM=stream)
         namespace.update(fill=fill, FillFailed=FillFailed)
@@ -170,16 +202,16 @@ class Plan:
         roles = [f"p[{role}]" for role in range(len(self.spans))]
         lines = ["def replay(p, out):", *self._body(stream, tail, roles, "p")]
         self.replay_source = "\n".join(lines) + "\n"
-        exec(compile(self.replay_source, "<numflash plan replay>", "exec"), namespace)
-        self.replay = namespace["replay"]
+        code = compile(self.replay_source, "<numflash plan replay>", "exec")
+        self.replay = _defined(code, namespace, "replay")
         if head is not None:
             lines, matched, roles = head
             lines = [lines[0].replace("def match(", "def run("), *lines[1:]]
             lines += self._body(stream, tail, roles, f"[{', '.join(roles)}]")
             self.run_source = "\n".join(lines) + "\n"
             namespace.update(matched)
-            exec(compile(self.run_source, "<numflash plan run>", "exec"), namespace)
-            self.run = namespace["run"]
+            code = compile(self.run_source, "<numflash plan run>", "exec")
+            self.run = _defined(code, namespace, "run")
 
     def _body(self, stream, tail, roles, pointers):
         """The lines of a replay once its pointers are known: ``roles[r]`` is the expression
@@ -202,7 +234,7 @@ class Plan:
             ]
             made[role] = f"r{role}"
         if self.keep and stream != 0:
-            lines += ["    if not plan.pinned and capturing(STREAM):", "        pin(plan)"]
+            lines += ["    if not holder.pinned and capturing(STREAM):", "        pin(holder)"]
         lines.append("    with lock:")
         for role, lengths, _, _ in self.fills:
             lines += [
@@ -275,11 +307,13 @@ class PlanCache:
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
 
-    def pin(self, plan):
+    def pin(self, holder):
+        """Keep a plan's buffers (its :class:`Holder`, or the plan) alive for good."""
+        holder = holder.holder if isinstance(holder, Plan) else holder
         with self._lock:
-            if not plan.pinned:
-                plan.pinned = True
-                self._pinned.append(plan)
+            if not holder.pinned:
+                holder.pinned = True
+                self._pinned.append(holder)
 
     def clear(self):
         """Forget every plan not pinned, and which plans were used last."""

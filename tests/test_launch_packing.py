@@ -5,7 +5,9 @@ replay patches into that buffer landing on the arrays' data slots and nowhere el
 The driver is not called: the launch function is a stand-in that notes its arguments. That
 the kernels read these parameters as packed is the GPU tests' part (every launch uses them)."""
 
+import gc
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -172,4 +174,14 @@ def test_a_plans_replay_patches_and_launches_each_of_its_launches_in_order(typed
     assert pinned == []
     capturing[0] = True
     plan.replay([0xA000, 0xB000, 0], None)
-    assert pinned == [plan]
+    assert pinned == [plan.holder]
+    # nothing the plan refers to refers back to it: dropped, it goes at once, with its buffers
+    # (the cyclic garbage collector, off here, would free an old one only now and then)
+    plan.ready()
+    gone = weakref.ref(plan)
+    gc.disable()
+    try:
+        del plan
+        assert gone() is None
+    finally:
+        gc.enable()

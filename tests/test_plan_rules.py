@@ -144,4 +144,4 @@ def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
     cache.pin(made[5])
     cache.clear()
     assert cache.get(5) is None  # forgotten by the cache ...
-    assert made[5].pinned and made[5] in cache._pinned  # ... but its buffers stay alive
+    assert made[5].pinned and made[5].holder in cache._pinned  # ... but its buffers stay alive

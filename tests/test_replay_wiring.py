@@ -352,7 +352,7 @@ def test_a_replay_under_capture_pins_its_plan(device):
     assert not plan.pinned
     device.capturing = 1
     numflash.attention(*_qkv())
-    assert plan.pinned and plan in api._plans._pinned
+    assert plan.pinned and plan.holder in api._plans._pinned
 
 
 def test_a_replay_on_the_legacy_default_stream_asks_nothing_about_capture(device, monkeypatch):
