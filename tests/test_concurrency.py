@@ -1,10 +1,8 @@
 """Calls from several Python threads, each on its own CuPy stream, and on either of two GPUs."""
 
-import threading
-
 import numpy as np
 import pytest
-from support import random_array, random_qkv, xp
+from support import random_array, random_qkv, run_on_streams, xp
 
 import numflash
 from numflash.kernels.jit import SIMULATOR
@@ -35,24 +33,13 @@ def _bits(results):
 def test_threads_on_their_own_streams_equal_serial_calls():
     problems = [_work(seed) for seed in range(THREADS)]
     xp.cuda.Device().synchronize()
-    results, errors = {}, []
 
     def run(index):
-        try:
-            with xp.cuda.Stream(non_blocking=True) as stream:
-                for _ in range(CALLS):
-                    last = _call(*problems[index])
-                stream.synchronize()
-            results[index] = _bits(last)
-        except Exception as exc:  # reported below, with the thread's index
-            errors.append((index, exc))
+        for _ in range(CALLS):
+            last = _call(*problems[index])
+        return last
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    results = {i: _bits(last) for i, last in run_on_streams(THREADS, run).items()}
     for index, problem in enumerate(problems):
         serial = _bits(_call(*problem))
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[index], serial):

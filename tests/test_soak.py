@@ -11,11 +11,9 @@ and the memory pool stops growing once every signature has been seen. On the GPU
     python -m pytest -m slow tests/test_soak.py
 """
 
-import threading
-
 import numpy as np
 import pytest
-from support import random_array, to_numpy, xp
+from support import random_array, run_on_streams, to_numpy, xp
 
 import numflash
 
@@ -129,23 +127,8 @@ class _Program:
 
 
 def test_threads_on_their_own_streams_equal_each_program_run_alone():
-    results, pools, errors = {}, {}, []
-
-    def run(seed):
-        try:
-            with xp.cuda.Stream(non_blocking=True) as stream:
-                pools[seed] = []
-                results[seed] = _Program(seed).run(pools[seed])
-                stream.synchronize()
-        except Exception as exc:  # reported below, with the thread's seed
-            errors.append((seed, exc))
-
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    pools = {seed: [] for seed in range(THREADS)}
+    results = run_on_streams(THREADS, lambda seed: _Program(seed).run(pools[seed]))
     quarter = max(pool[0] for pool in pools.values())
     end = max(pool[1] for pool in pools.values())
     assert end <= quarter + (64 << 20), f"memory pool {quarter} bytes at a quarter, {end} at end"

@@ -1,5 +1,7 @@
 """Helpers shared by the tests: arrays for the current mode, and the reference checks they assert."""
 
+import threading
+
 import numpy as np
 
 from numflash.arrays import BFLOAT16, from_float, to_float64
@@ -96,6 +98,29 @@ def assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask):
         assert result.err <= result.bar, (
             f"{result.name}: max |grad - ref| = {result.err:.3e} > bar {result.bar:.3e}"
         )
+
+
+def run_on_streams(count, body):
+    """``{i: body(i)}`` for i < ``count``, each run in a thread of its own on a non-blocking
+    CuPy stream of its own (synchronised before the thread ends); fails naming every thread
+    that raised, with what it raised."""
+    results, errors = {}, []
+
+    def run(index):
+        try:
+            with xp.cuda.Stream(non_blocking=True) as stream:
+                results[index] = body(index)
+                stream.synchronize()
+        except Exception as exc:  # reported below, with the thread's index
+            errors.append((index, exc))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return results
 
 
 def json_from_subprocess(argv, name, tmp_path_factory, worker_id, timeout=1800):
