@@ -201,6 +201,16 @@ def cases():
             forward_sm90.build(hd, dt, *schedule),
             launch.WGMMA_FORWARD.signature(dt),
         )
+    # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs it)
+    for cache in ("contiguous", "paged"):
+        c = selection.default_wgmma_forward_config(128)
+        schedule = forward_sm90.schedule(c, cache=cache)
+        yield (
+            family,
+            f"kvcache-{cache}-128-float16",
+            forward_sm90.build(128, "float16", *schedule),
+            launch.WGMMA_KVCACHE.signature("float16"),
+        )
 
 
 def fingerprints(dump=None):
