@@ -1,4 +1,5 @@
 """The examples: train_reverse.py's hand-written backward, through numflash, trains the model;
+jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss curve;
 ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
 generates the same tokens eagerly and from a CUDA graph."""
 
@@ -92,3 +93,21 @@ def test_ring_training_gives_the_loss_and_gradients_of_one_device():
     for name, g in grads.items():
         scale = float(xp.abs(whole[name]).max()) or 1.0
         assert float(xp.abs(g - whole[name]).max()) <= 5e-3 * scale, name  # fp16 attention
+
+
+def test_jax_example_trains_numflash_inside_jit_along_the_jax_attention_curve():
+    """examples/jax_train.py: a jitted train step with numflash.jax.attention (forward and
+    backward inside XLA's program) follows the loss curve of jax.nn.dot_product_attention
+    from the same parameters and batches, and the loss falls (tiny sizes: on CI, JAX's CPU
+    backend and the simulator)."""
+    jax = pytest.importorskip("jax")
+    from numflash.kernels.jit import SIMULATOR
+
+    if jax.default_backend() != ("cpu" if SIMULATOR else "gpu"):
+        pytest.skip(f"JAX's {jax.default_backend()} backend does not match")
+    import jax_train
+
+    losses = jax_train.train(steps=8, batch=4, seqlen=8, dim=32, heads=2, vocab=4, out=print)
+    for a, b in zip(losses["numflash"], losses["jax"]):
+        assert abs(a - b) < 0.02 * max(1.0, abs(b)), losses  # bf16 q, k, v either way
+    assert min(losses["numflash"][-3:]) < 0.75 * losses["numflash"][0], losses
