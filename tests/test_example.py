@@ -1,5 +1,6 @@
 """The examples: train_reverse.py's hand-written backward, through numflash, trains the model;
-jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss curve;
+jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss curve, and
+jax_decode.py decodes over paged caches in a jitted loop as one causal pass computes;
 ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
 generates the same tokens eagerly and from a CUDA graph."""
 
@@ -111,3 +112,21 @@ def test_jax_example_trains_numflash_inside_jit_along_the_jax_attention_curve():
     for a, b in zip(losses["numflash"], losses["jax"]):
         assert abs(a - b) < 0.02 * max(1.0, abs(b)), losses  # bf16 q, k, v either way
     assert min(losses["numflash"][-3:]) < 0.75 * losses["numflash"][0], losses
+
+
+def test_jax_decode_example_matches_one_causal_pass_across_pages():
+    """examples/jax_decode.py: a jitted fori_loop of decoding steps over paged caches (carried
+    and donated, appended in place by numflash.jax.attention_with_kvcache) gives the logits of
+    one causal pass over the generated sequence; 17 tokens cross a 16-token page."""
+    jax = pytest.importorskip("jax")
+    from numflash.kernels.jit import SIMULATOR
+
+    if jax.default_backend() != ("cpu" if SIMULATOR else "gpu"):
+        pytest.skip(f"JAX's {jax.default_backend()} backend does not match")
+    import jax_decode
+
+    tokens, gap, scale = jax_decode.run(
+        batch=2, layers=2, prompt_len=3, new=14, dim=32, heads=2, kv_heads=1, vocab=8, out=print
+    )
+    assert tokens.shape == (2, 17)
+    assert gap <= 0.02 * scale, (gap, scale)  # bf16 q, k, v and outputs either way
