@@ -43,22 +43,31 @@ _SKIP = (".version", ".target", ".file", ".loc", "//")
 _SLOT = re.compile(r"^\.common \.global \.align 8 \.u64 _ZN[0-9A-Za-z_$]+;$")
 
 
+_SYMBOL = re.compile(r"_ZN[0-9A-Za-z_$]+|_cudapy_smem_[0-9]+")
+_SHARED_DECLARATION = ".extern .shared"
+
+
 def normalise(ptx):
     """The PTX without comments, target and file lines or device functions' exception slots,
-    symbols renamed in order of use (shared arrays too: Numba numbers them by how many arrays
-    the process compiled before)."""
+    symbols renamed in order of use in the code (shared arrays too: Numba numbers them by how
+    many arrays the process compiled before), and a kernel's dynamic shared-array declarations
+    sorted: Numba declares them in an order that changes from process to process (seen in
+    the paged chunked-prefill kernel, which declares several)."""
+    lines = [
+        line
+        for line in ptx.splitlines()
+        if not (line.strip().startswith(_SKIP) or _SLOT.match(line.strip()))
+    ]
     names = {}
-    lines = []
-    for line in ptx.splitlines():
-        if line.strip().startswith(_SKIP) or _SLOT.match(line.strip()):
-            continue
-        lines.append(
-            re.sub(
-                r"_ZN[0-9A-Za-z_$]+|_cudapy_smem_[0-9]+",
-                lambda m: names.setdefault(m.group(0), f"SYM{len(names)}"),
-                line,
-            )
-        )
+    for declarations in (False, True):  # names by first use outside the declarations, then in
+        for line in lines:
+            if line.lstrip().startswith(_SHARED_DECLARATION) == declarations:
+                for m in _SYMBOL.finditer(line):
+                    names.setdefault(m.group(0), f"SYM{len(names)}")
+    lines = [_SYMBOL.sub(lambda m: names[m.group(0)], line) for line in lines]
+    at = [i for i, line in enumerate(lines) if line.lstrip().startswith(_SHARED_DECLARATION)]
+    for i, line in zip(at, sorted(lines[i] for i in at)):
+        lines[i] = line
     return "\n".join(lines)
 
 
