@@ -33,7 +33,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .forward_portable import packed_sequence
-from .fragments import PACK, acc_index, tile_base
+from .fragments import PACK, acc_index, accumulator_position, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
 from .softmax import LOG2E, row_log2_lse
@@ -86,10 +86,10 @@ def probabilities_function(q_tiles):
         lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
         for qt in range(Q_TILES):
             for e in range(2):
-                col = qt * 8 + e
+                i = tile_base(qt) + e  # key row key0
+                _, col = accumulator_position(i, 0)  # the query, from the lane's first
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
-                i = tile_base(qt) + e  # key row key0
                 p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
                 seen = (lo0 <= int32(col)) & (int32(col) < hi0)
                 st[i] = p if seen else float32(0.0)
@@ -258,8 +258,8 @@ def row_ds_function(key_tiles):
         for qt in range(Q_TILES):
             for e in range(4):
                 i = tile_base(qt) + e
-                col = qt * 8 + (e & 1)
-                second = e >= 2
+                _, col = accumulator_position(i, 0)  # the key, from the lane's first
+                second = e >= 2  # the lane's second row
                 _, ds = p_and_ds(
                     s[i], dp[i], -(lse_1 if second else lse_0), d_1 if second else d_0, scale_log2
                 )

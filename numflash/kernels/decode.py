@@ -42,7 +42,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 from . import ptx
 from .decode_portable import address_function, sequence_length
 from .forward_portable import FROM_F32
-from .fragments import acc_index
+from .fragments import acc_index, accumulator_position
 from .jit import SIMULATOR, device_function, kernel
 from .mask import block_key_range, visible_keys
 from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
@@ -286,10 +286,11 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
         h) or that are absent."""
         for nt in range(N_TILES):
             for e in range(2):
-                c = warp * BLOCK_N + nt * 8 + (lane & 3) * 2 + e  # key within the slot
+                i = acc_index(nt, 0) + e
+                _, col = accumulator_position(i, lane)
+                c = warp * BLOCK_N + col  # key within the slot
                 j = n0 + c
                 here = (not PAGED) or absent[stage * KEYS + c] != tile
-                i = acc_index(nt, 0) + e
                 s[i] = s[i] if here and lo0 <= j and j < hi0 else NEG_INF
                 i = acc_index(nt, 1) + e
                 s[i] = s[i] if here and lo1 <= j and j < hi1 else NEG_INF

@@ -32,7 +32,7 @@ from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
 from .forward_portable import dense_bases, packed_bases, packed_sequence
-from .fragments import PACK, acc_index
+from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
@@ -98,7 +98,8 @@ def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q
         hi -= first_col
         for nt in range(N_TILES):
             for e in range(2):
-                visible = lo <= nt * 8 + e and nt * 8 + e < hi
+                _, col = accumulator_position(4 * nt + e, 0)  # from the lane's first column
+                visible = lo <= col and col < hi
                 s[first + 4 * nt + e] = s[first + 4 * nt + e] if visible else NEG_INF
 
     @device_function
