@@ -176,9 +176,10 @@ class Plan:
         and its ``out`` argument, refuses it (None) where a pair of :attr:`overlaps` shares
         memory or a pair of ``tail.distinct`` shares an address, else takes each output
         ``tail.made`` names (:meth:`output`, ``allocate(shape, dtype)`` a new one), pins the
-        plan through ``pin(holder)`` (its :class:`Holder`) the first time it replays while ``capturing(stream)`` (not
-        checked on the legacy default stream, 0, which cannot capture; nor where the plan
-        keeps nothing a graph could outlive), patches and launches every launch on
+        plan's buffers through ``pin(holder)`` (its :class:`Holder`) the first time it
+        replays while ``capturing(stream)`` (not checked on the legacy default stream, 0,
+        which cannot capture; nor where the plan keeps nothing a graph could outlive),
+        patches and launches every launch on
         ``stream`` under the plan's lock, and returns what ``tail.result`` names
         (docs/performance.md, "One replay function per plan").
 

@@ -50,8 +50,8 @@ windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (o
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
 first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
 load through the block table: by TMA as boxes of whole pages where the page size allows it
-(paged_tma; a box a lane of the producer warp), else by cp.async a row at a time; keys behind a page outside the cache are flagged
-absent (load_keys, load_page_boxes).
+(paged_tma; a box a lane of the producer warp), else by cp.async a row at a time; keys behind
+a page outside the cache are flagged absent (load_keys, load_page_boxes).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
@@ -155,6 +155,8 @@ def build(
         raise ValueError("TMA loads take a producer")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
+    if cache == "paged" and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
+        raise ValueError("paged TMA loads take tiles of at most 256 keys")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
@@ -531,8 +533,7 @@ def build(
         min(page_size, BLOCK_N) rows, the lane's number its box's), or ``pages[SLOTS]`` where
         the box starts past the sequence's end (never looked up) or its page is outside the
         cache: either is read out of the map's bounds (zeros). Every box's table entry is read
-        at once, one a lane, instead of one after another by the thread issuing the copies
-        (each a dependent global load: at 16-key pages they took most of a tile's time)."""
+        at once, one a lane, once for K and V."""
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         r0 = lane * box_rows
         page = pages[SLOTS]
@@ -548,9 +549,10 @@ def build(
                         lane):  # fmt: skip
         """Paged TMA, warp-wide: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows,
         each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
-        i copying box i from the page it found (tile_pages): one thread issuing every box's
-        copies one after another took most of a tile's time at 16-key pages. K's side flags
-        the keys behind a page outside the cache (lane 0), then arrives (releasing the flags)."""
+        i copying box i from the page it found (tile_pages): with one thread issuing every
+        box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
+        side flags the keys behind a page outside the cache (lane 0), then arrives (releasing
+        the flags)."""
         flags = cuda.shared.array(0, int32)
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
