@@ -55,6 +55,13 @@ def wall_ms(fn, sync, calls=10, bursts=7, warmup=2):
     return statistics.median(times)
 
 
+def to_cupy(x):
+    """A CuPy copy of JAX array ``x`` (16-bit floats through their bits: CuPy's bfloat16 is
+    a view of uint16, numflash.arrays)."""
+    host = np.asarray(x)
+    return cupy.asarray(host.view(np.uint16)).view(host.dtype)
+
+
 def cupy_sync(_):
     cupy.cuda.get_current_stream().synchronize()
 
@@ -69,7 +76,7 @@ def training_rows(dtype, seqlen, head_dim, causal):
 
     host = [draw(heads), draw(kv_heads), draw(kv_heads), draw(heads)]
     jq, jk, jv, jd = (jnp.asarray(x, dtype) for x in host)
-    cq, ck, cv, cd = (cupy.asarray(np.asarray(x)) for x in (jq, jk, jv, jd))  # the same values
+    cq, ck, cv, cd = (to_cupy(x) for x in (jq, jk, jv, jd))  # the same values
     providers = {
         "numflash.jax (jit)": lambda q, k, v: njax.attention(q, k, v, causal=causal),
         "jax cudnn (jit)": lambda q, k, v: jax.nn.dot_product_attention(
@@ -161,7 +168,7 @@ def decode_rows(dtype, layers, batch, length, heads=32, kv_heads=8, head_dim=128
         tuple(from_float(crng.standard_normal(shape, dtype=cupy.float32), dtype) for _ in "kv")
         for _ in range(layers)
     ]
-    cq, ck = cupy.asarray(np.asarray(jq)), cupy.asarray(np.asarray(jk))
+    cq, ck = to_cupy(jq), to_cupy(jk)
     ctable, clens = cupy.asarray(table), cupy.asarray(seqlens)
 
     def eager():
