@@ -309,8 +309,7 @@ class PlanCache:
                 self._plans.popitem(last=False)
 
     def pin(self, holder):
-        """Keep a plan's buffers (its :class:`Holder`, or the plan) alive for good."""
-        holder = holder.holder if isinstance(holder, Plan) else holder
+        """Keep a plan's buffers (its :class:`Holder`) alive for good."""
         with self._lock:
             if not holder.pinned:
                 holder.pinned = True

@@ -96,16 +96,22 @@ def test_ring_training_gives_the_loss_and_gradients_of_one_device():
         assert float(xp.abs(g - whole[name]).max()) <= 5e-3 * scale, name  # fp16 attention
 
 
-def test_jax_example_trains_numflash_inside_jit_along_the_jax_attention_curve():
-    """examples/jax_train.py: a jitted train step with numflash.jax.attention (forward and
-    backward inside XLA's program) follows the loss curve of jax.nn.dot_product_attention
-    from the same parameters and batches, and the loss falls (tiny sizes: on CI, JAX's CPU
-    backend and the simulator)."""
+def _jax_backend_or_skip():
+    """Skip unless JAX is installed with the backend numflash runs on here (CPU in the
+    simulator, GPU on a GPU), as tests/test_jax.py does."""
     jax = pytest.importorskip("jax")
     from numflash.kernels.jit import SIMULATOR
 
     if jax.default_backend() != ("cpu" if SIMULATOR else "gpu"):
         pytest.skip(f"JAX's {jax.default_backend()} backend does not match")
+
+
+def test_jax_example_trains_numflash_inside_jit_along_the_jax_attention_curve():
+    """examples/jax_train.py: a jitted train step with numflash.jax.attention (forward and
+    backward inside XLA's program) follows the loss curve of jax.nn.dot_product_attention
+    from the same parameters and batches, and the loss falls (tiny sizes: on CI, JAX's CPU
+    backend and the simulator)."""
+    _jax_backend_or_skip()
     import jax_train
 
     losses = jax_train.train(steps=8, batch=4, seqlen=8, dim=32, heads=2, vocab=4, out=print)
@@ -118,11 +124,7 @@ def test_jax_decode_example_matches_one_causal_pass_across_pages():
     """examples/jax_decode.py: a jitted fori_loop of decoding steps over paged caches (carried
     and donated, appended in place by numflash.jax.attention_with_kvcache) gives the logits of
     one causal pass over the generated sequence; 17 tokens cross a 16-token page."""
-    jax = pytest.importorskip("jax")
-    from numflash.kernels.jit import SIMULATOR
-
-    if jax.default_backend() != ("cpu" if SIMULATOR else "gpu"):
-        pytest.skip(f"JAX's {jax.default_backend()} backend does not match")
+    _jax_backend_or_skip()
     import jax_decode
 
     tokens, gap, scale = jax_decode.run(

@@ -141,7 +141,7 @@ def test_a_cache_keeps_the_latest_plans_and_forgets_all_but_pinned_ones():
     assert cache.get(plans.MAX_PLANS) is made[-2]
     cache.put(plans.MAX_PLANS + 1, made[-1])  # the least recently looked up goes: 2, not 1
     assert cache.get(2) is None and cache.get(1) is made[1]
-    cache.pin(made[5])
+    cache.pin(made[5].holder)
     cache.clear()
     assert cache.get(5) is None  # forgotten by the cache ...
     assert made[5].pinned and made[5].holder in cache._pinned  # ... but its buffers stay alive
