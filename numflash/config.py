@@ -252,13 +252,18 @@ class WgmmaForwardConfig(_Config):
         """The head_dim the kernel runs at: zero-padded to a multiple of 8 (16-byte rows)."""
         return round_up(head_dim, 8)
 
-    def shared_memory_bytes(self, head_dim):
+    def shared_memory_bytes(self, head_dim, paged=False):
         """Q tile, ``stages`` K and V tiles in swizzled 64-column atoms, the mbarriers and
-        the alignment."""
+        the alignment; over a ``paged`` KV cache, its absent-key flags too."""
         layout = forward_sm90.shared_memory_layout(
-            head_dim, self.block_m, self.block_n, self.stages
+            head_dim, self.block_m, self.block_n, self.stages, paged
         )
         return layout[-1]
+
+    def paged_cache_problems(self, head_dim, device):
+        """Why this configuration cannot run chunked prefill over a paged cache (the flags'
+        shared memory beside the rest) on ``device``; empty when it can."""
+        return _dynamic_shared_problems(self.shared_memory_bytes(head_dim, paged=True), device)
 
     def fragment_registers(self, head_dim):
         """The accumulator, S and P (16-bit pairs) a consumer thread holds."""

@@ -376,6 +376,9 @@ def check_decode_config(config, p, device):
             raise ValueError(
                 f"config: the Hopper forward does not split the keys; got num_splits={p.num_splits}"
             )
+        reasons = config.paged_cache_problems(p.head_dim, device) if p.paged else []
+        if reasons:
+            raise ValueError(f"config {config} cannot run over a paged cache here: {reasons[0]}")
     else:
         _check_family(config, "decode", p)
     if config.HARDWARE != "portable":

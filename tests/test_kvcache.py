@@ -435,6 +435,30 @@ def test_the_hopper_forward_takes_no_head_dim_it_would_pad():
         numflash.attention_with_kvcache(q, cache, cache, cache_seqlens=10, config=KERNELS["hopper"])
 
 
+def test_a_hopper_configuration_without_room_for_a_paged_caches_flags_is_refused():
+    """A paged cache's absent-key flags take shared memory a contiguous one does not: a forced
+    configuration that fits only without them is refused by name before any launch (on a
+    device whose limit lies between the two)."""
+    import dataclasses
+
+    from numflash import validation
+    from numflash.device import current_device
+
+    rng = np.random.default_rng(5)
+    q = random_array((1, 40, 2, 64), "float16", rng)
+    pages = random_array((4, 16, 1, 64), "float16", rng)
+    table = xp.asarray(np.arange(4, dtype=np.int32)[None])
+    config = numflash.WgmmaForwardConfig(consumers=2, block_n=128, stages=2)
+    args = (None, None, 10, None, table, True, None, (-1, -1), 0)
+    p = validation.kvcache_problem(q, pages, pages, *args)[-1]
+    limit = config.shared_memory_bytes(64) + 8  # the flags need more than 8 bytes
+    device = dataclasses.replace(current_device(), max_shared_per_block=limit)
+    with pytest.raises(ValueError, match="cannot run over a paged cache here: needs"):
+        validation.check_decode_config(config, p, device)
+    contiguous = validation.kvcache_problem(q, pages, pages, *args[:4], None, *args[5:])[-1]
+    assert validation.check_decode_config(config, contiguous, device) is config
+
+
 def test_shapes_and_dtypes_are_refused_by_name():
     rng = np.random.default_rng(4)
     q = random_array((2, 1, 2, 16), "float16", rng)

@@ -57,7 +57,7 @@ docs/performance.md ("Hopper forward") has each schedule's measurements and what
 
 import functools
 
-from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint8, uint16, uint32, uint64
 
 from . import ptx, ptx_sm90, ptx_tma
 from .decode_portable import sequence_length
@@ -106,7 +106,9 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
     """(the first slot, one slot, V within a slot, the mbarriers, the staged tensor maps, the
     absent-key flags, total) in bytes from the block's 1024-byte aligned base, where the Q tile
     starts; the total includes 1024 bytes to align that base. The flags (a paged cache's:
-    an int32 per key of every slot, then one per slot) take room only when ``paged``."""
+    a byte per key of every slot, then an int32 per slot) take room only when ``paged``: at
+    bytes, three stages of 128-key tiles fit at head_dim 128 (an int32 a key took 12 bytes
+    more than the H200's 227 KiB)."""
     atoms = padded_head_dim(head_dim) // 64
     q_tile = block_m * ROW_BYTES * atoms
     kv_tile = block_n * ROW_BYTES * atoms
@@ -114,7 +116,7 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
     barriers = q_tile + stages * slot
     maps = (barriers + 8 * (4 * stages + 1) + 127) // 128 * 128  # 128-byte aligned
     flags = maps + MAPS * ptx_tma.MAP_BYTES
-    total = flags + (4 * stages * (block_n + 1) if paged else 0) + GROUP_BYTES
+    total = flags + (stages * (block_n + 4) if paged else 0) + GROUP_BYTES
     return q_tile, slot, kv_tile, barriers, maps, flags, total
 
 
@@ -178,7 +180,7 @@ def build(
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
     layout = shared_memory_layout(head_dim, BLOCK_M, BLOCK_N, STAGES, PAGED)
     STAGE0, SLOT, V_OFF, BARRIERS, STAGED_MAPS, FLAGS, _ = layout
-    ANY_ABSENT = STAGES * BLOCK_N  # the per-slot flags after the per-key ones
+    STAMPS = STAGES * BLOCK_N // 4  # the per-slot int32 stamps after the per-key bytes
     ATOMS = HD_PAD // 64
     MAP_BYTES, MAP_WORDS, BOX_INNER = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS, ptx_tma.BOX_INNER
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a row in global memory
@@ -214,8 +216,9 @@ def build(
     # sequence's first entry in it, page_size, log2(page_size) or -1, K's and V's page strides,
     # pages in the cache, the sequence's keys, K's and V's kv-head offsets, the int32 index of
     # the flags in the dynamic shared memory). A key behind a page outside [0, slots) is absent:
-    # its row is zero-filled and (mark_absent) flagged with its tile's number, so that the
-    # consumers mask it; the flags need no reset between the uses of a slot.
+    # its row is zero-filled and (mark_absent, load_page_boxes) its byte in the slot set, the
+    # slot stamped with the tile's number, so that the consumers mask it; a slot's bytes count
+    # only for the tile its stamp names, and need no reset between the uses of a slot.
     TABLE, TABLE_BASE, PAGE_SIZE, PAGE_SHIFT, K_PAGES, V_PAGES, SLOTS, SEQLEN_K = range(8)
     K_HEAD, V_HEAD, FLAG0 = 8, 9, 10
 
@@ -241,25 +244,27 @@ def build(
 
     @device_function
     def init_flags(pages, tid):
-        """Paged: no key flagged absent (-1 is no tile's number); a block barrier follows."""
+        """Paged: no slot stamped (-1 is no tile's number); a block barrier follows."""
         if PAGED:
-            flags = cuda.shared.array(0, int32)
-            for i in range(tid, STAGES * BLOCK_N + STAGES, THREADS):
-                flags[pages[FLAG0] + i] = int32(-1)
+            stamps = cuda.shared.array(0, int32)
+            for i in range(tid, STAGES, THREADS):
+                stamps[pages[FLAG0] + STAMPS + i] = int32(-1)
 
     @device_function
     def mark_absent(pages, slot, t, keys_left, tid):
-        """Paged: flag the keys of tile ``t`` (in ``slot``) behind a page outside the cache, and
-        the slot as holding one."""
+        """Paged: the byte of every key of tile ``t`` (in ``slot``), set where the key is behind
+        a page outside the cache, and the slot stamped with ``t`` where one is."""
         if PAGED:
-            flags = cuda.shared.array(0, int32)
+            flags = cuda.shared.array(0, uint8)
+            stamps = cuda.shared.array(0, int32)
             n0 = pages[SEQLEN_K] - keys_left
             for r in range(tid, min(BLOCK_N, keys_left), LOAD_THREADS):
                 index, _ = page_of(n0 + r, pages[PAGE_SIZE], pages[PAGE_SHIFT])
                 page = pages[TABLE][pages[TABLE_BASE] + int64(index)]
-                if page < 0 or page >= pages[SLOTS]:
-                    flags[pages[FLAG0] + slot * BLOCK_N + r] = int32(t)
-                    flags[pages[FLAG0] + ANY_ABSENT + slot] = int32(t)
+                absent = page < 0 or page >= pages[SLOTS]
+                flags[pages[FLAG0] * 4 + slot * BLOCK_N + r] = uint8(1 if absent else 0)
+                if absent:
+                    stamps[pages[FLAG0] + STAMPS + slot] = int32(t)
 
     @device_function
     def absent_keys(pages, slot, t, lane):
@@ -267,12 +272,13 @@ def build(
         absent; 0 otherwise. Read before the slot is released (a refill rewrites its flags)."""
         bad = uint64(0)
         if PAGED:
-            flags = cuda.shared.array(0, int32)
-            at = pages[FLAG0] + slot * BLOCK_N + (lane & 3) * 2
-            if flags[pages[FLAG0] + ANY_ABSENT + slot] == t:
+            flags = cuda.shared.array(0, uint8)
+            stamps = cuda.shared.array(0, int32)
+            at = pages[FLAG0] * 4 + slot * BLOCK_N + (lane & 3) * 2
+            if stamps[pages[FLAG0] + STAMPS + slot] == t:
                 for i in range(S_REGS // 2):
                     _, col = accumulator_position(4 * (i >> 1) + (i & 1), 0)
-                    if flags[at + col] == t:
+                    if flags[at + col] != 0:
                         bad |= uint64(1) << uint64(i)
         return bad
 
@@ -553,18 +559,23 @@ def build(
         box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
         side flags the keys behind a page outside the cache (lane 0), then arrives (releasing
         the flags)."""
-        flags = cuda.shared.array(0, int32)
+        flags = cuda.shared.array(0, uint8)
+        stamps = cuda.shared.array(0, int32)
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
         boxes = BLOCK_N // box_rows
         if not v_side:
+            at = pages[FLAG0] * 4 + slot * BLOCK_N
             for i in range(boxes):
                 box_page = ptx.shfl_index(page, i)
                 r0 = i * box_rows
                 if lane == 0 and r0 < keys and box_page == pages[SLOTS]:
+                    if stamps[pages[FLAG0] + STAMPS + slot] != t:  # the slot's first: clear it
+                        for r in range(BLOCK_N):
+                            flags[at + r] = uint8(0)
+                        stamps[pages[FLAG0] + STAMPS + slot] = int32(t)
                     for r in range(r0, min(r0 + box_rows, keys)):
-                        flags[pages[FLAG0] + slot * BLOCK_N + r] = int32(t)
-                    flags[pages[FLAG0] + ANY_ABSENT + slot] = int32(t)
+                        flags[at + r] = uint8(1)
         if lane < boxes:
             r0 = lane * box_rows
             within = uint32(0)
