@@ -32,19 +32,34 @@ from .kernels.jit import SIMULATOR
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache"]
 
 
+#: CuPy views of XLA buffers by (address, shape, dtype): a jitted program hands its
+#: callbacks the same buffers step after step, and making the views anew was most of a small
+#: decoding step's host time (docs/performance.md, "numflash inside jax.jit"). A view owns
+#: nothing: it is used only inside a callback handed a buffer at its address, valid then.
+_views = {}
+#: Views kept at most; past it the cache starts again.
+MAX_VIEWS = 1024
+
+
 def _array(buffer):
     """An XLA buffer as the array numflash takes: NumPy on the CPU (the simulator), CuPy on a
     GPU (its memory, not a copy: the buffer's dtype kept, bf16 included)."""
     if SIMULATOR:
         return np.asarray(buffer)
-    import cupy
-
     pointer = buffer.__cuda_array_interface__["data"][0]
-    dtype = np.dtype(buffer.dtype)
-    shape = tuple(buffer.shape)
-    nbytes = math.prod(shape) * dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(pointer, nbytes, buffer)
-    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    key = (pointer, tuple(buffer.shape), buffer.dtype)
+    view = _views.get(key)
+    if view is None:
+        import cupy
+
+        dtype = np.dtype(buffer.dtype)
+        nbytes = math.prod(key[1]) * dtype.itemsize
+        memory = cupy.cuda.UnownedMemory(pointer, nbytes, None)
+        view = cupy.ndarray(key[1], dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        if len(_views) >= MAX_VIEWS:
+            _views.clear()
+        _views[key] = view
+    return view
 
 
 def _flat(array, trailing):
@@ -54,21 +69,35 @@ def _flat(array, trailing):
     return array.reshape((-1,) + array.shape[array.ndim - trailing :])
 
 
+class _StreamHandle:
+    """A CUDA stream pointer in the ``__cuda_stream__`` protocol (CuPy 14's from_external)."""
+
+    def __init__(self, pointer):
+        self.pointer = pointer
+
+    def __cuda_stream__(self):
+        return (0, self.pointer)
+
+
+#: CuPy's view of each XLA stream a callback has run on, by pointer: made once, not per call
+#: (XLA keeps its streams for the life of its client; the view owns nothing).
+_xla_streams = {}
+
+
 def _on_xla_stream(ctx):
     """CuPy's current stream made XLA's for the callback (nothing to do in the simulator)."""
     if SIMULATOR:
         return contextlib.nullcontext()
-    import cupy
+    stream = _xla_streams.get(ctx.stream)
+    if stream is None:
+        import cupy
 
-    stream = ctx.stream
-    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14; ExternalStream before it
-
-        class _Handle:
-            def __cuda_stream__(self):
-                return (0, stream)
-
-        return cupy.cuda.Stream.from_external(_Handle())
-    return cupy.cuda.ExternalStream(stream)
+        if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14; ExternalStream before it
+            stream = cupy.cuda.Stream.from_external(_StreamHandle(ctx.stream))
+        else:
+            stream = cupy.cuda.ExternalStream(ctx.stream)
+        stream = _xla_streams.setdefault(ctx.stream, stream)
+    return stream
 
 
 @functools.lru_cache(maxsize=256)  # one callable per options: JAX caches by the callable
