@@ -39,10 +39,13 @@ _Extension._fields_ = [
 ]
 
 
+#: Every struct of the API begins with its size and a list of extensions.
+_HEAD = [("struct_size", ctypes.c_size_t), ("extension_start", ctypes.POINTER(_Extension))]
+
+
 class _Version(ctypes.Structure):
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("major", ctypes.c_int),
         ("minor", ctypes.c_int),
     ]
@@ -64,8 +67,7 @@ class _List(ctypes.Structure):
     """XLA_FFI_Args and XLA_FFI_Rets: a count, the kinds, the pointers."""
 
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("size", ctypes.c_int64),
         ("types", ctypes.POINTER(ctypes.c_int)),
         ("items", ctypes.POINTER(ctypes.c_void_p)),
@@ -74,8 +76,7 @@ class _List(ctypes.Structure):
 
 class _Attrs(ctypes.Structure):
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("size", ctypes.c_int64),
         ("types", ctypes.c_void_p),
         ("names", ctypes.c_void_p),
@@ -85,8 +86,7 @@ class _Attrs(ctypes.Structure):
 
 class _Buffer(ctypes.Structure):
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("dtype", ctypes.c_int),
         ("data", ctypes.c_void_p),
         ("rank", ctypes.c_int64),
@@ -96,8 +96,7 @@ class _Buffer(ctypes.Structure):
 
 class _StreamArgs(ctypes.Structure):
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("ctx", ctypes.c_void_p),
         ("stream", ctypes.c_void_p),
     ]
@@ -110,8 +109,7 @@ class _Api(ctypes.Structure):
     """The head of XLA_FFI_Api, up to the stream getter (the fifth function)."""
 
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("api_version", _Version),
         ("internal_api", ctypes.c_void_p),
         ("error_create", ctypes.c_void_p),
@@ -124,8 +122,7 @@ class _Api(ctypes.Structure):
 
 class _CallFrame(ctypes.Structure):
     _fields_ = [
-        ("struct_size", ctypes.c_size_t),
-        ("extension_start", ctypes.POINTER(_Extension)),
+        *_HEAD,
         ("api", ctypes.POINTER(_Api)),
         ("ctx", ctypes.c_void_p),
         ("stage", ctypes.c_int),
