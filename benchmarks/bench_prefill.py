@@ -42,10 +42,21 @@ SHAPES = [
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 
 
-def runs_for(q, k_new, v_new, k_cache, v_cache, cached, page_sizes):
-    """(provider, layout, callable) for one shape: the KV-cache call on each layout, then
-    ``attention`` and SDPA on q against the cache's first cached + new rows."""
-    batch, new = q.shape[:2]
+def shape_arrays(batch, new, cached, dtype):
+    """(q, k_new, v_new, k_cache, v_cache) of one shape: ``new`` rows appended to caches of
+    ``cached`` keys (and room for the new ones)."""
+    q, k_new, v_new = (
+        peers.random_qkv(batch, new, heads, HEAD_DIM, dtype, seed=s)[0]
+        for s, heads in ((1, NHEADS), (2, NHEADS_K), (3, NHEADS_K))
+    )
+    k_cache, v_cache = peers.random_qkv(batch, cached + new, NHEADS_K, HEAD_DIM, dtype)[:2]
+    return q, k_new, v_new, k_cache, v_cache
+
+
+def kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None):
+    """(layout, callable) of the KV-cache call over the contiguous cache and over the same
+    keys in pages of each size (``config`` forced where given)."""
+    batch = q.shape[0]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
     layouts = [("contiguous", k_cache, v_cache, {})]
     for page in page_sizes:
@@ -56,10 +67,20 @@ def runs_for(q, k_new, v_new, k_cache, v_cache, cached, page_sizes):
 
         def run(kc=kc, vc=vc, kw=kw):
             return numflash.attention_with_kvcache(
-                q, kc, vc, k_new, v_new, cache_seqlens=lengths, causal=True, **kw
+                q, kc, vc, k_new, v_new, cache_seqlens=lengths, causal=True, config=config, **kw
             )
 
-        out.append(("numflash kvcache", layout, run))
+        out.append((layout, run))
+    return out
+
+
+def runs_for(q, k_new, v_new, k_cache, v_cache, cached, page_sizes):
+    """(provider, layout, callable) for one shape: the KV-cache call on each layout, then
+    ``attention`` and SDPA on q against the cache's first cached + new rows."""
+    new = q.shape[1]
+    lengths = cupy.full((q.shape[0],), cached, dtype=cupy.int32)
+    runs = kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes)
+    out = [("numflash kvcache", layout, run) for layout, run in runs]
     # what the KV-cache call attends to once it has appended
     numflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)
     k_all, v_all = k_cache[:, : cached + new], v_cache[:, : cached + new]
@@ -82,12 +103,7 @@ def bench(args):
     records = []
     for dtype in args.dtypes:
         for name, batch, new, cached in SHAPES:
-            q, k_new, v_new = (
-                peers.random_qkv(batch, new, heads, HEAD_DIM, DTYPES[dtype], seed=s)[0]
-                for s, heads in ((1, NHEADS), (2, NHEADS_K), (3, NHEADS_K))
-            )
-            k_cache, v_cache = peers.random_qkv(batch, cached + new, NHEADS_K, HEAD_DIM,
-                                                DTYPES[dtype])[:2]  # fmt: skip
+            q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, DTYPES[dtype])
             flops = attention_flops(batch, NHEADS, new, cached + new, HEAD_DIM, False)
             flops -= batch * NHEADS * 2 * new * (new - 1) * HEAD_DIM  # the keys causal hides
             for provider, layout, run in runs_for(

@@ -179,9 +179,8 @@ class Plan:
         plan's buffers through ``pin(holder)`` (its :class:`Holder`) the first time it
         replays while ``capturing(stream)`` (not checked on the legacy default stream, 0,
         which cannot capture; nor where the plan keeps nothing a graph could outlive),
-        patches and launches every launch on
-        ``stream`` under the plan's lock, and returns what ``tail.result`` names
-        (docs/performance.md, "One replay function per plan").
+        patches and launches every launch on ``stream`` under the plan's lock, and returns
+        what ``tail.result`` names (docs/performance.md, "One replay function per plan").
 
         A replay also refuses a call whose roles that were one array in the recorded call
         (:attr:`same`) are not one again, or whose int length is outside its bounds; it

@@ -18,12 +18,15 @@ and stage, its argument and result lists, a buffer's data type, address, rank an
 
 import argparse
 import ctypes
-import statistics
-import time
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-from jax.experimental.buffer_callback import buffer_callback
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from bench_jax import wall_ms  # noqa: E402
+from jax.experimental.buffer_callback import buffer_callback  # noqa: E402
 
 _METADATA, _EXECUTE = 1, 3  # XLA_FFI_Extension_Metadata, XLA_FFI_ExecutionStage_EXECUTE
 
@@ -176,20 +179,6 @@ def ffi_noop(gpu, calls_seen):
     return name, callback  # the caller keeps the ctypes function alive
 
 
-def wall_ms(fn, calls=10, bursts=15, warmup=3):
-    """Median ms a call of ``fn`` over bursts of ``calls``, each ended by block_until_ready."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(bursts):
-        start = time.perf_counter()
-        for _ in range(calls):
-            result = fn()
-        jax.block_until_ready(result)
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=32, help="calls a jitted step")
@@ -218,7 +207,10 @@ def main():
         return jax.jit(step)
 
     steps = {route: chained(link) for route, link in links.items()}
-    ms = {route: wall_ms(lambda s=step: s(x)) for route, step in steps.items()}
+    ms = {
+        route: wall_ms(lambda s=step: s(x), jax.block_until_ready, bursts=15, warmup=3)
+        for route, step in steps.items()
+    }
     print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}, {args.calls} calls a step")
     print(f"  a step of additions: {ms['addition']:.3f} ms")
     for route in ("buffer_callback", "ffi"):
