@@ -231,10 +231,10 @@ class WgmmaForwardConfig(_Config):
     family: ClassVar[str] = "wgmma-forward"
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 3  # 2: TMA loads; 3: packed batches by TMA
+    REVISION: ClassVar[int] = 4  # 2: TMA loads; 3: packed batches by TMA; 4: persistent
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
-    REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 56
+    REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
 
     @property
     def block_m(self):
@@ -272,7 +272,7 @@ class WgmmaForwardConfig(_Config):
     def consumer_registers(self):
         """Registers a consumer thread may use: its share of the 65536 (at most 255), or what
         setmaxnreg gives it beside a producer."""
-        split = forward_sm90.TMA_REGISTER_SPLIT if self.tma else forward_sm90.REGISTER_SPLIT
+        split = forward_sm90.REGISTER_SPLIT
         if self.producer and self.consumers in split:
             return split[self.consumers][1]
         return min(255, 65536 // self.threads // 8 * 8)

@@ -161,12 +161,23 @@ FORWARD_VARLEN = KernelSpec(
     strided=("q", "k", "v", "o"),
     scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
 )
+#: The Hopper forward's work tiles, (row blocks,) heads and batch, which its blocks go
+#: through, (batch, head) pairs a section of them (kernels/forward_sm90.py: _wgmma_work), and
+#: the Q, K and V tensor maps' templates (kernels/ptx_tma.py).
+_WGMMA_TAIL = (
+    ("nheads", "int32"),
+    ("batch", "int32"),
+    ("section", "int32"),
+    ("q_map", "map"),
+    ("k_map", "map"),
+    ("v_map", "map"),
+)
 #: The Hopper forward, dense or packed: FORWARD_VARLEN's parameters, the buffer its blocks
-#: publish tensor maps into, and the Q, K and V maps' templates (kernels/ptx_tma.py).
+#: publish tensor maps into, and _WGMMA_TAIL.
 WGMMA_FORWARD = KernelSpec(
     arrays=FORWARD_VARLEN.arrays + (("maps", "int64"),),
     strided=FORWARD_VARLEN.strided,
-    scalars=FORWARD_VARLEN.scalars + (("q_map", "map"), ("k_map", "map"), ("v_map", "map")),
+    scalars=FORWARD_VARLEN.scalars + _WGMMA_TAIL,
 )
 
 
@@ -537,8 +548,9 @@ def _positive_scale(q, scale):
 
 def _output_target(out, head_dim, p):
     """(where the kernel writes, whether that is ``out`` itself): a padded or contiguous
-    temporary where the kernel cannot write ``out`` in place."""
-    if head_dim == p.head_dim and arrays.readable_in_place(out):
+    temporary where the kernel cannot write ``out`` in place (the Hopper forward stores two
+    elements at once: rows an even number of elements apart)."""
+    if head_dim == p.head_dim and arrays.readable_in_place(out, alignment_elements=2):
         return out, True
     return arrays.empty(out.shape[:-1] + (head_dim,), out.dtype, like=out), False
 
@@ -560,12 +572,14 @@ def _packed_offsets(offsets, q, k):
 
 
 def _launch_forward(
-    build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets, extra=None
-):
+    build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets, extra=None,
+    grid=None,
+):  # fmt: skip
     """Launch a forward kernel over ``arrays_in`` = (q, k, v, out, lse): dense, or a packed
     batch with ``offsets`` = (cu_q, cu_k) (the kernel of ``build`` is then the varlen one and
     ``p`` holds the max lengths). ``extra``: (the kernel's spec, views of its arrays beyond
-    FORWARD_VARLEN's, its scalars beyond them)."""
+    FORWARD_VARLEN's, its scalars beyond them). ``grid``: a block per (row block, head,
+    batch) unless given."""
     q, k, v, out, lse = arrays_in
     target, direct = _output_target(out, head_dim, p)
     named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
@@ -583,7 +597,8 @@ def _launch_forward(
         views.update(more_views)
         scalars += more_scalars
     launch = launcher(spec_key, build, spec, p.dtype)
-    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    if grid is None:
+        grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
     launch(grid, cfg.threads, arrays.current_stream(), shared, spec.args(views, scalars))
     if not direct:
         _copy_back(out, target, p)
@@ -739,8 +754,55 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
         scale * LOG2E,
         cfg.shared_memory_bytes(head_dim),
         offsets if varlen else _absent_offsets(xp),
-        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, tuple(maps[1])),
+        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, _wgmma_work(p, head_dim) + maps[1]),
+        _wgmma_grid(cfg, p),
     )
+
+
+def _wgmma_grid(cfg, p, cache=None):
+    """The Hopper forward's blocks: one a work tile (a row block of a head and batch), or one
+    a multiprocessor where the launch is persistent (forward_sm90.persistent)."""
+    tiles = _ceil_div(p.seqlen_q, cfg.block_m) * p.nheads * p.batch
+    if tiles >= 2**31:
+        raise ValueError(f"{tiles} tiles of {cfg.block_m} query rows: more than 2^31 - 1")
+    if forward_sm90.persistent(cfg.producer, cache):
+        tiles = min(tiles, _multiprocessors())
+    return (tiles, 1, 1)
+
+
+def _wgmma_work(p, head_dim, seqlen_k=None):
+    """(heads, batch, pairs a section): the Hopper forward goes through its work tiles by
+    sections of (batch, head) pairs whose key and value rows (``seqlen_k`` of them, p's by
+    default) take half the L2 cache together, so the blocks working at once share them."""
+    seqlen_k = p.seqlen_k if seqlen_k is None else seqlen_k
+    pair_bytes = 2 * max(seqlen_k, 1) * head_dim * 2 // p.heads_per_kv
+    section = min(max(_device_attribute("L2CacheSize") // 2 // max(pair_bytes, 1), 1),
+                  p.nheads * p.batch)  # fmt: skip
+    return (p.nheads, p.batch, section)
+
+
+_attributes = {}
+#: What the simulator's device says: one multiprocessor (its one block goes through every
+#: tile, which the tests see) and an L2 cache of 64 KiB (sections of a pair or two at the
+#: tests' sizes).
+_SIMULATED_ATTRIBUTES = {"MultiProcessorCount": 1, "L2CacheSize": 64 << 10}
+
+
+def _device_attribute(name):
+    """A CUDA attribute of the current device, read once."""
+    if SIMULATOR:
+        return _SIMULATED_ATTRIBUTES[name]
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    found = _attributes.get((dev, name))
+    if found is None:
+        found = _attributes[dev, name] = cupy.cuda.Device(dev).attributes[name]
+    return found
+
+
+def _multiprocessors():
+    return _device_attribute("MultiProcessorCount")
 
 
 def forward(cfg, p, q, k, v, out, lse):
@@ -1164,8 +1226,7 @@ WGMMA_KVCACHE = KernelSpec(
             ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),
             ("block_table", "int32"), ("maps", "int64")),
     strided=("q", "k_cache", "v_cache", "o"),
-    scalars=SPLIT_ATTENTION.scalars[:6] + SPLIT_ATTENTION.scalars[6:10]
-    + (("q_map", "map"), ("k_map", "map"), ("v_map", "map")),
+    scalars=SPLIT_ATTENTION.scalars[:6] + SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
 )  # fmt: skip
 
 
@@ -1196,9 +1257,10 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
         dtype,
     )
     scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * LOG2E))
-    scalars += (p.window_left, p.window_right, *geometry) + tuple(maps[1])
+    scalars += (p.window_left, p.window_right, *geometry)
+    scalars += _wgmma_work(p, d) + tuple(maps[1])
     shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
-    grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
+    grid = _wgmma_grid(cfg, p, cache)
     launch(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))
 
 

@@ -298,7 +298,8 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q)
+        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q,
+                            cuda.gridDim.y)  # fmt: skip
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q,
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,

@@ -92,17 +92,17 @@ def packed_sequence(cu_seqlens, b, total, max_len):
 
 
 @device_function
-def dense_bases(strides, b, head, kv_head, seqlen_q):
+def dense_bases(strides, b, head, kv_head, seqlen_q, nheads):
     """Where row 0 of (batch ``b``, ``head``) starts in q, k and v (at ``kv_head``), o, and
     lse (batch, nheads, seqlen_q), for arrays whose (batch, seqlen, head) element strides are
-    ``strides`` (q, k, v, o); the grid's y is the heads."""
+    ``strides`` (q, k, v, o)."""
     q_st, k_st, v_st, o_st = strides
     return (
         b * q_st[0] + head * q_st[2],
         b * k_st[0] + kv_head * k_st[2],
         b * v_st[0] + kv_head * v_st[2],
         b * o_st[0] + head * o_st[2],
-        (int64(b) * cuda.gridDim.y + head) * seqlen_q,
+        (int64(b) * nheads + head) * seqlen_q,
     )
 
 
@@ -235,7 +235,8 @@ def build(head_dim, dtype_name, block_m, block_n):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         kv_head = head // heads_per_kv
-        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q)
+        bases = dense_bases((q_st, k_st, v_st, o_st), batch, head, kv_head, seqlen_q,
+                            cuda.gridDim.y)  # fmt: skip
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), m_block,

@@ -90,11 +90,9 @@ def padded_head_dim(head_dim):
 #: (producer, consumer) registers a thread after setmaxnreg, by consumer warpgroups; one
 #: consumer keeps the 255 it has. 56 + 2 x 224 = 3 x 168 and 32 + 3 x 160 = 4 x 128 hand out
 #: exactly the registers there are. FlashAttention-3's 40 / 232 made ptxas spill the producer's
-#: cp.async addresses at head_dim 64 (sm_90a, CUDA 13; 224 leave the consumers room at 128).
+#: cp.async addresses at head_dim 64, and the TMA producer's work-tile loop (persistent) at
+#: head_dim 128 (sm_90a, CUDA 13; 224 leave the consumers room at 128).
 REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
-#: ... when the producer's loads are TMA copies issued by one thread: FlashAttention-3's 24 /
-#: 240 (24 + 2 x 240 = 3 x 168).
-TMA_REGISTER_SPLIT = {2: (24, 240), 3: (32, 160)}
 #: ... when the producer reads a paged cache: its per-row page lookups (cp.async) spilled at 56
 #: (head_dim 64, sm_90a, CUDA 13); by TMA, the warp's page lookups and flags take more than 24.
 PAGED_REGISTER_SPLIT = {2: (72, 216), 3: (32, 160)}
@@ -114,7 +112,7 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
     kv_tile = block_n * ROW_BYTES * atoms
     slot = 2 * kv_tile
     barriers = q_tile + stages * slot
-    maps = (barriers + 8 * (4 * stages + 1) + 127) // 128 * 128  # 128-byte aligned
+    maps = (barriers + 8 * (4 * stages + 2) + 127) // 128 * 128  # 128-byte aligned
     flags = maps + MAPS * ptx_tma.MAP_BYTES
     total = flags + (stages * (block_n + 4) if paged else 0) + GROUP_BYTES
     return q_tile, slot, kv_tile, barriers, maps, flags, total
@@ -126,6 +124,15 @@ def paged_tma(page_size, block_n):
     1024-byte boundary of the swizzled tile (8 rows)."""
     rows = min(page_size, block_n)
     return rows % 8 == 0 and block_n % rows == 0 and page_size % rows == 0
+
+
+def persistent(producer, cache=None):
+    """Whether the kernel's launch is persistent: a block a multiprocessor, each going through
+    work tiles until none is left (with a producer, its loads of the next tile overlap the end
+    of the last: FlashAttention-3's persistent kernel). Over a paged cache the tile loop's
+    state pushed the producer's or the consumers' registers past what setmaxnreg leaves them
+    (sm_90a, CUDA 13: tests/compile_targets.py): a block a tile."""
+    return producer and cache != "paged"
 
 
 def schedule(cfg, varlen=False, tma=True, cache=None):
@@ -163,6 +170,7 @@ def build(
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     CACHE, PAGED = cache is not None, cache == "paged"
+    PERSISTENT = persistent(producer, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
@@ -174,7 +182,7 @@ def build(
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
-    split = PAGED_REGISTER_SPLIT if PAGED else TMA_REGISTER_SPLIT if TMA else REGISTER_SPLIT
+    split = PAGED_REGISTER_SPLIT if PAGED else REGISTER_SPLIT
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = split.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
@@ -243,12 +251,12 @@ def build(
             load_rows(dst, src, first, stride, keys_left, BLOCK_N, KV_ATOM, tid)
 
     @device_function
-    def init_flags(pages, tid):
+    def init_flags(flag0, tid):
         """Paged: no slot stamped (-1 is no tile's number); a block barrier follows."""
         if PAGED:
             stamps = cuda.shared.array(0, int32)
             for i in range(tid, STAGES, THREADS):
-                stamps[pages[FLAG0] + STAMPS + i] = int32(-1)
+                stamps[flag0 + STAMPS + i] = int32(-1)
 
     @device_function
     def mark_absent(pages, slot, t, keys_left, tid):
@@ -428,29 +436,31 @@ def build(
                     if col < HEAD_DIM:
                         i = acc_index(dt, h)
                         pair = pack(acc[i] * inv_l, acc[i + 1] * inv_l)
-                        o[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
-                        o[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
+                        ptx.store_pair(o, (at + col) & NON_NEGATIVE, pair)
                 if (lane & 3) == 0:
                     lse[(lse_base + row) & NON_NEGATIVE] = final_lse(m_i[h], l_row)
 
     @device_function
     def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid):
-        """Rows that see no key at all: O = 0, LSE = -inf."""
-        for i in range(tid, BLOCK_M * HEAD_DIM, THREADS):
+        """Rows that see no key at all: O = 0, LSE = -inf (the consumer threads)."""
+        t = tid - 128 * FIRST_CONSUMER
+        for i in range(t, BLOCK_M * HEAD_DIM, CONSUMER_THREADS):
             r = i // HEAD_DIM
             if m0 + r < seqlen_q:
                 o[(o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)) & NON_NEGATIVE] = uint16(0)
-        for r in range(tid, BLOCK_M, THREADS):
+        for r in range(t, BLOCK_M, CONSUMER_THREADS):
             if m0 + r < seqlen_q:
                 lse[(lse_base + m0 + r) & NON_NEGATIVE] = NEG_INF
 
     # -- the pipeline's synchronisation ------------------------------------------------------
 
     # mbarriers, by index: a slot's K or V has landed (FULL_K + slot, FULL_V + slot); every
-    # consumer is done with a slot's K or V (EMPTY_K + slot, EMPTY_V + slot); Q has landed.
+    # consumer is done with a slot's K or V (EMPTY_K + slot, EMPTY_V + slot); Q has landed;
+    # every consumer is done with Q (its last S has landed: the next tile's Q may come in).
     # K and V are handed over apart: a K slot is free again once S = Q K^T has landed, half an
     # iteration before its V, so the producer runs further ahead in the same shared memory.
     FULL_K, FULL_V, EMPTY_K, EMPTY_V, Q_FULL = 0, STAGES, 2 * STAGES, 3 * STAGES, 4 * STAGES
+    Q_EMPTY = Q_FULL + 1
 
     @device_function
     def barrier_address(base, index):
@@ -477,13 +487,15 @@ def build(
                         barrier_address(base, EMPTY_K + i), uint32(CONSUMER_THREADS)
                     )
             ptx_sm90.mbarrier_init(barrier_address(base, Q_FULL), uint32(ARRIVALS))
+            ptx_sm90.mbarrier_init(barrier_address(base, Q_EMPTY), uint32(CONSUMER_THREADS))
         cuda.syncthreads()
 
     @device_function
     def refill(base, empty, full, t, slot, src, first, stride, keys_left, offset, pages, v_side,
                ptid):  # fmt: skip
-        """Tile t of K or V (``v_side``; ``offset`` into the slot) into ``slot`` once its last
-        tile there is released; its copies arrive at ``full`` by themselves when they land
+        """The block's t-th tile of K or V (``v_side``; ``offset`` into the slot; t counts every
+        tile through the ring since the block began) into ``slot`` once its last tile there is
+        released; its copies arrive at ``full`` by themselves when they land
         (cp.async.mbarrier.arrive): the producer never waits for its own loads. Paged, K's
         absent-key flags arrive first (an arrival releases the thread's writes)."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
@@ -497,23 +509,35 @@ def build(
         ptx_sm90.cp_async_arrive(barrier_address(base, full + slot))
 
     @device_function
+    def ring_slot(g):
+        """The ring slot of the block's g-th key tile."""
+        return int32(g - (g // STAGES) * STAGES)
+
+    @device_function
+    def wait_for_q_room(base, job):
+        """Before the block's ``job``-th Q tile is loaded: the consumers are done with the
+        last one (every S of it has landed)."""
+        if job > 0:
+            ptx_sm90.mbarrier_wait(barrier_address(base, Q_EMPTY), uint32((job - 1) & 1))
+
+    @device_function
     def produce(q, k, v, base, q_first, q_ss, q_rows, k_first, v_first, k_ss, v_ss, keys_left,
-                n_tiles, pages, ptid):  # fmt: skip
-        """The producer warpgroup: Q, then every key tile's K and V into the ring."""
+                n_tiles, pages, ptid, g0, job):  # fmt: skip
+        """The producer warpgroup: the block's ``job``-th Q tile, then its ``n_tiles`` key
+        tiles' K and V into the ring, after the ``g0`` tiles of the block's earlier work."""
+        wait_for_q_room(base, job)
         load_rows(base, q, q_first, q_ss, q_rows, BLOCK_M, Q_ATOM, ptid)
         ptx_sm90.cp_async_arrive(barrier_address(base, Q_FULL))
-        slot = int32(0)
+        slot = ring_slot(g0)
         for t in range(n_tiles):
-            refill(base, EMPTY_K, FULL_K, t, slot, k, k_first, k_ss, keys_left, 0, pages, False,
-                   ptid)  # fmt: skip
-            refill(base, EMPTY_V, FULL_V, t, slot, v, v_first, v_ss, keys_left, V_OFF, pages,
-                   True, ptid)  # fmt: skip
+            refill(base, EMPTY_K, FULL_K, g0 + t, slot, k, k_first, k_ss, keys_left, 0, pages,
+                   False, ptid)  # fmt: skip
+            refill(base, EMPTY_V, FULL_V, g0 + t, slot, v, v_first, v_ss, keys_left, V_OFF,
+                   pages, True, ptid)  # fmt: skip
             k_first += int64(BLOCK_N) * k_ss
             v_first += int64(BLOCK_N) * v_ss
             keys_left = int32(keys_left - BLOCK_N)
             slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
-        ptx.cp_async_commit()
-        ptx.cp_async_wait(0)  # nothing in flight when the thread exits
 
     @device_function
     def publish_map(maps, index, staged, words, source, lane):
@@ -589,8 +613,8 @@ def build(
     @device_function
     def refill_box(base, empty, full, t, slot, tensor_map, offset, n0, kv_head, b, pages,
                    v_side, page, lane):  # fmt: skip
-        """TMA: tile t of K or V (``v_side``; ``offset`` into the slot) into ``slot`` once its
-        last tile there is released; lane 0 alone, or (paged) the producer warp with the pages
+        """TMA: the block's t-th tile of K or V (``v_side``; ``offset`` into the slot) into
+        ``slot`` once its last tile there is released; lane 0 alone, or (paged) the producer warp with the pages
         of its boxes (tile_pages)."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
@@ -606,12 +630,9 @@ def build(
             load_boxes(tensor_map, dst, KV_ATOM, barrier, n0, kv_head, b)
 
     @device_function
-    def produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile, n_tiles, pages,
-                      lane):  # fmt: skip
-        """The producer warp with TMA: publishes the Q, K and V maps, then one thread copies
-        Q and every key tile's K and V into the ring (a paged cache's tiles: the whole warp,
-        a box a lane, tile_pages)."""
-        head, kv_head, b, kv_b, q_row0, k_row0 = coords
+    def publish_maps(q, k, v, maps, templates, base, lane):
+        """The TMA producer warp, once a block: publishes the Q, K and V maps (each lane then
+        acquires them: in a paged cache's tiles every lane issues copies)."""
         q_words, k_words, v_words = templates
         staged = base + uint32(STAGED_MAPS)
         publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
@@ -619,38 +640,41 @@ def build(
                     ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
         publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
                     ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
+        for index in range(MAPS):
+            ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
+
+    @device_function
+    def produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, g0, job):
+        """The producer warp with TMA (the maps published): one thread copies the block's
+        ``job``-th Q tile and its ``n_tiles`` key tiles' K and V into the ring, after the
+        ``g0`` tiles of its earlier work (a paged cache's tiles: the whole warp, a box a lane,
+        tile_pages)."""
+        head, kv_head, b, kv_b, q_row0, k_row0 = coords
+        k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
+        v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
+        slot = ring_slot(g0)
         if lane == 0:
-            q_map = ptx_tma.global_address(maps, int64(0))
-            k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
-            v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
-            ptx_tma.acquire(q_map)
-            ptx_tma.acquire(k_map)
-            ptx_tma.acquire(v_map)
+            wait_for_q_room(base, job)
             q_full = barrier_address(base, Q_FULL)
             ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
-            load_boxes(q_map, base, Q_ATOM, q_full, int32(q_row0 + m0), head, b)
+            load_boxes(ptx_tma.global_address(maps, int64(0)), base, Q_ATOM, q_full,
+                       int32(q_row0 + m0), head, b)  # fmt: skip
             if not PAGED:
-                slot = int32(0)
                 for t in range(n_tiles):
                     n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
-                    refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b,
-                               pages, False, int32(0), int32(0))  # fmt: skip
-                    refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b,
-                               pages, True, int32(0), int32(0))  # fmt: skip
+                    refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head,
+                               kv_b, pages, False, int32(0), int32(0))  # fmt: skip
+                    refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
+                               kv_b, pages, True, int32(0), int32(0))  # fmt: skip
                     slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
         if PAGED:  # the whole warp looks the tiles' pages up and copies their boxes
-            k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
-            v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
-            ptx_tma.acquire(k_map)
-            ptx_tma.acquire(v_map)
-            slot = int32(0)
             for t in range(n_tiles):
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
                 page = tile_pages(pages, n0, lane)
-                refill_box(base, EMPTY_K, FULL_K, t, slot, k_map, 0, n0, kv_head, kv_b, pages,
-                           False, page, lane)  # fmt: skip
-                refill_box(base, EMPTY_V, FULL_V, t, slot, v_map, V_OFF, n0, kv_head, kv_b, pages,
-                           True, page, lane)  # fmt: skip
+                refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head, kv_b,
+                           pages, False, page, lane)  # fmt: skip
+                refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
+                           kv_b, pages, True, page, lane)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
@@ -712,75 +736,144 @@ def build(
     # -- one block of query rows ---------------------------------------------------------------
 
     @device_function
+    def start_block(flag0, tid):
+        """Once a block, before its tiles: a paged cache's slot stamps and the mbarriers."""
+        init_flags(flag0, tid)
+        if PRODUCER:
+            init_barriers(block_base(), tid)  # a block barrier: the stamps too
+        elif PAGED:
+            cuda.syncthreads()
+
+    @device_function
+    def start_producer(q, k, v, maps, templates, lane, warp):
+        """The producer warpgroup, once: its registers handed to the consumers, the TMA
+        producer's tensor maps published. Whether this warp loads the tiles (of the TMA
+        producer, the first alone)."""
+        if MOVE_REGISTERS:
+            ptx_sm90.set_max_registers(PRODUCER_REGISTERS, False)
+        if TMA:
+            if warp != 0:
+                return False
+            publish_maps(q, k, v, maps, templates, block_base(), lane)
+        return True
+
+    @device_function
+    def start_consumer():
+        """A consumer warpgroup with a producer, once: the registers the producer gave up."""
+        if MOVE_REGISTERS:
+            ptx_sm90.set_max_registers(CONSUMER_REGISTERS, True)
+
+    @device_function
+    def block_base():
+        """The shared address of the block's 1024-byte aligned base (its Q tile)."""
+        smem = cuda.shared.array(0, uint16)
+        return ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
+
+    @device_function
+    def tile_of(rank, work):
+        """(block of query rows, head, batch) of the launch's rank-th work tile, ``work`` =
+        (row blocks, heads, batch x heads, pairs a section): sections of (batch, head) pairs
+        one after another (their keys and values fit the L2 cache together), each going
+        through its row blocks last first (under a causal mask they see the most keys), its
+        pairs next to each other."""
+        m_blocks, nheads, pairs, section = work
+        sec = ptx_sm90.quotient32(rank, section * m_blocks)
+        first = sec * section
+        width = min(section, pairs - first)
+        within = rank - sec * section * m_blocks
+        step = ptx_sm90.quotient32(within, width)
+        pair = first + within - step * width
+        b = ptx_sm90.quotient32(pair, nheads)
+        return int32(m_blocks - 1 - step), int32(pair - b * nheads), int32(b)
+
+    @device_function
+    def ranked(start, reverse):
+        """The rank of this block's work tile in the round of tiles start.. (a tile a block):
+        the rounds alternate in direction, so that each block's sum of the (falling) costs of
+        its tiles comes out alike."""
+        if reverse:
+            return int32(start + cuda.gridDim.x - 1 - cuda.blockIdx.x)
+        return int32(start + cuda.blockIdx.x)
+
+    @device_function
+    def following(start, reverse, tiles):
+        """The next round's (start, reverse): gridDim.x tiles on when the launch is
+        persistent, else none (``tiles``; the loops over the rounds then fold away)."""
+        if PERSISTENT:
+            return int32(start + cuda.gridDim.x), not reverse
+        return tiles, reverse
+
+    @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, maps, templates, coords, pages,
+        tid, lane, warp, maps, coords, pages, g0, job, producing,
     ):  # fmt: skip
-        """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
+        """This thread's part (``producing``: the producer's; a constant where inlined, so each
+        role's loop holds its code alone) in rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
         o, lse) is where the sequence's row 0 of this head (its kv head for k, v) starts in
         each array, rows ``row_strides`` (q, k, v, o) elements apart; ``window`` (left, right).
-        With TMA: ``maps`` the launch's tensor-map buffer, ``templates`` the Q, K and V maps'
-        templates, ``coords`` (head, kv_head, batch of q, batch of k and v, the sequence's
-        first row in q and in k and v: a packed batch's tensor maps are over all its rows) the
-        block's. ``pages``: a paged cache's geometry (see load_keys)."""
+        With TMA: ``maps`` the launch's tensor maps (published), ``coords`` (head, kv_head,
+        batch of q, batch of k and v, the sequence's first row in q and in k and v: a packed
+        batch's tensor maps are over all its rows) the block's. ``pages``: a paged cache's
+        geometry (see load_keys). ``g0`` key tiles and ``job`` Q tiles went through the block's
+        shared memory before (its earlier work tiles). The key tiles it took (0: its rows see
+        no key)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
-        smem = cuda.shared.array(0, uint16)
 
         m0 = m_block * BLOCK_M
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, wl, wr)
         if n_hi <= n_lo:
-            write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
-            return
+            if not producing:
+                write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
+            return int32(0)
         first_tile = int32(n_lo // BLOCK_N)
         n_tiles = int32((n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N)
-        base = ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
+        base = block_base()
         q_first = q_base + int64(m0) * q_ss
         k_first = k_base + int64(first_tile * BLOCK_N) * k_ss
         v_first = v_base + int64(first_tile * BLOCK_N) * v_ss
         keys_left = int32(seqlen_k - first_tile * BLOCK_N)  # valid rows of the next tile to load
 
-        if PAGED:
-            init_flags(pages, tid)
-            if not PRODUCER:
-                cuda.syncthreads()
-        if PRODUCER:
-            init_barriers(base, tid)
-            if warp < 4:  # the producer warpgroup
-                if MOVE_REGISTERS:
-                    ptx_sm90.set_max_registers(PRODUCER_REGISTERS, False)
-                if TMA:
-                    if warp == 0:
-                        produce_boxes(q, k, v, maps, templates, base, m0, coords, first_tile,
-                                      n_tiles, pages, lane)  # fmt: skip
-                else:
-                    produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first,
-                            k_ss, v_ss, keys_left, n_tiles, pages, tid)  # fmt: skip
-                return
-            if MOVE_REGISTERS:
-                ptx_sm90.set_max_registers(CONSUMER_REGISTERS, True)
-        else:
+        if producing:  # the producer warpgroup (with TMA, its first warp)
+            if TMA:
+                produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, g0, job)
+            else:
+                produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first, k_ss,
+                        v_ss, keys_left, n_tiles, pages, tid, g0, job)  # fmt: skip
+            return n_tiles
+        if not PRODUCER:
             # -- prologue: Q, then the first STAGES key/value tiles, each a cp.async group
             load_rows(base, q, q_first, q_ss, seqlen_q - m0, BLOCK_M, Q_ATOM, tid)
             ptx.cp_async_commit()
             for st in range(STAGES):
                 if st < n_tiles:
                     k_first, v_first, keys_left = load_tile(
-                        base, st, st, k, v, k_first, v_first, k_ss, v_ss, keys_left, pages, tid
-                    )
+                        base, st, g0 + st, k, v, k_first, v_first, k_ss, v_ss, keys_left, pages,
+                        tid,
+                    )  # fmt: skip
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages)  # fmt: skip
+                lane, warp, pages, g0, job)  # fmt: skip
+        return n_tiles
+
+    @device_function
+    def finish_producer():
+        """After the block's last tile: no copy of this thread in flight when it exits."""
+        if not TMA:
+            ptx.cp_async_commit()
+            ptx.cp_async_wait(0)
 
     @device_function
     def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages):  # fmt: skip
-        """A consumer warpgroup's 64 rows over the block's key tiles; without a producer its
-        threads also refill the ring (k_first, v_first, keys_left: the next tile to load)."""
+                lane, warp, pages, g0, job):  # fmt: skip
+        """A consumer warpgroup's 64 rows over the work tile's key tiles, the block's ``job``-th
+        Q tile and its g0-th key tile on; without a producer its threads also refill the ring
+        (k_first, v_first, keys_left: the next tile to load; the ring starts at slot 0)."""
         s = cuda.local.array(S_REGS, float32)
         pf = cuda.local.array(PF_REGS, uint32)
         acc = cuda.local.array(ACC_REGS, float32)
@@ -799,32 +892,32 @@ def build(
             ptx_sm90.named_barrier_arrive(1, 256)
 
         # -- S_0 = Q K_0^T and its softmax
+        slot = ring_slot(g0) if PRODUCER else int32(0)  # the slot of the tile whose P is in pf
         if PRODUCER:
-            ptx_sm90.mbarrier_wait(barrier_address(base, Q_FULL), uint32(0))
-            landed_half(base, FULL_K, 0, 0)
+            ptx_sm90.mbarrier_wait(barrier_address(base, Q_FULL), uint32(job & 1))
+            landed_half(base, FULL_K, g0, slot)
         else:
             landed()  # Q and tiles 0 and 1
         take_turn(group)
         ptx_sm90.wgmma_fence()
-        issue_scores(s, q_desc, descriptor(slot_address(base, 0), 16))
+        issue_scores(s, q_desc, descriptor(slot_address(base, slot), 16))
         ptx_sm90.wgmma_commit()
         pass_turn(group, False)
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(s, S_REGS)
-        bad = absent_keys(pages, 0, 0, lane)
-        release_half(base, EMPTY_K, 0)
+        bad = absent_keys(pages, slot, g0, lane)
+        release_half(base, EMPTY_K, slot)
         n0 = int32(first_tile * BLOCK_N)
         absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
                bad)  # fmt: skip
         rescale_and_pack(acc, s, pf, alpha)
 
-        slot = int32(0)  # the slot of the tile whose P is in pf
         for it in range(1, n_tiles):
             nxt = int32(slot + 1) if slot + 1 < STAGES else int32(0)
             slot_addr = slot_address(base, slot)
             next_addr = slot_address(base, nxt)
-            landed_half(base, FULL_K, it, nxt)
-            landed_half(base, FULL_V, it - 1, slot)
+            landed_half(base, FULL_K, g0 + it, nxt)
+            landed_half(base, FULL_V, g0 + it - 1, slot)
             # -- S_it = Q K_it^T and acc += P_{it-1} V_{it-1}, issued together
             take_turn(group)
             ptx_sm90.fence_operands(s, S_REGS)
@@ -838,7 +931,7 @@ def build(
             # -- the softmax of S_it while acc += P V is in flight
             ptx_sm90.wgmma_wait(1)
             ptx_sm90.fence_operands(s, S_REGS)
-            bad = absent_keys(pages, nxt, it, lane)
+            bad = absent_keys(pages, nxt, g0 + it, lane)
             release_half(base, EMPTY_K, nxt)
             n0 = int32((first_tile + it) * BLOCK_N)
             absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
@@ -855,7 +948,7 @@ def build(
                 cuda.syncthreads()
                 if it - 1 + STAGES < n_tiles:
                     k_first, v_first, keys_left = load_tile(
-                        base, slot, it - 1 + STAGES, k, v, k_first, v_first, k_ss, v_ss,
+                        base, slot, g0 + it - 1 + STAGES, k, v, k_first, v_first, k_ss, v_ss,
                         keys_left, pages, tid,
                     )  # fmt: skip
                 ptx.cp_async_commit()  # possibly empty: keeps the group count uniform
@@ -863,8 +956,10 @@ def build(
                     landed()
             slot = nxt
 
+        if PRODUCER:  # every S has landed: the producer may bring the next work tile's Q in
+            ptx_sm90.mbarrier_arrive(barrier_address(base, Q_EMPTY))
         # -- the last tile's acc += P V
-        landed_half(base, FULL_V, n_tiles - 1, slot)
+        landed_half(base, FULL_V, g0 + n_tiles - 1, slot)
         if (CACHE or VARLEN) and TMA:
             zero_rows_past_end(base, slot, seqlen_k - (first_tile + n_tiles - 1) * BLOCK_N, tid)
         take_turn(group)
@@ -875,67 +970,113 @@ def build(
         pass_turn(group, True)
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc, ACC_REGS)
+        release_half(base, EMPTY_V, slot)  # the block's next work tile may refill it
         if not PRODUCER:
-            ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
+            ptx.cp_async_wait(0)  # nothing may be in flight when the tile's work ends
         write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
 
-    # setmaxnreg needs the register count at entry: a block per multiprocessor
-    @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
-    def forward_sm90(
-        q, k, v, o, lse, cu_q, cu_k, maps, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
-        heads_per_kv, scale_log2, window_left, window_right, total_q, total_k, q_map, k_map,
-        v_map,
+    @device_function
+    def counted(taken, g, job):
+        """(key tiles, Q tiles) through the block's shared memory after a work tile that took
+        ``taken`` key tiles."""
+        if taken > 0:
+            return int32(g + taken), int32(job + 1)
+        return g, job
+
+    @device_function
+    def dense_tile(
+        tile, work, producing, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q, seqlen_k,
+        heads_per_kv, scale_log2, window, total_q, total_k, tid, lane, warp, g, job,
     ):  # fmt: skip
-        tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
-        lane = tid & 31
-        warp = tid >> 5
-        strides = (q_st, k_st, v_st, o_st)
-        # The longest rows first: under a causal mask the last query blocks see the most keys.
-        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        """Work tile ``tile`` of forward_sm90 (attend_block); the key tiles it took."""
+        q_st, k_st, v_st, o_st = strides
+        m_block, head, b = tile_of(tile, work)
+        nheads = work[1]
         # a 32-bit division: a 64-bit one is a call, which serialises every wgmma (ptx_sm90)
         kv_head = ptx_sm90.quotient32(head, heads_per_kv)
         if VARLEN:  # seqlen_q and seqlen_k are the max lengths
             q_start, rows = packed_sequence(cu_q, b, total_q, seqlen_q)
             k_start, keys = packed_sequence(cu_k, b, total_k, seqlen_k)
             lengths = (int32(rows), int32(keys))
-            if m_block * BLOCK_M >= lengths[0]:  # blocks past the sequence's end
-                return
+            if m_block * BLOCK_M >= lengths[0]:  # row blocks past the sequence's end
+                return int32(0)
             bases = packed_bases(strides, q_start, k_start, head, kv_head, total_q)
             coords = (head, kv_head, int32(0), int32(0), q_start, k_start)
         else:
             lengths = (seqlen_q, seqlen_k)
-            bases = dense_bases(strides, b, head, kv_head, seqlen_q)
+            bases = dense_bases(strides, b, head, kv_head, seqlen_q, nheads)
             coords = (head, kv_head, b, b, int64(0), int64(0))
         unpaged = (cu_q, int64(0), int32(0), int32(0), int64(0), int64(0), int32(0), int32(0),
                    int64(0), int64(0), int32(0))  # fmt: skip
-        attend_block(
+        return attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
-            lengths[1], scale_log2, (window_left, window_right), tid, lane, warp, maps,
-            (q_map, k_map, v_map), coords, unpaged,
+            lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
+            producing,
         )  # fmt: skip
 
+    # setmaxnreg needs the register count at entry: a block per multiprocessor. A block works
+    # through tiles blockIdx.x, + gridDim.x, ... of the launch's work (tile_of): with a producer
+    # the launch is persistent (a block per multiprocessor), its loads of the next tile running
+    # while the consumers finish the last. The producer's and the consumers' loops are apart:
+    # the producer's registers (setmaxnreg) hold its loop's state alone.
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
-    def forward_sm90_kvcache(
-        q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, q_st, kc_st, vc_st,
-        o_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left, window_right,
-        page_size, max_blocks, slots, capacity, q_map, k_map, v_map,
+    def forward_sm90(
+        q, k, v, o, lse, cu_q, cu_k, maps, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
+        heads_per_kv, scale_log2, window_left, window_right, total_q, total_k, nheads, batch,
+        section, q_map, k_map, v_map,
     ):  # fmt: skip
-        """Chunked prefill: q (batch, seqlen_q, nheads, head_dim) over sequence b's keys of the
-        caches, cache_seqlens[b] + seqlen_new of them within [0, capacity] (the new rows were
-        appended before), in cache row batch_idx[b] (contiguous; none outside [0, slots): every
-        row sees no key) or through block_table's row b (paged)."""
-        tid = cuda.threadIdx.x
+        tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
         warp = tid >> 5
-        m_block = cuda.gridDim.x - 1 - cuda.blockIdx.x
-        head = cuda.blockIdx.y
-        b = cuda.blockIdx.z
+        start_block(int32(0), tid)
+        strides = (q_st, k_st, v_st, o_st)
+        window = (window_left, window_right)
+        m_blocks = int32((seqlen_q + BLOCK_M - 1) // BLOCK_M)  # (of the longest sequence)
+        work = (m_blocks, nheads, int32(nheads * batch), section)
+        tiles = int32(m_blocks * nheads * batch)
+        g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
+        start, reverse = int32(0), False  # the round of work tiles
+        # setmaxnreg's register counts hold where its role's code alone follows (ptxas)
+        if PRODUCER and warp < 4:
+            if not start_producer(q, k, v, maps, (q_map, k_map, v_map), lane, warp):
+                return
+            while start < tiles:
+                tile = ranked(start, reverse)
+                if tile < tiles:
+                    taken = dense_tile(
+                        tile, work, True, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
+                        seqlen_k, heads_per_kv, scale_log2, window, total_q, total_k, tid, lane,
+                        warp, g, job,
+                    )  # fmt: skip
+                    g, job = counted(taken, g, job)
+                start, reverse = following(start, reverse, tiles)
+            finish_producer()
+        else:
+            start_consumer()
+            while start < tiles:
+                tile = ranked(start, reverse)
+                if tile < tiles:
+                    taken = dense_tile(
+                        tile, work, False, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
+                        seqlen_k, heads_per_kv, scale_log2, window, total_q, total_k, tid, lane,
+                        warp, g, job,
+                    )  # fmt: skip
+                    g, job = counted(taken, g, job)
+                start, reverse = following(start, reverse, tiles)
+
+    @device_function
+    def cache_tile(
+        tile, work, producing, q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table,
+        maps, strides, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window, page_size,
+        max_blocks, slots, capacity, flag0, tid, lane, warp, g, job,
+    ):  # fmt: skip
+        """Work tile ``tile`` of forward_sm90_kvcache (attend_block); the key tiles it took."""
+        q_st, kc_st, vc_st, o_st = strides
+        m_block, head, b = tile_of(tile, work)
+        nheads = work[1]
         kv_head = ptx_sm90.quotient32(head, heads_per_kv)
         seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
-        q_base, _, _, o_base, lse_base = dense_bases((q_st, kc_st, vc_st, o_st), b, head, kv_head,
-                                                     seqlen_q)  # fmt: skip
+        q_base, _, _, o_base, lse_base = dense_bases(strides, b, head, kv_head, seqlen_q, nheads)
         k_head = int64(kv_head) * kc_st[2]
         v_head = int64(kv_head) * vc_st[2]
         slot = int32(0)  # the sequence's cache row (contiguous)
@@ -949,15 +1090,65 @@ def build(
             k_base = k_head + int64(slot) * kc_st[0]
             v_base = v_head + int64(slot) * vc_st[0]
         page_shift = page_shift_of(page_size) if PAGED else int32(-1)
-        smem = cuda.shared.array(0, uint16)
-        flag0 = int32((ptx_sm90.aligned_index(smem, GROUP_BYTES) * 2 + FLAGS) >> 2)
         pages = (block_table, int64(b) * max_blocks, page_size, page_shift, kc_st[0], vc_st[0],
                  slots, seqlen_k, k_head, v_head, flag0)  # fmt: skip
-        attend_block(
+        return attend_block(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
-            (window_left, window_right), tid, lane, warp, maps, (q_map, k_map, v_map),
-            (head, kv_head, b, slot, int64(0), int64(0)), pages,
+            window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
+            g, job, producing,
         )  # fmt: skip
+
+    @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
+    def forward_sm90_kvcache(
+        q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, q_st, kc_st, vc_st,
+        o_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left, window_right,
+        page_size, max_blocks, slots, capacity, nheads, batch, section, q_map, k_map, v_map,
+    ):  # fmt: skip
+        """Chunked prefill: q (batch, seqlen_q, nheads, head_dim) over sequence b's keys of the
+        caches, cache_seqlens[b] + seqlen_new of them within [0, capacity] (the new rows were
+        appended before), in cache row batch_idx[b] (contiguous; none outside [0, slots): every
+        row sees no key) or through block_table's row b (paged)."""
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        smem = cuda.shared.array(0, uint16)
+        flag0 = int32((ptx_sm90.aligned_index(smem, GROUP_BYTES) * 2 + FLAGS) >> 2)
+        start_block(flag0, tid)
+        strides = (q_st, kc_st, vc_st, o_st)
+        window = (window_left, window_right)
+        m_blocks = int32((seqlen_q + BLOCK_M - 1) // BLOCK_M)  # (of the longest sequence)
+        work = (m_blocks, nheads, int32(nheads * batch), section)
+        tiles = int32(m_blocks * nheads * batch)
+        g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
+        start, reverse = int32(0), False  # the round of work tiles
+        if PRODUCER and warp < 4:
+            if not start_producer(q, k_cache, v_cache, maps, (q_map, k_map, v_map), lane, warp):
+                return
+            while start < tiles:
+                tile = ranked(start, reverse)
+                if tile < tiles:
+                    taken = cache_tile(
+                        tile, work, True, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
+                        block_table, maps, strides, seqlen_q, seqlen_new, heads_per_kv,
+                        scale_log2, window, page_size, max_blocks, slots, capacity, flag0, tid,
+                        lane, warp, g, job,
+                    )  # fmt: skip
+                    g, job = counted(taken, g, job)
+                start, reverse = following(start, reverse, tiles)
+            finish_producer()
+        else:
+            start_consumer()
+            while start < tiles:
+                tile = ranked(start, reverse)
+                if tile < tiles:
+                    taken = cache_tile(
+                        tile, work, False, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
+                        block_table, maps, strides, seqlen_q, seqlen_new, heads_per_kv,
+                        scale_log2, window, page_size, max_blocks, slots, capacity, flag0, tid,
+                        lane, warp, g, job,
+                    )  # fmt: skip
+                    g, job = counted(taken, g, job)
+                start, reverse = following(start, reverse, tiles)
 
     return forward_sm90_kvcache if CACHE else forward_sm90

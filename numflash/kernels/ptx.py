@@ -176,6 +176,19 @@ if not SIMULATOR:
         return sig, codegen
 
     @intrinsic
+    def store_pair(typingctx, array, index, value):
+        """``value``'s low and high 16 bits into ``array[index]`` and ``array[index + 1]`` (a
+        16-bit array, the element 4-byte aligned) as one 32-bit store."""
+        sig = types.void(array, types.int64, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            pointer = element_pointer(context, builder, sig.args[0], args[0], args[1])
+            builder.store(args[2], builder.bitcast(pointer, _I32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
     def cp_async_commit(typingctx):
         sig = types.void()
 
@@ -444,6 +457,12 @@ else:
             dst.array[dst.index : dst.index + 8] = 0
         else:
             dst.array[dst.index : dst.index + 8] = gmem[gi : gi + 8]
+
+    def store_pair(array, index, value):
+        i = int(index)
+        assert i % 2 == 0, "store_pair: an odd index is not 4-byte aligned"
+        array[i] = np.uint16(int(value) & 0xFFFF)
+        array[i + 1] = np.uint16(int(value) >> 16)
 
     def cp_async_commit():
         pass
