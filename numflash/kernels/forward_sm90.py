@@ -1,6 +1,8 @@
 """The Hopper attention forward (sm_90a): FlashAttention's algorithm on warpgroup MMAs.
 
-One thread block per (block of BLOCK_M query rows, head, batch). Its CONSUMERS warpgroups (128
+A work tile is a block of BLOCK_M query rows of one (head, batch). With a producer the launch
+is persistent (a thread block a multiprocessor going through work tiles, tile_of and ranked
+say in which order; not over a paged cache: persistent), else a thread block a tile. A block's CONSUMERS warpgroups (128
 threads each) own 64 query rows apiece and keep their output accumulator ``acc`` (64 x
 head_dim, fp32), running max ``m_i`` and running sum ``l_i`` in registers; the block's Q tile
 stays in shared memory, and key/value tiles of BLOCK_N rows stream through a ring of STAGES
@@ -25,8 +27,10 @@ copies, a tile STAGES - 2 tiles ahead of its use, between block-wide barriers. W
 warpgroup of its own does (warp specialisation, its registers handed to the consumers by
 setmaxnreg): each thread's copies arrive at the slot's mbarrier when they land, K and V on
 barriers of their own, and the consumers release a slot's K once S has landed and its V once
-P V has. With ``TMA`` the producer's first warp instead publishes tensor maps of Q, K and V
-(kernels/ptx_tma.py) and one of its threads copies each tile with a TMA instruction per 64
+P V has; it loads the next work tile's Q once every S of the last has landed (Q_EMPTY) and
+its keys as slots free up, while the consumers finish the last. With ``TMA`` the producer's
+first warp instead publishes tensor maps of Q, K and V once (kernels/ptx_tma.py) and one of
+its threads copies each tile with a TMA instruction per 64
 columns, the bytes completing the slot's mbarrier; the rest of the warpgroup exits. With two
 consumers and a producer, ``PINGPONG`` makes them take turns issuing their products (named
 barriers), so that one's softmax runs while the other's products do.
