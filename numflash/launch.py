@@ -162,8 +162,8 @@ FORWARD_VARLEN = KernelSpec(
     scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
 )
 #: The Hopper forward's work tiles, (row blocks,) heads and batch, which its blocks go
-#: through, (batch, head) pairs a section of them (kernels/forward_sm90.py: _wgmma_work), and
-#: the Q, K and V tensor maps' templates (kernels/ptx_tma.py).
+#: through, (batch, head) pairs a section of them (_wgmma_work), and the Q, K and V tensor maps'
+#: templates (kernels/ptx_tma.py).
 _WGMMA_TAIL = (
     ("nheads", "int32"),
     ("batch", "int32"),
@@ -770,12 +770,11 @@ def _wgmma_grid(cfg, p, cache=None):
     return (tiles, 1, 1)
 
 
-def _wgmma_work(p, head_dim, seqlen_k=None):
+def _wgmma_work(p, head_dim):
     """(heads, batch, pairs a section): the Hopper forward goes through its work tiles by
-    sections of (batch, head) pairs whose key and value rows (``seqlen_k`` of them, p's by
-    default) take half the L2 cache together, so the blocks working at once share them."""
-    seqlen_k = p.seqlen_k if seqlen_k is None else seqlen_k
-    pair_bytes = 2 * max(seqlen_k, 1) * head_dim * 2 // p.heads_per_kv
+    sections of (batch, head) pairs whose key and value rows (16-bit, p.seqlen_k of them) take
+    half the L2 cache together, so the blocks working at once share them."""
+    pair_bytes = 2 * max(p.seqlen_k, 1) * head_dim * 2 // p.heads_per_kv
     section = min(max(_device_attribute("L2CacheSize") // 2 // max(pair_bytes, 1), 1),
                   p.nheads * p.batch)  # fmt: skip
     return (p.nheads, p.batch, section)
