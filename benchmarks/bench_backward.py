@@ -14,7 +14,6 @@ chooses); each record names the configuration that ran.
 Writes benchmarks/results/backward.json and backward.md.
 """
 
-import argparse
 import itertools
 import os
 import sys
@@ -104,21 +103,8 @@ def bench(args):
                     run, warmup=1 if slow else 3, runs=3 if slow else 20, max_total_ms=args.max_ms
                 )
                 flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
-                rec = dict(
-                    provider=provider,
-                    mode=mode,
-                    dtype=dtype,
-                    batch=batch,
-                    nheads=nheads,
-                    seqlen_q=seqlen,
-                    seqlen_k=seqlen,
-                    head_dim=hd,
-                    causal=causal,
-                    ms=t.median_ms,
-                    tflops=t.tflops(flops),
-                    peak_bytes=None,
-                    config=config,
-                )
+                shape = peers.problem(batch, nheads, seqlen, seqlen, hd, causal)
+                rec = peers.record(t, flops, provider, mode, dtype, **shape, config=config)
                 records.append(rec)
                 print(
                     f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
@@ -162,10 +148,7 @@ def markdown(records, device):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
+    ap = peers.parser(__doc__, head_dims=(128,))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
@@ -176,14 +159,11 @@ def main():
         help="GPU time a timing may spend before it stops early (at least 3 runs)",
     )
     ap.add_argument("--numflash-kernel", choices=list(KERNELS), default="default")
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
     dev = current_device()
     records = bench(args)
     table = markdown(records, dev.name)
     peers.save_results(args.out_dir, "backward", dev, records, table)
-    print("\n" + table)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ contiguous cache (0: numflash chooses).
 Writes benchmarks/results/decode.json, decode.md and decode.png.
 """
 
-import argparse
 import os
 import sys
 
@@ -147,20 +146,10 @@ def bench(args):
                     print(f"  {provider} {layout} {label} failed: {exc!r}"[:300], flush=True)
                     continue
                 rate = nbytes / (t.median_ms * 1e-3) / 1e12
-                rec = dict(
-                    shape=name,
-                    dtype=dtype,
-                    batch=batch,
-                    seqlen_q=seqlen_q,
-                    cache_length=length,
-                    causal=causal,
-                    provider=provider,
-                    layout=layout,
-                    config=label,
-                    us=t.median_ms * 1e3,
-                    kv_tbs=rate,
-                    hbm_fraction=rate / args.hbm_tbs,
-                )
+                rec = dict(shape=name, dtype=dtype, batch=batch, seqlen_q=seqlen_q,
+                           cache_length=length, causal=causal, provider=provider, layout=layout,
+                           config=label, us=t.median_ms * 1e3, kv_tbs=rate,
+                           hbm_fraction=rate / args.hbm_tbs)  # fmt: skip
                 records.append(rec)
                 print(
                     f"{dtype} {name:26s} {provider:10s} {layout:11s} {t.median_ms * 1e3:9.1f} us "
@@ -233,9 +222,7 @@ def plot(records, path):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    ap = peers.parser(__doc__)
     ap.add_argument("--page-sizes", type=int, nargs="*", default=[1, 16, 256])
     ap.add_argument(
         "--configs",
@@ -247,17 +234,14 @@ def main():
     ap.add_argument("--num-splits", type=int, nargs="+", default=[0])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--hbm-tbs", type=float, default=4.8, help="the GPU's HBM peak, TB/s")
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
     if 0 not in args.num_splits:
         args.num_splits = [0] + args.num_splits
-    os.makedirs(args.out_dir, exist_ok=True)
     dev = current_device()
     print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
     records = bench(args)
     table = markdown(records, dev.name)
     peers.save_results(args.out_dir, "decode", dev, records, table)
-    print("\n" + table)
     try:
         plot(records, os.path.join(args.out_dir, "decode.png"))
     except ImportError:

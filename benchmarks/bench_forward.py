@@ -11,7 +11,6 @@ seqlen) unless --out-dir says elsewhere. ``peak_bytes`` is the device memory a c
 beyond its inputs, at its peak.
 """
 
-import argparse
 import itertools
 import json
 import os
@@ -104,20 +103,8 @@ def bench(args, memory):
                 print(f"  {provider} {dtype} hd{hd} s{seqlen}: out of memory", flush=True)
                 cupy.get_default_memory_pool().free_all_blocks()
                 continue
-            rec = dict(
-                provider=provider,
-                mode="fwd",
-                dtype=dtype,
-                batch=batch,
-                nheads=nheads,
-                seqlen_q=seqlen,
-                seqlen_k=seqlen,
-                head_dim=hd,
-                causal=causal,
-                ms=t.median_ms,
-                tflops=t.tflops(flops),
-                peak_bytes=int(peak),
-            )
+            shape = peers.problem(batch, nheads, seqlen, seqlen, hd, causal)
+            rec = peers.record(t, flops, provider, "fwd", dtype, **shape, peak_bytes=int(peak))
             records.append(rec)
             print(
                 f"{provider:11s} {dtype:8s} hd{hd:<4d} causal={int(causal)} s{seqlen:<6d} "
@@ -150,22 +137,9 @@ def memory_sweep(args, memory):
             cupy.get_default_memory_pool().free_all_blocks()
             if peak is None:
                 break
-            records.append(
-                dict(
-                    provider=provider,
-                    mode="fwd-memory",
-                    dtype="float16",
-                    batch=1,
-                    nheads=16,
-                    seqlen_q=seqlen,
-                    seqlen_k=seqlen,
-                    head_dim=128,
-                    causal=False,
-                    ms=None,
-                    tflops=None,
-                    peak_bytes=int(peak),
-                )
-            )
+            shape = peers.problem(1, 16, seqlen, seqlen, 128, False)
+            rec = peers.record(None, None, provider, "fwd-memory", "float16", **shape)
+            records.append(dict(rec, peak_bytes=int(peak)))
             print(f"memory {provider:10s} s{seqlen:<6d} {peak / 2**20:12.1f} MiB", flush=True)
     return records
 
@@ -273,10 +247,7 @@ def plots(records, out_dir):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap = peers.parser(__doc__, head_dims=(64, 128))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument(
         "--memory-seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384, 32768, 65536]
@@ -296,12 +267,11 @@ def main():
         help="records (JSON list) of an earlier run on this device to include; each "
         "table row still comes from one process",
     )
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)  # partial.json goes there during the run
     if args.quick:
         args.dtypes, args.head_dims, args.seqlens = ["float16"], [128], [1024, 4096, 16384]
         args.memory_seqlens = [4096, 16384]
-    os.makedirs(args.out_dir, exist_ok=True)
     if args.plot_only:
         with open(args.plot_only) as f:
             plots(json.load(f)["records"], args.out_dir)
@@ -316,7 +286,6 @@ def main():
     peers.save_results(args.out_dir, "latest", dev, records, table, merged_from=args.merge)
     plots(records, args.out_dir)
     os.remove(os.path.join(args.out_dir, "partial.json"))
-    print("\n" + table)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ JAX's work runs on XLA's streams, where CuPy's events do not see it, so both sid
 same way. Writes jax.json and jax.md in --out-dir.
 """
 
-import argparse
 import os
 import statistics
 import time
@@ -214,14 +213,11 @@ def main():
     sys.path.insert(0, here)
     import peers
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=["float16", "bfloat16"])
+    ap = peers.parser(__doc__, ("bfloat16",), (128,), choices=["float16", "bfloat16"])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[128])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--decode-length", type=int, default=4096)
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     args = ap.parse_args()
     if jax.default_backend() != "gpu":
         raise SystemExit(f"bench_jax needs JAX's GPU backend; it has {jax.default_backend()}")

@@ -17,7 +17,6 @@ and paged) at 16-256 new rows on both of its routes, the split-KV decode kernel 
 forward, the evidence for selection.PREFILL_ROWS (docs/performance.md, "Chunked prefill").
 """
 
-import argparse
 import os
 import sys
 import types
@@ -178,12 +177,9 @@ def markdown(records, device):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=sorted(DTYPES))
+    ap = peers.parser(__doc__, ("float16",), choices=sorted(DTYPES))
     ap.add_argument("--page-sizes", type=int, nargs="*", default=[16])
     ap.add_argument("--runs", type=int, default=30)
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     ap.add_argument("--crossover", action="store_true", help="time both routes at 16-256 rows")
     args = ap.parse_args()
     dev = current_device()
@@ -196,13 +192,10 @@ def main():
             lines.append(f"| {new} | {layout} | {by[new, layout, 'decode']:.1f} | "
                          f"{by[new, layout, 'hopper']:.1f} |")  # fmt: skip
         peers.save_results(args.out_dir, "prefill_crossover", dev, records, "\n".join(lines))
-        print("\n".join(lines))
         return
     records = bench(args)
-    os.makedirs(args.out_dir, exist_ok=True)
     table = markdown(records, dev.name)
     peers.save_results(args.out_dir, "prefill", dev, records, table)
-    print("\n" + table)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ chosen configuration's time against the fastest of them.
 Writes benchmarks/results/varlen.json and varlen.md (and partial.json while it runs).
 """
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -202,16 +201,8 @@ def bench(args, lengths):
                 if run is None:
                     continue
                 t = time_gpu(run, warmup=5, runs=args.runs, max_total_ms=args.max_ms)
-                rec = dict(
-                    provider=provider,
-                    mode=mode,
-                    dtype=dtype,
-                    head_dim=hd,
-                    nheads=nheads,
-                    causal=causal,
-                    ms=t.median_ms,
-                    tflops=t.tflops(flops(mode)),
-                )
+                shape = dict(head_dim=hd, nheads=nheads, causal=causal)
+                rec = peers.record(t, flops(mode), provider, mode, dtype, **shape)
                 records.append(rec)
                 print(
                     f"{provider[:17]:17s} {mode:3s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
@@ -283,10 +274,7 @@ def markdown(records, device, lengths):
 
 
 def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
-    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap = peers.parser(__doc__, head_dims=(64, 128))
     ap.add_argument("--tokens", type=int, default=32768, help="tokens in the packed batch")
     ap.add_argument("--min-len", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=8192)
@@ -295,7 +283,6 @@ def main():
     ap.add_argument("--model-dim", type=int, default=2048, help="nheads * head_dim")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--max-ms", type=float, default=3000.0, help="GPU time one timing may use")
-    ap.add_argument("--out-dir", default=os.path.join(here, "results"))
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -303,14 +290,13 @@ def main():
         "reused from the dense keys as good?",
     )
     args = ap.parse_args()
-    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.out_dir, exist_ok=True)  # partial.json goes there during the run
     lengths = draw_lengths(args.tokens, args.min_len, args.max_len, args.seed)
     dev = current_device()
     records = bench(args, lengths)
     table = markdown(records, dev.name, lengths)
     peers.save_results(args.out_dir, "varlen", dev, records, table, lengths=lengths)
     os.remove(os.path.join(args.out_dir, "partial.json"))
-    print("\n" + table)
 
 
 if __name__ == "__main__":

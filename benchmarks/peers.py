@@ -35,9 +35,26 @@ def versions():
     return found
 
 
+def parser(doc, dtypes=("float16", "bfloat16"), head_dims=None, **dtype_options):
+    """A benchmark's argument parser, its description ``doc``'s first line, with the options
+    every benchmark takes: --dtypes (default ``dtypes``; ``dtype_options``: more of
+    add_argument's keywords, choices say) and --out-dir (default benchmarks/results); and
+    --head-dims where ``head_dims`` gives their default."""
+    import argparse
+    import os
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=list(dtypes), **dtype_options)
+    results = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    ap.add_argument("--out-dir", default=results, help="where results go (made if absent)")
+    if head_dims is not None:
+        ap.add_argument("--head-dims", type=int, nargs="+", default=list(head_dims))
+    return ap
+
+
 def save_results(out_dir, name, device, records, table, **extra):
     """Write ``name``.json (device, date, versions, the command, ``extra``, the records) and
-    ``name``.md (``table`` under a comment naming the run) into ``out_dir``."""
+    ``name``.md (``table`` under a comment naming the run) into ``out_dir``; print the table."""
     import datetime
     import json
     import os
@@ -52,11 +69,31 @@ def save_results(out_dir, name, device, records, table, **extra):
         **extra,
         "records": records,
     }
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(f"<!-- {result['date']}, {device.name}, {result['versions']} -->\n\n" + table)
+    print("\n" + table, flush=True)
     return result
+
+
+#: The fields of a record that name its attention problem (:func:`problem`).
+PROBLEM_FIELDS = ("batch", "nheads", "seqlen_q", "seqlen_k", "head_dim", "causal")
+
+
+def problem(batch, nheads, seqlen_q, seqlen_k, head_dim, causal):
+    """A record's fields naming an attention problem (PROBLEM_FIELDS)."""
+    return dict(zip(PROBLEM_FIELDS, (batch, nheads, seqlen_q, seqlen_k, head_dim, causal)))
+
+
+def record(timing, flops, provider, mode, dtype, **fields):
+    """A benchmark's record of one timing: who ran what (``fields``: the problem and any
+    more), its median in ms and its TFLOP/s for ``flops`` (both None without a timing)."""
+    rec = dict(provider=provider, mode=mode, dtype=dtype, **fields)
+    rec["ms"] = None if timing is None else timing.median_ms
+    rec["tflops"] = None if timing is None else timing.tflops(flops)
+    return rec
 
 
 def numflash_forward(q, k, v, causal, config=None):

@@ -479,27 +479,8 @@ def attention_varlen_backward(
     _refuse_under_capture("attention_varlen_backward", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size)  # fmt: skip
-    dout = validation.check_like(dout, "dout", q, "q")
-    out = validation.check_like(out, "out", q, "q")
-    lse = validation.check_like(
-        lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(p.nheads, q.shape[0])
-    )
-    deterministic = validation.check_flag(deterministic, "deterministic")
-    with _on_device(q):
-        device = current_device()
-        cfg = validation.check_backward_config(config, p, deterministic, device)
-        if cfg is None:
-            cfg = selection.backward_varlen(p, device, deterministic).config
-        xp = arrays.array_module(q)
-        dq = xp.empty(q.shape, dtype=q.dtype)
-        dk = xp.empty(k.shape, dtype=k.dtype)
-        dv = xp.empty(v.shape, dtype=v.dtype)
-        if q.shape[0] == 0 or k.shape[0] == 0 or dq.size == 0:
-            for g in (dq, dk, dv):  # nothing attends: every gradient is 0
-                arrays.bits(g)[...] = 0
-        else:
-            launch.backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k)
-    return dq, dk, dv
+    return _gradients(p, dout, q, k, v, out, lse, (p.nheads, q.shape[0]), deterministic, config,
+                      (cu_q, cu_k))  # fmt: skip
 
 
 def selected_backward_config(
@@ -576,29 +557,35 @@ def _attention_backward(
 ):
     # -- validate and normalise
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
+    lse_shape = (p.batch, p.nheads, p.seqlen_q)
+    return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config)
+
+
+def _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None):
+    """(dq, dk, dv) of the validated problem ``p`` over q, k, v: dense, or a packed batch with
+    ``offsets`` = (cu_q, cu_k) (lse of shape ``lse_shape``)."""
     dout = validation.check_like(dout, "dout", q, "q")
     out = validation.check_like(out, "out", q, "q")
-    lse = validation.check_like(
-        lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=(p.batch, p.nheads, p.seqlen_q)
-    )
+    lse = validation.check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=lse_shape)
     deterministic = validation.check_flag(deterministic, "deterministic")
     with _on_device(q):
         device = current_device()
         cfg = validation.check_backward_config(config, p, deterministic, device)
         # -- choose
         if cfg is None:
-            cfg = selection.backward(p, device, deterministic).config
+            choose = selection.backward if offsets is None else selection.backward_varlen
+            cfg = choose(p, device, deterministic).config
         # -- launch
         xp = arrays.array_module(q)
-        dq = xp.empty(q.shape, dtype=q.dtype)
-        dk = xp.empty(k.shape, dtype=k.dtype)
-        dv = xp.empty(v.shape, dtype=v.dtype)
-        if p.seqlen_q == 0 or p.seqlen_k == 0 or dq.size == 0:
-            for g in (dq, dk, dv):  # nothing attends: every gradient is 0
+        grads = tuple(xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        if grads[0].size == 0 or k.size == 0:
+            for g in grads:  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
+        elif offsets is None:
+            launch.backward(cfg, p, dout, q, k, v, out, lse, *grads)
         else:
-            launch.backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
-    return dq, dk, dv
+            launch.backward_varlen(cfg, p, dout, q, k, v, out, lse, *grads, *offsets)
+    return grads
 
 
 def selected_kvcache_config(

@@ -18,16 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import arrays
-from .config import (
-    PortableBackwardConfig,
-    PortableConfig,
-    PortableDecodeConfig,
-    TensorCoreBackwardConfig,
-    TensorCoreConfig,
-    TensorCoreDecodeConfig,
-    WgmmaBackwardConfig,
-    WgmmaForwardConfig,
-)
+from . import config as configs
 from .kernels import (
     backward_mma,
     backward_portable,
@@ -616,11 +607,11 @@ def _tensor_core_inputs(cfg, p, q, k, v):
     return q, k, v, scale, head_dim
 
 
-@launches(TensorCoreConfig)
+@launches(configs.TensorCoreConfig)
 def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
-    key = (TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    key = (configs.TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
@@ -636,11 +627,11 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     )
 
 
-@launches(PortableConfig)
+@launches(configs.PortableConfig)
 def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v = (_kernel_input(x) for x in (q, k, v))
     varlen = offsets is not None
-    key = (PortableConfig, p.head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    key = (configs.PortableConfig, p.head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
     build = forward_portable.build_varlen if varlen else forward_portable.build
     _launch_forward(
         lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n),
@@ -731,7 +722,7 @@ def _map_templates(p, xs, addresses, box_rows):
     return tuple(templates)
 
 
-@launches(WgmmaForwardConfig)
+@launches(configs.WgmmaForwardConfig)
 def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
     kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
@@ -746,7 +737,7 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     _launch_forward(
         lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
-        (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
+        (configs.WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
         cfg,
         p,
         (q, k, v, out, lse),
@@ -877,7 +868,7 @@ DQ_VARLEN = KernelSpec(
 )
 
 
-@launches(PortableBackwardConfig)
+@launches(configs.PortableBackwardConfig)
 def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
     """The portable dK/dV and dQ kernels: dense, or a packed batch with ``offsets`` = (cu_q,
     cu_k) (``p`` then holds the max lengths; see _row_statistics)."""
@@ -904,7 +895,7 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
          (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
     ):  # fmt: skip
         kernel = launcher(
-            (PortableBackwardConfig, *tag, d, dtype, cfg, kind),
+            (configs.PortableBackwardConfig, *tag, d, dtype, cfg, kind),
             lambda build=build: build(d, dtype, *tiles, **extra),
             spec,
             dtype,
@@ -991,7 +982,7 @@ def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
     return dkdv, dq if cfg.dq_separate else None
 
 
-@launches(TensorCoreBackwardConfig)
+@launches(configs.TensorCoreBackwardConfig)
 def _mma_backward(cfg, p, *tensors, offsets=None):
     def kernels(head_dim, varlen):
         def build():
@@ -1005,18 +996,20 @@ def _mma_backward(cfg, p, *tensors, offsets=None):
                 cfg.head_split,
             )
 
-        return _tensor_core_launchers(TensorCoreBackwardConfig, build, head_dim, p, cfg, varlen)
+        return _tensor_core_launchers(
+            configs.TensorCoreBackwardConfig, build, head_dim, p, cfg, varlen
+        )
 
     tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
 
-@launches(WgmmaBackwardConfig)
+@launches(configs.WgmmaBackwardConfig)
 def _wgmma_backward(cfg, p, *tensors, offsets=None):
     def kernels(head_dim, varlen):
         def build():
             return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
 
-        return _tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
+        return _tensor_core_launchers(configs.WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 
     tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 
@@ -1089,8 +1082,8 @@ def kvcache(
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
-    portable = isinstance(cfg, PortableDecodeConfig)
-    prefill = isinstance(cfg, WgmmaForwardConfig)  # chunked prefill on the Hopper forward
+    portable = isinstance(cfg, configs.PortableDecodeConfig)
+    prefill = isinstance(cfg, configs.WgmmaForwardConfig)  # chunked prefill on the Hopper forward
     if k is not None and p.seqlen_new:
         k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
@@ -1137,7 +1130,7 @@ def kvcache(
         _copy_back(out, target, p)
 
 
-@launches(PortableDecodeConfig)
+@launches(configs.PortableDecodeConfig)
 def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The portable split kernel: partials, also for one split (the combine writes out)."""
     d, dtype = p.head_dim, p.dtype
@@ -1170,7 +1163,7 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     )
 
 
-@launches(TensorCoreDecodeConfig)
+@launches(configs.TensorCoreDecodeConfig)
 def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     """The tensor-core kernel: the append, the attention and (several splits) the combine in
     one launch."""
@@ -1193,7 +1186,7 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         views["counters"] = views["seqlens"]  # never touched with one split
     tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
     launch = launcher(
-        (TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
+        (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
         lambda: decode_kernels.build(d, dtype, *tiles),
         DECODE,
         dtype,
@@ -1250,7 +1243,7 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     views["maps"] = arrays.kernel_view(maps[0])
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     launch = launcher(
-        (WgmmaForwardConfig, d, dtype, cfg, cache, tma),
+        (configs.WgmmaForwardConfig, d, dtype, cfg, cache, tma),
         lambda: forward_sm90.build(d, dtype, *schedule),
         WGMMA_KVCACHE,
         dtype,

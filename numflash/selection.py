@@ -10,18 +10,8 @@ import dataclasses
 import inspect
 
 from . import cache
-from .config import (
-    CONFIG_TYPES,
-    PortableBackwardConfig,
-    PortableConfig,
-    PortableDecodeConfig,
-    TensorCoreBackwardConfig,
-    TensorCoreConfig,
-    TensorCoreDecodeConfig,
-    WgmmaBackwardConfig,
-    WgmmaForwardConfig,
-    tensor_core_backward_head_dim,
-)
+from . import config as configs
+from .config import CONFIG_TYPES, tensor_core_backward_head_dim
 from .kernels import decode, forward_sm90
 
 Selection = cache.Selection
@@ -48,37 +38,39 @@ def default_for(config_type):
     return register
 
 
-@default_for(PortableConfig)
+@default_for(configs.PortableConfig)
 def default_portable_config(head_dim):
     # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
-    return PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
+    return configs.PortableConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
 
 
-@default_for(PortableBackwardConfig)
+@default_for(configs.PortableBackwardConfig)
 def default_portable_backward_config(head_dim):
     """Two fp32 tiles fit the 48 KiB of static shared memory; untuned: these kernels are the
     correctness path, not the fast one."""
     if head_dim <= 64:
-        return PortableBackwardConfig(block_m=64, block_n=64)
+        return configs.PortableBackwardConfig(block_m=64, block_n=64)
     if head_dim <= 128:
-        return PortableBackwardConfig(block_m=32, block_n=32)
-    return PortableBackwardConfig(block_m=16, block_n=16)
+        return configs.PortableBackwardConfig(block_m=32, block_n=32)
+    return configs.PortableBackwardConfig(block_m=16, block_n=16)
 
 
-@default_for(TensorCoreConfig)
+@default_for(configs.TensorCoreConfig)
 def default_tensor_core_config(head_dim):
     """The forward's tiles where nothing is tuned: the fastest configurations without a spill
     on the H200 (docs/performance.md, "Forward tiles"), used on other GPUs until tuned there
     (head_dim 256 takes 99 KiB of shared memory, sm_86's limit)."""
     if head_dim <= 64:  # two 16-row tiles a warp halve the ldmatrix traffic per mma
-        return TensorCoreConfig(
+        return configs.TensorCoreConfig(
             block_m=128, block_n=64, num_warps=4, stages=3, q_in_registers=False
         )
     if head_dim <= 128:  # Q in registers or 64-key tiles spill at 255 registers
-        return TensorCoreConfig(
+        return configs.TensorCoreConfig(
             block_m=128, block_n=32, num_warps=4, stages=2, q_in_registers=False
         )
-    return TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False)
+    return configs.TensorCoreConfig(
+        block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=False
+    )
 
 
 #: Head dims (as padded to a multiple of 8) the Hopper forward takes by default: those it was
@@ -87,7 +79,7 @@ def default_tensor_core_config(head_dim):
 WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
 
 
-@default_for(WgmmaForwardConfig)
+@default_for(configs.WgmmaForwardConfig)
 def default_wgmma_forward_config(head_dim):
     """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
     (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
@@ -96,13 +88,13 @@ def default_wgmma_forward_config(head_dim):
     (1-3% faster); at 128 pingpong (2-10% over 3 stages without); at 256 tiles of 64 keys, the
     most the accumulators leave registers for, without pingpong (0-4% faster)."""
     if head_dim <= 64:
-        return WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
+        return configs.WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
     if head_dim <= 128:
-        return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
-    return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
+        return configs.WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
+    return configs.WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
 
 
-@default_for(TensorCoreBackwardConfig)
+@default_for(configs.TensorCoreBackwardConfig)
 def default_tensor_core_backward_config(head_dim, device=None):
     """The mma.sync backward's tiles (head_dim as padded): the first of a short list that fits
     ``device`` (any device when None). dQ from its own kernel everywhere (deterministic, and
@@ -112,15 +104,15 @@ def default_tensor_core_backward_config(head_dim, device=None):
     163 KiB, sm_86/89: 99 KiB), not measured there."""
     if head_dim > 128:
         candidates = [
-            TensorCoreBackwardConfig(32, 8, 2, head_split=2),
-            TensorCoreBackwardConfig(32, 4, 2, head_split=2),
-            TensorCoreBackwardConfig(16, 4, 1, head_split=2),
+            configs.TensorCoreBackwardConfig(32, 8, 2, head_split=2),
+            configs.TensorCoreBackwardConfig(32, 4, 2, head_split=2),
+            configs.TensorCoreBackwardConfig(16, 4, 1, head_split=2),
         ]
     else:
         candidates = [
-            TensorCoreBackwardConfig(64, 8, 2),
-            TensorCoreBackwardConfig(32, 4, 2),
-            TensorCoreBackwardConfig(16, 4, 1),
+            configs.TensorCoreBackwardConfig(64, 8, 2),
+            configs.TensorCoreBackwardConfig(32, 4, 2),
+            configs.TensorCoreBackwardConfig(16, 4, 1),
         ]
     for cfg in candidates:
         if device is None or not cfg.problems(head_dim, device):
@@ -128,17 +120,17 @@ def default_tensor_core_backward_config(head_dim, device=None):
     return candidates[-1]
 
 
-@default_for(WgmmaBackwardConfig)
+@default_for(configs.WgmmaBackwardConfig)
 def default_wgmma_backward_config(head_dim):
     """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
     warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
-    return WgmmaBackwardConfig(num_warps=8, stages=2)
+    return configs.WgmmaBackwardConfig(num_warps=8, stages=2)
 
 
-@default_for(PortableDecodeConfig)
+@default_for(configs.PortableDecodeConfig)
 def default_portable_decode_config(head_dim):
     # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
-    return PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
+    return configs.PortableDecodeConfig(block_m=64, block_n=32 if head_dim <= 128 else 16)
 
 
 #: The tensor-core decode tiles to try, best first (block_n, num_warps, stages), for a grid of
@@ -158,13 +150,13 @@ def grid_class(blocks, device):
     return "many" if blocks >= 2 * device.multiprocessors else "few"
 
 
-@default_for(TensorCoreDecodeConfig)
+@default_for(configs.TensorCoreDecodeConfig)
 def default_tensor_core_decode_config(head_dim, device=None, grid="few"):
     """The first of the decode tiles for a call of grid class ``grid`` (:func:`grid_class`)
     whose shared memory fits ``device``."""
     tiles = DECODE_TILES_MANY_BLOCKS if grid == "many" else DECODE_TILES_FEW_BLOCKS
     for t in tiles:
-        config = TensorCoreDecodeConfig(*t)
+        config = configs.TensorCoreDecodeConfig(*t)
         if device is None or not config.problems(head_dim, device):
             return config
     return config
@@ -240,12 +232,12 @@ def forward_family(problem, device):
     fp16/bf16 on compute capability 9.x at the head dims it is faster at, the tensor-core
     (mma.sync) one elsewhere from sm_80, the portable one otherwise (and in the simulator)."""
     if not on_tensor_cores(problem, device):
-        return PortableConfig.family
+        return configs.PortableConfig.family
     if device.has_wgmma:
-        head_dim = WgmmaForwardConfig().kernel_head_dim(problem.head_dim)
+        head_dim = configs.WgmmaForwardConfig().kernel_head_dim(problem.head_dim)
         if head_dim in WGMMA_FORWARD_HEAD_DIMS:
-            return WgmmaForwardConfig.family
-    return TensorCoreConfig.family
+            return configs.WgmmaForwardConfig.family
+    return configs.TensorCoreConfig.family
 
 
 #: Query rows of a dense forward call at or below which it runs on the split-KV decode kernel
@@ -294,7 +286,7 @@ def backward_varlen(problem, device, deterministic):
     lengths (tuned entries are looked up by the max lengths' bucket), with the varlen kernels'
     own tiles where that choice is the mma.sync heuristic."""
     choice = backward(problem, device, deterministic)
-    if choice.source == "heuristic" and isinstance(choice.config, TensorCoreBackwardConfig):
+    if choice.source == "heuristic" and isinstance(choice.config, configs.TensorCoreBackwardConfig):
         head_dim = tensor_core_backward_head_dim(problem.head_dim)
         return Selection(default_tensor_core_varlen_backward_config(head_dim, device), "heuristic")
     return choice
@@ -302,7 +294,7 @@ def backward_varlen(problem, device, deterministic):
 
 def _wgmma_backward_fits(problem, device):
     head_dim = tensor_core_backward_head_dim(problem.head_dim)
-    return device.has_wgmma and not WgmmaBackwardConfig().problems(head_dim, device)
+    return device.has_wgmma and not configs.WgmmaBackwardConfig().problems(head_dim, device)
 
 
 def backward(problem, device, deterministic):
@@ -315,12 +307,12 @@ def backward(problem, device, deterministic):
     With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
     the separate dQ kernel instead (same tiles).
     """
-    portable = PortableBackwardConfig.family
+    portable = configs.PortableBackwardConfig.family
     if problem.dtype == "float32" or not device.runs("mma.sync"):
         return _tuned_or_default(portable, problem, device)[0]
-    families = [TensorCoreBackwardConfig.family]
+    families = [configs.TensorCoreBackwardConfig.family]
     if _wgmma_backward_fits(problem, device):
-        families.insert(0, WgmmaBackwardConfig.family)
+        families.insert(0, configs.WgmmaBackwardConfig.family)
     choices = [_tuned_or_default(f, problem, device) for f in families]
     tuned = [(time_ms, i) for i, (c, time_ms) in enumerate(choices) if c.source != "heuristic"]
     if tuned:
@@ -348,8 +340,8 @@ def decode_family(problem, device):
     rows can be read in place in 16-byte chunks; the portable one otherwise (and in the
     simulator)."""
     if on_tensor_cores(problem, device) and problem.head_dim % 8 == 0 and problem.cache_aligned:
-        return TensorCoreDecodeConfig.family
-    return PortableDecodeConfig.family
+        return configs.TensorCoreDecodeConfig.family
+    return configs.PortableDecodeConfig.family
 
 
 def _row_blocks(problem, rows):
@@ -365,7 +357,7 @@ def decode_grid(problem, device):
 
 def _block_shape(config, problem, device):
     """(query rows, keys per tile, blocks of this configuration one multiprocessor holds)."""
-    if isinstance(config, TensorCoreDecodeConfig):
+    if isinstance(config, configs.TensorCoreDecodeConfig):
         head_dim = problem.head_dim
         smem = config.shared_memory_bytes(head_dim) + config.static_shared_memory_bytes(head_dim)
         # A multiprocessor has 1 KiB more shared memory than one block may take (sm_80-sm_90),
@@ -434,7 +426,7 @@ def prefill(problem, device):
         and problem.num_splits <= 1
         and problem.cache_aligned
         and problem.head_dim % 8 == 0
-        and forward_family(problem, device) == WgmmaForwardConfig.family
+        and forward_family(problem, device) == configs.WgmmaForwardConfig.family
     )
 
 
@@ -455,12 +447,12 @@ def decode(problem, device, config=None):
     if config is not None:
         choice = Selection(config, "forced")
     elif prefill(problem, device):
-        choice = _tuned_or_default(WgmmaForwardConfig.family, problem, device)[0]
+        choice = _tuned_or_default(configs.WgmmaForwardConfig.family, problem, device)[0]
         choice = choice._replace(config=prefill_config(choice.config, problem))
     else:
         family = decode_family(problem, device)
         choice = _tuned_or_default(family, problem, device, decode_grid(problem, device))[0]
-    if isinstance(choice.config, WgmmaForwardConfig):
+    if isinstance(choice.config, configs.WgmmaForwardConfig):
         return choice, 1
     if problem.num_splits > 0:
         return choice, min(problem.num_splits, MAX_SPLITS)

@@ -72,6 +72,19 @@ def report(kernel, dtype, cc, resources, signature=None):
     return entry
 
 
+def reports(family, kernels, targets, resources, **fields):
+    """A report for each kernel and target: ``kernels`` holds (name, kernel, spec) triples
+    (spec: the launch.KernelSpec it takes), ptxas' report read for the targets among
+    ``resources``, ``fields`` what each report says besides (head_dim, dtype, ...)."""
+    dtype = fields["dtype"]
+    return [
+        {"family": family, "kernel": name, **fields,
+         **report(kernel, dtype, cc, cc in resources, spec.signature(dtype))}
+        for name, kernel, spec in kernels
+        for cc in targets
+    ]  # fmt: skip
+
+
 def _with_remarks(usage):
     """ptxas' report with its log cut down to the numbered remarks (e.g. "(C7511) ...
     wgmma.mma_async instructions are serialized") and warnings."""
@@ -122,73 +135,37 @@ def tensor_core_forward(hd, dtype, varlen=False):
     cfg = default_tensor_core_config(hd)
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     kernel = (forward.build_varlen if varlen else forward.build)(hd, dtype, *tiles)
-    signature = (launch.FORWARD_VARLEN if varlen else launch.FORWARD).signature(dtype)
-    return [
-        {
-            "family": "tensor-core",
-            "kernel": "varlen" if varlen else "dense",
-            "head_dim": hd,
-            "dtype": dtype,
-            "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=signature),
-        }
-        for cc in TENSOR_CORE_TARGETS
-    ]
+    spec = launch.FORWARD_VARLEN if varlen else launch.FORWARD
+    kernels = [("varlen" if varlen else "dense", kernel, spec)]
+    return reports("tensor-core", kernels, TENSOR_CORE_TARGETS, (RESOURCE_TARGET,),
+                   head_dim=hd, dtype=dtype, config=cfg.to_dict())  # fmt: skip
 
 
 def portable_forward(hd, dtype):
     cfg = default_portable_config(hd)
-    kernels = {
-        "dense": (forward_portable.build(hd, dtype, cfg.block_m, cfg.block_n), launch.FORWARD),
-        "varlen": (
-            forward_portable.build_varlen(hd, dtype, cfg.block_m, cfg.block_n),
-            launch.FORWARD_VARLEN,
-        ),
-    }
-    return [
-        {
-            "family": "portable",
-            "kernel": name,
-            "head_dim": hd,
-            "dtype": dtype,
-            "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
-        }
-        for name, (kernel, spec) in kernels.items()
-        for cc in PORTABLE_TARGETS
+    tiles = (cfg.block_m, cfg.block_n)
+    kernels = [
+        ("dense", forward_portable.build(hd, dtype, *tiles), launch.FORWARD),
+        ("varlen", forward_portable.build_varlen(hd, dtype, *tiles), launch.FORWARD_VARLEN),
     ]
+    return reports("portable", kernels, PORTABLE_TARGETS, (),
+                   head_dim=hd, dtype=dtype, config=cfg.to_dict())  # fmt: skip
 
 
 def portable_backward(hd, dtype):
     cfg = default_portable_backward_config(hd)
-    kernels = {
-        "preprocess": (backward_portable.build_preprocess(hd, dtype, 8), launch.PREPROCESS),
-        "dkdv": (
-            backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n),
-            launch.PORTABLE_DKDV,
-        ),
-        "dq": (backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n), launch.DQ),
-        "dkdv-varlen": (
-            backward_portable.build_dkdv(hd, dtype, cfg.block_m, cfg.block_n, varlen=True),
-            launch.PORTABLE_DKDV_VARLEN,
-        ),
-        "dq-varlen": (
-            backward_portable.build_dq(hd, dtype, cfg.block_m, cfg.block_n, varlen=True),
-            launch.DQ_VARLEN,
-        ),
-    }
-    return [
-        {
-            "family": "portable-backward",
-            "kernel": name,
-            "head_dim": hd,
-            "dtype": dtype,
-            "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
-        }
-        for name, (kernel, spec) in kernels.items()
-        for cc in PORTABLE_TARGETS
-    ]
+    tiles = (cfg.block_m, cfg.block_n)
+    kernels = [
+        ("preprocess", backward_portable.build_preprocess(hd, dtype, 8), launch.PREPROCESS),
+        ("dkdv", backward_portable.build_dkdv(hd, dtype, *tiles), launch.PORTABLE_DKDV),
+        ("dq", backward_portable.build_dq(hd, dtype, *tiles), launch.DQ),
+        ("dkdv-varlen", backward_portable.build_dkdv(hd, dtype, *tiles, varlen=True),
+         launch.PORTABLE_DKDV_VARLEN),
+        ("dq-varlen", backward_portable.build_dq(hd, dtype, *tiles, varlen=True),
+         launch.DQ_VARLEN),
+    ]  # fmt: skip
+    return reports("portable-backward", kernels, PORTABLE_TARGETS, (),
+                   head_dim=hd, dtype=dtype, config=cfg.to_dict())  # fmt: skip
 
 
 def mma_backward(hd, dtype, config):
@@ -205,75 +182,37 @@ def mma_backward(hd, dtype, config):
             hd, dtype, c.block_m, c.num_warps, c.stages, c.dq_separate, c.head_split
         )
 
-    kernels = {
-        "dkdv": (cfg, built(cfg).dkdv, launch.TENSOR_CORE_DKDV),
-        "dkdv-varlen": (vcfg, built(vcfg).dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
-    }
+    dense = [("dkdv", built(cfg).dkdv, launch.TENSOR_CORE_DKDV)]
+    varlen = [("dkdv-varlen", built(vcfg).dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN)]
     if cfg.dq_separate:
-        kernels["dq"] = (cfg, built(cfg).dq, launch.DQ)
-        kernels["dq-varlen"] = (vcfg, built(vcfg).dq_varlen, launch.DQ_VARLEN)
+        dense.append(("dq", built(cfg).dq, launch.DQ))
+        varlen.append(("dq-varlen", built(vcfg).dq_varlen, launch.DQ_VARLEN))
     return [
-        {
-            "family": "tensor-core-backward",
-            "head_dim": hd,
-            "dtype": dtype,
-            "kernel": name,
-            "config": c.to_dict(),
-            **report(
-                kernel, dtype, cc, resources=cc == RESOURCE_TARGET, signature=spec.signature(dtype)
-            ),
-        }
-        for name, (c, kernel, spec) in kernels.items()
-        for cc in TENSOR_CORE_TARGETS
-    ]
+        entry
+        for c, kernels in ((cfg, dense), (vcfg, varlen))
+        for entry in reports("tensor-core-backward", kernels, TENSOR_CORE_TARGETS,
+                             (RESOURCE_TARGET,), head_dim=hd, dtype=dtype, config=c.to_dict())
+    ]  # fmt: skip
 
 
 def portable_decode(hd, dtype, paged):
     cfg = default_config("portable-decode", hd, None)[1]
-    kernels = {
-        "append": (decode_portable.build_append(hd, dtype, paged), launch.APPEND),
-        "split": (
-            decode_portable.build_split_attention(hd, dtype, cfg.block_m, cfg.block_n, paged),
-            launch.SPLIT_ATTENTION,
-        ),
-        "combine": (decode_portable.build_combine(hd, dtype), launch.COMBINE),
-    }
-    return [
-        {
-            "family": "portable-decode",
-            "kernel": name,
-            "head_dim": hd,
-            "dtype": dtype,
-            "paged": paged,
-            "config": cfg.to_dict(),
-            **report(kernel, dtype, cc, resources=False, signature=spec.signature(dtype)),
-        }
-        for name, (kernel, spec) in kernels.items()
-        for cc in PORTABLE_TARGETS
+    split = decode_portable.build_split_attention(hd, dtype, cfg.block_m, cfg.block_n, paged)
+    kernels = [
+        ("append", decode_portable.build_append(hd, dtype, paged), launch.APPEND),
+        ("split", split, launch.SPLIT_ATTENTION),
+        ("combine", decode_portable.build_combine(hd, dtype), launch.COMBINE),
     ]
+    return reports("portable-decode", kernels, PORTABLE_TARGETS, (),
+                   head_dim=hd, dtype=dtype, paged=paged, config=cfg.to_dict())  # fmt: skip
 
 
 def tensor_core_decode(hd, dtype, paged):
     cfg = default_config("tensor-core-decode", hd, None)[1]
     kernel = decode.build(hd, dtype, cfg.block_n, cfg.num_warps, cfg.stages, paged)
-    return [
-        {
-            "family": "tensor-core-decode",
-            "kernel": "decode",
-            "head_dim": hd,
-            "dtype": dtype,
-            "paged": paged,
-            "config": cfg.to_dict(),
-            **report(
-                kernel,
-                dtype,
-                cc,
-                resources=cc == RESOURCE_TARGET,
-                signature=launch.DECODE.signature(dtype),
-            ),
-        }
-        for cc in TENSOR_CORE_TARGETS
-    ]
+    return reports("tensor-core-decode", [("decode", kernel, launch.DECODE)],
+                   TENSOR_CORE_TARGETS, (RESOURCE_TARGET,),
+                   head_dim=hd, dtype=dtype, paged=paged, config=cfg.to_dict())  # fmt: skip
 
 
 def wgmma_tiles(dtype):
@@ -313,23 +252,15 @@ def wgmma_tiles(dtype):
 
 
 def wgmma_backward(hd, dtype, warps, stages):
-    kernels = backward_sm90.build_kernels(hd, dtype, warps, stages)
-    return [
-        {
-            "family": "wgmma-backward",
-            "head_dim": hd,
-            "dtype": dtype,
-            "kernel": name,
-            "num_warps": warps,
-            **report(kernel, dtype, (9, 0, "a"), resources=True, signature=spec.signature(dtype)),
-        }
-        for name, kernel, spec in [
-            ("dkdv", kernels.dkdv, launch.TENSOR_CORE_DKDV),
-            ("dq", kernels.dq, launch.DQ),
-            ("dkdv-varlen", kernels.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
-            ("dq-varlen", kernels.dq_varlen, launch.DQ_VARLEN),
-        ]
+    built = backward_sm90.build_kernels(hd, dtype, warps, stages)
+    kernels = [
+        ("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV),
+        ("dq", built.dq, launch.DQ),
+        ("dkdv-varlen", built.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
+        ("dq-varlen", built.dq_varlen, launch.DQ_VARLEN),
     ]
+    return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")],
+                   head_dim=hd, dtype=dtype, num_warps=warps)  # fmt: skip
 
 
 def wgmma_forward(hd, dtype, config, varlen, cache=None):

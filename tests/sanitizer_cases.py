@@ -27,16 +27,6 @@ import cupy
 cupy.cuda.set_allocator(None)
 
 import numflash  # noqa: E402
-from numflash.config import (  # noqa: E402
-    PortableBackwardConfig,
-    PortableConfig,
-    PortableDecodeConfig,
-    TensorCoreBackwardConfig,
-    TensorCoreConfig,
-    TensorCoreDecodeConfig,
-    WgmmaBackwardConfig,
-    WgmmaForwardConfig,
-)
 from numflash.device import current_device  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -62,10 +52,10 @@ class Case(NamedTuple):
 
     @property
     def family(self):
-        return (self.backward or self.forward or TensorCoreConfig).family
+        return (self.backward or self.forward or numflash.TensorCoreConfig).family
 
 
-TC = TensorCoreBackwardConfig
+TC = numflash.TensorCoreBackwardConfig
 CASES = [
     # numflash's choices
     Case("float16", (1, 77, 130, 2, 1, 64), dict(causal=True)),
@@ -73,20 +63,20 @@ CASES = [
     Case("float16", (1, 65, 65, 4, 2, 40), dict(window_size=(16, 8))),
     Case("bfloat16", (1, 33, 200, 2, 1, 256), dict(causal=True)),
     # forced forward tiles
-    Case("float16", (1, 100, 100, 2, 1, 64), dict(), forward=TensorCoreConfig(128, 64, 4, 3, True)),
+    Case("float16", (1, 100, 100, 2, 1, 64), dict(), forward=numflash.TensorCoreConfig(128, 64, 4, 3, True)),
     Case(
         "float16",
         (1, 100, 100, 2, 1, 128),
         dict(causal=True),
-        forward=TensorCoreConfig(128, 32, 4, 2, False),
+        forward=numflash.TensorCoreConfig(128, 32, 4, 2, False),
     ),
     # portable forward and backward
     Case(
         "float32",
         (1, 70, 45, 2, 1, 96),
         dict(causal=True),
-        PortableConfig(),
-        PortableBackwardConfig(),
+        numflash.PortableConfig(),
+        numflash.PortableBackwardConfig(),
     ),
     # mma.sync backward: atomic dQ (two stages, one stage, split by columns), the dQ kernel,
     # head_dim split over two blocks, a left window alone (key blocks from the last)
@@ -103,32 +93,32 @@ CASES = [
     ),
     # the Hopper backward: two warpgroups and one, both stage counts, head_dim 128 and 64
     Case(
-        "float16", (2, 150, 201, 4, 2, 128), dict(causal=True), backward=WgmmaBackwardConfig(8, 2)
+        "float16", (2, 150, 201, 4, 2, 128), dict(causal=True), backward=numflash.WgmmaBackwardConfig(8, 2)
     ),
     Case(
         "bfloat16",
         (1, 90, 70, 2, 1, 64),
         dict(window_size=(9, 4)),
-        backward=WgmmaBackwardConfig(4, 1),
+        backward=numflash.WgmmaBackwardConfig(4, 1),
     ),
     Case(
         "float16",
         (1, 90, 200, 2, 1, 128),
         dict(window_size=(20, -1)),
-        backward=WgmmaBackwardConfig(8, 1),
+        backward=numflash.WgmmaBackwardConfig(8, 1),
     ),
     # the Hopper forward: every thread loading, a producer with cp.async, with TMA, with TMA
     # and pingpong; head_dim 64, 128, 256 and one padded to whole atoms
     Case("float16", (1, 150, 300, 4, 2, 128), dict(causal=True),
-         forward=WgmmaForwardConfig(2, 128, 3, producer=False, pingpong=False, tma=False)),
+         forward=numflash.WgmmaForwardConfig(2, 128, 3, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
-         forward=WgmmaForwardConfig(2, 128, 3, producer=True, pingpong=False, tma=False)),
+         forward=numflash.WgmmaForwardConfig(2, 128, 3, producer=True, pingpong=False, tma=False)),
     Case("float16", (2, 130, 260, 2, 2, 128), dict(),
-         forward=WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)),
+         forward=numflash.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)),
     Case("float16", (1, 100, 180, 2, 1, 256), dict(causal=True),
-         forward=WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False)),
+         forward=numflash.WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 70, 90, 2, 1, 40), dict(),
-         forward=WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
+         forward=numflash.WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
 ]  # fmt: skip
 
 
@@ -136,42 +126,42 @@ CASES = [
 #: tensor-core kernel (split and not) and the portable one.
 KVCACHE_CASES = [
     (KVCase("float16", (0, 1, 7, 113, 300), seqlen_q=1, seqlen_new=1, nheads=8, nheads_k=2,
-            head_dim=128, page_size=16), TensorCoreDecodeConfig()),
+            head_dim=128, page_size=16), numflash.TensorCoreDecodeConfig()),
     (KVCase("bfloat16", (5, 200), seqlen_q=4, seqlen_new=4, nheads=8, nheads_k=1,
             head_dim=64, page_size=3, mask=dict(causal=True), num_splits=3),
-     TensorCoreDecodeConfig(32, 2, 2)),
+     numflash.TensorCoreDecodeConfig(32, 2, 2)),
     (KVCase("float16", (40, 517), seqlen_q=2, seqlen_new=1, nheads=4, nheads_k=4,
             head_dim=256, page_size=1, mask=dict(window_size=(30, 0)), num_splits=2),
-     TensorCoreDecodeConfig(16, 4, 2)),
+     numflash.TensorCoreDecodeConfig(16, 4, 2)),
     (KVCase("float16", (9, 70), seqlen_q=3, seqlen_new=2, nheads=4, nheads_k=2, head_dim=40,
-            permute=True), TensorCoreDecodeConfig(16, 1, 4)),
+            permute=True), numflash.TensorCoreDecodeConfig(16, 1, 4)),
     (KVCase("float16", (700, 1000), seqlen_q=1, seqlen_new=1, nheads=8, nheads_k=2,
-            head_dim=128, page_size=5), TensorCoreDecodeConfig(16, 8, 3)),
+            head_dim=128, page_size=5), numflash.TensorCoreDecodeConfig(16, 8, 3)),
     (KVCase("bfloat16", (33, 2), seqlen_q=1, seqlen_new=1, nheads=4, nheads_k=1, head_dim=64,
-            page_size=16), PortableDecodeConfig()),
+            page_size=16), numflash.PortableDecodeConfig()),
     # chunked prefill on the Hopper forward: paged (pages of 16 and 3), contiguous (permuted,
     # by TMA and by cp.async), and the schedule without a producer
     (KVCase("bfloat16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
             head_dim=128, page_size=16, mask=dict(causal=True)),
-     WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
+     numflash.WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
     (KVCase("float16", (0, 517), seqlen_q=90, seqlen_new=40, nheads=4, nheads_k=1,
             head_dim=64, page_size=3, mask=dict(window_size=(100, 0))),
-     WgmmaForwardConfig(2, 128, 2, pingpong=False)),
+     numflash.WgmmaForwardConfig(2, 128, 2, pingpong=False)),
     (KVCase("float16", (40, 250), seqlen_q=70, seqlen_new=70, nheads=4, nheads_k=2,
-            head_dim=256, permute=True), WgmmaForwardConfig(2, 64, 2, pingpong=False)),
+            head_dim=256, permute=True), numflash.WgmmaForwardConfig(2, 64, 2, pingpong=False)),
     (KVCase("bfloat16", (3, 190), seqlen_q=100, seqlen_new=20, nheads=4, nheads_k=4,
             head_dim=128, mask=dict(causal=True)),
-     WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
+     numflash.WgmmaForwardConfig(2, 128, 2, pingpong=True, tma=False)),
     (KVCase("bfloat16", (33, 200), seqlen_q=65, seqlen_new=65, nheads=2, nheads_k=1,
             head_dim=64, page_size=5),
-     WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
+     numflash.WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
     # paged by TMA: pages of 16 in a tile of 128 keys, and pages of 256 holding two tiles
     (KVCase("float16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
             head_dim=128, page_size=16, mask=dict(causal=True)),
-     WgmmaForwardConfig(2, 128, 2, pingpong=True)),
+     numflash.WgmmaForwardConfig(2, 128, 2, pingpong=True)),
     (KVCase("bfloat16", (5, 400), seqlen_q=50, seqlen_new=10, nheads=4, nheads_k=2,
             head_dim=64, page_size=256, mask=dict(window_size=(60, 0))),
-     WgmmaForwardConfig(2, 128, 2, pingpong=False)),
+     numflash.WgmmaForwardConfig(2, 128, 2, pingpong=False)),
 ]  # fmt: skip
 
 
@@ -193,7 +183,7 @@ def main(argv):
     for case in CASES:
         if kvcache_only or family is not None and case.family != family:
             continue
-        hopper = (WgmmaBackwardConfig, WgmmaForwardConfig)
+        hopper = (numflash.WgmmaBackwardConfig, numflash.WgmmaForwardConfig)
         if isinstance(case.backward or case.forward, hopper) and not current_device().has_wgmma:
             print(f"skipped (no wgmma here): {case}", flush=True)
             continue
@@ -205,7 +195,10 @@ def main(argv):
         run_and_check(case, config)
         cupy.cuda.Device().synchronize()
         print(f"ok {case} {config}", flush=True)
-    if family in (None, WgmmaForwardConfig.family):  # bad pages and lengths in chunked prefill
+    if family in (
+        None,
+        numflash.WgmmaForwardConfig.family,
+    ):  # bad pages and lengths in chunked prefill
         test_kvcache.test_hostile_device_lengths_and_pages_stay_inside_the_arrays("hopper")
         for page in (4, 16):
             test_kvcache.test_keys_behind_a_page_outside_the_cache_are_absent("hopper", page)

@@ -47,51 +47,12 @@ def test_portable_kernel_matches_reference(dtype, head_dim, seqlen_q, seqlen_k, 
 
 #: Small enough for the simulator: one or four warps, tiles of 16 and 32 keys.
 SIM_TC_CASES = [
-    (
-        "float16",
-        32,
-        33,
-        40,
-        2,
-        "causal",
-        TensorCoreConfig(block_m=16, block_n=16, num_warps=1, stages=2, q_in_registers=True),
-    ),
-    (
-        "bfloat16",
-        32,
-        17,
-        50,
-        1,
-        "window",
-        TensorCoreConfig(block_m=16, block_n=16, num_warps=1, stages=3, q_in_registers=False),
-    ),
-    (
-        "float16",
-        40,
-        20,
-        9,
-        1,
-        "none",
-        TensorCoreConfig(block_m=16, block_n=32, num_warps=1, stages=2, q_in_registers=True),
-    ),
-    (
-        "bfloat16",
-        16,
-        70,
-        70,
-        2,
-        "causal",
-        TensorCoreConfig(block_m=64, block_n=32, num_warps=4, stages=2, q_in_registers=True),
-    ),
-    (
-        "float16",
-        24,
-        5,
-        19,
-        4,
-        "none",
-        TensorCoreConfig(block_m=32, block_n=16, num_warps=1, stages=2, q_in_registers=False),
-    ),
+    # dtype, head_dim, seqlen_q, seqlen_k, gqa, mask, config
+    ("float16", 32, 33, 40, 2, "causal", TensorCoreConfig(16, 16, 1, 2, True)),
+    ("bfloat16", 32, 17, 50, 1, "window", TensorCoreConfig(16, 16, 1, 3, False)),
+    ("float16", 40, 20, 9, 1, "none", TensorCoreConfig(16, 32, 1, 2, True)),
+    ("bfloat16", 16, 70, 70, 2, "causal", TensorCoreConfig(64, 32, 4, 2, True)),
+    ("float16", 24, 5, 19, 4, "none", TensorCoreConfig(32, 16, 1, 2, False)),
 ]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from support.standins import DeviceArray, Memory
 
+import numflash
 from numflash import api, signature
 
 DEFAULT_WINDOW = api._DEFAULT_WINDOW
@@ -45,23 +46,12 @@ def _kvcache(namespace):
 
 def _call(**change):
     """A paged decoding step's arguments in attention_with_kvcache's order, with ``change``."""
-    args = dict(
-        q=DeviceArray((2, 1, 8, 64)),
-        k_cache=DeviceArray((16, 4, 2, 64)),
-        v_cache=DeviceArray((16, 4, 2, 64)),
-        k=DeviceArray((2, 1, 2, 64)),
-        v=DeviceArray((2, 1, 2, 64)),
-        cache_seqlens=DeviceArray((2,), np.int32),
-        cache_batch_idx=None,
-        block_table=DeviceArray((2, 8), np.int32),
-        causal=True,
-        softmax_scale=None,
-        window_size=DEFAULT_WINDOW,
-        num_splits=0,
-        return_lse=False,
-        out=None,
-        config=None,
-    )
+    parameters = inspect.signature(numflash.attention_with_kvcache).parameters
+    args = {name: parameter.default for name, parameter in parameters.items()}
+    args.update(q=DeviceArray((2, 1, 8, 64)), k=DeviceArray((2, 1, 2, 64)))
+    args.update(k_cache=DeviceArray((16, 4, 2, 64)), v_cache=DeviceArray((16, 4, 2, 64)))
+    args.update(v=DeviceArray((2, 1, 2, 64)), cache_seqlens=DeviceArray((2,), np.int32))
+    args.update(block_table=DeviceArray((2, 8), np.int32), causal=True)
     args.update(change)
     return tuple(args[name] for name, _ in api._KVCACHE.parameters)
 

@@ -273,15 +273,15 @@ def test_selected_config_uses_the_cache(cache_dirs):
 # -- the CLI and a real study ---------------------------------------------------------------------
 
 
+def _autotune(cache, *flags):
+    """``numflash autotune`` with ``flags``, its cache in ``cache``: the finished process."""
+    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(cache))
+    command = [sys.executable, "-m", "numflash", "autotune", *flags]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
 def test_cli_dry_run_prints_the_plan(tmp_path):
-    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run(
-        [sys.executable, "-m", "numflash.cli", "autotune", "--quick", "--dry-run"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    proc = _autotune(tmp_path, "--quick", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "4 keys x 8 trials" in proc.stdout
     assert "tensor-core/float16/hd128/causal/s4096:" in proc.stdout
@@ -387,28 +387,8 @@ def test_backward_families_have_defaults_and_spaces():
 
 
 def test_cli_dry_run_plans_the_backward(tmp_path):
-    env = dict(os.environ, NUMFLASH_CACHE_DIR=str(tmp_path))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "numflash",
-            "autotune",
-            "--family",
-            "tensor-core-backward",
-            "--head-dims",
-            "40",
-            "--dtypes",
-            "bfloat16",
-            "--seqlens",
-            "1000",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    flags = ["--family", "tensor-core-backward", "--head-dims", "40", "--dtypes", "bfloat16"]
+    proc = _autotune(tmp_path, *flags, "--seqlens", "1000", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "tensor-core-backward/bfloat16/hd48/full/s1024:" in proc.stdout
 

@@ -127,14 +127,8 @@ def test_varlen_matches_the_reference_per_sequence(case):
             assert (to_numpy(out[rows]).astype(np.float32) == 0).all(), f"sequence {b}"
             assert (to_numpy(lse[:, rows]) == -np.inf).all(), f"sequence {b}"
             continue
-        result = check(
-            q[None, rows],
-            k[None, keys],
-            v[None, keys],
-            out[None, rows],
-            lse[:, rows][None],
-            **case.mask,
-        )
+        q_b, out_b, lse_b = q[None, rows], out[None, rows], lse[:, rows][None]
+        result = check(q_b, k[None, keys], v[None, keys], out_b, lse_b, **case.mask)
         assert result.nan == 0, f"sequence {b}: {result.nan} NaN outputs"
         assert result.err <= result.bar, f"sequence {b}: err {result.err:.3e} > {result.bar:.3e}"
         assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"
@@ -185,16 +179,9 @@ def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
             for g, part in ((dq, rows), (dk, keys), (dv, keys)):
                 assert (to_numpy(g[part]).astype(np.float32) == 0).all(), f"sequence {b}"
             continue
-        results = check_backward(
-            dout[None, rows],
-            q[None, rows],
-            k[None, keys],
-            v[None, keys],
-            dq[None, rows],
-            dk[None, keys],
-            dv[None, keys],
-            **case.mask,
-        )
+        inputs = [x[None, rows] for x in (dout, q)] + [x[None, keys] for x in (k, v)]
+        grads = [dq[None, rows], dk[None, keys], dv[None, keys]]
+        results = check_backward(*inputs, *grads, **case.mask)
         for r in results:
             assert r.nan == 0, f"sequence {b}: {r.name} has {r.nan} NaN"
             assert r.err <= r.bar, f"sequence {b}: {r.name} err {r.err:.3e} > {r.bar:.3e}"

@@ -19,7 +19,7 @@ import argparse
 import json
 import os
 import sys
-import time
+import timeit
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # no GPU needed; replays never run a kernel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -137,13 +137,7 @@ def calls():
 def best_us(fn, runs, calls):
     fn()  # records the plan
     fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return min(times)
+    return min(timeit.repeat(fn, number=calls, repeat=runs)) / calls * 1e6
 
 
 def main():

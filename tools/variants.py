@@ -59,26 +59,13 @@ GRIDS = {
 
 #: Hand-picked candidates per head_dim (block_m, block_n, num_warps, stages, q_in_registers).
 FOCUS = {
-    64: [
-        (128, 64, 4, 2, True),
-        (128, 64, 4, 3, True),
-        (128, 128, 4, 2, True),
-        (128, 64, 8, 2, True),
-        (128, 128, 8, 2, True),
-        (64, 128, 4, 2, True),
-        (128, 64, 4, 2, False),
-    ],
-    128: [
-        (128, 64, 8, 2, True),
-        (128, 64, 8, 3, True),
-        (128, 32, 4, 2, False),
-        (128, 32, 4, 3, False),
-        (128, 64, 4, 2, False),
-        (64, 32, 4, 2, True),
-        (128, 128, 8, 2, True),
-        (64, 64, 4, 3, True),
-    ],
-}
+    64: [(128, 64, 4, 2, True), (128, 64, 4, 3, True), (128, 128, 4, 2, True),
+         (128, 64, 8, 2, True), (128, 128, 8, 2, True), (64, 128, 4, 2, True),
+         (128, 64, 4, 2, False)],
+    128: [(128, 64, 8, 2, True), (128, 64, 8, 3, True), (128, 32, 4, 2, False),
+          (128, 32, 4, 3, False), (128, 64, 4, 2, False), (64, 32, 4, 2, True),
+          (128, 128, 8, 2, True), (64, 64, 4, 3, True)],
+}  # fmt: skip
 #: Zero-spill candidates (ptxas report, sm_90a) for choosing the defaults.
 NO_SPILL = {
     64: [(128, 64, 4, 2, False), (128, 64, 4, 3, False), (64, 64, 4, 2, True)],
@@ -132,22 +119,10 @@ def main():
             except Exception as exc:  # a variant that fails to build or launch is reported
                 print(f"  {cfg}: FAILED {type(exc).__name__}: {exc}", flush=True)
                 continue
-            row = dict(
-                head_dim=hd,
-                dtype=dt,
-                causal=causal,
-                seqlen=seqlen,
-                batch=batch,
-                nheads=nheads,
-                config=cfg.to_dict(),
-                tflops=tf,
-                sdpa_flash=peer,
-                ratio=tf / peer if peer else None,
-                err=err,
-                bar=bar,
-                ok=err <= bar,
-                default=cfg == default,
-            )
+            row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
+                       nheads=nheads, config=cfg.to_dict(), tflops=tf, sdpa_flash=peer,
+                       ratio=tf / peer if peer else None, err=err, bar=bar, ok=err <= bar,
+                       default=cfg == default)  # fmt: skip
             rows.append(row)
             print(
                 f"hd{hd} {dt} causal={causal} s{seqlen} {cfg.block_m}x{cfg.block_n} "
