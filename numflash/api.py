@@ -218,10 +218,21 @@ def _outputs(q):
     return (q.shape, q.dtype), ((b, h, sq), np.dtype(np.float32))
 
 
+_STAY = contextlib.nullcontext()
+#: Whether the process sees one GPU (CUDA fixes its devices at start), once asked.
+_one_gpu = []
+
+
 def _on_device(x):
+    """A context in which ``x``'s GPU is the current device: no switch in the simulator, nor
+    where the process sees one GPU (which is then current)."""
     if isinstance(x, np.ndarray):
-        return contextlib.nullcontext()
-    return x.device
+        return _STAY
+    if not _one_gpu:
+        import cupy
+
+        _one_gpu.append(cupy.cuda.runtime.getDeviceCount() == 1)
+    return _STAY if _one_gpu[0] else x.device
 
 
 def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):

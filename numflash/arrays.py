@@ -79,7 +79,7 @@ def array_module(x):
 
 def device_id(x):
     """The GPU an array lives on (0 in the simulator)."""
-    return 0 if isinstance(x, np.ndarray) else x.device.id
+    return 0 if isinstance(x, np.ndarray) else x.data.device_id
 
 
 def empty(shape, dtype, like):
@@ -97,6 +97,22 @@ class KernelArray(NamedTuple):
     owner: object = None
 
 
+#: kernel_view's (span, element strides) by (shape, strides, itemsize): a call's arrays keep
+#: their layouts from call to call, and working them out again cost a microsecond an array.
+_layouts = {}
+
+
+def _span_and_strides(shape, strides, itemsize):
+    """(elements an array of this layout spans, its strides in elements)."""
+    strides = tuple([s // itemsize for s in strides])
+    span = 0
+    if all(shape):
+        span = 1
+        for n, s in zip(shape, strides):
+            span += (n - 1) * s
+    return span, strides
+
+
 def kernel_view(x):
     """(flat, strides): ``x`` as a 1-D array over the memory it spans, and its element strides.
 
@@ -105,12 +121,13 @@ def kernel_view(x):
     floats travel as uint16.
     """
     itemsize = x.dtype.itemsize
-    strides = tuple([s // itemsize for s in x.strides])
-    span = 0
-    if x.size:
-        span = 1
-        for n, s in zip(x.shape, strides):
-            span += (n - 1) * s
+    layout = (x.shape, x.strides, itemsize)
+    found = _layouts.get(layout)
+    if found is None:
+        if len(_layouts) >= 4096:
+            _layouts.clear()
+        found = _layouts[layout] = _span_and_strides(*layout)
+    span, strides = found
     if isinstance(x, np.ndarray):
         kdtype = KERNEL_DTYPES.get(dtype_name(x.dtype), x.dtype)
         flat = np.lib.stride_tricks.as_strided(x.view(kdtype), shape=(span,), strides=(itemsize,))

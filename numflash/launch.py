@@ -363,6 +363,7 @@ class Launcher:
         self._shared_opt_in = {}  # device id -> bytes allowed
         self._static = None  # static shared memory bytes, once compiled
         self._functions = {}  # device id -> CUfunction
+        self._thread = threading.local()  # .params: this thread's parameter buffer
 
     def compiled(self):
         if self._compiled is None:
@@ -398,14 +399,15 @@ class Launcher:
             return
         if shared_bytes > DEFAULT_SHARED_LIMIT - self._static_shared():
             self._allow_shared(shared_bytes)
-        buffer, pointers = self._pack(args)
+        buffer, pointers = self._params()
+        self._struct.pack_into(buffer, 0, *self._values(args))
         gx, gy, gz = _dim3(grid)
         bx, by, bz = _dim3(block)
         driver = _driver()
         (err,) = driver.cuLaunchKernel(
-            self._function(), gx, gy, gz, bx, by, bz, shared_bytes, stream, pointers.ctypes.data, 0
+            self._function(), gx, gy, gz, bx, by, bz, shared_bytes, stream, pointers, 0
         )
-        # ``buffer`` and ``pointers`` stayed alive until the driver copied the parameters.
+        # the driver copied the parameters: the buffer is free for this thread's next launch
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(
                 f"cuLaunchKernel failed: {err!r} (grid {grid}, block {block}, "
@@ -435,8 +437,27 @@ class Launcher:
             tuple(patch),
         )
 
+    def _params(self):
+        """(buffer, address of its parameter addresses) this thread packs its launches into:
+        cuLaunchKernel copies the parameters before it returns, so one buffer a thread serves
+        every launch (a new one a launch, with its addresses, cost microseconds)."""
+        found = getattr(self._thread, "params", None)
+        if found is None:
+            buffer = ctypes.create_string_buffer(self._struct.size)
+            pointers = self._offsets + np.uint64(ctypes.addressof(buffer))
+            found = self._thread.params = (buffer, pointers.ctypes.data)
+            self._thread.keep = pointers
+        return found
+
     def _pack(self, args):
-        """(buffer, parameter addresses) of ``args`` in Numba's ABI."""
+        """(buffer, parameter addresses) of ``args`` in Numba's ABI, made for them (a prepared
+        launch keeps both)."""
+        values = self._values(args)
+        buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
+        return buffer, self._offsets + np.uint64(ctypes.addressof(buffer))
+
+    def _values(self, args):
+        """``args`` flattened into the values of the parameters' slots."""
         values = []
         for kind, value in zip(self._kinds, args):
             if kind == 7:  # a KernelArray (pointer, nitems, itemsize)
@@ -453,8 +474,7 @@ class Launcher:
                 values += value
             else:
                 values.append(value)
-        buffer = ctypes.create_string_buffer(self._struct.pack(*values), self._struct.size)
-        return buffer, self._offsets + np.uint64(ctypes.addressof(buffer))
+        return values
 
     def _function(self):
         """The kernel's CUfunction on the current device (Numba loads it as a CUkernel)."""
@@ -554,9 +574,8 @@ def _copy_back(out, target, p):
 def _packed_offsets(offsets, q, k):
     """A packed batch's kernel arguments beyond the dense ones: the views of its offsets
     (cu_q, cu_k), and the scalars after the attention scalars, the arrays' row counts."""
-    xp = arrays.array_module(q)
     views = {
-        name: arrays.kernel_view(xp.ascontiguousarray(x))
+        name: arrays.kernel_view(arrays.as_kernel_input(x))
         for name, x in zip(("cu_q", "cu_k"), offsets)
     }
     return views, (q.shape[0], k.shape[0])
@@ -581,7 +600,12 @@ def _launch_forward(
     else:
         spec = FORWARD_VARLEN
         views, totals = _packed_offsets(offsets, q, k)
-        views.update((name, arrays.kernel_view(x[None] if x.ndim == 3 else x)) for name, x in named)
+        # a packed batch's (rows, heads, head_dim) arrays as one sequence of a batch of one; lse
+        # is read flat (a dense call's, of 3 dimensions too, needs no view made)
+        views.update(
+            (name, arrays.kernel_view(x[None] if x.ndim == 3 and name != "lse" else x))
+            for name, x in named
+        )
         scalars += totals
     if extra is not None:
         spec, more_views, more_scalars = extra

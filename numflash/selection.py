@@ -227,6 +227,11 @@ def on_tensor_cores(problem, device):
     )
 
 
+#: The Hopper forward's defaults, for the head_dim it would run a call at (made once: a
+#: configuration's construction costs microseconds every call would pay).
+_WGMMA_FORWARD = configs.WgmmaForwardConfig()
+
+
 def forward_family(problem, device):
     """The forward family of a call without ``config=``: the Hopper (wgmma) kernel for
     fp16/bf16 on compute capability 9.x at the head dims it is faster at, the tensor-core
@@ -234,7 +239,7 @@ def forward_family(problem, device):
     if not on_tensor_cores(problem, device):
         return configs.PortableConfig.family
     if device.has_wgmma:
-        head_dim = configs.WgmmaForwardConfig().kernel_head_dim(problem.head_dim)
+        head_dim = _WGMMA_FORWARD.kernel_head_dim(problem.head_dim)
         if head_dim in WGMMA_FORWARD_HEAD_DIMS:
             return configs.WgmmaForwardConfig.family
     return configs.TensorCoreConfig.family

@@ -59,6 +59,10 @@ def check_flag(value, name):
 
 
 def check_window(window_size, causal):
+    if window_size.__class__ is tuple and len(window_size) == 2:  # the common case, at once
+        left, right = window_size
+        if left.__class__ is int and right.__class__ is int and left >= -1 and right >= -1:
+            return left, 0 if causal else right
     ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
     if ok:
         ok = all(
@@ -101,6 +105,29 @@ def check_scale(softmax_scale, head_dim):
 
 def check_qkv(q, k, v):
     """Shapes, dtypes and devices of q, k, v; returns the dtype name."""
+    name = _qkv_fine(q, k, v)
+    return name if name is not None else _check_qkv_each(q, k, v)
+
+
+def _qkv_fine(q, k, v):
+    """The dtype name of q, k and v where every check of :func:`check_qkv` passes, at the cost
+    of a few comparisons; else None (the checks one by one then say what is wrong)."""
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not (len(qs) == len(ks) == len(vs) == 4 and ks == vs and q.dtype == k.dtype == v.dtype):
+        return None
+    b, _, h, d = qs
+    name = arrays.dtype_name(q.dtype)
+    if name is None or ks[0] != b or ks[3] != d or not 1 <= d <= MAX_HEAD_DIM:
+        return None
+    if ks[2] == 0 or h % ks[2] or h > MAX_GRID_YZ or b > MAX_GRID_YZ:
+        return None
+    device = arrays.device_id(q)
+    if arrays.device_id(k) != device or arrays.device_id(v) != device:
+        return None
+    return name
+
+
+def _check_qkv_each(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
@@ -207,7 +234,7 @@ def problem(q, k, v, causal, softmax_scale, window_size):
     scale = check_scale(softmax_scale, q.shape[-1])
     b, sq, h, d = q.shape
     sk = k.shape[1]
-    left, right = (_clamp_window(w, sq, sk) for w in (left, right))
+    left, right = _clamp_window(left, sq, sk), _clamp_window(right, sq, sk)
     return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
 
 

@@ -49,3 +49,17 @@ def test_the_replay_cost_tool_runs_without_a_gpu_and_every_repeat_replays():
     assert {"attention_us", "attention_backward_us", "attention_with_kvcache_us"} <= set(
         json.loads(done.stdout)
     )
+
+
+def test_the_full_path_cost_tool_runs_without_a_gpu():
+    """tools/full_path_cost.py times the full path's parts on stand-ins: it must keep matching
+    numflash.validation's and numflash.launch's internals."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    command = [sys.executable, str(ROOT / "tools" / "full_path_cost.py"), "--runs", "1"]
+    done = subprocess.run(
+        [*command, "--calls", "10"], capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout)
+    assert {"validation_us", "selection_us", "launch[WgmmaForwardConfig]_us"} <= set(results)

@@ -5,6 +5,7 @@ replay patches into that buffer landing on the arrays' data slots and nowhere el
 The driver is not called: the launch function is a stand-in that notes its arguments. That
 the kernels read these parameters as packed is the GPU tests' part (every launch uses them)."""
 
+import ctypes
 import gc
 import struct
 import weakref
@@ -97,6 +98,40 @@ def test_a_replay_patches_each_arrays_data_slot_and_nothing_else(typed, name, mo
         b for i, b in enumerate(before) if i not in data_slots
     ]
     assert calls == [(0xF00, 3, 2, 1, 128, 1, 1, 4096, 0x5EED, prepared.address, 0)]
+
+
+class _Driver:
+    """cuLaunchKernel as the driver sees it: the parameters read through the pointer array it is
+    handed, at the moment of the launch."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, slots):
+        self.slots, self.seen = slots, []
+
+    def cuLaunchKernel(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        addresses = (ctypes.c_uint64 * self.slots).from_address(params)
+        self.seen.append(b"".join(ctypes.string_at(a, 8) for a in addresses))
+        return (0,)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_an_eager_launch_hands_the_driver_what_a_prepared_one_packs(typed, name, monkeypatch):
+    """A launch without a plan packs into one buffer its thread reuses: each launch's
+    parameters are its own arguments', slot for slot, whatever the thread launched before."""
+    launcher, prepared, args, arrays = _prepared(SPECS[name], "float16")
+    driver = _Driver(sum(abs(kind) for kind in launcher._kinds))
+    monkeypatch.setattr(launch, "_driver", lambda: driver)
+    launcher._static = 0
+    moved = [
+        a._replace(pointer=a.pointer + (5 << 40)) if isinstance(a, KernelArray) else a for a in args
+    ]
+    for call in (moved, args):
+        launcher((3, 2, 1), 128, 0x5EED, 4096, call)
+    assert driver.seen[1] == bytes(prepared.buffer)
+    assert driver.seen[0] != driver.seen[1]
+    assert launcher._params() == launcher._params()  # one buffer for the thread
 
 
 def _data_slots(launcher):

@@ -8,7 +8,8 @@ cannot be told apart. Here both run in one process: numflash from this checkout,
 checkout's loaded under the name ``numflash_other``. In each round every call is timed for both
 trees one after the other, the order flipped from round to round, with SDPA once a round:
 ``attention``, ``attention_backward`` and ``attention_with_kvcache`` (a paged decoding step
-with an append, with and without ``out=``) on benchmarks/host_overhead.py's problems and with
+with an append, with and without ``out=``), and the full paths of the first two (what a call
+without a plan runs), on benchmarks/host_overhead.py's problems and with
 its timing (``per_call_us``: bursts of 20 calls, the GPU drained between bursts). The two trees'
 results are compared first. Prints each round and the medians; ``--json`` keeps them.
 """
@@ -55,6 +56,7 @@ def calls(nf):
     lengths = cupy.full((4,), 100, dtype=cupy.int32)
     out_d = cupy.empty_like(qd)
     step = (qd, k_cache, v_cache, k_new, v_new)
+    full = (False, None, (-1, -1), False, None, None)  # causal, scale, window, lse, out, config
     return {
         "attention": lambda: nf.attention(q, k, v),
         "attention_backward": lambda: nf.attention_backward(dout, q, k, v, out, lse),
@@ -63,6 +65,11 @@ def calls(nf):
         ),
         "attention_with_kvcache[out given]": lambda: nf.attention_with_kvcache(
             *step, cache_seqlens=lengths, block_table=table, out=out_d
+        ),
+        # the full paths, which a call without a plan takes (its first, or one no plan takes)
+        "attention[full path]": lambda: nf.api._attention(q, k, v, *full),
+        "attention_backward[full path]": lambda: nf.api._attention_backward(
+            dout, q, k, v, out, lse, False, None, (-1, -1), False, None
         ),
     }
 

@@ -140,22 +140,33 @@ def best_us(fn, runs, calls):
     return min(timeit.repeat(fn, number=calls, repeat=runs)) / calls * 1e6
 
 
+def arguments(doc, runs, calls):
+    """The parsed --runs, --calls (defaults ``runs``, ``calls``) and --json of a timing tool
+    that ``doc`` describes."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=runs)
+    parser.add_argument("--calls", type=int, default=calls)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    return parser.parse_args()
+
+
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--calls", type=int, default=20000)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = arguments(__doc__, 15, 20000)
     stand_in()
     results = {"numflash": os.path.dirname(numflash.__file__)}
     for name, fn in calls().items():
         results[f"{name}_us"] = round(best_us(fn, args.runs, args.calls), 3)
     if len(full_paths) != len(results) - 1:
         raise SystemExit(f"a repeated call did not replay: {len(full_paths)} full paths")
+    report(results, args.json)
+
+
+def report(results, path=None):
+    """Print ``results`` as JSON; also write them to ``path`` where given."""
     text = json.dumps(results, indent=1)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
 
 

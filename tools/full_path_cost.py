@@ -1,0 +1,119 @@
+"""The Python a call without a replay plan runs before the driver, on any machine.
+
+    python tools/full_path_cost.py [--runs 7] [--calls 5000] [--json PATH]
+
+The full path of ``numflash.attention`` in two parts, on stand-ins (tests/support/standins.py)
+for CuPy's arrays, its allocator, device and stream, with the GPU taken to be an H200 (compute
+capability 9.0, 132 multiprocessors): validation (``numflash.validation.problem``) and the
+Hopper forward's launch (``numflash.launch.forward`` with the default configuration: input
+checks, tensor-map templates, argument views, packing). The driver is a stand-in that returns at
+once and no kernel is compiled, so neither cuLaunchKernel (about 4.5 us on the H200 machine) nor
+CuPy's allocations are timed; a stand-in's construction (each output the launch allocates) is,
+and its shape and strides are Python attributes where CuPy's are C fields: the figures compare
+trees on one machine, not a GPU host's cost. Per part: the best of ``--runs`` runs of
+``--calls`` calls. ``PYTHONPATH=/path/to/other/checkout python tools/full_path_cost.py`` times
+another tree.
+"""
+
+import dataclasses
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # launches typed as on a GPU (replay_cost keeps it)
+
+import numpy as np  # noqa: E402
+import replay_cost  # noqa: E402
+from support.standins import DeviceArray  # noqa: E402
+
+import numflash  # noqa: E402
+from numflash import arrays, device, launch, selection, validation  # noqa: E402
+from numflash.kernels import ptx_tma  # noqa: E402
+
+#: The GPU the stand-ins stand for.
+H200 = dataclasses.replace(
+    device.SIMULATED_DEVICE,
+    name="NVIDIA H200 (stand-in)",
+    compute_capability=(9, 0),
+    multiprocessors=132,
+    simulated=False,
+)
+
+
+class _Array(DeviceArray):
+    """A stand-in with the attributes the full path reads beyond a replay's."""
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def device(self):
+        return types.SimpleNamespace(id=self.data.device_id)
+
+    def __getitem__(self, index):  # x[None], as the launches view packed arrays
+        assert index is None
+        return _Array((1,) + self.shape, self.dtype, self.data.ptr, (0,) + self.strides)
+
+
+def _empty(shape, dtype=np.float32):
+    return _Array(shape, dtype)
+
+
+class _Driver:
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    @staticmethod
+    def cuLaunchKernel(*args):
+        return (0,)
+
+
+def stand_in():
+    """numflash's CuPy, driver and device on stand-ins (this process only)."""
+    stream = types.SimpleNamespace(ptr=0x5EED)
+    runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1)
+    cupy = types.SimpleNamespace(
+        ndarray=_Array, empty=_empty, zeros=_empty, ascontiguousarray=lambda x: x,
+        int32=np.int32, int64=np.int64,
+        float32=np.float32, cuda=types.SimpleNamespace(
+            runtime=runtime, get_current_stream=lambda: stream),
+    )  # fmt: skip
+    arrays._cupy = lambda: cupy
+    arrays.array_module = lambda x: cupy
+    arrays.SIMULATOR = launch.SIMULATOR = False
+    attributes = {"MultiProcessorCount": H200.multiprocessors, "L2CacheSize": 60 << 20}
+    launch._device_attribute = attributes.__getitem__
+    launch._driver = lambda: _Driver
+    ptx_tma.template = lambda dtype, dims, strides, box, address: (0,) * ptx_tma.MAP_WORDS
+    launch.Launcher._static_shared = lambda self: 0
+    launch.Launcher._function = lambda self: 0xF00
+    launch.Launcher._allow_shared = lambda self, nbytes: None
+
+
+def parts(head_dim=64):
+    """{name: call} of the full path's parts for one small problem (1 x 128 x 1 x head_dim,
+    fp16), as benchmarks/host_overhead.py times the whole on the GPU."""
+    q, k, v, out = (_Array((1, 128, 1, head_dim)) for _ in range(4))
+    lse = _Array((1, 1, 128), np.float32)
+    p = validation.problem(q, k, v, False, None, (-1, -1))[-1]
+    config = selection.forward(p, H200).config
+    return {
+        "validation": lambda: validation.problem(q, k, v, False, None, (-1, -1)),
+        "selection": lambda: selection.forward(p, H200),
+        f"launch[{type(config).__name__}]": lambda: launch.forward(config, p, q, k, v, out, lse),
+    }
+
+
+def main():
+    args = replay_cost.arguments(__doc__, 7, 5000)
+    stand_in()
+    results = {"numflash": os.path.dirname(numflash.__file__)}
+    for name, fn in parts().items():
+        results[f"{name}_us"] = round(replay_cost.best_us(fn, args.runs, args.calls), 3)
+    replay_cost.report(results, args.json)
+
+
+if __name__ == "__main__":
+    main()
