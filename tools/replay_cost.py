@@ -16,15 +16,17 @@ To compare with another tree, run this file with that tree's numflash first on t
 """
 
 import argparse
-import json
 import os
 import sys
 import timeit
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # no GPU needed; replays never run a kernel
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
 import numpy as np  # noqa: E402
+from host_overhead import report  # noqa: E402  (imports CuPy, which needs no GPU to load)
 from support.standins import DeviceArray  # noqa: E402
 
 import numflash  # noqa: E402
@@ -159,15 +161,6 @@ def main():
     if len(full_paths) != len(results) - 1:
         raise SystemExit(f"a repeated call did not replay: {len(full_paths)} full paths")
     report(results, args.json)
-
-
-def report(results, path=None):
-    """Print ``results`` as JSON; also write them to ``path`` where given."""
-    text = json.dumps(results, indent=1)
-    print(text)
-    if path:
-        with open(path, "w") as f:
-            f.write(text + "\n")
 
 
 if __name__ == "__main__":
