@@ -120,90 +120,34 @@ def test_strided_inputs_and_softmax_scale():
 
 # -- the tensor-core kernel --------------------------------------------------------------------------
 
-TC = numflash.TensorCoreBackwardConfig
+TC = numflash.TensorCoreBackwardConfig  # TC(block_m, num_warps, stages, dq_separate)
 WG = numflash.WgmmaBackwardConfig
 
 TC_SIM_CASES = [
-    ("float16", 16, 9, 21, 1, "none", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
-    ("bfloat16", 32, 20, 13, 2, "causal", TC(block_m=32, num_warps=2, stages=2, dq_separate=False)),
-    ("float16", 24, 17, 17, 2, "window", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
-    (
-        "bfloat16",
-        16,
-        33,
-        7,
-        2,
-        "causal",
-        TC(block_m=16, num_warps=1, stages=2, dq_separate=False),
-    ),  # the first rows see no key
-    (
-        "float16",
-        16,
-        70,
-        80,
-        2,
-        "causal",
-        TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
-    ),  # several query blocks, two stages
-    (
-        "bfloat16",
-        32,
-        45,
-        40,
-        2,
-        "none",
-        TC(block_m=32, num_warps=4, stages=1, dq_separate=False),
-    ),  # dQ split by columns; one stage
-    (
-        "float16",
-        32,
-        50,
-        70,
-        1,
-        "causal",
-        TC(block_m=32, num_warps=4, stages=2, dq_separate=False),
-    ),  # dQ split by columns; two stages
+    ("float16", 16, 9, 21, 1, "none", TC(16, 1, 2, False)),
+    ("bfloat16", 32, 20, 13, 2, "causal", TC(32, 2, 2, False)),
+    ("float16", 24, 17, 17, 2, "window", TC(16, 1, 2, False)),
+    ("bfloat16", 16, 33, 7, 2, "causal", TC(16, 1, 2, False)),  # the first rows see no key
+    ("float16", 16, 70, 80, 2, "causal", TC(64, 4, 2, False)),  # several query blocks, two stages
+    ("bfloat16", 32, 45, 40, 2, "none", TC(32, 4, 1, False)),  # dQ split by columns; one stage
+    ("float16", 32, 50, 70, 1, "causal", TC(32, 4, 2, False)),  # dQ split by columns; two stages
     # dQ from the separate kernel (deterministic): several key tiles, both stage counts
-    ("float16", 16, 40, 75, 2, "causal", TC(block_m=16, num_warps=2, stages=2, dq_separate=True)),
-    ("bfloat16", 32, 37, 30, 2, "window", TC(block_m=32, num_warps=1, stages=1, dq_separate=True)),
-    ("float16", 16, 9, 33, 1, "none", TC(block_m=16, num_warps=1, stages=2, dq_separate=True)),
-    (
-        "float16",
-        16,
-        20,
-        50,
-        1,
-        "none",
-        TC(block_m=16, num_warps=1, stages=1, dq_separate=True),
-    ),  # one stage over four key tiles
+    ("float16", 16, 40, 75, 2, "causal", TC(16, 2, 2, True)),
+    ("bfloat16", 32, 37, 30, 2, "window", TC(32, 1, 1, True)),
+    ("float16", 16, 9, 33, 1, "none", TC(16, 1, 2, True)),
+    ("float16", 16, 20, 50, 1, "none", TC(16, 1, 1, True)),  # one stage over four key tiles
     # tiles that need no mask (all of them; those below the diagonal)
-    ("bfloat16", 16, 64, 48, 1, "none", TC(block_m=16, num_warps=1, stages=1, dq_separate=False)),
-    ("float16", 16, 64, 64, 2, "causal", TC(block_m=16, num_warps=1, stages=2, dq_separate=False)),
+    ("bfloat16", 16, 64, 48, 1, "none", TC(16, 1, 1, False)),
+    ("float16", 16, 64, 64, 2, "causal", TC(16, 1, 2, False)),
     # the same with the dQ kernel, two warps: some warps see their whole tile, others not
-    ("float16", 16, 64, 96, 2, "none", TC(block_m=32, num_warps=2, stages=2, dq_separate=True)),
-    ("bfloat16", 32, 64, 64, 1, "causal", TC(block_m=32, num_warps=2, stages=2, dq_separate=True)),
+    ("float16", 16, 64, 96, 2, "none", TC(32, 2, 2, True)),
+    ("bfloat16", 32, 64, 64, 1, "causal", TC(32, 2, 2, True)),
     # a left window alone (the dK/dV kernel's key blocks run last first), several key blocks
-    ("float16", 16, 50, 60, 1, "left", TC(block_m=16, num_warps=1, stages=2, dq_separate=True)),
-    ("bfloat16", 16, 40, 40, 2, "left", TC(block_m=16, num_warps=1, stages=1, dq_separate=False)),
+    ("float16", 16, 50, 60, 1, "left", TC(16, 1, 2, True)),
+    ("bfloat16", 16, 40, 40, 2, "left", TC(16, 1, 1, False)),
     # two blocks per key block, each with half of the output columns (as head_dim 256 needs)
-    (
-        "float16",
-        32,
-        21,
-        30,
-        2,
-        "causal",
-        TC(block_m=16, num_warps=1, stages=2, dq_separate=False, head_split=2),
-    ),
-    (
-        "bfloat16",
-        64,
-        40,
-        33,
-        1,
-        "window",
-        TC(block_m=32, num_warps=2, stages=1, dq_separate=True, head_split=2),
-    ),
+    ("float16", 32, 21, 30, 2, "causal", TC(16, 1, 2, False, head_split=2)),
+    ("bfloat16", 64, 40, 33, 1, "window", TC(32, 2, 1, True, head_split=2)),
     # the Hopper wgmma kernels (kernels/backward_sm90.py; in the simulator ptx_sm90's Python
     # wgmma reads their swizzled tiles)
     ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2)),  # two query blocks
@@ -230,110 +174,21 @@ TC_GPU_CASES = [
         dtype, hd, sq, sk, gqa, mask, tiles, id=f"{dtype}-d{hd}-q{sq}-k{sk}-g{gqa}-{mask}-{tiles}"
     )
     for dtype, hd, (sq, sk), gqa, mask, tiles in [
-        (
-            "float16",
-            64,
-            (1023, 517),
-            1,
-            "causal",
-            TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
-        ),
-        (
-            "bfloat16",
-            128,
-            (256, 256),
-            2,
-            "none",
-            TC(block_m=64, num_warps=4, stages=2, dq_separate=False),
-        ),
-        (
-            "float16",
-            128,
-            (113, 203),
-            4,
-            "window",
-            TC(block_m=32, num_warps=2, stages=2, dq_separate=False),
-        ),
-        (
-            "bfloat16",
-            96,
-            (517, 1023),
-            1,
-            "causal",
-            TC(block_m=128, num_warps=8, stages=2, dq_separate=False),
-        ),
-        (
-            "float16",
-            40,
-            (300, 300),
-            2,
-            "none",
-            TC(block_m=64, num_warps=2, stages=2, dq_separate=False),
-        ),
-        (
-            "bfloat16",
-            64,
-            (300, 451),
-            1,
-            "window",
-            TC(block_m=32, num_warps=4, stages=1, dq_separate=False),
-        ),  # 1 stage, dQ split by cols
-        (
-            "float16",
-            128,
-            (777, 777),
-            2,
-            "causal",
-            TC(block_m=64, num_warps=8, stages=1, dq_separate=False),
-        ),
-        (
-            "bfloat16",
-            128,
-            (1023, 517),
-            2,
-            "causal",
-            TC(block_m=64, num_warps=8, stages=2, dq_separate=True),
-        ),  # the dQ kernel
-        (
-            "float16",
-            64,
-            (300, 451),
-            1,
-            "window",
-            TC(block_m=128, num_warps=4, stages=2, dq_separate=True),
-        ),
-        (
-            "float16",
-            96,
-            (113, 203),
-            4,
-            "none",
-            TC(block_m=32, num_warps=2, stages=1, dq_separate=True),
-        ),
-        (
-            "bfloat16",
-            256,
-            (517, 1023),
-            2,
-            "causal",
-            TC(block_m=32, num_warps=4, stages=2, dq_separate=False, head_split=2),
-        ),  # head_dim 256
-        (
-            "float16",
-            200,
-            (300, 300),
-            1,
-            "window",
-            TC(block_m=32, num_warps=4, stages=2, dq_separate=True, head_split=2),
-        ),  # padded to 224
-        (
-            "float16",
-            128,
-            (777, 777),
-            2,
-            "none",
-            TC(block_m=64, num_warps=4, stages=2, dq_separate=False, head_split=2),
-        ),
+        ("float16", 64, (1023, 517), 1, "causal", TC(64, 4, 2, False)),
+        ("bfloat16", 128, (256, 256), 2, "none", TC(64, 4, 2, False)),
+        ("float16", 128, (113, 203), 4, "window", TC(32, 2, 2, False)),
+        ("bfloat16", 96, (517, 1023), 1, "causal", TC(128, 8, 2, False)),
+        ("float16", 40, (300, 300), 2, "none", TC(64, 2, 2, False)),
+        ("bfloat16", 64, (300, 451), 1, "window", TC(32, 4, 1, False)),  # 1 stage, dQ split by cols
+        ("float16", 128, (777, 777), 2, "causal", TC(64, 8, 1, False)),
+        ("bfloat16", 128, (1023, 517), 2, "causal", TC(64, 8, 2, True)),  # the dQ kernel
+        ("float16", 64, (300, 451), 1, "window", TC(128, 4, 2, True)),
+        ("float16", 96, (113, 203), 4, "none", TC(32, 2, 1, True)),
+        # head_dim 256
+        ("bfloat16", 256, (517, 1023), 2, "causal", TC(32, 4, 2, False, head_split=2)),
+        # padded to 224
+        ("float16", 200, (300, 300), 1, "window", TC(32, 4, 2, True, head_split=2)),
+        ("float16", 128, (777, 777), 2, "none", TC(64, 4, 2, False, head_split=2)),
         # dK/dV from the Hopper wgmma kernel (compute capability 9.x only)
         ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2)),
         ("bfloat16", 128, (777, 777), 1, "none", WG(num_warps=8, stages=1)),
