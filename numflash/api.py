@@ -219,8 +219,6 @@ def _outputs(q):
 
 
 _STAY = contextlib.nullcontext()
-#: Whether the process sees one GPU (CUDA fixes its devices at start), once asked.
-_one_gpu = []
 
 
 def _on_device(x):
@@ -228,11 +226,9 @@ def _on_device(x):
     where the process sees one GPU (which is then current)."""
     if isinstance(x, np.ndarray):
         return _STAY
-    if not _one_gpu:
-        import cupy
-
-        _one_gpu.append(cupy.cuda.runtime.getDeviceCount() == 1)
-    return _STAY if _one_gpu[0] else x.device
+    if _Cupy.get_device is None:
+        _Cupy.bind()
+    return _STAY if _Cupy.device_count() == 1 else x.device
 
 
 def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):

@@ -2,17 +2,17 @@
 
     python tools/full_path_cost.py [--runs 7] [--calls 5000] [--json PATH]
 
-The full path of ``numflash.attention`` in two parts, on stand-ins (tests/support/standins.py)
+The full path of ``numflash.attention`` in three parts, on stand-ins (tests/support/standins.py)
 for CuPy's arrays, its allocator, device and stream, with the GPU taken to be an H200 (compute
-capability 9.0, 132 multiprocessors): validation (``numflash.validation.problem``) and the
-Hopper forward's launch (``numflash.launch.forward`` with the default configuration: input
-checks, tensor-map templates, argument views, packing). The driver is a stand-in that returns at
-once and no kernel is compiled, so neither cuLaunchKernel (about 4.5 us on the H200 machine) nor
-CuPy's allocations are timed; a stand-in's construction (each output the launch allocates) is,
-and its shape and strides are Python attributes where CuPy's are C fields: the figures compare
-trees on one machine, not a GPU host's cost. Per part: the best of ``--runs`` runs of
-``--calls`` calls. ``PYTHONPATH=/path/to/other/checkout python tools/full_path_cost.py`` times
-another tree.
+capability 9.0, 132 multiprocessors): validation (``numflash.validation.problem``), the
+configuration lookup (``numflash.selection.forward``) and the Hopper forward's launch
+(``numflash.launch.forward`` with the default configuration: input checks, tensor-map templates,
+argument views, packing). The driver is a stand-in that returns at once and no kernel is compiled,
+so neither cuLaunchKernel (about 4.5 us on the H200 machine) nor CuPy's allocations are timed; a
+stand-in's construction (each output the launch allocates) is, and its shape and strides are Python
+attributes where CuPy's are C fields: the figures compare trees on one machine, not a GPU host's
+cost. Per part: the best of ``--runs`` runs of ``--calls`` calls.
+``PYTHONPATH=/path/to/other/checkout python tools/full_path_cost.py`` times another tree.
 """
 
 import dataclasses
