@@ -11,6 +11,7 @@ through the driver, skipping Numba's per-call typing.
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import struct
 import threading
 from typing import NamedTuple
@@ -286,6 +287,7 @@ def note_unrecorded_work():
         _recording.record.unrecorded_work = True
 
 
+@functools.cache
 def _launch_kernel():
     """CuPy's binding of cuLaunchKernel (function, grid x/y/z, block x/y/z, dynamic shared
     bytes, stream, parameter addresses, extra)."""
@@ -304,7 +306,8 @@ class PreparedLaunch:
     ``patch``: (slot of a data pointer, index of the role whose pointer it takes), one pair
     per patched array."""
 
-    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "leading", "_launch", "source")
+    __slots__ = ("buffer", "slots", "pointers", "address", "patch", "head", "leading")
+    __slots__ += ("_launch", "source")
 
     def __init__(self, function, grid, block, shared_bytes, buffer, pointers, patch):
         self.buffer = buffer  # the packed parameters (ctypes buffer of 8-byte slots)
@@ -312,9 +315,19 @@ class PreparedLaunch:
         self.pointers = pointers  # the parameters' addresses (numpy uint64), which stay put
         self.address = int(pointers.ctypes.data)  # ... and where they are
         self.patch = patch
+        self.head = tuple(int(x) for x in (function, *grid, *block, shared_bytes))
         # the launch's function, grid, block and shared bytes, as source text
-        self.leading = ", ".join(str(int(x)) for x in (function, *grid, *block, shared_bytes))
+        self.leading = ", ".join(map(str, self.head))
         self._launch = self.source = None
+
+    def run(self, stream, pointers):
+        """Patch ``pointers`` (the call's addresses in role order) in and launch on ``stream``.
+        The packed parameters are this launch's own: one thread at a time (the caller sees to
+        it)."""
+        slots = self.slots
+        for slot, role in self.patch:
+            slots[slot] = pointers[role]
+        _launch_kernel()(*self.head, stream, self.address, 0)
 
     @property
     def launch(self):
@@ -506,6 +519,101 @@ def launcher(key, build, spec, dtype_name):
             if found is None:
                 found = _launchers[key] = Launcher(build(), spec.signature(dtype_name))
     return found
+
+
+# -- launches prepared per geometry -----------------------------------------------------------
+
+
+class Prepared:
+    """The launches of a call whose parameters depend on its arrays only through their
+    addresses, packed once (:meth:`Launcher.prepare`) and run again with another call's
+    addresses (:func:`prepared`). ``keep``: arrays the first call made for itself and the
+    launches read (the Hopper forward's map buffer, arrays it is handed and never reads), kept
+    alive and used again."""
+
+    __slots__ = ("launches", "keep")
+
+    def __init__(self, launches, keep):
+        self.launches = launches
+        self.keep = keep
+
+    def run(self, stream, pointers):
+        for launch in self.launches:
+            launch.run(stream, pointers)
+
+
+def _prepare(record, roles):
+    """The :class:`Prepared` of a recorded call over ``roles`` (its arrays), or None where running its launches again with new addresses would not be the
+    call: device work outside them (a copy of an input), a length filled from the host, or a
+    role none of them reads in place."""
+    if record.unrecorded_work or record.fills or not record.launches:
+        return None
+    by_pointer = {}
+    for i, x in enumerate(roles):
+        by_pointer.setdefault(x.data.ptr, []).append(i)
+    seen, keep, launches = set(), [], []
+    for launcher, grid, block, shared_bytes, args in record.launches:
+        slots = {}
+        for position, arg in enumerate(args):
+            if isinstance(arg, arrays.KernelArray):
+                found = by_pointer.get(arg.pointer)
+                if found is None:
+                    keep.append(arg.owner)
+                else:  # roles at one address are at one address in every call of the key
+                    slots[position] = found[0]
+                    seen.update(found)
+        launches.append(launcher.prepare(grid, block, shared_bytes, args, slots))
+    if len(seen) != len(roles) or sum(x.nbytes for x in keep) > MAX_KEPT_BYTES:
+        return None
+    return Prepared(tuple(launches), keep)
+
+
+#: Prepared launches by geometry (:func:`prepared`), emptied when it holds MAX_PREPARED.
+_prepared = {}
+MAX_PREPARED = 256
+#: The most bytes a prepared launch keeps of buffers its first call made (the backward's row
+#: sums, a decoding step's split partials): a call needing more is large enough that its
+#: kernels dwarf the full path's host time, and the cache holds at most MAX_PREPARED * 1 MiB.
+MAX_KEPT_BYTES = 1 << 20
+
+
+def prepared(head, roles, build):
+    """Run ``build()``, which launches a call's kernels over ``roles`` (its arrays: inputs and
+    outputs) on the current device and stream, through the launches prepared for its geometry.
+
+    ``head`` holds what besides the arrays' shapes and strides decides the launches (family,
+    configuration, problem). A geometry met before on this thread, device and stream runs its
+    prepared launches with the arrays' addresses patched in: no views, tensor-map templates,
+    argument lists or packing, and the buffers the first call made used again (kernels on a
+    stream run one after another). The first call runs ``build()`` and prepares its launches
+    where running them again is exact (:func:`_prepare`); so does every call whose arrays are
+    not all 16-byte aligned or have a negative stride (the full path may copy them), and every call being recorded for a replay plan (numflash.plans), which keeps
+    buffers of its own."""
+    if SIMULATOR or _recording.record is not None:
+        return build()
+    pointers = [x.data.ptr for x in roles]
+    low = 0
+    for pointer in pointers:
+        low |= pointer
+    if low & 15:
+        return build()
+    key = (*head, *[(x.shape, x.strides) for x in roles], threading.get_ident())
+    stream = arrays.current_stream()
+    key += (roles[0].data.device_id, stream)  # the current device: the caller made it so
+    if len(set(pointers)) != len(pointers):  # q is k is v, one offsets array for q and k
+        key += tuple(pointers.index(pointer) for pointer in pointers)
+    found = _prepared.get(key)
+    if found is not None:
+        return found.run(stream, pointers)
+    if any(s < 0 for x in roles for s in x.strides):
+        return build()
+    with recording() as record:
+        build()
+    found = _prepare(record, roles)
+    if found is not None:
+        if len(_prepared) >= MAX_PREPARED:
+            _prepared.clear()
+        _prepared[key] = found
 
 
 def local_memory_bytes(cfg):
@@ -820,14 +928,18 @@ def _multiprocessors():
 
 
 def forward(cfg, p, q, k, v, out, lse):
-    """out and lse of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
-    LAUNCHERS[type(cfg)](cfg, p, q, k, v, out, lse)
+    """out and lse of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0),
+    through the launch prepared for its geometry (:func:`prepared`)."""
+    build = LAUNCHERS[type(cfg)]
+    prepared((cfg, p), (q, k, v, out, lse), lambda: build(cfg, p, q, k, v, out, lse))
 
 
 def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
     """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch; ``p``
     holds the max lengths and the batch (validated arrays)."""
-    LAUNCHERS[type(cfg)](cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k))
+    build = LAUNCHERS[type(cfg)]
+    roles = (q, k, v, out, lse, cu_q, cu_k)
+    prepared((cfg, p), roles, lambda: build(cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k)))
 
 
 # -- backward ---------------------------------------------------------------------------------
@@ -929,7 +1041,13 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
 
 def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
     """dq, dk, dv (total rows first) of a packed batch; ``p`` holds the max lengths."""
-    LAUNCHERS[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=(cu_q, cu_k))
+    build = LAUNCHERS[type(cfg)]
+    roles = (dout, q, k, v, out, lse, dq, dk, dv)
+    prepared(
+        (cfg, p),
+        roles + (cu_q, cu_k),
+        lambda: build(cfg, p, *roles, offsets=(cu_q, cu_k)),
+    )
 
 
 #: The tensor-core dK/dV kernels over a packed batch: as FORWARD_VARLEN extends FORWARD.
@@ -1039,8 +1157,11 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None):
 
 
 def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
-    """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0)."""
-    LAUNCHERS[type(cfg)](cfg, p, dout, q, k, v, out, lse, dq, dk, dv)
+    """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0),
+    through the launches prepared for its geometry (:func:`prepared`)."""
+    build = LAUNCHERS[type(cfg)]
+    roles = (dout, q, k, v, out, lse, dq, dk, dv)
+    prepared((cfg, p), roles, lambda: build(cfg, p, *roles))
 
 
 # -- attention over a KV cache ----------------------------------------------------------------
@@ -1081,6 +1202,20 @@ DECODE = KernelSpec(
 
 
 def kvcache(
+    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
+):
+    """:func:`_kvcache` through the launches prepared for its geometry (:func:`prepared`):
+    the arrays given, which of them are, the configuration, split count and problem."""
+    given = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
+    present = tuple(x is not None for x in given)
+    prepared(
+        (cfg, num_splits, p, present),
+        [x for x in given if x is not None],
+        lambda: _kvcache(cfg, num_splits, p, *given),
+    )
+
+
+def _kvcache(
     cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
 ):
     """Append k, v (when given), then attention of q over each sequence's keys split

@@ -220,3 +220,140 @@ def test_a_plans_replay_patches_and_launches_each_of_its_launches_in_order(typed
         assert gone() is None
     finally:
         gc.enable()
+
+
+# -- launches prepared per geometry (numflash.launch.prepared) ----------------------------------
+
+
+def _slot_values(address):
+    """The values of a launch's parameter slots, from the address of its parameters' addresses:
+    an eager launch's (its Launcher's buffer for this thread) or a prepared one's."""
+    counts = {pl.address: len(pl.pointers) for found in launch._prepared.values()
+              for pl in found.launches}  # fmt: skip
+    for launcher in launch._launchers.values():
+        params = getattr(launcher._thread, "params", None)
+        if params is not None:
+            counts[params[1]] = len(launcher._offsets)
+    first = ctypes.c_uint64.from_address(address).value
+    return list((ctypes.c_uint64 * counts[address]).from_address(first))
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """numflash on full_path_cost's stand-ins (an H200 without a GPU); yields the launches
+    the driver got, each (function, grid, block, shared bytes, stream, parameter slots)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import full_path_cost
+
+    got = []
+
+    def launched(*args):
+        got.append((args[:9], _slot_values(args[9])))
+
+    full_path_cost.stand_in(monkeypatch.setattr, launched)
+    return full_path_cost, got
+
+
+def _twice_and_fresh(call, first, second, got):
+    """The launches of ``call(*first)`` (its geometry's first call), ``call(*second)`` (run
+    prepared) and ``call(*second)`` again once the prepared launches are dropped (the full
+    build)."""
+    runs = []
+    for arrays_, clear in ((first, False), (second, False), (second, True)):
+        if clear:
+            launch._prepared.clear()
+        del got[:]
+        call(*arrays_)
+        runs.append(list(got))
+    return runs
+
+
+def _same_but_kept(eager, prepared, fresh, pointers):
+    """A prepared run launches what a full build of the same arrays does, slot for slot, but
+    for the buffers the first call made, which it uses again; every array's address lands."""
+    assert len(prepared) == len(fresh) > 0
+    for first, (head, slots), (fresh_head, fresh_slots) in zip(eager, prepared, fresh):
+        assert head == fresh_head
+        differ = [i for i, (a, b) in enumerate(zip(slots, fresh_slots)) if a != b]
+        assert all(slots[i] == first[1][i] for i in differ)  # a kept buffer
+        assert not set(pointers) & {fresh_slots[i] for i in differ}
+    assert set(pointers) <= {x for _, slots in prepared for x in slots}
+
+
+@pytest.mark.parametrize("aliased", [False, True], ids=["distinct", "q is k is v"])
+def test_a_prepared_forward_launches_what_the_full_build_does(typed, stand_ins, aliased):
+    """launch.forward's second call of a geometry runs the launch prepared by its first with
+    the new arrays' addresses: the parameters are the full build's for those arrays, but for
+    the tensor-map buffer the first call made (kept and used again). q is k is v keys apart
+    and patches one address into the three."""
+    tool, got = stand_ins
+    from numflash import selection, validation
+
+    def arrays_(n=128):
+        q, k, v, out = (tool._Array((1, n, 2, 64)) for _ in range(4))
+        if aliased:
+            k = v = q
+        return q, k, v, out, tool._Array((1, 2, n), np.float32)
+
+    first, second = arrays_(), arrays_()
+    p = validation.problem(*first[:3], False, None, (-1, -1))[-1]
+    cfg = selection.forward(p, tool.H200).config
+    runs = _twice_and_fresh(lambda *a: launch.forward(cfg, p, *a), first, second, got)
+    assert len(launch._prepared) == 1
+    _same_but_kept(*runs, [x.data.ptr for x in second])
+
+
+def test_a_prepared_backward_launches_what_the_full_build_does(typed, stand_ins):
+    """The backward's three launches (row sums, dK/dV, dQ) prepared: the second call of a
+    geometry launches what a full build of its arrays does, the row sums' buffer kept."""
+    tool, got = stand_ins
+    from numflash import selection, validation
+
+    def arrays_():
+        xs = [tool._Array((1, 128, 2, 64)) for _ in range(8)]
+        return (*xs[:5], tool._Array((1, 2, 128), np.float32), *xs[5:])
+
+    first, second = arrays_(), arrays_()
+    p = validation.problem(*first[1:4], True, None, (-1, -1))[-1]
+    cfg = selection.backward(p, tool.H200, True).config
+    runs = _twice_and_fresh(lambda *a: launch.backward(cfg, p, *a), first, second, got)
+    assert len(runs[1]) == 3
+    _same_but_kept(*runs, [x.data.ptr for x in second])
+
+
+def test_what_is_not_prepared(typed, stand_ins, monkeypatch):
+    """No launch is prepared for arrays off 16-byte boundaries (the full path copies them), for
+    a call recorded for a replay plan (which keeps buffers of its own), nor where the first
+    call made more than MAX_KEPT_BYTES of buffers; each of them runs the full build."""
+    tool, got = stand_ins
+    from numflash import selection, validation
+
+    def arrays_(n=128, offset=0):
+        q, k, v, out = (tool._Array((1, n, 2, 64)) for _ in range(4))
+        out.data.ptr += offset  # still written in place: pairs of elements
+        return q, k, v, out, tool._Array((1, 2, n), np.float32)
+
+    p = validation.problem(*arrays_()[:3], False, None, (-1, -1))[-1]
+    cfg = selection.forward(p, tool.H200).config
+    builds = []
+    real = launch.LAUNCHERS[type(cfg)]
+    monkeypatch.setitem(
+        launch.LAUNCHERS, type(cfg), lambda *a, **k: builds.append(1) or real(*a, **k)
+    )
+    for _ in range(2):
+        launch.forward(cfg, p, *arrays_(offset=8))
+    assert len(builds) == 2 and not launch._prepared
+    with launch.recording() as record:
+        launch.forward(cfg, p, *arrays_())
+    assert len(builds) == 3 and len(record.launches) == 1 and not launch._prepared
+    monkeypatch.setattr(launch, "MAX_KEPT_BYTES", 100)  # less than the map buffer
+    for _ in range(2):
+        launch.forward(cfg, p, *arrays_())
+    assert len(builds) == 5 and not launch._prepared
+    monkeypatch.setattr(launch, "MAX_KEPT_BYTES", 1 << 20)
+    for _ in range(2):
+        launch.forward(cfg, p, *arrays_())
+    assert len(builds) == 6 and len(launch._prepared) == 1

@@ -28,7 +28,7 @@ import replay_cost  # noqa: E402
 from support.standins import DeviceArray  # noqa: E402
 
 import numflash  # noqa: E402
-from numflash import arrays, device, launch, selection, validation  # noqa: E402
+from numflash import api, arrays, device, launch, selection, validation  # noqa: E402
 from numflash.kernels import ptx_tma  # noqa: E402
 
 #: The GPU the stand-ins stand for.
@@ -65,13 +65,19 @@ class _Driver:
     class CUresult:
         CUDA_SUCCESS = 0
 
-    @staticmethod
-    def cuLaunchKernel(*args):
+    def __init__(self, launched):
+        self.launched = launched
+
+    def cuLaunchKernel(self, *args):
+        self.launched(*args)
         return (0,)
 
 
-def stand_in():
-    """numflash's CuPy, driver and device on stand-ins (this process only)."""
+def stand_in(set_attr=setattr, launched=lambda *args: None):
+    """numflash's CuPy, driver and device on stand-ins: ``set_attr`` sets each attribute
+    replaced (``setattr``: for the rest of the process; a test's monkeypatch.setattr: for the
+    test), ``launched`` gets each launch's arguments (function, grid, block, shared bytes,
+    stream, address of the parameters' addresses, extra), eager or prepared."""
     stream = types.SimpleNamespace(ptr=0x5EED)
     runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1)
     cupy = types.SimpleNamespace(
@@ -80,21 +86,31 @@ def stand_in():
         float32=np.float32, cuda=types.SimpleNamespace(
             runtime=runtime, get_current_stream=lambda: stream),
     )  # fmt: skip
-    arrays._cupy = lambda: cupy
-    arrays.array_module = lambda x: cupy
-    arrays.SIMULATOR = launch.SIMULATOR = False
+    set_attr(arrays, "_cupy", lambda: cupy)
+    set_attr(arrays, "array_module", lambda x: cupy)
+    for module in (arrays, launch, api):
+        set_attr(module, "SIMULATOR", False)
     attributes = {"MultiProcessorCount": H200.multiprocessors, "L2CacheSize": 60 << 20}
-    launch._device_attribute = attributes.__getitem__
-    launch._driver = lambda: _Driver
-    ptx_tma.template = lambda dtype, dims, strides, box, address: (0,) * ptx_tma.MAP_WORDS
-    launch.Launcher._static_shared = lambda self: 0
-    launch.Launcher._function = lambda self: 0xF00
-    launch.Launcher._allow_shared = lambda self, nbytes: None
+    set_attr(launch, "_device_attribute", attributes.__getitem__)
+    set_attr(launch, "_driver", lambda: _Driver(launched))
+    set_attr(launch, "_launch_kernel", lambda: launched)
+    set_attr(api._Cupy, "empty", _empty)
+    set_attr(launch, "_prepared", {})
+    set_attr(
+        ptx_tma, "template", lambda dtype, dims, strides, box, address: (0,) * ptx_tma.MAP_WORDS
+    )
+    set_attr(launch.Launcher, "_static_shared", lambda self: 0)
+    set_attr(launch.Launcher, "_function", lambda self: 0xF00)
+    set_attr(launch.Launcher, "_allow_shared", lambda self, nbytes: None)
+    set_attr(device, "current_device", lambda: H200)
+    set_attr(api, "current_device", lambda: H200)
+    set_attr(api._Cupy, "device_count", runtime.getDeviceCount)
+    set_attr(api._Cupy, "get_device", runtime.getDevice)
 
 
 def parts(head_dim=64):
     """{name: call} of the full path's parts for one small problem (1 x 128 x 1 x head_dim,
-    fp16), as benchmarks/host_overhead.py times the whole on the GPU."""
+    fp16), as benchmarks/host_overhead.py times the whole on the GPU, and the whole."""
     q, k, v, out = (_Array((1, 128, 1, head_dim)) for _ in range(4))
     lse = _Array((1, 1, 128), np.float32)
     p = validation.problem(q, k, v, False, None, (-1, -1))[-1]
@@ -103,6 +119,9 @@ def parts(head_dim=64):
         "validation": lambda: validation.problem(q, k, v, False, None, (-1, -1)),
         "selection": lambda: selection.forward(p, H200),
         f"launch[{type(config).__name__}]": lambda: launch.forward(config, p, q, k, v, out, lse),
+        "attention (the whole)": lambda: api._attention(
+            q, k, v, False, None, (-1, -1), False, None, None
+        ),
     }
 
 
