@@ -116,6 +116,15 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
+def _recent(sig, args):
+    """The :class:`numflash.plans.Recent` plans a call of ``sig`` tries first: its function's,
+    and for a packed batch its max lengths' bounds' (a training loop's steps cycle through more
+    bounds than plans.RECENT: each step then finds its bounds' plans, not the other bounds')."""
+    if not sig.rows_positions:
+        return _plans.recent[sig.name]
+    return _plans.recent[(sig.name, *[_rows_key(args[i]) for i in sig.rows_positions])]
+
+
 def _find(sig, args):
     """(plan, pointers, key) of a call with arguments ``args`` (in signature ``sig``'s order):
     the plan of its key if there is one, its arrays' addresses in role order and the key;
@@ -128,7 +137,7 @@ def _find(sig, args):
     except (AttributeError, TypeError):
         return None, None, None
     if plan is not None:
-        _plans.recent[sig.name].add(plan.ready().run)
+        _recent(sig, args).add(plan.ready().run)
     return plan, pointers, key
 
 
@@ -162,7 +171,7 @@ def _repeated(sig, args, name):
     plan = key = None
     if not SIMULATOR:
         try:
-            for run in _plans.recent[sig.name].entries:
+            for run in _recent(sig, args).entries:
                 result = run(*args)
                 if result is not None:
                     return result, None, args
@@ -229,6 +238,14 @@ def _on_device(x):
     if _Cupy.get_device is None:
         _Cupy.bind()
     return _STAY if _Cupy.device_count() == 1 else x.device
+
+
+def _empty(like, shape, dtype):
+    """An uninitialised array on ``like``'s device (in a context of :func:`_on_device`, which
+    binds CuPy's functions), NumPy's in the simulator."""
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype)
+    return _Cupy.empty(shape, dtype)
 
 
 def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):
@@ -346,14 +363,13 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
             if route is None:
                 cfg = selection.forward(p, device).config
         # -- launch
-        xp = arrays.array_module(q)
         if out is None:
-            out = xp.empty(q.shape, dtype=q.dtype)
-        lse = xp.empty((p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
+            out = _empty(q, q.shape, q.dtype)
+        lse = _empty(q, (p.batch, p.nheads, p.seqlen_q), np.float32)
         if out.size:
             if p.seqlen_k == 0:  # nothing to attend to: every row is empty
                 arrays.bits(out)[...] = 0
-                lse[...] = -xp.inf
+                lse[...] = -np.inf
             elif route is not None:
                 kp, choice, splits = route
                 launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse)
@@ -442,14 +458,13 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         cfg = validation.check_varlen_config(config, p, device)
         if cfg is None:
             cfg = selection.forward_varlen(p, device).config
-        xp = arrays.array_module(q)
         if out is None:
-            out = xp.empty(q.shape, dtype=q.dtype)
-        lse = xp.empty((p.nheads, q.shape[0]), dtype=xp.float32)
+            out = _empty(q, q.shape, q.dtype)
+        lse = _empty(q, (p.nheads, q.shape[0]), np.float32)
         if out.size:
             if k.shape[0] == 0:  # nothing to attend to: every row is empty
                 arrays.bits(out)[...] = 0
-                lse[...] = -xp.inf
+                lse[...] = -np.inf
             else:
                 launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k)
     return (out, lse) if return_lse else out
@@ -583,8 +598,7 @@ def _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, off
             choose = selection.backward if offsets is None else selection.backward_varlen
             cfg = choose(p, device, deterministic).config
         # -- launch
-        xp = arrays.array_module(q)
-        grads = tuple(xp.empty(x.shape, dtype=x.dtype) for x in (q, k, v))
+        grads = tuple(_empty(q, x.shape, x.dtype) for x in (q, k, v))
         if grads[0].size == 0 or k.size == 0:
             for g in grads:  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
@@ -740,10 +754,9 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
             p, device, validation.check_decode_config(config, p, device)
         )
         cfg = choice.config
-        xp = arrays.array_module(q)
         if out is None:
-            out = xp.empty(q.shape, dtype=q.dtype)
-        lse = xp.empty((p.batch, p.nheads, p.seqlen_q), dtype=xp.float32)
+            out = _empty(q, q.shape, q.dtype)
+        lse = _empty(q, (p.batch, p.nheads, p.seqlen_q), np.float32)
         if out.size:
             launch.kvcache(
                 cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse

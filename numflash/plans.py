@@ -290,7 +290,8 @@ class PlanCache:
         self._plans = collections.OrderedDict()
         self._pinned = []
         self._lock = threading.Lock()
-        #: the :class:`Recent` plans of each public function, by its signature's name
+        #: the :class:`Recent` plans of each public function, by its signature's name (a
+        #: packed batch's with its max lengths' bounds: numflash.api._recent)
         self.recent = collections.defaultdict(Recent)
 
     def get(self, key):

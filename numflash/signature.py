@@ -196,6 +196,10 @@ class Signature:
         self.array_positions = tuple(
             i for i, (_, kind) in enumerate(self.parameters) if kind in _ARRAY_KINDS
         )
+        #: the positions of a packed batch's max lengths
+        self.rows_positions = tuple(
+            i for i, (_, kind) in enumerate(self.parameters) if kind == "rows"
+        )
         names = [parameter for parameter, _ in self.parameters]
         self.out_position = None if output is None else names.index(output)
         self.namespace = dict(namespace, NAME=name)

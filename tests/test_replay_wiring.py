@@ -275,6 +275,25 @@ def test_a_packed_batch_replays_with_new_offsets_and_max_lengths_in_one_multiple
     assert device.full_calls == 6
 
 
+def test_packed_batches_cycling_through_more_bounds_than_recent_plans_skip_the_key(
+    device, monkeypatch
+):
+    """Max lengths cycling through more bounds than plans.RECENT: each bound's plans are tried
+    first by the calls of that bound (api._recent), so after one round no call builds a key."""
+    q, k, v = (DeviceArray((3000, 4, 64)) for _ in range(3))
+    bounds = [100 * (i + 1) for i in range(plans.RECENT + 3)]
+    for longest in bounds * 2:  # recorded, then found by key and made recent
+        numflash.attention_varlen(q, k, v, *[DeviceArray((5,), np.int32)] * 2, longest, 64)
+    keys = []
+    original = api._VARLEN.key
+    monkeypatch.setattr(api._VARLEN, "key", lambda *a: keys.append(a) or original(*a))
+    for longest in bounds:
+        cu = DeviceArray((5,), np.int32)
+        out = numflash.attention_varlen(q, k, v, cu, cu, longest, 64)
+        assert {p: device.replays[-1][p] for p in range(6)} == _pointers(q, k, v, cu, cu, out)
+    assert keys == [] and device.full_calls == len(bounds)
+
+
 class _Foreign:
     """An array of another library (a PyTorch tensor, a JAX array), which numflash takes as a
     CuPy array of the same memory (arrays.intake: DLPack)."""
