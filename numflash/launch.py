@@ -348,8 +348,11 @@ class PreparedLaunch:
         return lines
 
     def namespace(self, slots):
-        """What :meth:`lines` names besides the pointers and the stream."""
-        return {slots: self.slots, "cuLaunchKernel": _launch_kernel()}
+        """What :meth:`lines` names besides the pointers and the stream, and what the address
+        written into them points to (the parameters' addresses): a replay may outlive this
+        object (a plan dropped from the cache whose run a recent list still holds)."""
+        return {slots: self.slots, f"{slots}_addresses": self.pointers,
+                "cuLaunchKernel": _launch_kernel()}  # fmt: skip
 
 
 class Launcher:

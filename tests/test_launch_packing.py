@@ -212,12 +212,19 @@ def test_a_plans_replay_patches_and_launches_each_of_its_launches_in_order(typed
     assert pinned == [plan.holder]
     # nothing the plan refers to refers back to it: dropped, it goes at once, with its buffers
     # (the cyclic garbage collector, off here, would free an old one only now and then)
+    # ... while its replay, which a recent list may still hold, keeps what it launches with:
+    # the packed parameters and the array of their addresses the driver is handed
     plan.ready()
     gone = weakref.ref(plan)
+    replay = plan.replay
+    kept = [weakref.ref(prepared.pointers) for prepared in plan.launches]
     gc.disable()
     try:
         del plan
         assert gone() is None
+        assert all(x() is not None for x in kept)
+        del replay
+        assert all(x() is None for x in kept)
     finally:
         gc.enable()
 
