@@ -74,6 +74,32 @@ def test_suggest_and_as_params_round_trip(cfg):
     assert space.suggest(trial, type(cfg)) == cfg
 
 
+def test_the_defaults_neighbours_change_one_knob_each_nearest_first():
+    """space.neighbours: every feasible configuration one knob away from the default, each
+    knob's nearest values before any knob's farther ones; the Hopper forward's 128-key tiles
+    (which fit seqlen 1024) among the first of its head_dim 64 default (192 keys)."""
+    from numflash.config import WgmmaForwardConfig
+    from numflash.selection import default_config
+
+    head_dim, default = default_config("wgmma-forward", 64, H200)
+    found = space.neighbours(default, head_dim, H200)
+    names = list(knob_choices(WgmmaForwardConfig))
+    changed = [[n for n in names if getattr(c, n) != getattr(default, n)] for c in found]
+    assert all(len(c) == 1 for c in changed) and len(set(found)) == len(found)
+    assert not any(c.problems(head_dim, H200) for c in found)
+    everything = [c for c in space.feasible_points(WgmmaForwardConfig, head_dim, H200)
+                  if sum(getattr(c, n) != getattr(default, n) for n in names) == 1]  # fmt: skip
+    assert set(found) == set(everything)
+
+    def distance(c, name):
+        choices = knob_choices(WgmmaForwardConfig)[name]
+        return abs(choices.index(getattr(c, name)) - choices.index(getattr(default, name)))
+
+    ranks = [distance(c, n[0]) for c, n in zip(found, changed)]
+    assert ranks == sorted(ranks)
+    assert found.index(dataclasses.replace(default, block_n=128)) < 16
+
+
 def test_infeasible_points_are_pruned_before_compiling():
     feasible = space.feasible_points(TensorCoreConfig, 128, H200)
     assert CFG in feasible
@@ -317,6 +343,16 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
         result.rejected,
         result.skipped,
     )
+    # The default first, then its neighbours along each knob, then the sampler's proposals.
+    import optuna as _optuna
+
+    from tuning.study import study_name
+
+    study = _optuna.load_study(study_name=study_name(key), storage=storage_url(device))
+    seeds = [t.user_attrs.get("config") for t in study.trials[:3]]
+    default = numflash.config.PortableConfig(**{
+        k: v for k, v in seeds[0].items() if k != "family"})  # fmt: skip
+    assert seeds[1:] == [c.to_dict() for c in space.neighbours(default, 16, device)[:2]]
     cache.record(device, {key: result.entry()})
     q, k, v = random_qkv(1, 100, 100, 2, 1, 16, "float32")
     chosen = numflash.selected_config(q, k, v, causal=True)

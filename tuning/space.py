@@ -5,6 +5,7 @@ whose values are all powers of two are searched as log2 integers, as CuPy's opti
 that TPE sees their order; the rest (booleans, stage counts) are categorical.
 """
 
+import dataclasses
 import itertools
 
 from numflash.config import knob_choices
@@ -62,3 +63,19 @@ def all_points(config_type):
 def feasible_points(config_type, head_dim, device):
     """The configurations that can run ``head_dim`` on ``device`` (the rest are pruned)."""
     return [cfg for cfg in all_points(config_type) if not cfg.problems(head_dim, device)]
+
+
+def neighbours(config, head_dim, device):
+    """The feasible configurations that differ from ``config`` in one knob, nearest first: by
+    the distance of the knob's value from ``config``'s in its list of choices, then by knob
+    (every knob's values next to the default before any knob's farther ones). A study tries
+    them right after the default, so a small budget still sweeps each knob near it, and the
+    tile size that fits a short sequence (the Hopper forward's 128 keys against the default
+    192 at seqlen 1024) is among the first."""
+    ranked = []
+    for k, (name, choices) in enumerate(knob_choices(type(config)).items()):
+        at = choices.index(getattr(config, name))
+        ranked += [(abs(i - at), k, i, name, c) for i, c in enumerate(choices) if i != at]
+    ranked.sort(key=lambda r: r[:3])
+    found = [dataclasses.replace(config, **{name: c}) for *_, name, c in ranked]
+    return [c for c in found if not c.problems(head_dim, device)]

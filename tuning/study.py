@@ -3,7 +3,9 @@
 A study is named by its problem key and the hash of the kernel sources, so a run that was
 stopped continues where it was (same kernels, same key), and changed kernels start afresh. The
 heuristic default configuration is enqueued as the first trial, so the winner is never slower
-than the default by more than the timing noise: the default is one of the candidates.
+than the default by more than the timing noise: the default is one of the candidates. Its
+neighbours along each knob follow (space.neighbours, as many as the trials leave room for),
+then the sampler's proposals.
 """
 
 import datetime
@@ -117,9 +119,11 @@ def tune_key(
     head_dim, default = selection.default_config(
         key.family, key.head_dim, device, key.grid or "few"
     )
+    target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
-    target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
+        for cfg in space.neighbours(default, head_dim, device)[: target - 1]:
+            study.enqueue_trial(space.as_params(cfg), user_attrs={"neighbour": True})
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     objective = None
     proposals = 0
