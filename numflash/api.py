@@ -121,8 +121,8 @@ def _recent(sig, args):
     and for a packed batch its max lengths' bounds' (a training loop's steps cycle through more
     bounds than plans.RECENT: each step then finds its bounds' plans, not the other bounds')."""
     if not sig.rows_positions:
-        return _plans.recent[sig.name]
-    return _plans.recent[(sig.name, *[_rows_key(args[i]) for i in sig.rows_positions])]
+        return _plans.recent_for(sig.name)
+    return _plans.recent_for((sig.name, *[_rows_key(args[i]) for i in sig.rows_positions]))
 
 
 def _find(sig, args):

@@ -53,6 +53,9 @@ REUSE_BYTES = 4 << 20
 #: enough for a model whose layers alternate between a few signatures (sliding-window and
 #: global layers, say); a matcher whose flags differ from the call's stops at its first test.
 RECENT = 4
+#: Recent lists kept (PlanCache.recent_for): one a public function, and one a pair of max
+#: lengths' bounds of the packed batches a training loop steps through.
+MAX_RECENT_LISTS = 64
 
 
 def _holders(x):
@@ -291,8 +294,9 @@ class PlanCache:
         self._pinned = []
         self._lock = threading.Lock()
         #: the :class:`Recent` plans of each public function, by its signature's name (a
-        #: packed batch's with its max lengths' bounds: numflash.api._recent)
-        self.recent = collections.defaultdict(Recent)
+        #: packed batch's with its max lengths' bounds: numflash.api._recent), at most
+        #: MAX_RECENT_LISTS (:meth:`recent_for`)
+        self.recent = {}
 
     def get(self, key):
         """The plan of ``key`` (None if there is none), now the most recently used."""
@@ -307,6 +311,18 @@ class PlanCache:
             self._plans[key] = plan
             while len(self._plans) > MAX_PLANS:
                 self._plans.popitem(last=False)
+
+    def recent_for(self, key):
+        """The :class:`Recent` list of ``key``, made on first use. A recent list keeps its
+        plans' runs, and so their buffers, after the cache dropped them: past
+        MAX_RECENT_LISTS lists (packed batches over ever more bounds) all are dropped."""
+        found = self.recent.get(key)
+        if found is None:
+            with self._lock:
+                if len(self.recent) >= MAX_RECENT_LISTS:
+                    self.recent.clear()
+                found = self.recent.setdefault(key, Recent())
+        return found
 
     def pin(self, holder):
         """Keep a plan's buffers (its :class:`Holder`) alive for good."""

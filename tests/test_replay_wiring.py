@@ -495,3 +495,18 @@ def test_more_signatures_than_the_recent_plans_still_replay_through_their_keys(d
             assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
     assert device.full_calls == len(lengths)
     assert len(api._plans.recent["attention"].entries) == plans.RECENT
+
+
+def test_recent_lists_are_bounded(device):
+    """Packed batches over ever more bounds of max lengths each get a recent list; past
+    plans.MAX_RECENT_LISTS they are all dropped (each holds its plans' buffers), and calls go
+    on replaying through their keys."""
+    q, k, v = (DeviceArray((3000, 4, 64)) for _ in range(3))
+    cu = DeviceArray((5,), np.int32)
+    sizes = []
+    for step in range(plans.MAX_RECENT_LISTS + 10):
+        numflash.attention_varlen(q, k, v, cu, cu, 64 << step % 20, 64 * (step + 1))
+        sizes.append(len(api._plans.recent))
+    assert max(sizes) == plans.MAX_RECENT_LISTS and sizes[-1] < sizes[-11]
+    out = numflash.attention_varlen(q, k, v, cu, cu, 64, 64)
+    assert {p: device.replays[-1][p] for p in range(6)} == _pointers(q, k, v, cu, cu, out)
