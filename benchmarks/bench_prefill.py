@@ -26,6 +26,7 @@ import cupy
 import numflash
 from numflash import selection
 from numflash.device import current_device
+from numflash.families import wgmma_forward
 from numflash.timing import attention_flops, time_gpu
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -137,7 +138,7 @@ def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
             args_ = (q, kc, vc, k_new, v_new)
             kw = dict(kw, cache_seqlens=lengths, causal=True)
             hopper = selection.prefill_config(
-                selection.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
+                wgmma_forward.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
             )
             saved = dict(selection.PREFILL_ROWS)
             selection.PREFILL_ROWS.update(dict.fromkeys(saved, 1 << 30))

@@ -1,5 +1,6 @@
 """numflash: FlashAttention for CuPy arrays, written in Numba, tuned by Optuna."""
 
+from . import families  # noqa: F401  (registers the families with a module of their own)
 from .api import (
     attention,
     attention_backward,

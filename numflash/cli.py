@@ -70,7 +70,8 @@ def info(out=sys.stdout):
             backward = "tensor-core (float16, bfloat16); portable (float32)"
             kvcache = "split-KV tensor-core kernel (float16, bfloat16); portable (float32)"
             if dev.has_wgmma:
-                from numflash.selection import LARGE_PAGE, PREFILL_ROWS, WGMMA_FORWARD_HEAD_DIMS
+                from numflash.families.wgmma_forward import HEAD_DIMS as WGMMA_FORWARD_HEAD_DIMS
+                from numflash.selection import LARGE_PAGE, PREFILL_ROWS
 
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
                 paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .kernels import backward_mma, backward_sm90, decode, forward, forward_sm90
+from .kernels import backward_mma, backward_sm90, decode, forward
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -60,12 +60,17 @@ class _Config:
     A configuration type is its kernel family's declaration: ``family`` (its name), ``ROLE``
     (what the kernels compute: one of ROLES), ``HARDWARE`` (the instructions they need: one of
     HARDWARE, which :meth:`numflash.device.DeviceInfo.runs` checks), ``REVISION``. A family is
-    registered by its type's place in CONFIG_TYPES; its launcher (numflash.launch) and its
-    heuristic default (numflash.selection) are registered where they are defined."""
+    registered by :func:`register`; its launcher (numflash.launch) and its heuristic default
+    and selection rule (numflash.selection) are registered where they are defined: a family
+    with a module of its own (numflash/families/) defines them all there."""
 
     family: ClassVar[str]
     ROLE: ClassVar[str]
     HARDWARE: ClassVar[str]
+
+    #: The family's forward also serves KV-cache calls with many new rows (chunked prefill):
+    #: it reads the caches in place and registers a launcher for them (numflash.launch).
+    READS_KV_CACHE: ClassVar[bool] = False
 
     #: The kernels keep per-thread rows in local memory by design (the portable families): local
     #: memory there is no sign of spilled registers, which the autotuner refuses elsewhere.
@@ -201,105 +206,6 @@ class TensorCoreConfig(_Config):
         if out:
             return out
         return _tensor_core_problems(self, head_dim, device)
-
-
-@dataclass(frozen=True)
-class WgmmaForwardConfig(_Config):
-    """Tiles and schedule of the Hopper forward (:mod:`numflash.kernels.forward_sm90`).
-
-    - ``consumers``: warpgroups of 64 query rows each that compute, so a block holds
-      ``block_m = 64 * consumers`` rows.
-    - ``block_n``: keys per shared-memory tile, the N of S = Q K^T's wgmma (a multiple of 16).
-    - ``stages``: key/value tiles in the shared-memory ring.
-    - ``producer``: a warpgroup of its own loads the tiles, handing them over through mbarriers
-      (warp specialisation, registers moved to the consumers by setmaxnreg); else every thread
-      loads, the tiles ``stages - 2`` ahead of their use, between block-wide barriers.
-    - ``pingpong``: the two consumer warpgroups take turns issuing their products, so one's
-      softmax runs while the other's products do (needs ``producer`` and two consumers).
-    - ``tma``: the producer loads each tile with TMA copies through tensor maps (needs
-      ``producer``); else with cp.async. A paged KV cache, and arrays whose strides a tensor
-      map cannot describe (not multiples of 16 bytes), load with cp.async either way.
-    """
-
-    consumers: int = knob(2, (1, 2, 3))
-    block_n: int = knob(128, (64, 80, 96, 112, 128, 144, 160, 176, 192))
-    stages: int = knob(2, (2, 3, 4, 5))
-    producer: bool = knob(True, (True, False))
-    pingpong: bool = knob(True, (True, False))
-    tma: bool = knob(True, (True, False))
-
-    family: ClassVar[str] = "wgmma-forward"
-    ROLE: ClassVar[str] = "forward"
-    HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 4  # 2: TMA loads; 3: packed batches by TMA; 4: persistent
-    #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
-    #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
-    REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
-
-    @property
-    def block_m(self):
-        return 64 * self.consumers
-
-    @property
-    def threads(self):
-        return 128 * (self.consumers + int(self.producer))
-
-    @property
-    def num_warps(self):
-        return self.threads // 32
-
-    def kernel_head_dim(self, head_dim):
-        """The head_dim the kernel runs at: zero-padded to a multiple of 8 (16-byte rows)."""
-        return round_up(head_dim, 8)
-
-    def shared_memory_bytes(self, head_dim, paged=False):
-        """Q tile, ``stages`` K and V tiles in swizzled 64-column atoms, the mbarriers and
-        the alignment; over a ``paged`` KV cache, its absent-key flags too."""
-        layout = forward_sm90.shared_memory_layout(
-            head_dim, self.block_m, self.block_n, self.stages, paged
-        )
-        return layout[-1]
-
-    def paged_cache_problems(self, head_dim, device):
-        """Why this configuration cannot run chunked prefill over a paged cache (the flags'
-        shared memory beside the rest) on ``device``; empty when it can."""
-        return _dynamic_shared_problems(self.shared_memory_bytes(head_dim, paged=True), device)
-
-    def fragment_registers(self, head_dim):
-        """The accumulator, S and P (16-bit pairs) a consumer thread holds."""
-        return forward_sm90.padded_head_dim(head_dim) // 2 + self.block_n // 2 + self.block_n // 4
-
-    def consumer_registers(self):
-        """Registers a consumer thread may use: its share of the 65536 (at most 255), or what
-        setmaxnreg gives it beside a producer."""
-        split = forward_sm90.REGISTER_SPLIT
-        if self.producer and self.consumers in split:
-            return split[self.consumers][1]
-        return min(255, 65536 // self.threads // 8 * 8)
-
-    def problems(self, head_dim, device):
-        out = _out_of_choices(self)
-        if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
-            out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {MAX_HEAD_DIM}]")
-        if _is_choice(self.pingpong, (True,)) and (self.consumers != 2 or not self.producer):
-            out.append("pingpong=True takes consumers=2 and producer=True")
-        if _is_choice(self.tma, (True,)) and not self.producer:
-            out.append("tma=True takes producer=True")
-        if out:
-            return out
-        if device is not None and not device.has_wgmma:
-            out.append(
-                f"the wgmma forward needs compute capability 9.x; {device.name} is {device.arch}"
-            )
-        out += _dynamic_shared_problems(self.shared_memory_bytes(head_dim), device)
-        usable = self.consumer_registers() - self.REGISTERS_BESIDES_FRAGMENTS
-        regs = self.fragment_registers(head_dim)
-        if regs > usable:
-            out.append(
-                f"holds {regs} fragment registers per thread at head_dim={head_dim} (at most "
-                f"{usable} fit beside the rest in a consumer's {self.consumer_registers()})"
-            )
-        return out
 
 
 @dataclass(frozen=True)
@@ -606,25 +512,34 @@ ROLES = ("forward", "backward", "decode")
 HARDWARE = ("portable", "mma.sync", "wgmma")
 
 
-def _registry(*config_types):
-    """{family name: configuration type}: the registry of kernel families."""
-    for c in config_types:
-        if c.ROLE not in ROLES or c.HARDWARE not in HARDWARE:
-            raise ValueError(f"{c.__name__}: ROLE {c.ROLE!r} or HARDWARE {c.HARDWARE!r} unknown")
-    return {c.family: c for c in config_types}
+#: The registry of kernel families: {family name: configuration type}, in registration order.
+CONFIG_TYPES = {}
 
 
-#: Every kernel family, one line each.
-CONFIG_TYPES = _registry(
+def register(config_type):
+    """Register ``config_type`` as its kernel family's declaration (a class decorator): its
+    fields are the family's tuning space, ``problems`` its feasibility, ``ROLE`` and
+    ``HARDWARE`` what it computes and needs. Families with a module of their own
+    (numflash/families/) register there, with their default, rule and launchers."""
+    c = config_type
+    if c.ROLE not in ROLES or c.HARDWARE not in HARDWARE:
+        raise ValueError(f"{c.__name__}: ROLE {c.ROLE!r} or HARDWARE {c.HARDWARE!r} unknown")
+    if CONFIG_TYPES.get(c.family, c) is not c:
+        raise ValueError(f"{c.__name__}: family {c.family!r} is registered already")
+    CONFIG_TYPES[c.family] = c
+    return c
+
+
+for _type in (
     TensorCoreConfig,
-    WgmmaForwardConfig,
     PortableConfig,
     TensorCoreBackwardConfig,
     WgmmaBackwardConfig,
     PortableBackwardConfig,
     TensorCoreDecodeConfig,
     PortableDecodeConfig,
-)
+):
+    register(_type)
 
 
 def families(role):
@@ -632,9 +547,13 @@ def families(role):
     return tuple(c for c in CONFIG_TYPES.values() if c.ROLE == role)
 
 
-FORWARD_CONFIGS = families("forward")
-BACKWARD_CONFIGS = families("backward")
-DECODE_CONFIGS = families("decode")
+def __getattr__(name):
+    """The configuration types of the families with a module of their own, by their names
+    here too (``numflash.config.WgmmaForwardConfig``)."""
+    for c in CONFIG_TYPES.values():
+        if c.__name__ == name:
+            return c
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def config_from_dict(entry):

@@ -26,7 +26,6 @@ from .kernels import (
     backward_sm90,
     decode_portable,
     forward_portable,
-    forward_sm90,
     ptx_tma,
 )
 from .kernels import (
@@ -46,11 +45,18 @@ from .kernels.softmax import LOG2E
 LAUNCHERS = {}
 
 
-def launches(config_type):
-    """Register the decorated function as the launch builder of ``config_type``'s family."""
+#: {configuration type: chunked prefill's launch builder} of the forward families that read KV
+#: caches (``READS_KV_CACHE``), taking (cfg, problem, q, k_cache, v_cache, views, geometry,
+#: stream) once the new rows are appended.
+PREFILL_LAUNCHERS = {}
+
+
+def launches(config_type, table=LAUNCHERS):
+    """Register the decorated function as the launch builder of ``config_type``'s family (in
+    ``table``: PREFILL_LAUNCHERS for its KV-cache calls)."""
 
     def register(fn):
-        LAUNCHERS[config_type] = fn
+        table[config_type] = fn
         return fn
 
     return register
@@ -152,24 +158,6 @@ FORWARD_VARLEN = KernelSpec(
     arrays=FORWARD.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=("q", "k", "v", "o"),
     scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
-)
-#: The Hopper forward's work tiles, (row blocks,) heads and batch, which its blocks go
-#: through, (batch, head) pairs a section of them (_wgmma_work), and the Q, K and V tensor maps'
-#: templates (kernels/ptx_tma.py).
-_WGMMA_TAIL = (
-    ("nheads", "int32"),
-    ("batch", "int32"),
-    ("section", "int32"),
-    ("q_map", "map"),
-    ("k_map", "map"),
-    ("v_map", "map"),
-)
-#: The Hopper forward, dense or packed: FORWARD_VARLEN's parameters, the buffer its blocks
-#: publish tensor maps into, and _WGMMA_TAIL.
-WGMMA_FORWARD = KernelSpec(
-    arrays=FORWARD_VARLEN.arrays + (("maps", "int64"),),
-    strided=FORWARD_VARLEN.strided,
-    scalars=FORWARD_VARLEN.scalars + _WGMMA_TAIL,
 )
 
 
@@ -801,111 +789,6 @@ def _absent_offsets(xp):
     return found, found
 
 
-#: The template the Hopper forward is handed for a tensor map it does not use (cp.async).
-_NO_MAP = (0,) * ptx_tma.MAP_WORDS
-
-
-def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
-    """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
-    where a tensor map cannot describe one of the arrays: dense (batch, seqlen, heads,
-    head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the block's rows
-    (Q) or a tile's (K, V). A template holds no address the kernel uses (it writes its arrays'
-    in), so the templates are made once per geometry, with this call's addresses. ``kv_rows``:
-    the rows of a K or V box where not a tile's (a paged cache's: a page's)."""
-    addresses = (0, 0, 0) if SIMULATOR else (q.data.ptr, k.data.ptr, v.data.ptr)
-    if any(a % 16 for a in addresses):
-        return None
-    rows = (cfg.block_m, kv_rows or cfg.block_n, kv_rows or cfg.block_n)
-    key = (p.dtype, rows) + tuple((x.shape, x.strides) for x in (q, k, v))
-    templates = _templates.get(key, False)
-    if templates is False:
-        if len(_templates) >= 1024:
-            _templates.clear()
-        templates = _templates[key] = _map_templates(p, (q, k, v), addresses, rows)
-    if templates is None:
-        return None
-    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
-
-
-def _maps_or_none(maps, xp):
-    """(whether the kernel loads by TMA, what it is handed for the maps): :func:`_tensor_maps`'
-    result, or where that is None a buffer and templates it never reads."""
-    if maps is None:
-        return False, (_unread_array(xp, xp.int64), (_NO_MAP,) * 3)
-    return True, maps
-
-
-#: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, tiles and the
-#: arrays' shapes and strides.
-_templates = {}
-
-
-def _map_templates(p, xs, addresses, box_rows):
-    """The Q, K, V templates of :func:`_tensor_maps` (boxes of ``box_rows`` rows each), or None
-    where a stride is not a multiple of 16 bytes."""
-    templates = []
-    for x, address, rows in zip(xs, addresses, box_rows):
-        batch, seqlen, heads, head_dim = x.shape
-        sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
-        dims = (head_dim, seqlen, heads, batch)
-        # the stride of a dimension of one element is never used: any multiple of 16 bytes
-        strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
-        if ptx_tma.problems(dims, strides):
-            return None
-        box = (ptx_tma.BOX_INNER, rows, 1, 1)
-        templates.append(ptx_tma.template(p.dtype, dims, strides, box, address))
-    return tuple(templates)
-
-
-@launches(configs.WgmmaForwardConfig)
-def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
-    """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
-    kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
-    call without TMA a map buffer and templates it never reads."""
-    q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
-    varlen = offsets is not None
-    xp = arrays.array_module(q)
-    maps = None
-    if cfg.tma:  # a packed batch's maps are over all its rows: one batch of total rows
-        maps = _tensor_maps(cfg, p, *((x[None] for x in (q, k, v)) if varlen else (q, k, v)))
-    tma, maps = _maps_or_none(maps, xp)
-    schedule = forward_sm90.schedule(cfg, varlen, tma)
-    _launch_forward(
-        lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
-        (configs.WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
-        cfg,
-        p,
-        (q, k, v, out, lse),
-        head_dim,
-        scale * LOG2E,
-        cfg.shared_memory_bytes(head_dim),
-        offsets if varlen else _absent_offsets(xp),
-        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, _wgmma_work(p, head_dim) + maps[1]),
-        _wgmma_grid(cfg, p),
-    )
-
-
-def _wgmma_grid(cfg, p, cache=None):
-    """The Hopper forward's blocks: one a work tile (a row block of a head and batch), or one
-    a multiprocessor where the launch is persistent (forward_sm90.persistent)."""
-    tiles = _ceil_div(p.seqlen_q, cfg.block_m) * p.nheads * p.batch
-    if tiles >= 2**31:
-        raise ValueError(f"{tiles} tiles of {cfg.block_m} query rows: more than 2^31 - 1")
-    if forward_sm90.persistent(cfg.producer, cache):
-        tiles = min(tiles, _multiprocessors())
-    return (tiles, 1, 1)
-
-
-def _wgmma_work(p, head_dim):
-    """(heads, batch, pairs a section): the Hopper forward goes through its work tiles by
-    sections of (batch, head) pairs whose key and value rows (16-bit, p.seqlen_k of them) take
-    half the L2 cache together, so the blocks working at once share them."""
-    pair_bytes = 2 * max(p.seqlen_k, 1) * head_dim * 2 // p.heads_per_kv
-    section = min(max(_device_attribute("L2CacheSize") // 2 // max(pair_bytes, 1), 1),
-                  p.nheads * p.batch)  # fmt: skip
-    return (p.nheads, p.batch, section)
-
-
 _attributes = {}
 #: What the simulator's device says: one multiprocessor (its one block goes through every
 #: tile, which the tests see) and an L2 cache of 64 KiB (sections of a pair or two at the
@@ -1245,7 +1128,7 @@ def _kvcache(
     }
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     portable = isinstance(cfg, configs.PortableDecodeConfig)
-    prefill = isinstance(cfg, configs.WgmmaForwardConfig)  # chunked prefill on the Hopper forward
+    prefill = cfg.ROLE == "forward"  # chunked prefill on a forward family (the Hopper forward)
     if k is not None and p.seqlen_new:
         k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
@@ -1271,7 +1154,7 @@ def _kvcache(
         lse=arrays.kernel_view(lse),
     )
     if prefill:  # a forward configuration: LAUNCHERS holds its forward's launcher
-        _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream)
+        PREFILL_LAUNCHERS[type(cfg)](cfg, p, q, k_cache, v_cache, views, geometry, stream)
     else:
         LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:
@@ -1370,52 +1253,6 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         cfg.shared_memory_bytes(d),
         DECODE.args(views, scalars),
     )
-
-
-#: The Hopper forward over a KV cache (forward_sm90.build's ``cache``): the arrays, the
-#: tensor-map buffer, the strides, the KV-cache scalars and the map templates (unread with
-#: cp.async).
-WGMMA_KVCACHE = KernelSpec(
-    arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("o", "elem"),
-            ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),
-            ("block_table", "int32"), ("maps", "int64")),
-    strided=("q", "k_cache", "v_cache", "o"),
-    scalars=SPLIT_ATTENTION.scalars[:6] + SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
-)  # fmt: skip
-
-
-def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
-    """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
-    rows appended already (kvcache): the tiles by TMA where ``cfg`` asks for it and tensor
-    maps describe the arrays (a paged cache's pages: forward_sm90.paged_tma), else by
-    cp.async."""
-    d, dtype = p.head_dim, p.dtype
-    xp = arrays.array_module(q)
-    q, scale = _positive_scale(q, p.scale)
-    q = _kernel_input(q, alignment_elements=8)
-    views["q"] = arrays.kernel_view(q)
-    views["o"] = views["out"]
-    cache = "paged" if p.paged else "contiguous"
-    maps = None
-    if cfg.tma and not p.paged:
-        maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
-    elif cfg.tma and forward_sm90.paged_tma(p.page_size, cfg.block_n):  # boxes of a page
-        maps = _tensor_maps(cfg, p, q, k_cache, v_cache, min(p.page_size, cfg.block_n))
-    tma, maps = _maps_or_none(maps, xp)
-    views["maps"] = arrays.kernel_view(maps[0])
-    schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
-    launch = launcher(
-        (configs.WgmmaForwardConfig, d, dtype, cfg, cache, tma),
-        lambda: forward_sm90.build(d, dtype, *schedule),
-        WGMMA_KVCACHE,
-        dtype,
-    )
-    scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * LOG2E))
-    scalars += (p.window_left, p.window_right, *geometry)
-    scalars += _wgmma_work(p, d) + tuple(maps[1])
-    shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
-    grid = _wgmma_grid(cfg, p, cache)
-    launch(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))
 
 
 #: One launch builder per KV-cache family.

@@ -73,27 +73,6 @@ def default_tensor_core_config(head_dim):
     )
 
 
-#: Head dims (as padded to a multiple of 8) the Hopper forward takes by default: those it was
-#: measured faster at than the mma.sync forward on the H200 (docs/performance.md, "Hopper
-#: forward"). Others pad to whole 64-column atoms and were not faster (96, causal: 1.01x).
-WGMMA_FORWARD_HEAD_DIMS = (64, 128, 256)
-
-
-@default_for(configs.WgmmaForwardConfig)
-def default_wgmma_forward_config(head_dim):
-    """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
-    (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
-    docs/performance.md "Hopper forward"): a producer warpgroup loading by TMA everywhere
-    (1.4x cp.async at head_dim 128); at 64 key tiles of 192 (2-4% over 128), without pingpong
-    (1-3% faster); at 128 pingpong (2-10% over 3 stages without); at 256 tiles of 64 keys, the
-    most the accumulators leave registers for, without pingpong (0-4% faster)."""
-    if head_dim <= 64:
-        return configs.WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
-    if head_dim <= 128:
-        return configs.WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
-    return configs.WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
-
-
 @default_for(configs.TensorCoreBackwardConfig)
 def default_tensor_core_backward_config(head_dim, device=None):
     """The mma.sync backward's tiles (head_dim as padded): the first of a short list that fits
@@ -227,21 +206,34 @@ def on_tensor_cores(problem, device):
     )
 
 
-#: The Hopper forward's defaults, for the head_dim it would run a call at (made once: a
-#: configuration's construction costs microseconds every call would pay).
-_WGMMA_FORWARD = configs.WgmmaForwardConfig()
+#: {configuration type: rule(problem, device)}: the forward families with a rule of their
+#: own, which a call without ``config=`` on tensor cores runs when their rule says so (tried in
+#: registration order; registered by :func:`forward_rule`, in the family's module).
+_FORWARD_RULES = {}
+
+
+def forward_rule(config_type):
+    """Register the decorated function of (problem, device) as the rule of ``config_type``'s
+    forward family: whether a call without ``config=`` runs it rather than the mma.sync
+    forward."""
+
+    def register(fn):
+        _FORWARD_RULES[config_type] = fn
+        return fn
+
+    return register
 
 
 def forward_family(problem, device):
-    """The forward family of a call without ``config=``: the Hopper (wgmma) kernel for
-    fp16/bf16 on compute capability 9.x at the head dims it is faster at, the tensor-core
-    (mma.sync) one elsewhere from sm_80, the portable one otherwise (and in the simulator)."""
+    """The forward family of a call without ``config=``: on tensor cores (fp16/bf16 from
+    sm_80) the first family whose rule takes the call (the Hopper forward's: compute
+    capability 9.x at the head dims it is faster at), else the mma.sync one; the portable one
+    otherwise (and in the simulator)."""
     if not on_tensor_cores(problem, device):
         return configs.PortableConfig.family
-    if device.has_wgmma:
-        head_dim = _WGMMA_FORWARD.kernel_head_dim(problem.head_dim)
-        if head_dim in WGMMA_FORWARD_HEAD_DIMS:
-            return configs.WgmmaForwardConfig.family
+    for config_type, rule in _FORWARD_RULES.items():
+        if rule(problem, device):
+            return config_type.family
     return configs.TensorCoreConfig.family
 
 
@@ -422,26 +414,24 @@ def prefill_rows(problem):
 
 
 def prefill(problem, device):
-    """Whether a KV-cache call runs on the Hopper forward (chunked prefill, long speculative
-    drafts): more new query rows than :func:`prefill_rows`, no split count above 1 asked for,
-    caches it reads in place (16-byte aligned rows, head_dim a multiple of 8), and a call the
-    forward family takes on this device (:func:`forward_family`)."""
+    """Whether a KV-cache call runs on a forward family (the Hopper forward's: chunked
+    prefill, long speculative drafts): more new query rows than :func:`prefill_rows`, no split
+    count above 1 asked for, caches it reads in place (16-byte aligned rows, head_dim a
+    multiple of 8), and a forward family that reads KV caches taking the call on this device
+    (:func:`forward_family`)."""
     return (
         problem.seqlen_q > prefill_rows(problem)
         and problem.num_splits <= 1
         and problem.cache_aligned
         and problem.head_dim % 8 == 0
-        and forward_family(problem, device) == configs.WgmmaForwardConfig.family
+        and CONFIG_TYPES[forward_family(problem, device)].READS_KV_CACHE
     )
 
 
 def prefill_config(config, problem):
-    """A forward configuration as chunked prefill runs it: a paged cache's copies find each
-    row's page, and past 128-key tiles at head_dim 64 that spilled the producer's registers
-    (sm_90a, CUDA 13: tests/compile_targets.py), so its tiles keep at most 128 keys."""
-    if problem.paged and config.block_n > 128:
-        return dataclasses.replace(config, block_n=128)
-    return config
+    """A forward configuration as chunked prefill runs it over ``problem``'s cache (the
+    family's ``for_kv_cache``)."""
+    return config.for_kv_cache(problem)
 
 
 def decode(problem, device, config=None):
@@ -452,12 +442,12 @@ def decode(problem, device, config=None):
     if config is not None:
         choice = Selection(config, "forced")
     elif prefill(problem, device):
-        choice = _tuned_or_default(configs.WgmmaForwardConfig.family, problem, device)[0]
+        choice = _tuned_or_default(forward_family(problem, device), problem, device)[0]
         choice = choice._replace(config=prefill_config(choice.config, problem))
     else:
         family = decode_family(problem, device)
         choice = _tuned_or_default(family, problem, device, decode_grid(problem, device))[0]
-    if isinstance(choice.config, configs.WgmmaForwardConfig):
+    if choice.config.ROLE == "forward":  # chunked prefill: one pass over the keys
         return choice, 1
     if problem.num_splits > 0:
         return choice, min(problem.num_splits, MAX_SPLITS)

@@ -12,12 +12,7 @@ import numbers
 import numpy as np
 
 from . import arrays
-from .config import (
-    MAX_HEAD_DIM,
-    TensorCoreBackwardConfig,
-    WgmmaForwardConfig,
-    families,
-)
+from .config import MAX_HEAD_DIM, TensorCoreBackwardConfig, families
 from .kernels.jit import SIMULATOR
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -383,16 +378,16 @@ def check_backward_config(config, p, deterministic, device):
 
 def check_decode_config(config, p, device):
     """A forced KV-cache configuration, checked against the problem and the device: a decode
-    family's, or the Hopper forward's (chunked prefill: it reads the caches in place, so it
-    takes no head_dim it would pad)."""
+    family's, or a forward family's that reads KV caches (the Hopper forward: chunked prefill;
+    it reads the caches in place, so it takes no head_dim it would pad)."""
     if config is None:
         return None
-    takes = families("decode") + (WgmmaForwardConfig,)
+    takes = families("decode") + tuple(c for c in families("forward") if c.READS_KV_CACHE)
     if not isinstance(config, takes):
         raise TypeError(
             f"config must be one of {_names(takes)} or None; got {type(config).__name__}"
         )
-    if isinstance(config, WgmmaForwardConfig):
+    if config.ROLE == "forward":
         _check_family(config, "forward", p)
         if p.head_dim % 8:
             raise ValueError(

@@ -17,6 +17,7 @@ os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 from numflash import cache, launch  # noqa: E402
 from numflash.config import TensorCoreBackwardConfig, config_from_dict  # noqa: E402
+from numflash.families import wgmma_forward as wgmma_family  # noqa: E402
 from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
@@ -272,7 +273,7 @@ def wgmma_forward(hd, dtype, config, varlen, cache=None):
     if cache:  # as selection runs it
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
     kernel = forward_sm90.build(hd, dtype, *forward_sm90.schedule(cfg, varlen, cache=cache))
-    spec = launch.WGMMA_KVCACHE if cache else launch.WGMMA_FORWARD
+    spec = wgmma_family.WGMMA_KVCACHE if cache else wgmma_family.WGMMA_FORWARD
     signature = spec.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)

@@ -47,3 +47,69 @@ def test_a_device_runs_the_families_whose_hardware_it_has(device, runs):
         assert device.runs(config_type.HARDWARE) == (config_type.HARDWARE in runs), name
     with pytest.raises(ValueError, match="unknown hardware"):
         device.runs("tcgen05")
+
+
+def test_the_hopper_forward_is_declared_in_its_own_module():
+    """Its configuration, default, rule and both launch builders come from
+    numflash/families/wgmma_forward.py, and no generic module names its configuration type in
+    code (docstrings may): adding a family is its modules and one registration line."""
+    import ast
+    from pathlib import Path
+
+    from numflash.families import wgmma_forward
+
+    home = wgmma_forward.__name__
+    config_type = wgmma_forward.WgmmaForwardConfig
+    assert config_type.__module__ == home and CONFIG_TYPES[config_type.family] is config_type
+    assert launch.LAUNCHERS[config_type].__module__ == home
+    assert launch.PREFILL_LAUNCHERS[config_type].__module__ == home
+    assert selection._FORWARD_RULES[config_type].__module__ == home
+    assert selection.default_config(config_type.family, 64, H200)[1] == (
+        wgmma_forward.default_wgmma_forward_config(64)
+    )
+    package = Path(wgmma_forward.__file__).parent.parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            named = getattr(node, "id", None) or getattr(node, "attr", None)
+            assert named not in ("WgmmaForwardConfig", "wgmma_forward"), path.name
+
+
+def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypatch):
+    """A toy forward family, declared as a family module declares one: registered, its rule
+    consulted before the mma.sync forward's fallback, its default and feasibility used."""
+    import dataclasses
+    from typing import ClassVar
+
+    from numflash import config
+
+    monkeypatch.setattr(config, "CONFIG_TYPES", dict(CONFIG_TYPES))
+    monkeypatch.setattr(selection, "CONFIG_TYPES", config.CONFIG_TYPES)
+    monkeypatch.setattr(selection, "_FORWARD_RULES", dict(selection._FORWARD_RULES))
+    monkeypatch.setattr(selection, "_DEFAULTS", dict(selection._DEFAULTS))
+
+    @config.register
+    @dataclasses.dataclass(frozen=True)
+    class ToyConfig(config._Config):
+        block_m: int = config.knob(64, (64,))
+        family: ClassVar[str] = "toy-forward"
+        ROLE: ClassVar[str] = "forward"
+        HARDWARE: ClassVar[str] = "mma.sync"
+        REVISION: ClassVar[int] = 1
+
+        def kernel_head_dim(self, head_dim):
+            return head_dim
+
+        def problems(self, head_dim, device):
+            return []
+
+    selection.default_for(ToyConfig)(lambda head_dim: ToyConfig())
+    selection.forward_rule(ToyConfig)(lambda problem, device: problem.head_dim == 40)
+    from numflash.validation import Problem
+
+    def problem(head_dim):
+        return Problem(1, 128, 128, 2, 2, head_dim, "float16", 0.1, -1, -1)
+
+    assert "toy-forward" in config.CONFIG_TYPES and ToyConfig in families("forward")
+    assert selection.forward_family(problem(40), A100) == "toy-forward"
+    assert selection.forward(problem(40), A100).config == ToyConfig()
+    assert selection.forward_family(problem(64), A100) == "tensor-core"

@@ -22,6 +22,7 @@ import numflash
 from numflash import selection
 from numflash.config import WgmmaForwardConfig
 from numflash.device import SIMULATED_DEVICE, DeviceInfo, current_device
+from numflash.families import wgmma_forward
 from numflash.kernels.jit import SIMULATOR
 
 W = WgmmaForwardConfig
@@ -205,18 +206,18 @@ def test_tensor_maps_are_made_once_per_geometry_and_refused_where_strides_do_not
     strides), holding the tiles' boxes; arrays whose strides are not multiples of 16 bytes get
     none (the kernel then loads by cp.async). Only the launch builder's inputs reach here, and
     it copies arrays with such strides first: the refusal is the guard behind that copy."""
-    from numflash import launch, validation
+    from numflash import validation
     from numflash.kernels import ptx_tma
 
     q = xp.zeros((2, 40, 4, 64), np.float16)
     k = xp.zeros((2, 70, 2, 64), np.float16)
     p = validation.problem(q, k, k, False, None, (-1, -1))[-1]
     cfg = W(2, 128, 2)
-    buffer, templates = launch._tensor_maps(cfg, p, q, k, k)
+    buffer, templates = wgmma_forward._tensor_maps(cfg, p, q, k, k)
     assert buffer.shape == (3 * ptx_tma.MAP_WORDS,) and len(templates) == 3
-    assert launch._tensor_maps(cfg, p, q.copy(), k.copy(), k.copy())[1] is templates
+    assert wgmma_forward._tensor_maps(cfg, p, q.copy(), k.copy(), k.copy())[1] is templates
     if SIMULATOR:  # the simulator's own encoding: rank, dims, outer strides, box
         assert templates[0][:12] == (4, 64, 40, 4, 2, 256, 64, 10240, 64, 128, 1, 1)
         assert templates[1][9:10] == (128,)
     wide = xp.zeros((2, 70, 2, 68), np.float16)[..., :64]  # rows 136 bytes apart
-    assert launch._tensor_maps(cfg, p, q, wide, wide) is None
+    assert wgmma_forward._tensor_maps(cfg, p, q, wide, wide) is None

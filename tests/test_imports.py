@@ -1,5 +1,6 @@
-"""Imports run one way: distributed -> api -> validation, selection, launch -> config, cache ->
-kernels; no module imports one above it, and nothing in numflash forms an import cycle."""
+"""Imports run one way: distributed -> api, families -> validation, selection, launch -> config,
+cache -> kernels; no module imports one above it, and nothing in numflash forms an import cycle.
+A family's module (numflash/families/) stands above the generic layers it registers into."""
 
 import ast
 from pathlib import Path
@@ -12,7 +13,8 @@ LAYERS = {
     "distributed": 6,
     "jax": 6,
     "api": 5,
-    "cli": 5,
+    "families": 5,
+    "cli": 6,
     "validation": 4,
     "selection": 4,
     "launch": 4,
@@ -56,7 +58,8 @@ def _module_imports(path):
 def _graph():
     graph = {}
     for path in PACKAGE.rglob("*.py"):
-        name = "kernels" if path.parent.name == "kernels" else path.stem
+        package = path.parent.name
+        name = package if package in ("kernels", "families") else path.stem
         if name in ("__init__", "__main__"):
             continue
         graph.setdefault(name, set()).update(_module_imports(path) - {name})

@@ -18,6 +18,7 @@ import numflash
 from numflash import cache
 from numflash.config import PortableConfig, TensorCoreConfig, knob_choices
 from numflash.device import DeviceInfo
+from numflash.families import wgmma_forward
 from numflash.kernels.jit import SIMULATOR
 from tuning import space
 
@@ -556,7 +557,7 @@ def test_packed_forward_takes_the_dense_choice(cache_dirs):
 
     chosen = selection.forward_varlen(packed_problem(128, True), H200)
     assert chosen.source == "heuristic"
-    assert chosen.config == selection.default_wgmma_forward_config(128)
+    assert chosen.config == wgmma_forward.default_wgmma_forward_config(128)
     assert not chosen.config.problems(128, H200)
     chosen = selection.forward_varlen(packed_problem(64, False), A100)
     assert chosen.config == selection.default_tensor_core_config(64)  # the dense tiles

@@ -21,6 +21,7 @@ from pathlib import Path
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
 from numflash import config, launch, selection  # noqa: E402
+from numflash.families import wgmma_forward  # noqa: E402
 from numflash.kernels import (  # noqa: E402
     backward_mma,
     backward_portable,
@@ -200,7 +201,7 @@ def cases():
         (128, "bfloat16", None, True),
         (128, "float16", pingpong, False),
     ]:
-        c = c or selection.default_wgmma_forward_config(hd)
+        c = c or wgmma_forward.default_wgmma_forward_config(hd)
         schedule = forward_sm90.schedule(c, varlen)
         tiles = "x".join(str(int(t)) for t in schedule[:-2])  # less varlen and cache
         name = f"{hd}-{dt}-{tiles}{'-varlen' if varlen else ''}"
@@ -208,17 +209,17 @@ def cases():
             family,
             f"forward-{name}",
             forward_sm90.build(hd, dt, *schedule),
-            launch.WGMMA_FORWARD.signature(dt),
+            wgmma_forward.WGMMA_FORWARD.signature(dt),
         )
     # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs it)
     for cache in ("contiguous", "paged"):
-        c = selection.default_wgmma_forward_config(128)
+        c = wgmma_forward.default_wgmma_forward_config(128)
         schedule = forward_sm90.schedule(c, cache=cache)
         yield (
             family,
             f"kvcache-{cache}-128-float16",
             forward_sm90.build(128, "float16", *schedule),
-            launch.WGMMA_KVCACHE.signature("float16"),
+            wgmma_forward.WGMMA_KVCACHE.signature("float16"),
         )
 
 

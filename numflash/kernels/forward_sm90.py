@@ -159,9 +159,9 @@ def build(
     producer's loads are TMA copies through the tensor maps the kernel is given (else
     cp.async). ``varlen``: over a packed batch (grid (blocks of max_seqlen_q, nheads, batch),
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
-    launch.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
+    families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
-    launch.WGMMA_KVCACHE's parameters."""
+    families.wgmma_forward.WGMMA_KVCACHE's parameters."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:

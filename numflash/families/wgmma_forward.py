@@ -1,0 +1,341 @@
+"""The Hopper forward's family: S = QK^T and O += PV on wgmma, K and V brought in by TMA or
+cp.async through an mbarrier pipeline (the kernels: numflash/kernels/forward_sm90.py).
+
+Everything that declares the family is here: its configuration (the tuning space is its
+fields, ``problems`` its feasibility), its heuristic default and its rule (which calls without
+``config=`` run it: numflash.selection applies the rules), and its launch builders, for
+``attention`` and ``attention_varlen`` and for chunked prefill in ``attention_with_kvcache``
+(numflash.launch calls them). numflash/families/__init__.py registers it in one line.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .. import arrays, config, launch, selection
+from ..kernels import forward_sm90, ptx_tma
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@config.register
+@dataclass(frozen=True)
+class WgmmaForwardConfig(config._Config):
+    """Tiles and schedule of the Hopper forward (:mod:`numflash.kernels.forward_sm90`).
+
+    - ``consumers``: warpgroups of 64 query rows each that compute, so a block holds
+      ``block_m = 64 * consumers`` rows.
+    - ``block_n``: keys per shared-memory tile, the N of S = Q K^T's wgmma (a multiple of 16).
+    - ``stages``: key/value tiles in the shared-memory ring.
+    - ``producer``: a warpgroup of its own loads the tiles, handing them over through mbarriers
+      (warp specialisation, registers moved to the consumers by setmaxnreg); else every thread
+      loads, the tiles ``stages - 2`` ahead of their use, between block-wide barriers.
+    - ``pingpong``: the two consumer warpgroups take turns issuing their products, so one's
+      softmax runs while the other's products do (needs ``producer`` and two consumers).
+    - ``tma``: the producer loads each tile with TMA copies through tensor maps (needs
+      ``producer``); else with cp.async. A paged KV cache, and arrays whose strides a tensor
+      map cannot describe (not multiples of 16 bytes), load with cp.async either way.
+    """
+
+    consumers: int = config.knob(2, (1, 2, 3))
+    block_n: int = config.knob(128, (64, 80, 96, 112, 128, 144, 160, 176, 192))
+    stages: int = config.knob(2, (2, 3, 4, 5))
+    producer: bool = config.knob(True, (True, False))
+    pingpong: bool = config.knob(True, (True, False))
+    tma: bool = config.knob(True, (True, False))
+
+    family: ClassVar[str] = "wgmma-forward"
+    ROLE: ClassVar[str] = "forward"
+    HARDWARE: ClassVar[str] = "wgmma"
+    READS_KV_CACHE: ClassVar[bool] = True
+    REVISION: ClassVar[int] = 4  # 2: TMA loads; 3: packed batches by TMA; 4: persistent
+    #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
+    #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
+    REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
+
+    @property
+    def block_m(self):
+        return 64 * self.consumers
+
+    @property
+    def threads(self):
+        return 128 * (self.consumers + int(self.producer))
+
+    @property
+    def num_warps(self):
+        return self.threads // 32
+
+    def kernel_head_dim(self, head_dim):
+        """The head_dim the kernel runs at: zero-padded to a multiple of 8 (16-byte rows)."""
+        return config.round_up(head_dim, 8)
+
+    def shared_memory_bytes(self, head_dim, paged=False):
+        """Q tile, ``stages`` K and V tiles in swizzled 64-column atoms, the mbarriers and
+        the alignment; over a ``paged`` KV cache, its absent-key flags too."""
+        layout = forward_sm90.shared_memory_layout(
+            head_dim, self.block_m, self.block_n, self.stages, paged
+        )
+        return layout[-1]
+
+    def paged_cache_problems(self, head_dim, device):
+        """Why this configuration cannot run chunked prefill over a paged cache (the flags'
+        shared memory beside the rest) on ``device``; empty when it can."""
+        return config._dynamic_shared_problems(
+            self.shared_memory_bytes(head_dim, paged=True), device
+        )
+
+    def fragment_registers(self, head_dim):
+        """The accumulator, S and P (16-bit pairs) a consumer thread holds."""
+        return forward_sm90.padded_head_dim(head_dim) // 2 + self.block_n // 2 + self.block_n // 4
+
+    def consumer_registers(self):
+        """Registers a consumer thread may use: its share of the 65536 (at most 255), or what
+        setmaxnreg gives it beside a producer."""
+        split = forward_sm90.REGISTER_SPLIT
+        if self.producer and self.consumers in split:
+            return split[self.consumers][1]
+        return min(255, 65536 // self.threads // 8 * 8)
+
+    def problems(self, head_dim, device):
+        out = config._out_of_choices(self)
+        if head_dim % 8 or not 8 <= head_dim <= config.MAX_HEAD_DIM:
+            out.append(f"head_dim={head_dim} is not a multiple of 8 in [8, {config.MAX_HEAD_DIM}]")
+        if config._is_choice(self.pingpong, (True,)) and (self.consumers != 2 or not self.producer):
+            out.append("pingpong=True takes consumers=2 and producer=True")
+        if config._is_choice(self.tma, (True,)) and not self.producer:
+            out.append("tma=True takes producer=True")
+        if out:
+            return out
+        if device is not None and not device.has_wgmma:
+            out.append(
+                f"the wgmma forward needs compute capability 9.x; {device.name} is {device.arch}"
+            )
+        out += config._dynamic_shared_problems(self.shared_memory_bytes(head_dim), device)
+        usable = self.consumer_registers() - self.REGISTERS_BESIDES_FRAGMENTS
+        regs = self.fragment_registers(head_dim)
+        if regs > usable:
+            out.append(
+                f"holds {regs} fragment registers per thread at head_dim={head_dim} (at most "
+                f"{usable} fit beside the rest in a consumer's {self.consumer_registers()})"
+            )
+        return out
+
+    def for_kv_cache(self, problem):
+        """This configuration as chunked prefill runs it over ``problem``'s cache: a paged
+        cache's copies find each row's page, and past 128-key tiles at head_dim 64 that spilled
+        the producer's registers (sm_90a, CUDA 13: tests/compile_targets.py), so its tiles keep
+        at most 128 keys."""
+        if problem.paged and self.block_n > 128:
+            return dataclasses.replace(self, block_n=128)
+        return self
+
+
+# -- selection: default and rule -------------------------------------------------------------
+
+#: Head dims (as padded to a multiple of 8) the Hopper forward takes by default: those it was
+#: measured faster at than the mma.sync forward on the H200 (docs/performance.md, "Hopper
+#: forward"). Others pad to whole 64-column atoms and were not faster (96, causal: 1.01x).
+HEAD_DIMS = (64, 128, 256)
+
+
+@selection.default_for(WgmmaForwardConfig)
+def default_wgmma_forward_config(head_dim):
+    """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
+    (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
+    docs/performance.md "Hopper forward"): a producer warpgroup loading by TMA everywhere
+    (1.4x cp.async at head_dim 128); at 64 key tiles of 192 (2-4% over 128), without pingpong
+    (1-3% faster); at 128 pingpong (2-10% over 3 stages without); at 256 tiles of 64 keys, the
+    most the accumulators leave registers for, without pingpong (0-4% faster)."""
+    if head_dim <= 64:
+        return WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
+    if head_dim <= 128:
+        return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
+    return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
+
+
+#: The Hopper forward's defaults, for the head_dim it would run a call at (made once: a
+#: configuration's construction costs microseconds every call would pay).
+_DEFAULT = WgmmaForwardConfig()
+
+
+@selection.forward_rule(WgmmaForwardConfig)
+def takes(problem, device):
+    """Whether a call without ``config=`` on tensor cores runs the Hopper forward: compute
+    capability 9.x, at the head dims it is faster at than the mma.sync forward."""
+    return device.has_wgmma and _DEFAULT.kernel_head_dim(problem.head_dim) in HEAD_DIMS
+
+
+# -- launch -------------------------------------------------------------------------------------
+
+#: The Hopper forward's work tiles, (row blocks,) heads and batch, which its blocks go
+#: through, (batch, head) pairs a section of them (_wgmma_work), and the Q, K and V tensor maps'
+#: templates (kernels/ptx_tma.py).
+_WGMMA_TAIL = (
+    ("nheads", "int32"),
+    ("batch", "int32"),
+    ("section", "int32"),
+    ("q_map", "map"),
+    ("k_map", "map"),
+    ("v_map", "map"),
+)
+#: The Hopper forward, dense or packed: launch.FORWARD_VARLEN's parameters, the buffer its blocks
+#: publish tensor maps into, and _WGMMA_TAIL.
+WGMMA_FORWARD = launch.KernelSpec(
+    arrays=launch.FORWARD_VARLEN.arrays + (("maps", "int64"),),
+    strided=launch.FORWARD_VARLEN.strided,
+    scalars=launch.FORWARD_VARLEN.scalars + _WGMMA_TAIL,
+)
+
+
+#: The template the Hopper forward is handed for a tensor map it does not use (cp.async).
+_NO_MAP = (0,) * ptx_tma.MAP_WORDS
+
+
+def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
+    """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
+    where a tensor map cannot describe one of the arrays: dense (batch, seqlen, heads,
+    head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the block's rows
+    (Q) or a tile's (K, V). A template holds no address the kernel uses (it writes its arrays'
+    in), so the templates are made once per geometry, with this call's addresses. ``kv_rows``:
+    the rows of a K or V box where not a tile's (a paged cache's: a page's)."""
+    addresses = (0, 0, 0) if launch.SIMULATOR else (q.data.ptr, k.data.ptr, v.data.ptr)
+    if any(a % 16 for a in addresses):
+        return None
+    rows = (cfg.block_m, kv_rows or cfg.block_n, kv_rows or cfg.block_n)
+    key = (p.dtype, rows) + tuple((x.shape, x.strides) for x in (q, k, v))
+    templates = _templates.get(key, False)
+    if templates is False:
+        if len(_templates) >= 1024:
+            _templates.clear()
+        templates = _templates[key] = _map_templates(p, (q, k, v), addresses, rows)
+    if templates is None:
+        return None
+    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
+
+
+def _maps_or_none(maps, xp):
+    """(whether the kernel loads by TMA, what it is handed for the maps): :func:`_tensor_maps`'
+    result, or where that is None a buffer and templates it never reads."""
+    if maps is None:
+        return False, (launch._unread_array(xp, xp.int64), (_NO_MAP,) * 3)
+    return True, maps
+
+
+#: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, tiles and the
+#: arrays' shapes and strides.
+_templates = {}
+
+
+def _map_templates(p, xs, addresses, box_rows):
+    """The Q, K, V templates of :func:`_tensor_maps` (boxes of ``box_rows`` rows each), or None
+    where a stride is not a multiple of 16 bytes."""
+    templates = []
+    for x, address, rows in zip(xs, addresses, box_rows):
+        batch, seqlen, heads, head_dim = x.shape
+        sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
+        dims = (head_dim, seqlen, heads, batch)
+        # the stride of a dimension of one element is never used: any multiple of 16 bytes
+        strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
+        if ptx_tma.problems(dims, strides):
+            return None
+        box = (ptx_tma.BOX_INNER, rows, 1, 1)
+        templates.append(ptx_tma.template(p.dtype, dims, strides, box, address))
+    return tuple(templates)
+
+
+@launch.launches(WgmmaForwardConfig)
+def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
+    """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
+    kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
+    call without TMA a map buffer and templates it never reads."""
+    q, k, v, scale, head_dim = launch._tensor_core_inputs(cfg, p, q, k, v)
+    varlen = offsets is not None
+    xp = arrays.array_module(q)
+    maps = None
+    if cfg.tma:  # a packed batch's maps are over all its rows: one batch of total rows
+        maps = _tensor_maps(cfg, p, *((x[None] for x in (q, k, v)) if varlen else (q, k, v)))
+    tma, maps = _maps_or_none(maps, xp)
+    schedule = forward_sm90.schedule(cfg, varlen, tma)
+    launch._launch_forward(
+        lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
+        (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
+        cfg,
+        p,
+        (q, k, v, out, lse),
+        head_dim,
+        scale * launch.LOG2E,
+        cfg.shared_memory_bytes(head_dim),
+        offsets if varlen else launch._absent_offsets(xp),
+        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, _wgmma_work(p, head_dim) + maps[1]),
+        _wgmma_grid(cfg, p),
+    )
+
+
+def _wgmma_grid(cfg, p, cache=None):
+    """The Hopper forward's blocks: one a work tile (a row block of a head and batch), or one
+    a multiprocessor where the launch is persistent (forward_sm90.persistent)."""
+    tiles = launch._ceil_div(p.seqlen_q, cfg.block_m) * p.nheads * p.batch
+    if tiles >= 2**31:
+        raise ValueError(f"{tiles} tiles of {cfg.block_m} query rows: more than 2^31 - 1")
+    if forward_sm90.persistent(cfg.producer, cache):
+        tiles = min(tiles, launch._multiprocessors())
+    return (tiles, 1, 1)
+
+
+def _wgmma_work(p, head_dim):
+    """(heads, batch, pairs a section): the Hopper forward goes through its work tiles by
+    sections of (batch, head) pairs whose key and value rows (16-bit, p.seqlen_k of them) take
+    half the L2 cache together, so the blocks working at once share them."""
+    pair_bytes = 2 * max(p.seqlen_k, 1) * head_dim * 2 // p.heads_per_kv
+    section = min(max(launch._device_attribute("L2CacheSize") // 2 // max(pair_bytes, 1), 1),
+                  p.nheads * p.batch)  # fmt: skip
+    return (p.nheads, p.batch, section)
+
+
+#: The Hopper forward over a KV cache (forward_sm90.build's ``cache``): the arrays, the
+#: tensor-map buffer, the strides, the KV-cache scalars and the map templates (unread with
+#: cp.async).
+WGMMA_KVCACHE = launch.KernelSpec(
+    arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("o", "elem"),
+            ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),
+            ("block_table", "int32"), ("maps", "int64")),
+    strided=("q", "k_cache", "v_cache", "o"),
+    scalars=launch.SPLIT_ATTENTION.scalars[:6] + launch.SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
+)  # fmt: skip
+
+
+@launch.launches(WgmmaForwardConfig, launch.PREFILL_LAUNCHERS)
+def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
+    """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
+    rows appended already (kvcache): the tiles by TMA where ``cfg`` asks for it and tensor
+    maps describe the arrays (a paged cache's pages: forward_sm90.paged_tma), else by
+    cp.async."""
+    d, dtype = p.head_dim, p.dtype
+    xp = arrays.array_module(q)
+    q, scale = launch._positive_scale(q, p.scale)
+    q = launch._kernel_input(q, alignment_elements=8)
+    views["q"] = arrays.kernel_view(q)
+    views["o"] = views["out"]
+    cache = "paged" if p.paged else "contiguous"
+    maps = None
+    if cfg.tma and not p.paged:
+        maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
+    elif cfg.tma and forward_sm90.paged_tma(p.page_size, cfg.block_n):  # boxes of a page
+        maps = _tensor_maps(cfg, p, q, k_cache, v_cache, min(p.page_size, cfg.block_n))
+    tma, maps = _maps_or_none(maps, xp)
+    views["maps"] = arrays.kernel_view(maps[0])
+    schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
+    kernel = launch.launcher(
+        (WgmmaForwardConfig, d, dtype, cfg, cache, tma),
+        lambda: forward_sm90.build(d, dtype, *schedule),
+        WGMMA_KVCACHE,
+        dtype,
+    )
+    scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * launch.LOG2E))
+    scalars += (p.window_left, p.window_right, *geometry)
+    scalars += _wgmma_work(p, d) + tuple(maps[1])
+    shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
+    grid = _wgmma_grid(cfg, p, cache)
+    kernel(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))
