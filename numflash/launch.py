@@ -534,9 +534,10 @@ class Prepared:
 
 
 def _prepare(record, roles):
-    """The :class:`Prepared` of a recorded call over ``roles`` (its arrays), or None where running its launches again with new addresses would not be the
-    call: device work outside them (a copy of an input), a length filled from the host, or a
-    role none of them reads in place."""
+    """The :class:`Prepared` of a recorded call over ``roles`` (its arrays), or None where
+    running its launches again with new addresses would not be the call: device work outside
+    them (a copy of an input), a length filled from the host, a role none of them reads in
+    place, or more than MAX_KEPT_BYTES of buffers the call made for itself."""
     if record.unrecorded_work or record.fills or not record.launches:
         return None
     by_pointer = {}
@@ -578,8 +579,8 @@ def prepared(head, roles, build):
     argument lists or packing, and the buffers the first call made used again (kernels on a
     stream run one after another). The first call runs ``build()`` and prepares its launches
     where running them again is exact (:func:`_prepare`); so does every call whose arrays are
-    not all 16-byte aligned or have a negative stride (the full path may copy them), and every call being recorded for a replay plan (numflash.plans), which keeps
-    buffers of its own."""
+    not all 16-byte aligned or have a negative stride (the full path may copy them), and every
+    call being recorded for a replay plan (numflash.plans), which keeps buffers of its own."""
     if SIMULATOR or _recording.record is not None:
         return build()
     pointers = [x.data.ptr for x in roles]
