@@ -289,9 +289,19 @@ def backward_varlen(problem, device, deterministic):
     return choice
 
 
+_fits = {}
+
+
 def _wgmma_backward_fits(problem, device):
+    """Whether the Hopper backward's default tiles run ``problem``'s head_dim on ``device``
+    (worked out once per pair: a configuration's construction and feasibility check cost a
+    fifth of a backward call's Python on stand-ins, tools/full_path_cost.py)."""
     head_dim = tensor_core_backward_head_dim(problem.head_dim)
-    return device.has_wgmma and not configs.WgmmaBackwardConfig().problems(head_dim, device)
+    found = _fits.get((head_dim, device))
+    if found is None:
+        found = device.has_wgmma and not configs.WgmmaBackwardConfig().problems(head_dim, device)
+        _fits[head_dim, device] = found
+    return found
 
 
 def backward(problem, device, deterministic):

@@ -110,7 +110,8 @@ def stand_in(set_attr=setattr, launched=lambda *args: None):
 
 def parts(head_dim=64):
     """{name: call} of the full path's parts for one small problem (1 x 128 x 1 x head_dim,
-    fp16), as benchmarks/host_overhead.py times the whole on the GPU, and the whole."""
+    fp16), as benchmarks/host_overhead.py times the whole on the GPU, and the whole of the
+    forward and of the backward (out standing in for dout)."""
     q, k, v, out = (_Array((1, 128, 1, head_dim)) for _ in range(4))
     lse = _Array((1, 1, 128), np.float32)
     p = validation.problem(q, k, v, False, None, (-1, -1))[-1]
@@ -121,6 +122,9 @@ def parts(head_dim=64):
         f"launch[{type(config).__name__}]": lambda: launch.forward(config, p, q, k, v, out, lse),
         "attention (the whole)": lambda: api._attention(
             q, k, v, False, None, (-1, -1), False, None, None
+        ),
+        "attention_backward (the whole)": lambda: api._attention_backward(
+            out, q, k, v, out, lse, False, None, (-1, -1), False, None
         ),
     }
 
