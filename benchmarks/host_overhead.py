@@ -8,10 +8,13 @@ Measures, in one process:
   calls (``per_call_us``), and the GPU's time per call of the same calls back to back
   (``[GPU]``; a loop of calls whose kernels take longer than their host side runs at that
   rate): a repeated call replays its plan (numflash.plans); SDPA's figure beside them, both
-  ways. Each loop drops its outputs, as a
+  ways (and SDPA's backward through autograd on a kept graph beside ``attention_backward``).
+  Each loop drops its outputs, as a
   model's layers do, so a replay hands its last output out again; the ``[outputs kept]``
   figures hold the last two calls' outputs, so that every call allocates, and ``[out given]``
   passes one output buffer to every call, as a serving loop with static buffers does;
+- the full path of ``attention`` and of ``attention_backward`` (what a call without a plan
+  runs: validation, the configuration lookup, outputs, the launches prepared per geometry);
 - the configuration lookup alone (``numflash.selected_config``);
 - whether a call blocks: how long ``attention()`` takes to return on a problem whose kernel
   runs for milliseconds, beside the kernel's time;
@@ -281,6 +284,12 @@ def main():
     results["attention_backward_us[float16]"] = per_call_us(backward)
     results["attention_backward_us[float16, GPU]"] = gpu_per_call_us(backward)
     results["attention_backward_us[float16, outputs kept]"] = per_call_us(kept(backward))
+    # the backward's full path, without a plan (three launches: row sums, dK/dV, dQ)
+    results["attention_backward_full_path_us[float16]"] = per_call_us(
+        lambda: numflash.api._attention_backward(
+            dout, q, k, v, out, lse, False, None, (-1, -1), False, None
+        )
+    )
     # a decoding step: one query row over a paged cache, new k and v appended, the lengths on
     # the device (as a server keeps them)
     qd = random_qkv(4, 1, 8, 64, "float16", seed=2)[0]
@@ -333,6 +342,14 @@ def main():
         results["sdpa_us"] = per_call_us(lambda: F.scaled_dot_product_attention(qt, kt, vt))
         results["sdpa_us[GPU]"] = gpu_per_call_us(
             lambda: F.scaled_dot_product_attention(qt, kt, vt)
+        )
+        # SDPA's backward on a kept graph: autograd's dispatch of the gradients' kernels, what
+        # attention_backward's host time compares with
+        leaves = [t.detach().clone().requires_grad_() for t in (qt, kt, vt)]
+        graph = F.scaled_dot_product_attention(*leaves)
+        grad = torch.randn_like(graph)
+        results["sdpa_backward_us"] = per_call_us(
+            lambda: torch.autograd.grad(graph, leaves, grad, retain_graph=True)
         )
     except ImportError:
         pass
