@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .kernels import backward_mma, backward_sm90, decode, forward
+from .kernels import backward_mma, decode, forward
 
 #: Head dimensions the kernels accept. The tensor-core kernel needs multiples of 8 (16-byte
 #: rows for cp.async); the API zero-pads other head dims up to the next multiple of 8.
@@ -361,51 +361,6 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
 
 
 @dataclass(frozen=True)
-class WgmmaBackwardConfig(_WarpRowsBackward):
-    """The Hopper backward kernels (:mod:`numflash.kernels.backward_sm90`): the mma.sync
-    backward's dK/dV and dQ kernels with every product on warpgroup MMAs.
-
-    - ``num_warps``: 4 or 8, one or two warpgroups of 64 keys (dK/dV kernel) or 64 query rows
-      (dQ kernel) a block.
-    - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2).
-
-    Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
-    whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
-    """
-
-    num_warps: int = knob(8, backward_sm90.NUM_WARPS)
-    stages: int = knob(2, (1, 2))
-
-    family: ClassVar[str] = "wgmma-backward"
-    ROLE: ClassVar[str] = "backward"
-    HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 1
-    block_m: ClassVar[int] = backward_sm90.BLOCK_M
-    dq_separate: ClassVar[bool] = True
-    head_split: ClassVar[int] = 1
-
-    def shared_memory_bytes(self, head_dim):
-        """The swizzled K, V and stage tiles (kernels/backward_sm90.py), alignment included."""
-        return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
-
-    def problems(self, head_dim, device):
-        out = _out_of_choices(self)
-        if out:
-            return out
-        if device is not None and not device.has_wgmma:
-            out.append(
-                f"the wgmma backward needs compute capability 9.x; {device.name} is {device.arch}"
-            )
-        if head_dim not in backward_sm90.HEAD_DIMS:
-            dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
-            out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
-        if not out:
-            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
-            out += _dynamic_shared_problems(smem, device)
-        return out
-
-
-@dataclass(frozen=True)
 class PortableDecodeConfig(_Config):
     """Tiles of the portable KV-cache kernels (:mod:`numflash.kernels.decode_portable`).
 
@@ -534,7 +489,6 @@ for _type in (
     TensorCoreConfig,
     PortableConfig,
     TensorCoreBackwardConfig,
-    WgmmaBackwardConfig,
     PortableBackwardConfig,
     TensorCoreDecodeConfig,
     PortableDecodeConfig,

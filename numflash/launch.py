@@ -23,7 +23,6 @@ from . import config as configs
 from .kernels import (
     backward_mma,
     backward_portable,
-    backward_sm90,
     decode_portable,
     forward_portable,
     ptx_tma,
@@ -1028,17 +1027,6 @@ def _mma_backward(cfg, p, *tensors, offsets=None):
         return _tensor_core_launchers(
             configs.TensorCoreBackwardConfig, build, head_dim, p, cfg, varlen
         )
-
-    tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
-
-
-@launches(configs.WgmmaBackwardConfig)
-def _wgmma_backward(cfg, p, *tensors, offsets=None):
-    def kernels(head_dim, varlen):
-        def build():
-            return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
-
-        return _tensor_core_launchers(configs.WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 
     tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
 

@@ -99,13 +99,6 @@ def default_tensor_core_backward_config(head_dim, device=None):
     return candidates[-1]
 
 
-@default_for(configs.WgmmaBackwardConfig)
-def default_wgmma_backward_config(head_dim):
-    """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
-    warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
-    return configs.WgmmaBackwardConfig(num_warps=8, stages=2)
-
-
 @default_for(configs.PortableDecodeConfig)
 def default_portable_decode_config(head_dim):
     # Two fp32 tiles of block_n x head_dim must fit in 48 KiB of static shared memory.
@@ -289,27 +282,31 @@ def backward_varlen(problem, device, deterministic):
     return choice
 
 
-_fits = {}
+#: {configuration type: rule(problem, device)}: the backward families with a rule of their
+#: own, candidates of a call without ``config=`` beside the mma.sync backward where their rule
+#: takes the call (registered by :func:`backward_rule`, in the family's module).
+_BACKWARD_RULES = {}
 
 
-def _wgmma_backward_fits(problem, device):
-    """Whether the Hopper backward's default tiles run ``problem``'s head_dim on ``device``
-    (worked out once per pair: a configuration's construction and feasibility check cost a
-    fifth of a backward call's Python on stand-ins, tools/full_path_cost.py)."""
-    head_dim = tensor_core_backward_head_dim(problem.head_dim)
-    found = _fits.get((head_dim, device))
-    if found is None:
-        found = device.has_wgmma and not configs.WgmmaBackwardConfig().problems(head_dim, device)
-        _fits[head_dim, device] = found
-    return found
+def backward_rule(config_type):
+    """Register the decorated function of (problem, device) as the rule of ``config_type``'s
+    backward family: whether it is a candidate (tuned or by default) for a call without
+    ``config=``, ahead of the mma.sync backward."""
+
+    def register(fn):
+        _BACKWARD_RULES[config_type] = fn
+        return fn
+
+    return register
 
 
 def backward(problem, device, deterministic):
     """The backward configuration of a call without ``config=``.
 
-    fp16/bf16 on a GPU with mma.sync: a tuned configuration of the Hopper (wgmma) or mma.sync
-    family, the faster where both are tuned; else the wgmma kernels where they fit (compute
-    capability 9.x, head_dim 64 or 128 as padded), else the mma.sync kernels. The simulator
+    fp16/bf16 on a GPU with mma.sync: a tuned configuration of the families whose rule takes
+    the call (the Hopper backward's: its tiles fit, compute capability 9.x, head_dim 64 or 128
+    as padded) or of the mma.sync family, the faster where several are tuned; else the first
+    of them by default. The simulator
     runs the tensor-core families only when tuned. Everything else takes the portable kernels.
     With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
     the separate dQ kernel instead (same tiles).
@@ -317,9 +314,8 @@ def backward(problem, device, deterministic):
     portable = configs.PortableBackwardConfig.family
     if problem.dtype == "float32" or not device.runs("mma.sync"):
         return _tuned_or_default(portable, problem, device)[0]
-    families = [configs.TensorCoreBackwardConfig.family]
-    if _wgmma_backward_fits(problem, device):
-        families.insert(0, configs.WgmmaBackwardConfig.family)
+    families = [c.family for c, rule in _BACKWARD_RULES.items() if rule(problem, device)]
+    families.append(configs.TensorCoreBackwardConfig.family)
     choices = [_tuned_or_default(f, problem, device) for f in families]
     tuned = [(time_ms, i) for i, (c, time_ms) in enumerate(choices) if c.source != "heuristic"]
     if tuned:

@@ -49,29 +49,39 @@ def test_a_device_runs_the_families_whose_hardware_it_has(device, runs):
         device.runs("tcgen05")
 
 
-def test_the_hopper_forward_is_declared_in_its_own_module():
-    """Its configuration, default, rule and both launch builders come from
-    numflash/families/wgmma_forward.py, and no generic module names its configuration type in
-    code (docstrings may): adding a family is its modules and one registration line."""
+def test_the_hopper_families_are_declared_in_their_own_modules():
+    """The Hopper forward's and backward's configuration, default, rule and launch builders
+    come from numflash/families/wgmma_forward.py and wgmma_backward.py, and no generic module
+    names their configuration types or modules in code (docstrings may): adding a family is
+    its modules and one registration line."""
     import ast
     from pathlib import Path
 
-    from numflash.families import wgmma_forward
+    from numflash.families import wgmma_backward, wgmma_forward
 
-    home = wgmma_forward.__name__
-    config_type = wgmma_forward.WgmmaForwardConfig
-    assert config_type.__module__ == home and CONFIG_TYPES[config_type.family] is config_type
-    assert launch.LAUNCHERS[config_type].__module__ == home
-    assert launch.PREFILL_LAUNCHERS[config_type].__module__ == home
-    assert selection._FORWARD_RULES[config_type].__module__ == home
-    assert selection.default_config(config_type.family, 64, H200)[1] == (
+    forward = wgmma_forward.WgmmaForwardConfig
+    backward = wgmma_backward.WgmmaBackwardConfig
+    for module, config_type, rules in (
+        (wgmma_forward, forward, selection._FORWARD_RULES),
+        (wgmma_backward, backward, selection._BACKWARD_RULES),
+    ):
+        assert config_type.__module__ == module.__name__
+        assert CONFIG_TYPES[config_type.family] is config_type
+        assert launch.LAUNCHERS[config_type].__module__ == module.__name__
+        assert rules[config_type].__module__ == module.__name__
+    assert launch.PREFILL_LAUNCHERS[forward].__module__ == wgmma_forward.__name__
+    assert selection.default_config(forward.family, 64, H200)[1] == (
         wgmma_forward.default_wgmma_forward_config(64)
     )
+    assert selection.default_config(backward.family, 64, H200)[1] == (
+        wgmma_backward.default_wgmma_backward_config(64)
+    )
+    names = ("WgmmaForwardConfig", "WgmmaBackwardConfig", "wgmma_forward", "wgmma_backward")
     package = Path(wgmma_forward.__file__).parent.parent
     for path in package.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             named = getattr(node, "id", None) or getattr(node, "attr", None)
-            assert named not in ("WgmmaForwardConfig", "wgmma_forward"), path.name
+            assert named not in names, path.name
 
 
 def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypatch):

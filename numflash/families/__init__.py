@@ -3,4 +3,4 @@ and launch builders there (numflash/families/wgmma_forward.py is the model), and
 by importing it below, one line a family. numflash imports this package last, once the
 generic layers (config, selection, launch) are loaded."""
 
-from . import wgmma_forward  # noqa: F401
+from . import wgmma_backward, wgmma_forward  # noqa: F401

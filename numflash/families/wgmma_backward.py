@@ -1,0 +1,104 @@
+"""The Hopper backward's family: the mma.sync backward's dK/dV and dQ kernels with every
+product on warpgroup MMAs (the kernels: numflash/kernels/backward_sm90.py).
+
+Everything that declares the family is here: its configuration (the tuning space is its
+fields, ``problems`` its feasibility), its heuristic default, its rule (when a call without
+``config=`` may run it: numflash.selection applies the rules) and its launch builder
+(numflash.launch's tensor-core backward with these kernels). numflash/families/__init__.py
+registers it in one line.
+"""
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import config, launch, selection
+from ..kernels import backward_sm90
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@config.register
+@dataclass(frozen=True)
+class WgmmaBackwardConfig(config._WarpRowsBackward):
+    """The Hopper backward kernels (:mod:`numflash.kernels.backward_sm90`): the mma.sync
+    backward's dK/dV and dQ kernels with every product on warpgroup MMAs.
+
+    - ``num_warps``: 4 or 8, one or two warpgroups of 64 keys (dK/dV kernel) or 64 query rows
+      (dQ kernel) a block.
+    - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2).
+
+    Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
+    whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
+    """
+
+    num_warps: int = config.knob(8, backward_sm90.NUM_WARPS)
+    stages: int = config.knob(2, (1, 2))
+
+    family: ClassVar[str] = "wgmma-backward"
+    ROLE: ClassVar[str] = "backward"
+    HARDWARE: ClassVar[str] = "wgmma"
+    REVISION: ClassVar[int] = 1
+    block_m: ClassVar[int] = backward_sm90.BLOCK_M
+    dq_separate: ClassVar[bool] = True
+    head_split: ClassVar[int] = 1
+
+    def shared_memory_bytes(self, head_dim):
+        """The swizzled K, V and stage tiles (kernels/backward_sm90.py), alignment included."""
+        return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
+
+    def problems(self, head_dim, device):
+        out = config._out_of_choices(self)
+        if out:
+            return out
+        if device is not None and not device.has_wgmma:
+            out.append(
+                f"the wgmma backward needs compute capability 9.x; {device.name} is {device.arch}"
+            )
+        if head_dim not in backward_sm90.HEAD_DIMS:
+            dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
+            out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
+        if not out:
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
+            out += config._dynamic_shared_problems(smem, device)
+        return out
+
+
+# -- selection: default and rule -------------------------------------------------------------
+
+
+@selection.default_for(WgmmaBackwardConfig)
+def default_wgmma_backward_config(head_dim):
+    """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
+    warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
+    return WgmmaBackwardConfig(num_warps=8, stages=2)
+
+
+#: fits() by (head_dim as padded, device).
+_fits = {}
+
+
+@selection.backward_rule(WgmmaBackwardConfig)
+def fits(problem, device):
+    """Whether the Hopper backward's default tiles run ``problem``'s head_dim on ``device``
+    (worked out once per pair: a configuration's construction and feasibility check cost a
+    fifth of a backward call's Python on stand-ins, tools/full_path_cost.py)."""
+    head_dim = config.tensor_core_backward_head_dim(problem.head_dim)
+    found = _fits.get((head_dim, device))
+    if found is None:
+        found = device.has_wgmma and not WgmmaBackwardConfig().problems(head_dim, device)
+        _fits[head_dim, device] = found
+    return found
+
+
+# -- launch -------------------------------------------------------------------------------------
+
+
+@launch.launches(WgmmaBackwardConfig)
+def _wgmma_backward(cfg, p, *tensors, offsets=None):
+    def kernels(head_dim, varlen):
+        def build():
+            return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
+
+        return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
+
+    launch.tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
