@@ -1,5 +1,6 @@
-"""Launch machinery: kernel parameter specs, the launcher cache, and one launch builder per
-kernel family (padding, views, grids).
+"""Launch machinery: kernel parameter specs, the launcher cache, launches prepared per
+geometry, and one launch builder per kernel family (padding, views, grids); a family with a
+module of its own (numflash/families/) registers its builders here (:func:`launches`).
 
 A :class:`KernelSpec` describes a kernel's arguments once: its flat arrays, the tensors whose
 (batch, seqlen, head) element strides follow as one int64 triple each, and its scalars. Both

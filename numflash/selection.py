@@ -3,7 +3,10 @@
 Order for a call without ``config=``: a tuned configuration for the problem's key (the user's
 cache, then the shipped files: :func:`numflash.cache.lookup`), else the heuristic default of the
 family the device prefers. Each heuristic number below names the GPU it was chosen on; the
-measurements and the commands that reproduce them are in docs/performance.md.
+measurements and the commands that reproduce them are in docs/performance.md. A family with a
+module of its own (numflash/families/) registers its default and its rule here
+(:func:`default_for`, :func:`forward_rule`, :func:`backward_rule`); the order in which the
+rules are applied, and the thresholds between families, stay here.
 """
 
 import dataclasses
