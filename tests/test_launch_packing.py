@@ -250,9 +250,8 @@ def stand_ins(monkeypatch):
     """numflash on full_path_cost's stand-ins (an H200 without a GPU); yields the launches
     the driver got, each (function, grid, block, shared bytes, stream, parameter slots)."""
     import os
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), "..", "tools"))
     import full_path_cost
 
     got = []
