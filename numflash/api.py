@@ -240,14 +240,6 @@ def _on_device(x):
     return _STAY if _Cupy.device_count() == 1 else x.device
 
 
-def _empty(like, shape, dtype):
-    """An uninitialised array on ``like``'s device (in a context of :func:`_on_device`, which
-    binds CuPy's functions), NumPy's in the simulator."""
-    if isinstance(like, np.ndarray):
-        return np.empty(shape, dtype)
-    return _Cupy.empty(shape, dtype)
-
-
 def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):
     """The configuration ``attention(q, k, v, ...)`` would run with, and where it comes from.
 
@@ -364,8 +356,8 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
                 cfg = selection.forward(p, device).config
         # -- launch
         if out is None:
-            out = _empty(q, q.shape, q.dtype)
-        lse = _empty(q, (p.batch, p.nheads, p.seqlen_q), np.float32)
+            out = arrays.empty(q.shape, q.dtype, like=q)
+        lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
             if p.seqlen_k == 0:  # nothing to attend to: every row is empty
                 arrays.bits(out)[...] = 0
@@ -459,8 +451,8 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         if cfg is None:
             cfg = selection.forward_varlen(p, device).config
         if out is None:
-            out = _empty(q, q.shape, q.dtype)
-        lse = _empty(q, (p.nheads, q.shape[0]), np.float32)
+            out = arrays.empty(q.shape, q.dtype, like=q)
+        lse = arrays.empty((p.nheads, q.shape[0]), np.float32, like=q)
         if out.size:
             if k.shape[0] == 0:  # nothing to attend to: every row is empty
                 arrays.bits(out)[...] = 0
@@ -598,7 +590,7 @@ def _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, off
             choose = selection.backward if offsets is None else selection.backward_varlen
             cfg = choose(p, device, deterministic).config
         # -- launch
-        grads = tuple(_empty(q, x.shape, x.dtype) for x in (q, k, v))
+        grads = tuple(arrays.empty(x.shape, x.dtype, like=q) for x in (q, k, v))
         if grads[0].size == 0 or k.size == 0:
             for g in grads:  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
@@ -755,8 +747,8 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         )
         cfg = choice.config
         if out is None:
-            out = _empty(q, q.shape, q.dtype)
-        lse = _empty(q, (p.batch, p.nheads, p.seqlen_q), np.float32)
+            out = arrays.empty(q.shape, q.dtype, like=q)
+        lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
             launch.kvcache(
                 cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
