@@ -239,6 +239,26 @@ class Record:
         self.unrecorded_work = False
         self.fills = []
 
+    def prepare(self, by_pointer):
+        """(the launches packed for running again, the roles they read in place, the arrays
+        they read that the call made for itself): an array argument at an address of
+        ``by_pointer`` ({address: role indices}) takes the first of those roles' address at
+        each run (:meth:`Launcher.prepare`); any other (a buffer the call made, an array a
+        kernel is handed and never reads) stays as recorded, and its array is to be kept."""
+        seen, keep, launches = set(), [], []
+        for launcher, grid, block, shared_bytes, args in self.launches:
+            slots = {}
+            for position, arg in enumerate(args):
+                if isinstance(arg, arrays.KernelArray):
+                    found = by_pointer.get(arg.pointer)
+                    if found is None:
+                        keep.append(arg.owner)
+                    else:
+                        slots[position] = found[0]
+                        seen.update(found)
+            launches.append(launcher.prepare(grid, block, shared_bytes, args, slots))
+        return tuple(launches), seen, keep
+
 
 class _Recording(threading.local):
     record = None  # the Record of the call being recorded on this thread, if any
@@ -543,21 +563,11 @@ def _prepare(record, roles):
     by_pointer = {}
     for i, x in enumerate(roles):
         by_pointer.setdefault(x.data.ptr, []).append(i)
-    seen, keep, launches = set(), [], []
-    for launcher, grid, block, shared_bytes, args in record.launches:
-        slots = {}
-        for position, arg in enumerate(args):
-            if isinstance(arg, arrays.KernelArray):
-                found = by_pointer.get(arg.pointer)
-                if found is None:
-                    keep.append(arg.owner)
-                else:  # roles at one address are at one address in every call of the key
-                    slots[position] = found[0]
-                    seen.update(found)
-        launches.append(launcher.prepare(grid, block, shared_bytes, args, slots))
+    # roles at one address are at one address in every call of the key (prepared's)
+    launches, seen, keep = record.prepare(by_pointer)
     if len(seen) != len(roles) or sum(x.nbytes for x in keep) > MAX_KEPT_BYTES:
         return None
-    return Prepared(tuple(launches), keep)
+    return Prepared(launches, keep)
 
 
 #: Prepared launches by geometry (:func:`prepared`), emptied when it holds MAX_PREPARED.

@@ -39,8 +39,6 @@ import sys
 import threading
 import typing
 
-from . import arrays
-
 #: Plans kept (the least recently looked up dropped first): a plan holds its recorded launches
 #: and the buffers the full path made for itself.
 MAX_PLANS = 256
@@ -378,20 +376,7 @@ def make(recorded, roles, overlaps=(), outputs=(), lengths=()):
         if any(_layout(present[i]) != _layout(present[found[0]]) for i in found[1:]):
             return None  # two arrays at one address: which one a slot holds is unknown
         same += [(found[0], i) for i in found[1:]]
-    seen = set()
-    keep = []
-    prepared = []
-    for launcher, grid, block, shared_bytes, args in recorded.launches:
-        slots = {}
-        for position, arg in enumerate(args):
-            if isinstance(arg, arrays.KernelArray):
-                found = by_pointer.get(arg.pointer)
-                if found:
-                    slots[position] = found[0]
-                    seen.update(found)
-                else:
-                    keep.append(arg.owner)
-        prepared.append(launcher.prepare(grid, block, shared_bytes, args, slots))
+    prepared, seen, keep = recorded.prepare(by_pointer)
     if seen != set(present):
         return None  # an array was copied or padded before the kernel read it
     for a, b in same:  # one of them copied, the other read in place, would look the same
@@ -400,4 +385,4 @@ def make(recorded, roles, overlaps=(), outputs=(), lengths=()):
     spans = [0 if x is None else _span(x) for x in roles]
     overlaps = tuple((a, b) for a, b in overlaps if a in present and b in present)
     fills = tuple((role, x, low, high) for (role, low, high), x in zip(lengths, recorded.fills))
-    return Plan(tuple(prepared), keep, spans, overlaps, outputs, tuple(same), fills)
+    return Plan(prepared, keep, spans, overlaps, outputs, tuple(same), fills)
