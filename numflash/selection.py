@@ -208,16 +208,21 @@ def on_tensor_cores(problem, device):
 _FORWARD_RULES = {}
 
 
+def _rule_into(rules, config_type):
+    """A decorator that registers its function as ``config_type``'s rule in ``rules``."""
+
+    def register(fn):
+        rules[config_type] = fn
+        return fn
+
+    return register
+
+
 def forward_rule(config_type):
     """Register the decorated function of (problem, device) as the rule of ``config_type``'s
     forward family: whether a call without ``config=`` runs it rather than the mma.sync
     forward."""
-
-    def register(fn):
-        _FORWARD_RULES[config_type] = fn
-        return fn
-
-    return register
+    return _rule_into(_FORWARD_RULES, config_type)
 
 
 def forward_family(problem, device):
@@ -295,12 +300,7 @@ def backward_rule(config_type):
     """Register the decorated function of (problem, device) as the rule of ``config_type``'s
     backward family: whether it is a candidate (tuned or by default) for a call without
     ``config=``, ahead of the mma.sync backward."""
-
-    def register(fn):
-        _BACKWARD_RULES[config_type] = fn
-        return fn
-
-    return register
+    return _rule_into(_BACKWARD_RULES, config_type)
 
 
 def backward(problem, device, deterministic):
