@@ -94,7 +94,6 @@ def stand_in(set_attr=setattr, launched=lambda *args: None):
     set_attr(launch, "_device_attribute", attributes.__getitem__)
     set_attr(launch, "_driver", lambda: _Driver(launched))
     set_attr(launch, "_launch_kernel", lambda: launched)
-    set_attr(api._Cupy, "empty", _empty)
     set_attr(launch, "_prepared", {})
     set_attr(
         ptx_tma, "template", lambda dtype, dims, strides, box, address: (0,) * ptx_tma.MAP_WORDS
