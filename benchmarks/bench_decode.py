@@ -47,11 +47,15 @@ def kv_bytes(batch, length, dtype):
     return batch * length * NHEADS_K * HEAD_DIM * 2 * cupy.dtype(dtype).itemsize
 
 
-def paged_copy(k_cache, v_cache, page_size, seed=0):
-    """(k pages, v pages, block_table) holding the same sequences, pages in shuffled order."""
+def paged_copy(k_cache, v_cache, page_size, seed=0, shuffled=True):
+    """(k pages, v pages, block_table) holding the same sequences, pages in shuffled order
+    (``shuffled=False``: in order, sequence after sequence)."""
     batch, length = k_cache.shape[:2]
     pages = -(-length // page_size)
-    order = cupy.asarray(np.random.default_rng(seed).permutation(batch * pages).astype(np.int32))
+    order = np.arange(batch * pages)
+    if shuffled:
+        order = np.random.default_rng(seed).permutation(batch * pages)
+    order = cupy.asarray(order.astype(np.int32))
     table = order.reshape(batch, pages)
     out = []
     for cache in (k_cache, v_cache):

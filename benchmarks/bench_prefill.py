@@ -53,14 +53,15 @@ def shape_arrays(batch, new, cached, dtype):
     return q, k_new, v_new, k_cache, v_cache
 
 
-def kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None):
+def kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None, shuffled=True):
     """(layout, callable) of the KV-cache call over the contiguous cache and over the same
-    keys in pages of each size (``config`` forced where given)."""
+    keys in pages of each size (``config`` forced where given; ``shuffled``: bench_decode's
+    paged_copy)."""
     batch = q.shape[0]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
     layouts = [("contiguous", k_cache, v_cache, {})]
     for page in page_sizes:
-        kp, vp, table = paged_copy(k_cache, v_cache, page)
+        kp, vp, table = paged_copy(k_cache, v_cache, page, shuffled=shuffled)
         layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
     out = []
     for layout, kc, vc, kw in layouts:

@@ -7,11 +7,15 @@ the same keys in pages of each size (shuffled, as benchmarks/bench_decode.py lay
 CUDA events, median of 30 runs. Beside that benchmark it forces schedules and register splits
 and runs each call once for a profiler.
 
-    python tools/paged_prefill.py [--page-sizes 16 128 256] [--stages 3] [--registers 24,240]
+    python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
+                                  [--stages 3] [--registers 24,240]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
-``--stages`` forces a WgmmaForwardConfig of 2 consumers, 128-key tiles and pingpong with that
+A page size of 0 is one page a sequence (the cache's whole capacity: a tensor map over pages
+that are the contiguous cache's rows); ``--in-order`` lays the pages out in order instead of
+shuffled; ``--persistent`` runs the paged kernel persistent (forward_sm90.persistent), as the
+contiguous one runs. ``--stages`` forces a WgmmaForwardConfig of 2 consumers, 128-key tiles and pingpong with that
 many stages (default: numflash's choice); ``--registers P,C`` sets what setmaxnreg gives the
 producer and each consumer of the paged kernel for this run (forward_sm90.PAGED_REGISTER_SPLIT).
 """
@@ -32,15 +36,20 @@ from numflash.kernels import forward_sm90  # noqa: E402
 from numflash.timing import time_gpu  # noqa: E402
 
 
-def calls(batch, new, cached, page_sizes, config):
-    """(layout, call) for the contiguous cache and each page size, over the same keys."""
+def calls(batch, new, cached, page_sizes, config, shuffled=True):
+    """(layout, call) for the contiguous cache and each page size (0: the whole capacity),
+    over the same keys."""
     arrays = shape_arrays(batch, new, cached, cupy.float16)
-    return kvcache_runs(*arrays, cached, page_sizes, config)
+    capacity = arrays[3].shape[1]
+    sizes = [size or capacity for size in page_sizes]
+    return kvcache_runs(*arrays, cached, sizes, config, shuffled)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64, 128, 256])
+    ap.add_argument("--in-order", action="store_true", help="pages in order, not shuffled")
+    ap.add_argument("--persistent", action="store_true", help="the paged kernel persistent")
     ap.add_argument("--stages", type=int, help="force 2 consumers, 128-key tiles, pingpong")
     ap.add_argument("--registers", help="P,C: the paged kernel's producer and consumer registers")
     ap.add_argument("--profile", action="store_true", help="one call each under the profiler")
@@ -50,11 +59,13 @@ def main():
         split = dict(forward_sm90.PAGED_REGISTER_SPLIT)
         split[2] = (producer, consumer)
         forward_sm90.PAGED_REGISTER_SPLIT = split
+    if args.persistent:
+        forward_sm90.persistent = lambda producer, cache=None: producer
     config = None
     if args.stages:
         config = numflash.WgmmaForwardConfig(2, 128, args.stages, pingpong=True)
     if args.profile:
-        shape = calls(*SHAPES[0][1:], args.page_sizes, config)
+        shape = calls(*SHAPES[0][1:], args.page_sizes, config, not args.in_order)
         for _, call in shape:
             call()
         cupy.cuda.Device().synchronize()
@@ -66,10 +77,11 @@ def main():
         return
     found = {}
     for name, *sizes in SHAPES:
-        for layout, call in calls(*sizes, args.page_sizes, config):
+        for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
             found[f"{name}, {layout}"] = us = time_gpu(call, warmup=3, runs=30).median_ms * 1e3
             print(f"{name:24s} {layout:12s} {us:9.1f} us", flush=True)
-    print(json.dumps({"stages": args.stages, "registers": args.registers, "us": found}))
+    settings = {"stages": args.stages, "registers": args.registers, "in_order": args.in_order}
+    print(json.dumps({**settings, "persistent": args.persistent, "us": found}))
 
 
 if __name__ == "__main__":
