@@ -121,3 +121,18 @@ def test_lane_operations():
     back16, backbf = (to_numpy(b) for b in backs)
     np.testing.assert_array_equal(back16[~nan], f16.astype(np.float32)[~nan])
     np.testing.assert_array_equal(backbf[~nan], bf16.astype(np.float32)[~nan])
+
+
+@cuda.jit
+def _any_lane(marked, answers):
+    lane = cuda.threadIdx.x
+    answers[lane] = 1 if ptx.any_lane(marked[lane] != 0) else 0
+
+
+@pytest.mark.parametrize("marked_lanes", [(), (0,), (31,), (5, 17), tuple(range(32))])
+def test_any_lane_gives_every_lane_the_warps_answer(marked_lanes):
+    marked = np.zeros(32, np.int32)
+    marked[list(marked_lanes)] = 1
+    answers = xp.full(32, 7, np.int32)  # poisoned: every lane must write its answer
+    _any_lane[1, 32](xp.asarray(marked), answers)
+    np.testing.assert_array_equal(to_numpy(answers), np.full(32, int(bool(marked_lanes))))

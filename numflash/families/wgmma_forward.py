@@ -50,7 +50,7 @@ class WgmmaForwardConfig(config._Config):
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
     READS_KV_CACHE: ClassVar[bool] = True
-    REVISION: ClassVar[int] = 4  # 2: TMA loads; 3: packed batches by TMA; 4: persistent
+    REVISION: ClassVar[int] = 5  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48

@@ -398,8 +398,9 @@ def build(
         that follows starts a basic block of its own: ptxas hoisted it to the top of the block
         that held the softmax, which then no longer overlapped the product."""
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
-        if PAGED:
-            needs = needs or bad != uint64(0)
+        if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
+            # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)
+            needs = needs or ptx.any_lane(bad != uint64(0))
         if needs:
             mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr, bad)
             masked_softmax_rows(s, m_i, l_i, alpha, scale_log2)

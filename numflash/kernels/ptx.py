@@ -276,6 +276,13 @@ if not SIMULATOR:
         """The value of ``x`` held by lane ``source``, all 32 lanes taking part."""
         return cuda.shfl_sync(0xFFFFFFFF, x, source)
 
+    @device_function
+    def any_lane(predicate):
+        """Whether ``predicate`` holds in any lane, all 32 lanes taking part: one answer for
+        the warp, which ptxas knows, so a branch on it is uniform (no lane takes the other
+        side, and warp-wide steps inside need no code for lanes that went apart)."""
+        return cuda.any_sync(0xFFFFFFFF, predicate)
+
     @intrinsic
     def f16_to_f32(typingctx, bits):
         sig = types.float32(types.uint16)
@@ -503,6 +510,12 @@ else:
 
     def shfl_index(x, source):
         return _warp_collective(_shfl_index_collective, (x, source))
+
+    def _any_lane_collective(inputs):
+        return [any(bool(value) for value in inputs)] * 32
+
+    def any_lane(predicate):
+        return _warp_collective(_any_lane_collective, bool(predicate))
 
     def f16_to_f32(bits):
         return np.float32(np.uint16(bits).view(np.float16))
