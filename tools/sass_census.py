@@ -1,10 +1,12 @@
 """Count the SASS instructions of fingerprinted kernels, compiled here for sm_90a: no GPU needed.
 
 The kernels are tools/ptx_fingerprint.py's cases, named as there (``python
-tools/ptx_fingerprint.py`` lists them). Each one's PTX is assembled by the CUDA toolkit's
+tools/ptx_fingerprint.py`` lists them). Each one's PTX, compiled under the kernel's launch
+bounds as for a launch (without them ptxas ignores setmaxnreg), is assembled by the CUDA toolkit's
 ``ptxas`` and disassembled by ``nvdisasm`` (the toolkit's, or the ``nvidia-cuda-nvdisasm``
 wheel's: ``--nvdisasm PATH``); the census prints ptxas' register and spill report, the count of
-every opcode, and the code ptxas adds around warp-wide steps in lanes that may have gone apart
+every opcode, its numbered remarks (C7519: a warpgroup.arrive it added before a wgmma
+whose registers were touched), and the code ptxas adds around warp-wide steps in lanes that may have gone apart
 (``WARPSYNC.COLLECTIVE``). The PTX's ``.version`` is lowered to what this ptxas reads where the
 NVVM that wrote it is newer. A static count: which paths run how often needs Nsight Compute.
 
@@ -56,12 +58,13 @@ def _assemble(ptxas, ptx, source, cubin):
 
 
 def census(name, kernel, signature, ptxas, nvdisasm, workdir):
-    ptx = offline.compile_ptx(kernel, signature, ptx_fingerprint.TARGET)
+    ptx = offline.compile_ptx(kernel, signature, ptx_fingerprint.TARGET, launch_bounds=True)
     cubin = workdir / f"{name}.cubin"
     done = _assemble(ptxas, ptx, workdir / f"{name}.ptx", cubin)
     if done.returncode:
         raise SystemExit(f"sass_census: ptxas failed on {name}:\n{done.stderr}")
     report = [line.split(":", 1)[-1].strip() for line in done.stderr.splitlines()]
+    remarks = collections.Counter(re.findall(r"\((C\d+)\)", done.stderr))
     sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True).stdout
     ops = collections.Counter()
     for line in sass.splitlines():
@@ -69,7 +72,8 @@ def census(name, kernel, signature, ptxas, nvdisasm, workdir):
         if m:
             ops[m.group(1)] += 1
     return {
-        "ptxas": [line for line in report if "registers" in line or "spill" in line],
+        "ptxas": [line for line in report if re.match(r"Used |\d+ bytes stack frame", line)]
+        + [f"remark {code} x{n}" for code, n in sorted(remarks.items())],
         "instructions": sum(ops.values()),
         "collective": sass.count("WARPSYNC.COLLECTIVE"),
         "opcodes": dict(ops.most_common()),
