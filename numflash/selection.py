@@ -23,19 +23,27 @@ Selection = cache.Selection
 # -- heuristic defaults -----------------------------------------------------------------------
 
 #: {family name: its heuristic default as a function of (head_dim as the kernels run it,
-#: device or None, grid class)}, registered by :func:`default_for` on each family's function.
+#: device or None, grid class, problem key or None)}, registered by :func:`default_for` on each
+#: family's function.
 _DEFAULTS = {}
 
 
 def default_for(config_type):
-    """Register the decorated function, of (head_dim[, device[, grid]]), as the heuristic
-    default of ``config_type``'s family."""
+    """Register the decorated function, of (head_dim[, device[, grid]]) and, where it names
+    it, a keyword ``key`` (the call's cache.ProblemKey: its mask and seqlen bucket; None where
+    no call is in view, as for a family's head dims), as the heuristic default of
+    ``config_type``'s family."""
 
     def register(fn):
-        takes = len(inspect.signature(fn).parameters)
-        _DEFAULTS[config_type.family] = lambda head_dim, device, grid: fn(
-            *(head_dim, device, grid)[:takes]
-        )
+        parameters = inspect.signature(fn).parameters
+        takes = len([p for p in parameters.values() if p.kind != p.KEYWORD_ONLY])
+        keyed = "key" in parameters
+
+        def default(head_dim, device, grid, key):
+            args = (head_dim, device, grid)[:takes]
+            return fn(*args, key=key) if keyed else fn(*args)
+
+        _DEFAULTS[config_type.family] = default
         return fn
 
     return register
@@ -137,13 +145,15 @@ def default_tensor_core_decode_config(head_dim, device=None, grid="few"):
     return config
 
 
-def default_config(family, head_dim, device, grid="few"):
+def default_config(family, head_dim, device, grid="few", key=None):
     """(head_dim the kernels run at, the family's heuristic configuration; for the tensor-core
-    KV-cache kernel, that of grid class ``grid``)."""
+    KV-cache kernel, that of grid class ``grid``; for a call's or a tuning study's problem
+    ``key`` (cache.ProblemKey), the default for its mask and seqlen bucket where the family's
+    depends on them)."""
     if family not in CONFIG_TYPES:
         raise ValueError(f"unknown kernel family {family!r}; known: {sorted(CONFIG_TYPES)}")
     run_dim = CONFIG_TYPES[family]().kernel_head_dim(head_dim)
-    return run_dim, _DEFAULTS[family](run_dim, device, grid)
+    return run_dim, _DEFAULTS[family](run_dim, device, grid, key)
 
 
 # -- choosing for a call ----------------------------------------------------------------------
@@ -170,7 +180,7 @@ def _tuned_or_default(family, problem, device, grid=""):
     )
     choice = _memo.get(memo_key)
     if choice is None:
-        head_dim, default = default_config(family, problem.head_dim, device, grid or "few")
+        head_dim = CONFIG_TYPES[family]().kernel_head_dim(problem.head_dim)
         key = cache.ProblemKey.of(
             family,
             problem.dtype,
@@ -181,6 +191,7 @@ def _tuned_or_default(family, problem, device, grid=""):
             problem.window_right,
             grid,
         )
+        default = default_config(family, problem.head_dim, device, grid or "few", key)[1]
         hit = cache.lookup(device.arch, key, feasible=lambda c: not c.problems(head_dim, device))
         if hit is None:
             choice = (Selection(default, "heuristic"), None)

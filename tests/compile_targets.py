@@ -327,6 +327,8 @@ def jobs(quick):
     tma = {"family": "wgmma-forward", "consumers": 2, "block_n": 128, "stages": 2}
     tma.update(producer=True, pingpong=True, tma=True)
     tma_plain = dict(tma, stages=3, pingpong=False)
+    # head_dim 64's default at seqlen buckets to SHORT_BUCKET, causal (non-causal: two stages)
+    short = dict(tma, stages=4, pingpong=False)
     for hd, dtype, config, varlen in [
         (128, "float16", None, False),
         (64, "bfloat16", None, False),
@@ -335,6 +337,7 @@ def jobs(quick):
         (64, "float16", one, False),
         (128, "float16", tma, False),
         (64, "bfloat16", tma_plain, False),
+        (64, "float16", short, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
     # ... over a KV cache (chunked prefill): the defaults (TMA), contiguous and paged, and a

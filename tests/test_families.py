@@ -123,3 +123,36 @@ def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypa
     assert selection.forward_family(problem(40), A100) == "toy-forward"
     assert selection.forward(problem(40), A100).config == ToyConfig()
     assert selection.forward_family(problem(64), A100) == "tensor-core"
+
+
+@pytest.mark.parametrize(
+    "head_dim, seqlen, window, expected",
+    [
+        # head_dim 64 at most SHORT_BUCKET keys: 128-key tiles, four stages causal
+        (64, 1024, (-1, -1), (128, 2)),
+        (64, 1000, (-1, 0), (128, 4)),
+        (64, 512, (16, 16), (128, 2)),
+        # longer, or head_dim 128: the defaults measured at 4096 and 16384
+        (64, 1025, (-1, 0), (192, 2)),
+        (64, 4096, (-1, -1), (192, 2)),
+        (128, 1024, (-1, 0), (128, 2)),
+    ],
+)
+def test_the_hopper_forward_default_follows_the_seqlen_bucket(head_dim, seqlen, window, expected):
+    """A call's default Hopper forward depends on its seqlen bucket and mask where that was
+    measured to pay (head_dim 64 at seqlen 1024: wgmma_forward.SHORT_BUCKET), and the tuner
+    starts a key's study from the same default."""
+    from numflash import cache
+    from numflash.families import wgmma_forward
+    from numflash.validation import Problem
+
+    p = Problem(2, seqlen, seqlen, 4, 4, head_dim, "float16", 0.1, *window)
+    family = wgmma_forward.WgmmaForwardConfig.family
+    chosen = selection._tuned_or_default(family, p, H200)[0]
+    assert chosen.source == "heuristic"
+    assert (chosen.config.block_n, chosen.config.stages) == expected
+    key = cache.ProblemKey.of(family, "float16", head_dim, seqlen, seqlen, *window)
+    assert selection.default_config(family, head_dim, H200, key=key)[1] == chosen.config
+    if head_dim == 64 and expected[0] == 128:
+        assert not chosen.config.problems(head_dim, H200)
+        assert selection.default_config(family, head_dim, H200)[1].block_n == 192  # no call

@@ -117,7 +117,7 @@ def tune_key(
         load_if_exists=True,
     )
     head_dim, default = selection.default_config(
-        key.family, key.head_dim, device, key.grid or "few"
+        key.family, key.head_dim, device, key.grid or "few", key
     )
     target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
     if not study.trials:

@@ -140,15 +140,26 @@ class WgmmaForwardConfig(config._Config):
 HEAD_DIMS = (64, 128, 256)
 
 
+#: The longest seqlen bucket (cache.seqlen_bucket) at which head_dim 64 takes tiles of 128 keys
+#: by default: at 1024, H200, 192-key tiles (six over 1024 keys, the last a third empty) ran
+#: 0.767x / 0.708x cuDNN non-causal / causal, 128-key ones 0.837x (2 stages) / 0.812x (4).
+SHORT_BUCKET = 1024
+
+
 @selection.default_for(WgmmaForwardConfig)
-def default_wgmma_forward_config(head_dim):
+def default_wgmma_forward_config(head_dim, *, key=None):
     """The Hopper forward's schedule where nothing is tuned, the fastest measured on the H200
     (fp16 and bf16, seqlen 4096 and 16384, causal and not; tools/hopper_forward.py,
     docs/performance.md "Hopper forward"): a producer warpgroup loading by TMA everywhere
     (1.4x cp.async at head_dim 128); at 64 key tiles of 192 (2-4% over 128), without pingpong
-    (1-3% faster); at 128 pingpong (2-10% over 3 stages without); at 256 tiles of 64 keys, the
-    most the accumulators leave registers for, without pingpong (0-4% faster)."""
+    (1-3% faster), except for a call's ``key`` (cache.ProblemKey) of at most SHORT_BUCKET
+    keys: tiles of 128, two stages, four causal; at 128 pingpong (2-10% over 3 stages
+    without); at 256 tiles of 64 keys, the most the accumulators leave registers for, without
+    pingpong (0-4% faster)."""
     if head_dim <= 64:
+        if key is not None and key.seqlen <= SHORT_BUCKET:
+            stages = 4 if key.mask == "causal" else 2
+            return WgmmaForwardConfig(consumers=2, block_n=128, stages=stages, pingpong=False)
         return WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
     if head_dim <= 128:
         return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
