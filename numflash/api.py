@@ -56,7 +56,7 @@ _ATTENTION = signature.Signature(
     "attention",
     [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
     _NAMESPACE,
     output="out",
 )
@@ -240,7 +240,7 @@ def _on_device(x):
     return _STAY if _Cupy.device_count() == 1 else x.device
 
 
-def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None):
+def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None, softcap=0.0):
     """The configuration ``attention(q, k, v, ...)`` would run with, and where it comes from.
 
     Returns ``(config, source)``: source is "forced" (``config=`` given), "user cache <path>",
@@ -249,7 +249,7 @@ def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None)
     kernel, which its source says with the split count. Takes the same arguments and raises
     the same errors as :func:`attention`; launches nothing.
     """
-    q, k, v, p = validation.problem(q, k, v, causal, None, window_size)
+    q, k, v, p = validation.problem(q, k, v, causal, None, window_size, softcap)
     with _on_device(q):
         device = current_device()
         if config is not None:
@@ -273,6 +273,7 @@ def attention(
     return_lse=False,
     out=None,
     config=None,
+    softcap=0.0,
 ):
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).
 
@@ -293,6 +294,10 @@ def attention(
             default numflash chooses, and a call of at most 16 query rows runs the split-KV
             kernel of :func:`attention_with_kvcache` over k and v (:func:`selected_config`
             says which).
+        softcap: cap the scores: s = softmax_scale * q . k becomes softcap * tanh(s /
+            softcap) before the mask and the softmax (Gemma 2: 50); 0 (the default) for none.
+            Each softcap value compiles its own kernels. Forward only so far:
+            :func:`attention_backward` does not take it yet.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -303,17 +308,18 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+    args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap)
     result, key, args = _repeated(_ATTENTION, args, "attention")
     if result is not None:
         return result
     q, k, v, out = args[0], args[1], args[2], args[7]
+    options = (causal, softmax_scale, window_size, return_lse)
     # else no plan yet, or an out= overlapping an input: the full path refuses it by name
     if key is None:
-        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+        return _attention(q, k, v, *options, out, config, softcap)
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config)
+        result = _attention(q, k, v, *options, out, config, softcap)
     out, lse = result if return_lse else (result, None)
     # a given out was refused overlapping q, k or v
     overlaps = [(3, r) for r in (0, 1, 2) if given]
@@ -325,8 +331,9 @@ def attention(
 def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
     """(KV-cache problem, selection, split count) of a forward call with few query rows that
     the split-KV decode kernel takes (selection.few_query_rows): k and v as a contiguous cache
-    of seqlen_k keys, nothing appended. None for any other call."""
-    if p.seqlen_k == 0 or not selection.few_query_rows(p):
+    of seqlen_k keys, nothing appended. None for any other call (and for a softcap, which the
+    decode kernels do not take yet)."""
+    if p.seqlen_k == 0 or p.softcap or not selection.few_query_rows(p):
         return None
     try:  # the arguments were checked as attention's: a refusal here only rules the route out
         kp = validation.kvcache_problem(
@@ -340,9 +347,9 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
     return kp, choice, splits
 
 
-def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config):
+def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0):
     # -- validate and normalise
-    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
+    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     with _on_device(q):

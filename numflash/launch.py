@@ -729,6 +729,12 @@ def _launch_forward(
         _copy_back(out, target, p)
 
 
+def variant_key(p):
+    """What a kernel's compile key gains from the attention variant ``p`` (a Problem) asks
+    for: nothing for plain attention, so its kernels are the ones compiled without variants."""
+    return (("softcap", p.softcap),) if p.softcap else ()
+
+
 def _tensor_core_inputs(cfg, p, q, k, v):
     """(q, k, v, scale, head_dim) as the tensor-core forward kernels read them: a positive
     scale, head_dim padded as ``cfg`` runs it, rows on 16-byte boundaries (cp.async moves 16
@@ -746,10 +752,11 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
     key = (configs.TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    key += variant_key(p)
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
-        lambda: build(head_dim, p.dtype, *tiles),
+        lambda: build(head_dim, p.dtype, *tiles, p.softcap),
         key,
         cfg,
         p,
@@ -766,9 +773,10 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
     q, k, v = (_kernel_input(x) for x in (q, k, v))
     varlen = offsets is not None
     key = (configs.PortableConfig, p.head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    key += variant_key(p)
     build = forward_portable.build_varlen if varlen else forward_portable.build
     _launch_forward(
-        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n),
+        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap),
         key,
         cfg,
         p,

@@ -25,7 +25,8 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What a call computes, normalised: sizes, dtype name, scale and window (causal is the
-    window (left, 0); -1 means unbounded, and a bound past every key is clamped)."""
+    window (left, 0); -1 means unbounded, and a bound past every key is clamped), and the
+    softcap of the scores (0: none)."""
 
     batch: int
     seqlen_q: int
@@ -37,6 +38,7 @@ class Problem:
     scale: float
     window_left: int
     window_right: int
+    softcap: float = 0.0
 
     @property
     def heads_per_kv(self):
@@ -96,6 +98,23 @@ def check_scale(softmax_scale, head_dim):
             f"got {softmax_scale!r}"
         )
     return scale
+
+
+def check_softcap(softcap):
+    """The softcap as a float: 0 (none) or a finite positive number within float32."""
+    if softcap.__class__ is float and 0.0 <= softcap <= _FLOAT32_MAX:
+        return softcap
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number (0 for none); got {softcap!r}")
+    try:
+        cap = float(softcap)
+    except OverflowError:
+        cap = math.inf
+    if not (math.isfinite(cap) and 0.0 <= cap <= _FLOAT32_MAX):
+        raise ValueError(
+            f"softcap must be 0 (none) or a finite positive number within float32; got {softcap!r}"
+        )
+    return cap
 
 
 def check_qkv(q, k, v):
@@ -218,7 +237,7 @@ def check_like(x, name, like, like_name, dtype=None, shape=None):
     return x
 
 
-def problem(q, k, v, causal, softmax_scale, window_size):
+def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0):
     """The validated arrays and the normalised :class:`Problem` they pose."""
     q = arrays.intake(q, "q")
     k = arrays.intake(k, "k")
@@ -230,7 +249,8 @@ def problem(q, k, v, causal, softmax_scale, window_size):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     left, right = _clamp_window(left, sq, sk), _clamp_window(right, sq, sk)
-    return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right)
+    cap = check_softcap(softcap)
+    return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap)
 
 
 def _check_offsets(cu, name, like):

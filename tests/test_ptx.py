@@ -136,3 +136,20 @@ def test_any_lane_gives_every_lane_the_warps_answer(marked_lanes):
     answers = xp.full(32, 7, np.int32)  # poisoned: every lane must write its answer
     _any_lane[1, 32](xp.asarray(marked), answers)
     np.testing.assert_array_equal(to_numpy(answers), np.full(32, int(bool(marked_lanes))))
+
+
+@cuda.jit
+def _tanh(x, out):
+    lane = cuda.threadIdx.x
+    out[lane] = ptx.tanh(x[lane])
+
+
+def test_tanh_is_within_its_documented_error():
+    values = np.concatenate(
+        [[0.0, -0.0, 1e-6, 20.0, -20.0, np.inf, -np.inf], np.linspace(-4, 4, 25)]
+    )
+    x = xp.asarray(values.astype(np.float32))
+    out = xp.zeros(32, np.float32)
+    _tanh[1, 32](x, out)
+    got, want = to_numpy(out).astype(np.float64), np.tanh(values.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=2.0**-10, atol=1e-7)

@@ -77,7 +77,7 @@ class _Device:
             (_Launcher(self.replays), (1, 1, 1), (32, 1, 1), 0, (*args, 1.0))
         )
 
-    def _forward(self, q, k, v, causal, scale, window, return_lse, out, config):
+    def _forward(self, q, k, v, causal, scale, window, return_lse, out, config, softcap=0.0):
         self.full_calls += 1
         out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
@@ -154,6 +154,7 @@ def test_attention_replays_with_the_new_calls_pointers(device, return_lse):
         dict(softmax_scale=1),
         dict(window_size=(4, 0)),
         dict(return_lse=True),
+        dict(softcap=30.0),
         dict(q=DeviceArray((2, 3, 8, 64), np.dtype("float32"))),
         dict(q=DeviceArray((2, 3, 8, 64), strides=(3 * 8 * 128, 128, 3 * 128, 2))),  # a view
         dict(q=DeviceArray((2, 3, 8, 64), ptr=(1 << 40) + 8)),  # only 8-byte aligned

@@ -78,7 +78,7 @@ def _lse(q):
     return DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
 
 
-def _forward(q, k, v, causal, scale, window, return_lse, out, config):
+def _forward(q, k, v, causal, scale, window, return_lse, out, config, softcap=0.0):
     out = DeviceArray(q.shape, q.dtype) if out is None else out
     lse = _lse(q)
     _record(q, k, v, out, lse)

@@ -270,8 +270,8 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     launch._launch_forward(
-        lambda: forward_sm90.build(head_dim, p.dtype, *schedule),
-        (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen),
+        lambda: forward_sm90.build(head_dim, p.dtype, *schedule, softcap=p.softcap),
+        (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen) + launch.variant_key(p),
         cfg,
         p,
         (q, k, v, out, lse),

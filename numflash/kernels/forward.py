@@ -22,8 +22,9 @@ Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256 (zero-padded 
 seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.0+ and
 ``scale_log2 > 0``: the row max is taken on unscaled scores and the scale is folded into the
 fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Packed batches of
-variable-length sequences run the same block body (:func:`build_varlen`). Does not: dropout,
-softcapping, ALiBi, KV cache (numflash.kernels.decode).
+variable-length sequences run the same block body (:func:`build_varlen`); a softcap of the
+scores is a compile-time constant of the build. Does not: dropout, ALiBi, KV cache
+(numflash.kernels.decode).
 """
 
 import functools
@@ -36,7 +37,7 @@ from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum
+from .softmax import NEG_INF, final_lse, inverse_sum, softcap_function
 from .warp_step import warp_step
 
 
@@ -49,9 +50,12 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+def _block_attender(
+    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0
+):
     """The device function that attends one block of query rows (all sizes compile-time),
-    shared by the dense and the packed (varlen) kernels."""
+    shared by the dense and the packed (varlen) kernels; ``softcap`` > 0 caps the scores
+    (softmax.softcap_function)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
     BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
@@ -73,6 +77,8 @@ def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q
     ACC_REGS = M_TILES * D_TILES * 4
     ROWS = M_TILES * 2
     pack = PACK[dtype_name]
+    SOFTCAP = softcap > 0
+    cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
     load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
         dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS
@@ -242,6 +248,8 @@ def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q
             stage_addr = smem_addr + uint32(stage * TILE * 2)
             # -- S = Q K_j^T (raw scores; the scale is folded into the softmax's fma)
             mma_qk(qf, s, q_addr, stage_addr + uint32(K_BASE * 2) + k_lane)
+            if SOFTCAP:
+                cap_scores(s, scale_log2)
             if tile_needs_mask(
                 m0,
                 m0 + BLOCK_M - 1,
@@ -266,10 +274,10 @@ def _block_attender(head_dim, dtype_name, block_m, block_n, num_warps, stages, q
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0):
     """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap
     )
 
     @kernel(launch_bounds=32 * num_warps)
@@ -309,14 +317,16 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
 
 
 @functools.lru_cache(maxsize=None)
-def build_varlen(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers):
+def build_varlen(
+    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0
+):
     """The tensor-core forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch), lse (nheads, total_q). Offsets are
     clamped to the arrays and lengths to max_seqlen: no read or write leaves q, k, v, o or
     lse. The same block body as the dense kernel (:func:`build`)."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap
     )
     BLOCK_M = block_m
 

@@ -11,7 +11,8 @@ and values is loaded into shared memory once (converted to fp32) and read by eve
 
 Supports: float16, bfloat16 (both as uint16 bits) and float32; any head_dim up to 256; GQA;
 causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows that see no key
-(output 0, LSE -inf). Does not: dropout, softcapping, ALiBi, variable-length batches.
+(output 0, LSE -inf); a softcap of the scores (a compile-time constant). Packed batches:
+:func:`build_varlen`. Does not: dropout, ALiBi.
 """
 
 import functools
@@ -21,7 +22,7 @@ from numba import cuda, float32, int64
 from . import ptx
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, shift_of
+from .softmax import NEG_INF, final_lse, inverse_sum, shift_of, softcap_functions
 
 
 @device_function
@@ -135,12 +136,14 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 
 @functools.lru_cache(maxsize=None)
-def row_attender(head_dim, dtype_name, block_m, block_n):
+def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0):
     """The device function ``attend_rows(q, k, v, o, lse, bases, row_strides, seqlen_q,
     seqlen_k, scale_log2, window, m_block)``: query block ``m_block`` of one (sequence, head),
     one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's row 0 for this head
     (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements apart; ``window`` is
-    (left, right)."""
+    (left, right). ``softcap`` > 0 caps the scores (softmax.softcap_functions)."""
+    SOFTCAP = softcap > 0
+    cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -175,6 +178,9 @@ def row_attender(head_dim, dtype_name, block_m, block_n):
             acc[d] = float32(0.0)
         m_i = NEG_INF
         l_i = float32(0.0)
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:
+            cap_a, cap_b = cap_factors(scale_log2)
 
         for n0 in range(n_lo, n_hi, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
@@ -190,6 +196,8 @@ def row_attender(head_dim, dtype_name, block_m, block_n):
                     dot = float32(0.0)
                     for d in range(HEAD_DIM):
                         dot += q_row[d] * k_tile[j * HEAD_DIM + d]
+                    if SOFTCAP:
+                        dot = capped(dot, cap_a, cap_b)
                     score = dot * scale_log2
                 s[j] = score
                 m_new = max(m_new, score)
@@ -209,9 +217,9 @@ def row_attender(head_dim, dtype_name, block_m, block_n):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n):
-    """The portable forward kernel specialised for one (head_dim, dtype, tile) key."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n)
+def build(head_dim, dtype_name, block_m, block_n, softcap=0.0):
+    """The portable forward kernel specialised for one (head_dim, dtype, tile, softcap) key."""
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap)
 
     @kernel
     def forward_portable(
@@ -246,12 +254,12 @@ def build(head_dim, dtype_name, block_m, block_n):
 
 
 @functools.lru_cache(maxsize=None)
-def build_varlen(head_dim, dtype_name, block_m, block_n):
+def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0):
     """The portable forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch). Offsets are clamped to the arrays and
     lengths to max_seqlen: no read or write leaves q, k, v, o or lse (nheads, total_q)."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap)
     BLOCK_M = block_m
 
     @kernel

@@ -78,7 +78,7 @@ from .loads import (
     swizzled_row_loader,
 )
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, shift_of
+from .softmax import NEG_INF, final_lse, shift_of, softcap_function
 
 #: Query rows of one warpgroup: the M of every wgmma.
 WARPGROUP_ROWS = 64
@@ -151,7 +151,7 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None,
+    cache=None, softcap=0.0,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -161,7 +161,8 @@ def build(
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
     families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
-    families.wgmma_forward.WGMMA_KVCACHE's parameters."""
+    families.wgmma_forward.WGMMA_KVCACHE's parameters. ``softcap`` > 0 caps the scores
+    (softmax.softcap_function)."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
@@ -174,6 +175,7 @@ def build(
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     CACHE, PAGED = cache is not None, cache == "paged"
+    SOFTCAP = softcap > 0
     PERSISTENT = persistent(producer, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
@@ -388,6 +390,7 @@ def build(
         return softmax_rows
 
     softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
+    cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
 
     @device_function
     def absorb(
@@ -397,6 +400,8 @@ def build(
         softmax. Each case runs its own copy of the softmax, so that the wait for acc += P V
         that follows starts a basic block of its own: ptxas hoisted it to the top of the block
         that held the softmax, which then no longer overlapped the product."""
+        if SOFTCAP:
+            cap_scores(s, scale_log2)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
         if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
             # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)

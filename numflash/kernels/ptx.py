@@ -237,6 +237,17 @@ if not SIMULATOR:
         return sig, codegen
 
     @intrinsic
+    def tanh(typingctx, x):
+        """tanh(x) with the special-function unit (sm_75+; maximum relative error about
+        2^-11): for scores headed for 16-bit probabilities, not for float32 results."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_F32], "tanh.approx.f32 $0, $1;", "=f,f", list(args), False)
+
+        return sig, codegen
+
+    @intrinsic
     def fma(typingctx, a, b, c):
         """a * b + c, rounded once."""
         sig = types.float32(types.float32, types.float32, types.float32)
@@ -483,6 +494,9 @@ else:
     def exp2(x):
         with np.errstate(over="ignore"):
             return np.float32(np.exp2(np.float32(x)))
+
+    def tanh(x):
+        return np.float32(np.tanh(np.float32(x)))
 
     def fma(a, b, c):
         # The fp32 product is exact in fp64, so this rounds (nearly always) as fma does.

@@ -3,10 +3,12 @@
 Scores live in the log2 domain (``s * softmax_scale * log2(e)``) so that the kernels use ex2.
 """
 
+import functools
 import math
 
 from numba import float32, int32
 
+from . import ptx
 from .jit import device_function
 
 LOG2E = 1.4426950408889634  # 1 / ln(2): exp(x) = 2 ** (x * LOG2E)
@@ -52,3 +54,42 @@ def row_log2_lse(lse_value):
 @device_function
 def ceil_div(a, b):
     return int32((a + b - 1) // b)
+
+
+@functools.lru_cache(maxsize=None)
+def softcap_functions(softcap, fast=False):
+    """(``factors(scale_log2) -> (a, b)``, ``capped(x, a, b)``) for a softcap (> 0, a
+    compile-time constant): a raw score x (q . k, before the scale) becomes b tanh(a x), with
+    a = scale / softcap and b = 1 / a, which the softmax's scale by ``scale_log2`` (scale *
+    log2(e)) turns into softcap * tanh(scale * q . k / softcap) in the log2 domain, so the
+    kernels' softmax runs unchanged. A scale of 0 gives every score 0. Applied before the
+    mask (the mask's -inf must stay -inf). ``fast``: tanh by the special-function unit
+    (ptx.tanh, for the 16-bit kernels, as FlashAttention's); else libdevice's float32 tanh,
+    which at head_dim 64 made the Hopper kernel keep a stack frame."""
+    INV = float32(1.0 / (softcap * LOG2E))
+    tanh = ptx.tanh if fast else math.tanh
+
+    @device_function
+    def factors(scale_log2):
+        a = scale_log2 * INV
+        return a, (float32(1.0) / a if a != float32(0.0) else float32(0.0))
+
+    @device_function
+    def capped(x, a, b):
+        return b * float32(tanh(a * x))
+
+    return factors, capped
+
+
+def softcap_function(count, softcap):
+    """``softcap_scores(s, scale_log2)``: softcap_functions' transform of the first ``count``
+    raw scores of the register fragment ``s`` of a 16-bit kernel (fast tanh)."""
+    factors, capped = softcap_functions(softcap, fast=True)
+
+    @device_function
+    def softcap_scores(s, scale_log2):
+        a, b = factors(scale_log2)
+        for i in range(count):
+            s[i] = capped(s[i], a, b)
+
+    return softcap_scores

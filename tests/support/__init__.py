@@ -67,12 +67,13 @@ def to_numpy(x):
 
 
 def assert_matches_reference(
-    q, k, v, out, lse, *, causal=False, window_size=(-1, -1), softmax_scale=None
+    q, k, v, out, lse, *, causal=False, window_size=(-1, -1), softmax_scale=None, variants=None
 ):
-    """out and lse against float64, under 2 x the naive same-precision error + ATOL; rows that
-    see no key must give output 0 and lse -inf."""
+    """out and lse against float64 (with ``variants``: numflash.reference.Variants), under 2 x
+    the naive same-precision error + ATOL; rows that see no key must give output 0 and lse
+    -inf."""
     kw = dict(causal=causal, window_size=window_size, softmax_scale=softmax_scale)
-    result = check(q, k, v, out, lse, **kw)
+    result = check(q, k, v, out, lse, variants=variants, **kw)
     assert result.nan == 0, f"{result.nan} output elements are NaN"
     assert result.err <= result.bar, f"max |out - ref| = {result.err:.3e} > bar {result.bar:.3e}"
     assert result.lse_err <= result.lse_bar, (

@@ -1,0 +1,129 @@
+"""Attention variants through the public calls (issue 32), against numflash.reference's float64
+reference with the same variants: so far the softcap of the forward (``attention(...,
+softcap=)``) on each forward family, forced by configuration. In the simulator each family's
+kernel runs its own source on small shapes; on a GPU the same cases at larger sizes."""
+
+import math
+
+import numpy as np
+import pytest
+from support import assert_matches_reference, poisoned_like, random_qkv, to_numpy
+
+import numflash
+from numflash.kernels.jit import SIMULATOR
+from numflash.reference import Variants
+
+#: The forward families, forced: the portable kernel, mma.sync and the Hopper forward (a
+#: consumer warpgroup of 64 rows with its producer in the simulator, the default on a GPU).
+CONFIGS = {
+    "portable": numflash.PortableConfig(block_m=32, block_n=16),
+    "tensor-core": numflash.TensorCoreConfig(64, 32, 4, 2),
+    "hopper": numflash.WgmmaForwardConfig(1, 64, 2, pingpong=False)
+    if SIMULATOR
+    else numflash.WgmmaForwardConfig(),
+}
+MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(19, 3))}
+
+#: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, softcap)
+CASES = [
+    ("float16", 1, 40, 70, 2, 1, 64, "causal", 1.5),
+    ("bfloat16", 2, 33, 33, 2, 2, 64, "window", 0.75),
+    ("float16", 1, 17, 90, 4, 2, 64, "none", 30.0),
+]
+if not SIMULATOR:
+    CASES += [
+        ("bfloat16", 2, 300, 1000, 8, 2, 128, "causal", 50.0),
+        ("float16", 1, 1023, 777, 4, 4, 128, "none", 2.0),
+        ("bfloat16", 2, 500, 500, 4, 1, 64, "window", 5.0),
+    ]
+
+
+def _forced(family, dtype, head_dim):
+    config = CONFIGS[family]
+    if family != "portable" and dtype == "float32":
+        pytest.skip("the tensor-core kernels take fp16 and bf16")
+    device = numflash.device.current_device()
+    problems = config.problems(head_dim, device)
+    if problems:
+        pytest.skip("; ".join(problems))
+    return config
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}-cap{c[8]}")
+def test_softcap_matches_the_reference(family, case):
+    dtype, batch, sq, sk, h, hk, d, mask, softcap = case
+    config = _forced(family, dtype, d)
+    q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
+    q = q * 4  # scores of several units, so that the cap bends them
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, out=out, return_lse=True, config=config, softcap=softcap, **MASKS[mask]
+    )
+    assert res is out
+    variants = Variants(softcap=softcap)
+    assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
+
+
+def test_softcap_in_float32_on_the_portable_kernel():
+    q, k, v = random_qkv(1, 20, 45, 2, 1, 32, "float32")
+    out, lse = numflash.attention(q * 3, k, v, return_lse=True, causal=True, softcap=1.0)
+    variants = Variants(softcap=1.0)
+    assert_matches_reference(q * 3, k, v, out, lse, causal=True, variants=variants)
+
+
+def test_softcap_with_few_query_rows_is_still_capped():
+    """Calls of at most 16 query rows go to the split-KV decode kernel, which does not cap
+    scores yet: with a softcap they take the forward kernels instead (default choice)."""
+    q, k, v = random_qkv(2, 3, 200, 4, 2, 64, "float16")
+    out, lse = numflash.attention(q * 4, k, v, return_lse=True, softcap=0.5)
+    assert_matches_reference(q * 4, k, v, out, lse, variants=Variants(softcap=0.5))
+
+
+def test_a_softcap_past_every_score_is_plain_attention():
+    q, k, v = random_qkv(1, 30, 50, 2, 2, 64, "float16")
+    capped = numflash.attention(q, k, v, softcap=1e6, config=CONFIGS["portable"])
+    plain = numflash.attention(q, k, v, config=CONFIGS["portable"])
+    np.testing.assert_allclose(
+        to_numpy(capped).astype(np.float32), to_numpy(plain).astype(np.float32), atol=2e-3
+    )
+
+
+def test_repeated_calls_with_other_softcaps_are_not_mixed_up():
+    """A repeated call replays its first call's launches (numflash.plans): the softcap is part
+    of what makes a call repeated, so a new value compiles and runs its own kernel."""
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, "float16")
+    q = q * 4
+    for softcap in (0.5, 2.0, 0.0, 0.5, 2.0, 0.0):
+        out, lse = numflash.attention(q, k, v, return_lse=True, softcap=softcap)
+        variants = Variants(softcap=softcap) if softcap else None
+        assert_matches_reference(q, k, v, out, lse, variants=variants)
+
+
+@pytest.mark.parametrize(
+    "softcap, error, words",
+    [
+        (-1.0, ValueError, "softcap must be 0"),
+        (math.nan, ValueError, "softcap must be 0"),
+        (math.inf, ValueError, "softcap must be 0"),
+        (1e300, ValueError, "within float32"),
+        ("50", TypeError, "softcap must be a real number"),
+        (True, TypeError, "softcap must be a real number"),
+        (None, TypeError, "softcap must be a real number"),
+    ],
+)
+def test_bad_softcaps_are_refused_by_name(softcap, error, words):
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 64, "float16")
+    with pytest.raises(error, match=words):
+        numflash.attention(q, k, v, softcap=softcap)
+
+
+def test_selected_config_takes_the_softcap_and_says_what_runs():
+    q, k, v = random_qkv(1, 4, 300, 2, 1, 64, "float16")
+    plain = numflash.selected_config(q, k, v)
+    capped = numflash.selected_config(q, k, v, softcap=20.0)
+    assert "KV-cache kernel" not in capped.source  # the decode kernels do not cap scores yet
+    if "KV-cache kernel" in plain.source:
+        assert type(capped.config) is not type(plain.config)
+    with pytest.raises(ValueError, match="softcap"):
+        numflash.selected_config(q, k, v, softcap=-2.0)
