@@ -72,7 +72,7 @@ _VARLEN = signature.Signature(
     [(name, "array") for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
     + [("max_seqlen_q", "rows"), ("max_seqlen_k", "rows"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
     _NAMESPACE,
     output="out",
 )
@@ -392,6 +392,7 @@ def attention_varlen(
     return_lse=False,
     out=None,
     config=None,
+    softcap=0.0,
 ):
     """Attention over a packed batch of sequences of different lengths, without padding, in
     flash-attn's vocabulary (``flash_attn_varlen_func``).
@@ -412,6 +413,7 @@ def attention_varlen(
             :class:`numflash.WgmmaForwardConfig` or :class:`numflash.PortableConfig`) as for
             :func:`attention`; by default numflash chooses as for a dense call of the max
             lengths.
+        softcap: as :func:`attention` (forward only so far).
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
@@ -424,7 +426,7 @@ def attention_varlen(
     (numflash.plans).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-    args += (softmax_scale, window_size, return_lse, out, config)
+    args += (softmax_scale, window_size, return_lse, out, config, softcap)
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
@@ -445,9 +447,9 @@ def attention_varlen(
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      softmax_scale, window_size, return_lse, out, config):  # fmt: skip
+                      softmax_scale, window_size, return_lse, out, config, softcap=0.0):  # fmt: skip
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size)  # fmt: skip
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)  # fmt: skip
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:

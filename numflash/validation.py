@@ -271,8 +271,9 @@ def _check_offsets(cu, name, like):
 
 
 def varlen_problem(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window
-):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+    softcap=0.0,
+):  # fmt: skip
     """Validated packed arrays (q, k, v, cu_seqlens_q, cu_seqlens_k) and the :class:`Problem`
     of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths as the kernels cover
     them (:func:`packed_bound`)."""
@@ -316,7 +317,8 @@ def varlen_problem(
     rows_q, rows_k = packed_bound(max_seqlen_q), packed_bound(max_seqlen_k)
     left, right = (_clamp_window(w, rows_q, rows_k) for w in (left, right))
     h, d = q.shape[1:]
-    p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right)
+    cap = check_softcap(softcap)
+    p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right, cap)
     return q, k, v, cu_q, cu_k, p
 
 

@@ -7,11 +7,18 @@ import math
 
 import numpy as np
 import pytest
-from support import assert_matches_reference, poisoned_like, random_qkv, to_numpy
+from support import (
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+    to_numpy,
+    xp,
+)
 
 import numflash
 from numflash.kernels.jit import SIMULATOR
-from numflash.reference import Variants
+from numflash.reference import Variants, check
 
 #: The forward families, forced: the portable kernel, mma.sync and the Hopper forward (a
 #: consumer warpgroup of 64 rows with its producer in the simulator, the default on a GPU).
@@ -127,3 +134,31 @@ def test_selected_config_takes_the_softcap_and_says_what_runs():
         assert type(capped.config) is not type(plain.config)
     with pytest.raises(ValueError, match="softcap"):
         numflash.selected_config(q, k, v, softcap=-2.0)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_softcap_over_a_packed_batch_matches_each_sequence(family):
+    """attention_varlen(softcap=): each sequence against the reference with the same cap
+    (an empty sequence and one of a single row among them)."""
+    config = _forced(family, "bfloat16", 64)
+    lengths = [37, 0, 70, 1] if SIMULATOR else [37, 0, 900, 1, 1023, 64]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_array((total, 2, 64), "bfloat16") * 4
+    k, v = (random_array((total, 1, 64), "bfloat16") for _ in range(2))
+    out = poisoned_like(q)
+    cu_d = xp.asarray(cu)
+    _, lse = numflash.attention_varlen(
+        q, k, v, cu_d, cu_d, max(lengths), max(lengths), causal=True, out=out,
+        return_lse=True, config=config, softcap=2.5,
+    )  # fmt: skip
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        result = check(
+            q[None, rows], k[None, rows], v[None, rows], out[None, rows], lse[:, rows][None],
+            causal=True, variants=Variants(softcap=2.5),
+        )  # fmt: skip
+        assert result.nan == 0 and result.err <= result.bar, (b, result)
+        assert result.lse_err <= result.lse_bar, (b, result)
