@@ -64,7 +64,7 @@ _BACKWARD = signature.Signature(
     "backward",
     [(name, "array") for name in ("dout", "q", "k", "v", "out", "lse")]
     + [("causal", "value"), ("softmax_scale", "value"), ("window_size", "window")]
-    + [("deterministic", "value"), ("config", "config")],
+    + [("deterministic", "value"), ("config", "config"), ("softcap", "value")],
     _NAMESPACE,
 )
 _VARLEN = signature.Signature(
@@ -296,8 +296,8 @@ def attention(
             says which).
         softcap: cap the scores: s = softmax_scale * q . k becomes softcap * tanh(s /
             softcap) before the mask and the softmax (Gemma 2: 50); 0 (the default) for none.
-            Each softcap value compiles its own kernels. Forward only so far:
-            :func:`attention_backward` does not take it yet.
+            Each softcap value compiles its own kernels; :func:`attention_backward` takes the
+            same value.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -413,7 +413,7 @@ def attention_varlen(
             :class:`numflash.WgmmaForwardConfig` or :class:`numflash.PortableConfig`) as for
             :func:`attention`; by default numflash chooses as for a dense call of the max
             lengths.
-        softcap: as :func:`attention` (forward only so far).
+        softcap: as :func:`attention` (:func:`attention_varlen_backward` takes it too).
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
@@ -488,12 +488,13 @@ def attention_varlen_backward(
     window_size=(-1, -1),
     deterministic=False,
     config=None,
+    softcap=0.0,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments and its outputs out and lse (nheads, total_q). The kernels and
-    ``deterministic`` as for :func:`attention_backward`, chosen as for a dense call of the max
-    lengths; ``config`` forces a backward configuration as there. Rows of no sequence, or past
-    a max_seqlen's bound (the forward's cut), get zero gradients.
+    the forward's arguments (``softcap`` too) and its outputs out and lse (nheads, total_q).
+    The kernels and ``deterministic`` as for :func:`attention_backward`, chosen as for a dense
+    call of the max lengths; ``config`` forces a backward configuration as there. Rows of no
+    sequence, or past a max_seqlen's bound (the forward's cut), get zero gradients.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. Refused
     under stream capture: it zeroes the gradients outside its kernels, which a replay plan
@@ -501,7 +502,7 @@ def attention_varlen_backward(
     """
     _refuse_under_capture("attention_varlen_backward", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size)  # fmt: skip
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)  # fmt: skip
     return _gradients(p, dout, q, k, v, out, lse, (p.nheads, q.shape[0]), deterministic, config,
                       (cu_q, cu_k))  # fmt: skip
 
@@ -534,6 +535,7 @@ def attention_backward(
     window_size=_DEFAULT_WINDOW,
     deterministic=False,
     config=None,
+    softcap=0.0,
 ):
     """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
 
@@ -542,7 +544,9 @@ def attention_backward(
         q, k, v: the forward's inputs.
         out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
             recomputed from q, k and lse, never stored.
-        causal, softmax_scale, window_size: as given to the forward call.
+        causal, softmax_scale, window_size, softcap: as given to the forward call (a
+            softcap the forward had and the backward is not given gives wrong gradients:
+            the backward recomputes the scores from these arguments).
         deterministic: ask for bitwise reproducible gradients. Every kernel family is, except
             an mma.sync configuration with ``dq_separate=False`` (dQ added up with atomics in
             no fixed order): with the flag, a tuned configuration of that kind runs with
@@ -561,6 +565,7 @@ def attention_backward(
     call replays the launches of the first (numflash.plans).
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
+    args += (softcap,)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
@@ -576,10 +581,11 @@ def attention_backward(
 
 
 def _attention_backward(
-    dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config
-):
+    dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config,
+    softcap=0.0,
+):  # fmt: skip
     # -- validate and normalise
-    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size)
+    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap)
     lse_shape = (p.batch, p.nheads, p.seqlen_q)
     return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config)
 

@@ -929,6 +929,8 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
     stream = arrays.current_stream()
     d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
     extra = {"varlen": True} if offsets is not None else {}
+    if p.softcap:
+        extra["softcap"] = p.softcap
     for kind, build, spec, grid, threads in (
         ("dkdv", backward_portable.build_dkdv, specs[0],
          (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
@@ -936,7 +938,7 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
          (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch), cfg.block_m),
     ):  # fmt: skip
         kernel = launcher(
-            (configs.PortableBackwardConfig, *tag, d, dtype, cfg, kind),
+            (configs.PortableBackwardConfig, *tag, d, dtype, cfg, kind) + variant_key(p),
             lambda build=build: build(d, dtype, *tiles, **extra),
             spec,
             dtype,
@@ -1017,7 +1019,7 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, o
 def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
     """The (dK/dV, dQ) Launchers of a tensor-core backward family; ``build()`` gives its
     backward.Kernels. dQ is None where the dK/dV kernel adds dQ up by atomics."""
-    key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
+    key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ()) + variant_key(p)
     if varlen:
         dkdv = launcher(
             key + ("dkdv",), lambda: build().dkdv_varlen, TENSOR_CORE_DKDV_VARLEN, p.dtype
@@ -1041,6 +1043,7 @@ def _mma_backward(cfg, p, *tensors, offsets=None):
                 cfg.stages,
                 cfg.dq_separate,
                 cfg.head_split,
+                softcap=p.softcap,
             )
 
         return _tensor_core_launchers(

@@ -8,11 +8,13 @@ import math
 import numpy as np
 import pytest
 from support import (
+    assert_gradients_match,
     assert_matches_reference,
     poisoned_like,
     random_array,
     random_qkv,
     to_numpy,
+    wgmma_or_skip,
     xp,
 )
 
@@ -162,3 +164,67 @@ def test_softcap_over_a_packed_batch_matches_each_sequence(family):
         )  # fmt: skip
         assert result.nan == 0 and result.err <= result.bar, (b, result)
         assert result.lse_err <= result.lse_bar, (b, result)
+
+
+#: The backward families, forced (the simulator's small tiles; on a GPU the defaults).
+BACKWARD_CONFIGS = {
+    "portable": numflash.PortableBackwardConfig(16, 16),
+    "tensor-core": numflash.TensorCoreBackwardConfig(16, 1, 2, True),
+    "tensor-core-atomic": numflash.TensorCoreBackwardConfig(32, 2, 2, False),
+    "hopper": numflash.WgmmaBackwardConfig(num_warps=4, stages=2),
+}
+#: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, softcap)
+BACKWARD_CASES = [
+    ("float16", 1, 40, 70, 2, 1, 64, "causal", 1.5),
+    ("bfloat16", 1, 33, 50, 2, 2, 64, "window", 0.75),
+]
+if not SIMULATOR:
+    BACKWARD_CASES += [
+        ("bfloat16", 2, 300, 1000, 8, 2, 128, "causal", 50.0),
+        ("float16", 1, 777, 513, 4, 4, 64, "none", 2.0),
+    ]
+
+
+@pytest.mark.parametrize("family", list(BACKWARD_CONFIGS))
+@pytest.mark.parametrize(
+    "case", BACKWARD_CASES, ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}-cap{c[8]}"
+)
+def test_softcap_gradients_match_the_reference(family, case):
+    """attention_backward(softcap=) on each backward family: dS is multiplied by the cap's
+    derivative at each score, as the reference differentiates it."""
+    dtype, batch, sq, sk, h, hk, d, mask, softcap = case
+    config = wgmma_or_skip(BACKWARD_CONFIGS[family])
+    q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
+    q = q * 4
+    out, lse = numflash.attention(
+        q, k, v, return_lse=True, softcap=softcap, config=CONFIGS["portable"], **MASKS[mask]
+    )
+    dout = random_array(q.shape, dtype)
+    dq, dk, dv = numflash.attention_backward(
+        dout, q, k, v, out, lse, softcap=softcap, config=config, **MASKS[mask]
+    )
+    variants = Variants(softcap=softcap)
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=variants, **MASKS[mask])
+
+
+def test_softcap_gradients_of_a_packed_batch_match_each_sequence():
+    lengths = [30, 0, 45, 1]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_array((total, 2, 64), "float16") * 4
+    k, v, dout = (random_array((total, n, 64), "float16") for n in (1, 1, 2))
+    cu_d = xp.asarray(cu)
+    args = (q, k, v, cu_d, cu_d, max(lengths), max(lengths))
+    out, lse = numflash.attention_varlen(*args, causal=True, return_lse=True, softcap=3.0)
+    dq, dk, dv = numflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_d, cu_d, max(lengths), max(lengths), causal=True,
+        softcap=3.0,
+    )  # fmt: skip
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.start == rows.stop:
+            continue
+        assert_gradients_match(
+            dout[None, rows], q[None, rows], k[None, rows], v[None, rows], dq[None, rows],
+            dk[None, rows], dv[None, rows], variants=Variants(softcap=3.0), causal=True,
+        )  # fmt: skip

@@ -97,7 +97,9 @@ def fits(problem, device):
 def _wgmma_backward(cfg, p, *tensors, offsets=None):
     def kernels(head_dim, varlen):
         def build():
-            return backward_sm90.build_kernels(head_dim, p.dtype, cfg.num_warps, cfg.stages)
+            return backward_sm90.build_kernels(
+                head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap
+            )
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 

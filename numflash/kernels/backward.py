@@ -36,7 +36,7 @@ from .forward_portable import packed_sequence
 from .fragments import PACK, acc_index, accumulator_position, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
-from .softmax import LOG2E, row_log2_lse
+from .softmax import LOG2E, row_log2_lse, softcap_gradient_functions
 
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
 #: does (cuda.atomic.add always), about eight integer instructions per access; with the sign bit
@@ -65,10 +65,30 @@ def p_and_ds(s, dp, neg_lse, d, scale_log2):
 
 
 @functools.lru_cache(maxsize=None)
-def probabilities_function(q_tiles):
+def capped_p_and_ds_function(softcap):
+    """``capped_p_and_ds(s, dp, neg_lse, d, scale_log2, a, b)``: p_and_ds of a score capped
+    as the forward capped it (softmax.softcap_functions' ``a`` and ``b``), dS multiplied by
+    the cap's derivative there."""
+    _, capped_and_slope = softcap_gradient_functions(softcap, fast=True)
+
+    @device_function
+    def capped_p_and_ds(s, dp, neg_lse, d, scale_log2, a, b):
+        capped, slope = capped_and_slope(s, a, b)
+        p = ptx.exp2(ptx.fma(capped, scale_log2, neg_lse))
+        return p, p * (dp - d) * slope
+
+    return capped_p_and_ds
+
+
+@functools.lru_cache(maxsize=None)
+def probabilities_function(q_tiles, softcap=0.0):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
-    the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share."""
+    the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share;
+    ``softcap`` > 0: of scores capped as the forward capped them."""
     Q_TILES = q_tiles
+    SOFTCAP = softcap > 0
+    cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
+    capped_p_and_ds = capped_p_and_ds_function(softcap if SOFTCAP else 1.0)
 
     @device_function
     def probabilities_and_ds(
@@ -84,18 +104,27 @@ def probabilities_function(q_tiles):
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
         lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
         lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:
+            cap_a, cap_b = cap_factors(scale_log2)
         for qt in range(Q_TILES):
             for e in range(2):
                 i = tile_base(qt) + e  # key row key0
                 _, col = accumulator_position(i, 0)  # the query, from the lane's first
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
-                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                if SOFTCAP:
+                    p, ds = capped_p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b)
+                else:
+                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
                 seen = (lo0 <= int32(col)) & (int32(col) < hi0)
                 st[i] = p if seen else float32(0.0)
                 dpt[i] = ds if seen else float32(0.0)
                 i += 2  # key row key0 + 8
-                p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                if SOFTCAP:
+                    p, ds = capped_p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b)
+                else:
+                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
                 seen = (lo1 <= int32(col)) & (int32(col) < hi1)
                 st[i] = p if seen else float32(0.0)
                 dpt[i] = ds if seen else float32(0.0)
@@ -239,10 +268,14 @@ def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_
 
 
 @functools.lru_cache(maxsize=None)
-def row_ds_function(key_tiles):
+def row_ds_function(key_tiles, softcap=0.0):
     """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
-    accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share)."""
+    accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share);
+    ``softcap`` > 0: of scores capped as the forward capped them."""
     Q_TILES = key_tiles
+    SOFTCAP = softcap > 0
+    cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
+    capped_p_and_ds = capped_p_and_ds_function(softcap if SOFTCAP else 1.0)
 
     @device_function
     def row_ds(dp, s, stats, shift, scale_log2):
@@ -255,14 +288,20 @@ def row_ds_function(key_tiles):
         hi_0 = int32(hi_0 - shift)
         lo_1 = int32(lo_1 - shift)
         hi_1 = int32(hi_1 - shift)
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:
+            cap_a, cap_b = cap_factors(scale_log2)
         for qt in range(Q_TILES):
             for e in range(4):
                 i = tile_base(qt) + e
                 _, col = accumulator_position(i, 0)  # the key, from the lane's first
                 second = e >= 2  # the lane's second row
-                _, ds = p_and_ds(
-                    s[i], dp[i], -(lse_1 if second else lse_0), d_1 if second else d_0, scale_log2
-                )
+                neg_lse = -(lse_1 if second else lse_0)
+                d = d_1 if second else d_0
+                if SOFTCAP:
+                    _, ds = capped_p_and_ds(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b)
+                else:
+                    _, ds = p_and_ds(s[i], dp[i], neg_lse, d, scale_log2)
                 lo = lo_1 if second else lo_0
                 hi = hi_1 if second else hi_0
                 dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)

@@ -68,8 +68,9 @@ def dq_split(head_dim, block_m, num_warps):
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(
-    head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1, *, heavy_group=None
-):
+    head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1, *, heavy_group=None,
+    softcap=0.0,
+):  # fmt: skip
     """Both kernels of one configuration (backward.Kernels; no dQ kernel without
     ``dq_separate``); all sizes are compile-time.
 
@@ -104,8 +105,8 @@ def build_kernels(
     DQ_REGS = DQ_TILES * 4
     mma = MMA[dtype_name]
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(Q_TILES)
-    row_ds = backward.row_ds_function(Q_TILES)
+    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap)
+    row_ds = backward.row_ds_function(Q_TILES, softcap)
     load_rows = row_loader(ROW, HEAD_DIM // 8, THREADS)
 
     @device_function

@@ -36,7 +36,7 @@ from .forward_portable import (
 )
 from .jit import device_function, kernel
 from .mask import block_query_range, visible_keys
-from .softmax import LOG2E, NEG_INF, row_log2_lse
+from .softmax import LOG2E, NEG_INF, row_log2_lse, softcap_gradient_functions
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +105,7 @@ def _row_pair_loader(head_dim, to_f32):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
+def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
     """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads. With
     ``varlen`` over a packed batch: the cumulative offsets cu_q, cu_k after the arrays, max
     lengths in place of the lengths, the arrays' row counts last."""
@@ -119,6 +119,8 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
     load_q_do = tile_pair_loader(BLOCK_M, HEAD_DIM, BLOCK_N, to_f32)
     load_k_v = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
+    SOFTCAP = softcap > 0  # the scores capped as the forward capped them
+    cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
 
     @device_function
     def load_query_tile(
@@ -187,6 +189,9 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left, window_right)
         scale_log2 = scale * float32(LOG2E)
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:
+            cap_a, cap_b = cap_factors(scale_log2)
 
         k_base = k_off + kv_head * k_sh + key * k_ss
         v_base = v_off + kv_head * v_sh + key * v_ss
@@ -229,8 +234,13 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
                         lo, hi = visible_keys(m0 + i, seqlen_q, seqlen_k, window_left, window_right)
                         if lo <= key and key < hi and m0 + i < seqlen_q:
                             s, dp = score_and_dp(q_tile, do_tile, i * HEAD_DIM, k_row, v_row, 0)
+                            slope = float32(1.0)
+                            if SOFTCAP:
+                                s, slope = capped_and_slope(s, cap_a, cap_b)
                             p = ptx.exp2(s * scale_log2 - lse_tile[i])
                             ds = p * (dp - d_tile[i])
+                            if SOFTCAP:
+                                ds = ds * slope
                             for d in range(HEAD_DIM):
                                 dv_tile_sum[d] += p * do_tile[i * HEAD_DIM + d]
                                 dk_tile_sum[d] += ds * q_tile[i * HEAD_DIM + d]
@@ -341,7 +351,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
+def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
     """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads (``varlen``: as
     :func:`build_dkdv`)."""
     HEAD_DIM = head_dim
@@ -355,6 +365,8 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
     load_kv_tile = tile_pair_loader(BLOCK_N, HEAD_DIM, BLOCK_M, to_f32)
     load_q_do = _row_pair_loader(HEAD_DIM, to_f32)
     score_and_dp = _score_and_dp(HEAD_DIM)
+    SOFTCAP = softcap > 0  # the scores capped as the forward capped them
+    cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
 
     @device_function
     def dq_block(
@@ -385,6 +397,9 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
             m_block, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
         )
         scale_log2 = scale * float32(LOG2E)
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:
+            cap_a, cap_b = cap_factors(scale_log2)
 
         q_base = q_off + head * q_sh + row * q_ss
         do_base = do_off + head * do_sh + row * do_ss
@@ -409,7 +424,12 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False):
                 key = n0 + j
                 if lo <= key and key < hi:
                     s, dp = score_and_dp(q_row, do_row, 0, k_tile, v_tile, j * HEAD_DIM)
+                    slope = float32(1.0)
+                    if SOFTCAP:
+                        s, slope = capped_and_slope(s, cap_a, cap_b)
                     ds = ptx.exp2(s * scale_log2 - row_lse) * (dp - row_d)
+                    if SOFTCAP:
+                        ds = ds * slope
                     for d in range(HEAD_DIM):
                         dq_tile_sum[d] += ds * k_tile[j * HEAD_DIM + d]
             for d in range(HEAD_DIM):

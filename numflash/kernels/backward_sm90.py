@@ -67,9 +67,10 @@ def shared_memory_layout(head_dim, num_warps, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
+def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0):
     """Both kernels of one configuration (backward.Kernels). ``heavy_group``: as
-    backward_mma.build_kernels (8 there with the dQ kernel)."""
+    backward_mma.build_kernels (8 there with the dQ kernel); ``softcap`` > 0: of scores capped
+    as the forward capped them."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
@@ -90,8 +91,8 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8):
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8)
-    row_ds = backward.row_ds_function(BLOCK_M // 8)
+    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap)
+    row_ds = backward.row_ds_function(BLOCK_M // 8, softcap)
 
     load_rows = swizzled_row_loader(CHUNKS, THREADS)
     descriptor = swizzled_descriptor

@@ -93,3 +93,19 @@ def softcap_function(count, softcap):
             s[i] = capped(s[i], a, b)
 
     return softcap_scores
+
+
+@functools.lru_cache(maxsize=None)
+def softcap_gradient_functions(softcap, fast=False):
+    """(softcap_functions' ``factors``, ``capped_and_slope(x, a, b) -> (b tanh(a x), 1 -
+    tanh(a x)^2)``): a backward kernel's capped score, as its forward computed it, and the
+    derivative of the cap at it, by which dS = P (dP - D) is multiplied."""
+    factors, _ = softcap_functions(softcap, fast)
+    tanh = ptx.tanh if fast else math.tanh
+
+    @device_function
+    def capped_and_slope(x, a, b):
+        t = float32(tanh(a * x))
+        return b * t, float32(1.0) - t * t
+
+    return factors, capped_and_slope

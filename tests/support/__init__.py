@@ -90,11 +90,12 @@ def assert_matches_reference(
     return result.err, result.bar
 
 
-def assert_gradients_match(dout, q, k, v, dq, dk, dv, **mask):
-    """dq, dk, dv: shapes, dtypes, no NaN, and each under its bar against float64 gradients."""
+def assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=None, **mask):
+    """dq, dk, dv: shapes, dtypes, no NaN, and each under its bar against float64 gradients
+    (with ``variants``: numflash.reference.Variants)."""
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     assert dq.dtype == q.dtype and dk.dtype == k.dtype and dv.dtype == v.dtype
-    for result in check_backward(dout, q, k, v, dq, dk, dv, **mask):
+    for result in check_backward(dout, q, k, v, dq, dk, dv, variants=variants, **mask):
         assert result.nan == 0, f"{result.name}: {result.nan} NaN elements"
         assert result.err <= result.bar, (
             f"{result.name}: max |grad - ref| = {result.err:.3e} > bar {result.bar:.3e}"
