@@ -82,7 +82,7 @@ _KVCACHE = signature.Signature(
     + [("v", "optional"), ("cache_seqlens", "lengths"), ("cache_batch_idx", "optional")]
     + [("block_table", "optional"), ("causal", "value"), ("softmax_scale", "value")]
     + [("window_size", "window"), ("num_splits", "value"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
     _NAMESPACE,
     output="out",
 )
@@ -331,13 +331,24 @@ def attention(
 def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
     """(KV-cache problem, selection, split count) of a forward call with few query rows that
     the split-KV decode kernel takes (selection.few_query_rows): k and v as a contiguous cache
-    of seqlen_k keys, nothing appended. None for any other call (and for a softcap, which the
-    decode kernels do not take yet)."""
-    if p.seqlen_k == 0 or p.softcap or not selection.few_query_rows(p):
+    of seqlen_k keys, nothing appended. None for any other call."""
+    if p.seqlen_k == 0 or not selection.few_query_rows(p):
         return None
     try:  # the arguments were checked as attention's: a refusal here only rules the route out
         kp = validation.kvcache_problem(
-            q, k, v, None, None, p.seqlen_k, None, None, causal, softmax_scale, window_size, 0
+            q,
+            k,
+            v,
+            None,
+            None,
+            p.seqlen_k,
+            None,
+            None,
+            causal,
+            softmax_scale,
+            window_size,
+            0,
+            p.softcap,
         )[-1]
     except (TypeError, ValueError):
         return None
@@ -630,13 +641,14 @@ def selected_kvcache_config(
     window_size=(-1, -1),
     num_splits=0,
     config=None,
+    softcap=0.0,
 ):
     """``(selection, num_splits)``: the configuration ``attention_with_kvcache`` would run with
     for these arguments, where it comes from (as :func:`selected_config` says), and the split
     count. Raises the same errors; launches and writes nothing."""
     q, k_cache, v_cache, k, v, _, _, _, p = validation.kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal, None,
-        window_size, num_splits)  # fmt: skip
+        window_size, num_splits, softcap)  # fmt: skip
     with _on_device(q):
         device = current_device()
         return selection.decode(p, device, validation.check_decode_config(config, p, device))
@@ -659,6 +671,7 @@ def attention_with_kvcache(
     return_lse=False,
     out=None,
     config=None,
+    softcap=0.0,
 ):
     """Attention of new query rows over a KV cache, appending new keys and values in place
     (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
@@ -689,6 +702,7 @@ def attention_with_kvcache(
             contiguous cache or pages of 64 rows or more, 36 over smaller pages whose size is
             a multiple of 8, 48 over other pages: chunked prefill, long drafts) runs the
             Hopper forward after appending, fewer the split-KV decode kernel.
+        softcap: as :func:`attention`, on every kernel this call may run.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -700,7 +714,7 @@ def attention_with_kvcache(
     replays the launch of the first (numflash.plans).
     """
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
-    args += (softmax_scale, window_size, num_splits, return_lse, out, config)
+    args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap)
     result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result
@@ -744,10 +758,10 @@ def _rows(k):
 
 def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                             block_table, causal, softmax_scale, window_size, num_splits,
-                            return_lse, out, config):  # fmt: skip
+                            return_lse, out, config, softcap=0.0):  # fmt: skip
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
-        softmax_scale, window_size, num_splits)  # fmt: skip
+        softmax_scale, window_size, num_splits, softcap)  # fmt: skip
     return_lse = validation.check_flag(return_lse, "return_lse")
     if out is not None:
         out = validation.check_like(out, "out", q, "q")

@@ -1193,8 +1193,10 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     views["q"] = arrays.kernel_view(_kernel_input(q))
     chunk = _ceil_div(_ceil_div(p.capacity, num_splits), cfg.block_n) * cfg.block_n
     split = launcher(
-        (type(cfg), d, dtype, cfg, p.paged),
-        lambda: decode_portable.build_split_attention(d, dtype, cfg.block_m, cfg.block_n, p.paged),
+        (type(cfg), d, dtype, cfg, p.paged) + variant_key(p),
+        lambda: decode_portable.build_split_attention(
+            d, dtype, cfg.block_m, cfg.block_n, p.paged, p.softcap
+        ),
         SPLIT_ATTENTION,
         dtype,
     )
@@ -1242,8 +1244,8 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         views["counters"] = views["seqlens"]  # never touched with one split
     tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
     launch = launcher(
-        (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged),
-        lambda: decode_kernels.build(d, dtype, *tiles),
+        (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged) + variant_key(p),
+        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap),
         DECODE,
         dtype,
     )

@@ -463,6 +463,8 @@ class KVCacheProblem:
     #: Both caches' rows start on 16-byte boundaries (what the tensor-core kernel's cp.async
     #: reads in place; the cache cannot be copied, it is written).
     cache_aligned: bool = False
+    #: The softcap of the scores (0: none), as Problem's.
+    softcap: float = 0.0
 
     @property
     def heads_per_kv(self):
@@ -498,7 +500,7 @@ def _check_int(value, name, low=None):
 
 
 def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                    causal, softmax_scale, window_size, num_splits):  # fmt: skip
+                    causal, softmax_scale, window_size, num_splits, softcap=0.0):  # fmt: skip
     """Validated arrays (q, k_cache, v_cache, k, v, cache_seqlens as an array or None,
     cache_batch_idx, block_table) and the :class:`KVCacheProblem` they pose. Checks everything
     that can be known without reading device memory; nothing is written."""
@@ -639,5 +641,6 @@ def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
         host_seqlens,
         num_splits,
         all(arrays.readable_in_place(x, alignment_elements=8) for x in (k_cache, v_cache)),
+        check_softcap(softcap),
     )
     return q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, problem

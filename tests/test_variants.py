@@ -81,9 +81,9 @@ def test_softcap_in_float32_on_the_portable_kernel():
     assert_matches_reference(q * 3, k, v, out, lse, causal=True, variants=variants)
 
 
-def test_softcap_with_few_query_rows_is_still_capped():
-    """Calls of at most 16 query rows go to the split-KV decode kernel, which does not cap
-    scores yet: with a softcap they take the forward kernels instead (default choice)."""
+def test_softcap_with_few_query_rows_is_capped():
+    """Calls of at most 16 query rows run the split-KV decode kernel on a GPU (the portable
+    forward in the simulator): capped there too."""
     q, k, v = random_qkv(2, 3, 200, 4, 2, 64, "float16")
     out, lse = numflash.attention(q * 4, k, v, return_lse=True, softcap=0.5)
     assert_matches_reference(q * 4, k, v, out, lse, variants=Variants(softcap=0.5))
@@ -131,36 +131,59 @@ def test_selected_config_takes_the_softcap_and_says_what_runs():
     q, k, v = random_qkv(1, 4, 300, 2, 1, 64, "float16")
     plain = numflash.selected_config(q, k, v)
     capped = numflash.selected_config(q, k, v, softcap=20.0)
-    assert "KV-cache kernel" not in capped.source  # the decode kernels do not cap scores yet
-    if "KV-cache kernel" in plain.source:
-        assert type(capped.config) is not type(plain.config)
+    assert capped == plain  # every family caps: the choice does not change
     with pytest.raises(ValueError, match="softcap"):
         numflash.selected_config(q, k, v, softcap=-2.0)
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_softcap_over_a_packed_batch_matches_each_sequence(family):
-    """attention_varlen(softcap=): each sequence against the reference with the same cap
-    (an empty sequence and one of a single row among them)."""
-    config = _forced(family, "bfloat16", 64)
-    lengths = [37, 0, 70, 1] if SIMULATOR else [37, 0, 900, 1, 1023, 64]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu[-1])
-    q = random_array((total, 2, 64), "bfloat16") * 4
-    k, v = (random_array((total, 1, 64), "bfloat16") for _ in range(2))
-    out = poisoned_like(q)
-    cu_d = xp.asarray(cu)
-    _, lse = numflash.attention_varlen(
-        q, k, v, cu_d, cu_d, max(lengths), max(lengths), causal=True, out=out,
-        return_lse=True, config=config, softcap=2.5,
+#: The KV-cache call's kernels, forced: the portable split kernel, the tensor-core decode
+#: kernel, and the Hopper forward over the caches (chunked prefill).
+KVCACHE_CONFIGS = {
+    "portable": numflash.PortableDecodeConfig(),
+    "tensor-core": numflash.TensorCoreDecodeConfig(block_n=16, num_warps=2, stages=2),
+    "hopper": CONFIGS["hopper"],
+}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("family", list(KVCACHE_CONFIGS))
+def test_softcap_over_a_kv_cache_matches_the_reference(family, paged):
+    """attention_with_kvcache(softcap=) with an append: each sequence's rows against the
+    reference over its keys after the append."""
+    config = KVCACHE_CONFIGS[family]
+    problems = config.problems(64, numflash.device.current_device())
+    if problems:
+        pytest.skip("; ".join(problems))
+    rows = 20 if family == "hopper" else 3
+    lengths, new, capacity, page = [50, 70], 2, 96, 16
+    q = random_array((2, rows, 4, 64), "float16") * 4
+    k_new, v_new = (random_array((2, new, 2, 64), "float16") for _ in range(2))
+    k_cache, v_cache = (random_array((2, capacity, 2, 64), "float16") for _ in range(2))
+    kw = {}
+    if paged:  # the same rows as pages of 16, in reverse order
+        table = np.arange(2 * capacity // page, dtype=np.int32)[::-1].reshape(2, -1)
+        order = xp.asarray(table.reshape(-1).copy())
+        k_pages, v_pages = (
+            xp.empty((2 * capacity // page, page, 2, 64), x.dtype) for x in (k_cache, v_cache)
+        )
+        k_pages[order] = k_cache.reshape(-1, page, 2, 64)
+        v_pages[order] = v_cache.reshape(-1, page, 2, 64)
+        caches, kw = (k_pages, v_pages), dict(block_table=xp.asarray(table.copy()))
+    else:
+        caches = (k_cache, v_cache)
+    seqlens = xp.asarray(np.array(lengths, np.int32))
+    out, lse = numflash.attention_with_kvcache(
+        q, *caches, k_new, v_new, cache_seqlens=seqlens, causal=True, return_lse=True,
+        config=config, softcap=1.5, **kw,
     )  # fmt: skip
-    for b in range(len(lengths)):
-        rows = slice(int(cu[b]), int(cu[b + 1]))
-        if rows.start == rows.stop:
-            continue
+    for b, length in enumerate(lengths):
+        keys = slice(0, length + new)
+        k_b = xp.concatenate([k_cache[b, :length], k_new[b]])[None]
+        v_b = xp.concatenate([v_cache[b, :length], v_new[b]])[None]
+        assert k_b.shape[1] == keys.stop
         result = check(
-            q[None, rows], k[None, rows], v[None, rows], out[None, rows], lse[:, rows][None],
-            causal=True, variants=Variants(softcap=2.5),
+            q[b : b + 1], k_b, v_b, out[b : b + 1], lse[b : b + 1], causal=True,
+            variants=Variants(softcap=1.5),
         )  # fmt: skip
         assert result.nan == 0 and result.err <= result.bar, (b, result)
         assert result.lse_err <= result.lse_bar, (b, result)

@@ -339,8 +339,8 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     views["maps"] = arrays.kernel_view(maps[0])
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     kernel = launch.launcher(
-        (WgmmaForwardConfig, d, dtype, cfg, cache, tma),
-        lambda: forward_sm90.build(d, dtype, *schedule),
+        (WgmmaForwardConfig, d, dtype, cfg, cache, tma) + launch.variant_key(p),
+        lambda: forward_sm90.build(d, dtype, *schedule, softcap=p.softcap),
         WGMMA_KVCACHE,
         dtype,
     )

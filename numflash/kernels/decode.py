@@ -45,7 +45,7 @@ from .forward_portable import FROM_F32
 from .fragments import acc_index, accumulator_position
 from .jit import SIMULATOR, device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of
+from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of, softcap_function
 from .warp_step import swizzled_chunk, warp_step
 
 #: Query rows of a block: one 16-row mma tile.
@@ -90,7 +90,7 @@ def merge_floats(head_dim, num_warps):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
+def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
     """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
     batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
     shared memory; with several splits, ``counters`` holds one zero int32 per row group
@@ -115,6 +115,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
     QF_REGS = K_STEPS * 4
     S_REGS = N_TILES * 4
     ACC_REGS = D_TILES * 4
+    SOFTCAP = softcap > 0  # the scores capped (softmax.softcap_function)
+    cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
     FLAGS = STAGES * KEYS
     ABSENT = FLAGS + STAGES  # shared-array sizes must be plain constants
     ADDRESSES = 4 * KEYS  # two tiles' (k_at, v_at) pairs
@@ -659,6 +661,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged):
             cuda.syncthreads()  # copies, then every thread's), so all slots are in flight
             slot_addr = smem_addr + uint32(stage * SLOT * 2) + warp_keys
             mma_qk(qf, s, q_addr, slot_addr + uint32(K_BASE * 2) + k_lane)
+            if SOFTCAP:
+                cap_scores(s, scale_log2)
             n0 = n_begin + it * KEYS
             k0 = n0 + warp * BLOCK_N  # this warp's first key of the slot
             seen = lo_both <= k0 and k0 + BLOCK_N <= hi_both  # by both rows: nothing to mask ...

@@ -35,7 +35,7 @@ from . import ptx
 from .forward_portable import FROM_F32, TO_F32, tile_absorber
 from .jit import device_function, kernel
 from .mask import visible_keys
-from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum
+from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, softcap_functions
 
 
 @device_function
@@ -113,10 +113,12 @@ def build_append(head_dim, dtype_name, paged):
 
 
 @functools.lru_cache(maxsize=None)
-def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
+def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap=0.0):
     """The split-KV kernel: grid (num_splits * ceil(group * seqlen_q / block_m), nheads_k,
-    batch), block_m threads."""
+    batch), block_m threads; ``softcap`` > 0 caps the scores (softmax.softcap_functions)."""
     HEAD_DIM, BLOCK_M, BLOCK_N = head_dim, block_m, block_n
+    SOFTCAP = softcap > 0
+    cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     TILE = BLOCK_N * HEAD_DIM
     to_f32 = TO_F32[dtype_name]
     key_row = address_function(paged)
@@ -245,6 +247,9 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged):
                     dot = float32(0.0)
                     for d in range(HEAD_DIM):
                         dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
+                    if SOFTCAP:
+                        cap_a, cap_b = cap_factors(scale_log2)
+                        dot = capped(dot, cap_a, cap_b)
                     score = dot * scale_log2
                 s[jj] = score
                 m_new = max(m_new, score)
