@@ -1,18 +1,20 @@
 """Train one attention layer to reverse a sequence, with CuPy and numflash alone.
 
-    python examples/train_reverse.py [--steps 300] [--seqlen 32] [--batch 64]
+    python examples/train_reverse.py [--steps 300] [--seqlen 32] [--batch 64] [--softcap 50]
 
 The model: token and position embeddings, one multi-head attention layer (numflash.attention,
 fp16), a residual connection and a linear read-out. The task: output the input sequence
 backwards, which the layer can only solve by attending from position i to position L-1-i. Every
 gradient is written out below with CuPy matmuls; the attention's comes from
-numflash.attention_backward. No autograd framework is involved.
+numflash.attention_backward. No autograd framework is involved. ``--softcap`` caps the
+attention's scores as Gemma 2 does (softcap * tanh(s / softcap)), forward and backward.
 
 Prints the loss and accuracy as it trains; the loss falls from ln(vocab) towards 0.
 In Numba's CUDA simulator (no GPU) the same script runs on NumPy arrays, slowly: use tiny sizes.
 """
 
 import argparse
+import functools
 import math
 import time
 
@@ -42,8 +44,10 @@ def init_params(rng, vocab, seqlen, dim):
     }
 
 
-def loss_and_grads(params, tokens, targets, heads):
-    """Cross-entropy of the model on one batch, and its gradient for every parameter."""
+def loss_and_grads(params, tokens, targets, heads, softcap=0.0):
+    """Cross-entropy of the model on one batch, and its gradient for every parameter; with a
+    ``softcap``, the attention's scores capped as Gemma 2 caps them (its forward and backward
+    given the same value)."""
     loss_sum, correct, grads = part_loss_and_grads(
         params,
         tokens,
@@ -51,18 +55,18 @@ def loss_and_grads(params, tokens, targets, heads):
         heads,
         xp.arange(tokens.shape[1]),
         tokens.size,
-        _attend,
-        _attend_backward,
+        functools.partial(_attend, softcap=softcap),
+        functools.partial(_attend_backward, softcap=softcap),
     )
     return loss_sum, correct / tokens.size, grads
 
 
-def _attend(q, k, v):
-    return numflash.attention(q, k, v, return_lse=True)
+def _attend(q, k, v, softcap=0.0):
+    return numflash.attention(q, k, v, return_lse=True, softcap=softcap)
 
 
-def _attend_backward(dout, q, k, v, out, lse):
-    return numflash.attention_backward(dout, q, k, v, out, lse)
+def _attend_backward(dout, q, k, v, out, lse, softcap=0.0):
+    return numflash.attention_backward(dout, q, k, v, out, lse, softcap=softcap)
 
 
 def part_loss_and_grads(params, tokens, targets, heads, positions, n_all, attend, attend_backward):
@@ -144,6 +148,7 @@ def train(
     seed=0,
     log_every=25,
     out=print,
+    softcap=0.0,
 ):
     """Train and return the list of (step, loss, accuracy)."""
     rng = np.random.default_rng(seed)
@@ -154,7 +159,7 @@ def train(
     for step in range(1, steps + 1):
         tokens = xp.asarray(rng.integers(0, vocab, size=(batch, seqlen)))
         targets = tokens[:, ::-1].copy()
-        loss, accuracy, grads = loss_and_grads(params, tokens, targets, heads)
+        loss, accuracy, grads = loss_and_grads(params, tokens, targets, heads, softcap)
         opt.step(params, grads)
         history.append((step, loss, accuracy))
         if step == 1 or step % log_every == 0 or step == steps:
@@ -179,8 +184,12 @@ def add_arguments(ap):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
+    ap.add_argument(
+        "--softcap", type=float, default=0.0, help="cap the attention scores (Gemma 2: 50)"
+    )
     args = ap.parse_args()
-    history = train(args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads, args.lr)
+    sizes = (args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads, args.lr)
+    history = train(*sizes, softcap=args.softcap)
     first, last = history[0][1], history[-1][1]
     print(f"loss {first:.4f} -> {last:.4f} (ln(vocab) = {math.log(args.vocab):.4f})")
 
