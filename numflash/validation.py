@@ -83,15 +83,21 @@ def _clamp_window(w, seqlen_q, seqlen_k):
     return w if w <= seqlen_q + seqlen_k else seqlen_q + seqlen_k
 
 
+def _real_number(value, name, accepted):
+    """``value`` as a float, or TypeError naming ``name`` where it is no real number (a bool
+    is not); a number past float's range comes back as inf."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {accepted}; got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def check_scale(softmax_scale, head_dim):
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None; got {softmax_scale!r}")
-    try:
-        scale = float(softmax_scale)
-    except OverflowError:
-        scale = math.inf
+    scale = _real_number(softmax_scale, "softmax_scale", "a real number or None")
     if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
         raise ValueError(
             f"softmax_scale must be finite in float32 (|scale| <= {_FLOAT32_MAX:.4g}); "
@@ -104,12 +110,7 @@ def check_softcap(softcap):
     """The softcap as a float: 0 (none) or a finite positive number within float32."""
     if softcap.__class__ is float and 0.0 <= softcap <= _FLOAT32_MAX:
         return softcap
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number (0 for none); got {softcap!r}")
-    try:
-        cap = float(softcap)
-    except OverflowError:
-        cap = math.inf
+    cap = _real_number(softcap, "softcap", "a real number (0 for none)")
     if not (math.isfinite(cap) and 0.0 <= cap <= _FLOAT32_MAX):
         raise ValueError(
             f"softcap must be 0 (none) or a finite positive number within float32; got {softcap!r}"

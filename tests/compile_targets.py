@@ -252,8 +252,8 @@ def wgmma_tiles(dtype):
     return out
 
 
-def wgmma_backward(hd, dtype, warps, stages):
-    built = backward_sm90.build_kernels(hd, dtype, warps, stages)
+def wgmma_backward(hd, dtype, warps, stages, softcap=0.0):
+    built = backward_sm90.build_kernels(hd, dtype, warps, stages, softcap=softcap)
     kernels = [
         ("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV),
         ("dq", built.dq, launch.DQ),
@@ -261,18 +261,19 @@ def wgmma_backward(hd, dtype, warps, stages):
         ("dq-varlen", built.dq_varlen, launch.DQ_VARLEN),
     ]
     return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")],
-                   head_dim=hd, dtype=dtype, num_warps=warps)  # fmt: skip
+                   head_dim=hd, dtype=dtype, num_warps=warps, softcap=softcap)  # fmt: skip
 
 
-def wgmma_forward(hd, dtype, config, varlen, cache=None):
+def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0):
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
-    a KV cache (``cache``: "contiguous" or "paged"). Its resources are read as Numba builds it
-    for a launch (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore
-    setmaxnreg."""
+    a KV cache (``cache``: "contiguous" or "paged"), its scores capped by ``softcap`` where
+    given. Its resources are read as Numba builds it for a launch
+    (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
-    kernel = forward_sm90.build(hd, dtype, *forward_sm90.schedule(cfg, varlen, cache=cache))
+    schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
+    kernel = forward_sm90.build(hd, dtype, *schedule, softcap=softcap)
     spec = wgmma_family.WGMMA_KVCACHE if cache else wgmma_family.WGMMA_FORWARD
     signature = spec.signature(dtype)
     cc = (9, 0, "a")
@@ -284,6 +285,7 @@ def wgmma_forward(hd, dtype, config, varlen, cache=None):
             "kernel": f"kvcache-{cache}" if cache else "varlen" if varlen else "dense",
             "head_dim": hd,
             "dtype": dtype,
+            "softcap": softcap,
             "config": cfg.to_dict(),
             "target": offline.arch_name(cc),
             "counts": {i: ptx.count(i) for i in INSTRUCTIONS},
@@ -320,6 +322,8 @@ def jobs(quick):
     out += [(wgmma_tiles, (dtype,)) for dtype in ("float16", "bfloat16")]
     # the Hopper backward: two warpgroups at head_dim 128 (the default), one and one stage at 64
     out += [(wgmma_backward, (128, "float16", 8, 2)), (wgmma_backward, (64, "bfloat16", 4, 1))]
+    # ... with Gemma 2's softcap (head_dim 128: at 64 the forward's 192-key tiles spill 16 bytes)
+    out.append((wgmma_backward, (128, "bfloat16", 8, 2, 50.0)))
     # the Hopper forward: the defaults, packed, one consumer without a producer, TMA loads
     # with pingpong and without
     one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}
@@ -350,6 +354,7 @@ def jobs(quick):
         (64, "float16", copies, "paged"),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
+    out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
     return out
 
 

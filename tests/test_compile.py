@@ -217,6 +217,7 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     assert {(e["head_dim"], e["kernel"]) for e in entries} == {
         (hd, kernel) for hd in (64, 128) for kernel in kernels
     }
+    assert {e["kernel"] for e in entries if e["softcap"]} == set(kernels)  # Gemma 2's cap too
     for e in entries:
         assert e["target"] == "sm_90a"
         products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}
@@ -244,6 +245,7 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
         (128, "kvcache-contiguous"),
         (128, "kvcache-paged"),
     }
+    assert any(e["softcap"] for e in entries)  # the scores capped (attention's softcap)
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]
         products = 2 * ((hd + 15) // 16) + 2 * (cfg["block_n"] // 16)

@@ -196,22 +196,10 @@ BACKWARD_CONFIGS = {
     "tensor-core-atomic": numflash.TensorCoreBackwardConfig(32, 2, 2, False),
     "hopper": numflash.WgmmaBackwardConfig(num_warps=4, stages=2),
 }
-#: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, softcap)
-BACKWARD_CASES = [
-    ("float16", 1, 40, 70, 2, 1, 64, "causal", 1.5),
-    ("bfloat16", 1, 33, 50, 2, 2, 64, "window", 0.75),
-]
-if not SIMULATOR:
-    BACKWARD_CASES += [
-        ("bfloat16", 2, 300, 1000, 8, 2, 128, "causal", 50.0),
-        ("float16", 1, 777, 513, 4, 4, 64, "none", 2.0),
-    ]
 
 
 @pytest.mark.parametrize("family", list(BACKWARD_CONFIGS))
-@pytest.mark.parametrize(
-    "case", BACKWARD_CASES, ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}-cap{c[8]}"
-)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}-cap{c[8]}")
 def test_softcap_gradients_match_the_reference(family, case):
     """attention_backward(softcap=) on each backward family: dS is multiplied by the cap's
     derivative at each score, as the reference differentiates it."""

@@ -237,6 +237,20 @@ if not SIMULATOR:
         return sig, codegen
 
     @intrinsic
+    def reciprocal(typingctx, x):
+        """1 / x (rcp.approx, within 1 ulp; 0 gives inf, NaN NaN). The IEEE-rounded reciprocal
+        that ``1 / x`` compiles to is a subroutine call in SASS, which serialises every wgmma of
+        a Hopper kernel (remark C7509, as ptx_sm90.quotient32 says)."""
+        if x != types.float32:
+            return None
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            return _asm(builder, [_F32], "rcp.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
+
+        return sig, codegen
+
+    @intrinsic
     def tanh(typingctx, x):
         """tanh(x) with the special-function unit (sm_75+; maximum relative error about
         2^-11): for scores headed for 16-bit probabilities, not for float32 results."""
@@ -497,6 +511,10 @@ else:
 
     def tanh(x):
         return np.float32(np.tanh(np.float32(x)))
+
+    def reciprocal(x):
+        with np.errstate(divide="ignore"):
+            return np.float32(np.float32(1.0) / np.float32(x))
 
     def fma(a, b, c):
         # The fp32 product is exact in fp64, so this rounds (nearly always) as fma does.

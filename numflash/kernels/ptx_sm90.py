@@ -80,6 +80,9 @@ from numba import uint32, uint64
 from . import ptx
 from .jit import SIMULATOR, device_function
 
+#: 1 / x by rcp.approx (ptx.reciprocal): what the Hopper kernels divide by.
+reciprocal = ptx.reciprocal
+
 __all__ = [
     "aligned_index",
     "matrix_descriptor",
@@ -249,10 +252,6 @@ if SIMULATOR:
 
     def quotient32(a, b):
         return int(a) // int(b)
-
-    def reciprocal(x):
-        with np.errstate(divide="ignore"):
-            return np.float32(np.float32(1.0) / np.float32(x))
 
     class _Barrier:
         """One simulated barrier: arrivals counted toward ``count``, phases numbered."""
@@ -476,21 +475,6 @@ else:
                 for v in args
             )
             return builder.zext(builder.udiv(x, y), ir.IntType(64))
-
-        return sig, codegen
-
-    @intrinsic
-    def reciprocal(typingctx, x):
-        """1 / x (rcp.approx, within 1 ulp; 0 gives inf, NaN NaN). The IEEE-rounded reciprocal
-        that ``1 / x`` compiles to is a subroutine call in SASS, which serialises every wgmma of
-        the kernel (remark C7509, as :func:`quotient32` says)."""
-        if x != types.float32:
-            return None
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, sig, args):
-            fnty = ir.FunctionType(_F32, [_F32])
-            return builder.asm(fnty, "rcp.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
 
         return sig, codegen
 

@@ -56,6 +56,11 @@ def ceil_div(a, b):
     return int32((a + b - 1) // b)
 
 
+@device_function
+def _ieee_inverse(x):
+    return float32(1.0) / x
+
+
 @functools.lru_cache(maxsize=None)
 def softcap_functions(softcap, fast=False):
     """(``factors(scale_log2) -> (a, b)``, ``capped(x, a, b)``) for a softcap (> 0, a
@@ -68,11 +73,14 @@ def softcap_functions(softcap, fast=False):
     which at head_dim 64 made the Hopper kernel keep a stack frame."""
     INV = float32(1.0 / (softcap * LOG2E))
     tanh = ptx.tanh if fast else math.tanh
+    # 1 / a by rcp.approx in the 16-bit kernels: the IEEE division is a subroutine call, which
+    # made ptxas serialise the Hopper backward's wgmma (remark C7509)
+    inverse = ptx.reciprocal if fast else _ieee_inverse
 
     @device_function
     def factors(scale_log2):
         a = scale_log2 * INV
-        return a, (float32(1.0) / a if a != float32(0.0) else float32(0.0))
+        return a, (inverse(a) if a != float32(0.0) else float32(0.0))
 
     @device_function
     def capped(x, a, b):
