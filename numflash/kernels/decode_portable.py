@@ -215,6 +215,9 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap
             q_row[d] = to_f32(q[q_base + d]) if active else float32(0.0)
             acc[d] = float32(0.0)
         m_i = NEG_INF
+        cap_a, cap_b = float32(0.0), float32(0.0)
+        if SOFTCAP:  # once a thread, not once a score
+            cap_a, cap_b = cap_factors(scale_log2)
         l_i = float32(0.0)
         for n0 in range(n_start, n_end, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
@@ -248,7 +251,6 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap
                     for d in range(HEAD_DIM):
                         dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
                     if SOFTCAP:
-                        cap_a, cap_b = cap_factors(scale_log2)
                         dot = capped(dot, cap_a, cap_b)
                     score = dot * scale_log2
                 s[jj] = score

@@ -226,40 +226,41 @@ if not SIMULATOR:
 
     # -- arithmetic and conversions -------------------------------------------------------------
 
-    @intrinsic
-    def exp2(typingctx, x):
-        """2**x with the special-function unit (2 ulp); -inf gives +0."""
-        sig = types.float32(types.float32)
+    def _unary_f32(name, instruction, doc, float32_only=False):
+        """The intrinsic ``name(x) -> float32`` that runs the one PTX ``instruction`` on x
+        (``float32_only``: typed for a float32 argument alone, else x is converted)."""
 
-        def codegen(context, builder, sig, args):
-            return _asm(builder, [_F32], "ex2.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
+        def typer(typingctx, x):
+            if float32_only and x != types.float32:
+                return None
+            sig = types.float32(types.float32)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                return _asm(builder, [_F32], f"{instruction} $0, $1;", "=f,f", list(args), False)
 
-    @intrinsic
-    def reciprocal(typingctx, x):
+            return sig, codegen
+
+        typer.__name__ = typer.__qualname__ = name
+        typer.__doc__ = doc
+        return intrinsic(typer)
+
+    exp2 = _unary_f32(
+        "exp2", "ex2.approx.ftz.f32", "2**x with the special-function unit (2 ulp); -inf gives +0."
+    )
+    reciprocal = _unary_f32(
+        "reciprocal",
+        "rcp.approx.ftz.f32",
         """1 / x (rcp.approx, within 1 ulp; 0 gives inf, NaN NaN). The IEEE-rounded reciprocal
         that ``1 / x`` compiles to is a subroutine call in SASS, which serialises every wgmma of
-        a Hopper kernel (remark C7509, as ptx_sm90.quotient32 says)."""
-        if x != types.float32:
-            return None
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, sig, args):
-            return _asm(builder, [_F32], "rcp.approx.ftz.f32 $0, $1;", "=f,f", list(args), False)
-
-        return sig, codegen
-
-    @intrinsic
-    def tanh(typingctx, x):
+        a Hopper kernel (remark C7509, as ptx_sm90.quotient32 says).""",
+        float32_only=True,
+    )
+    tanh = _unary_f32(
+        "tanh",
+        "tanh.approx.f32",
         """tanh(x) with the special-function unit (sm_75+; maximum relative error about
-        2^-11): for scores headed for 16-bit probabilities, not for float32 results."""
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, sig, args):
-            return _asm(builder, [_F32], "tanh.approx.f32 $0, $1;", "=f,f", list(args), False)
-
-        return sig, codegen
+        2^-11): for scores headed for 16-bit probabilities, not for float32 results.""",
+    )
 
     @intrinsic
     def fma(typingctx, a, b, c):
