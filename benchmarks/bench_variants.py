@@ -1,0 +1,117 @@
+"""Attention-variant benchmark: what each built-in variant costs beside the plain call.
+
+    python benchmarks/bench_variants.py [--dtypes float16 bfloat16] [--seqlens 4096 16384]
+
+Shapes: 32 query heads, 8 KV heads, head_dim 128, batch x seqlen = 32768 tokens, causal and
+not. For every variant (``softcap=30``) the forward (``attention`` with its lse) and the
+backward (``attention_backward``) run on the same inputs as the plain call, in the same
+process; GPU time from CUDA events (numflash.timing.time_gpu, L2 flushed between runs). Each
+variant's output is first checked against the float64 reference on a small problem, so a fast
+wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
+(1.10 = 10% slower). Writes benchmarks/results/variants.json and variants.md.
+"""
+
+import os
+import sys
+
+import numflash
+from numflash import reference
+from numflash.device import current_device
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
+from bench_forward import DTYPES  # noqa: E402
+
+NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
+
+#: name -> the keyword arguments that turn the variant on ("plain" is the baseline).
+VARIANTS = {"plain": {}, "softcap": {"softcap": 30.0}}
+
+
+def gqa_arrays(batch, seqlen, dtype, seed=0):
+    """q (NHEADS heads), k and v (NHEADS_K heads) and a dout like q."""
+    q, dout = peers.random_qkv(batch, seqlen, NHEADS, HEAD_DIM, dtype, seed)[:2]
+    k, v = peers.random_qkv(batch, seqlen, NHEADS_K, HEAD_DIM, dtype, seed + 1)[:2]
+    return q, k, v, dout
+
+
+def check(dtype, causal, variant):
+    """Raise unless the variant's forward matches the float64 reference on a small problem."""
+    q, k, v, _ = gqa_arrays(1, 300, dtype, seed=7)
+    kwargs = VARIANTS[variant]
+    out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+    result = reference.check(
+        q, k, v, out, lse, causal=causal, variants=reference.Variants(**kwargs)
+    )
+    if not result.ok:
+        raise SystemExit(f"{variant} forward wrong: error {result.err:.3g} > bar {result.bar:.3g}")
+
+
+def time_problem(dtype, causal, seqlen, batch, runs):
+    """{variant: (forward timing, backward timing)} on one problem."""
+    q, k, v, dout = gqa_arrays(batch, seqlen, dtype)
+    timings = {}
+    for variant, kwargs in VARIANTS.items():
+        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+
+        def forward(kwargs=kwargs):
+            numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
+
+        def backward(kwargs=kwargs, out=out, lse=lse):
+            numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **kwargs)
+
+        timings[variant] = (time_gpu(forward, runs=runs), time_gpu(backward, runs=runs))
+    return timings
+
+
+def main():
+    ap = peers.parser(__doc__, choices=list(DTYPES))
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
+    ap.add_argument("--runs", type=int, default=20)
+    args = ap.parse_args()
+    dev = current_device()
+    print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
+    causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
+    records = []
+    lines = [
+        "| dtype | seqlen | causal | variant | fwd ms | fwd / plain | bwd ms | bwd / plain |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for dt in args.dtypes:
+        for causal in causals:
+            for variant in VARIANTS:
+                check(DTYPES[dt], causal, variant)
+            for seqlen in args.seqlens:
+                batch = max(1, args.tokens // seqlen)
+                timings = time_problem(DTYPES[dt], causal, seqlen, batch, args.runs)
+                flops = attention_flops(batch, NHEADS, seqlen, seqlen, HEAD_DIM, causal)
+                plain_fwd, plain_bwd = timings["plain"]
+                for variant, (fwd, bwd) in timings.items():
+                    fields = peers.problem(batch, NHEADS, seqlen, seqlen, HEAD_DIM, causal)
+                    for mode, timing, scale in (("forward", fwd, 1.0), ("backward", bwd, 2.5)):
+                        records.append(
+                            peers.record(
+                                timing,
+                                flops * scale,
+                                "numflash",
+                                mode,
+                                dt,
+                                variant=variant,
+                                nheads_k=NHEADS_K,
+                                **fields,
+                            )
+                        )
+                    lines.append(
+                        f"| {dt} | {seqlen} | {causal} | {variant} | {fwd.median_ms:.3f} | "
+                        f"{fwd.median_ms / plain_fwd.median_ms:.3f} | {bwd.median_ms:.3f} | "
+                        f"{bwd.median_ms / plain_bwd.median_ms:.3f} |"
+                    )
+                print(lines[-1], flush=True)
+    peers.save_results(args.out_dir, "variants", dev, records, "\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
