@@ -3,9 +3,9 @@
     python benchmarks/bench_variants.py [--dtypes float16 bfloat16] [--seqlens 4096 16384]
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, batch x seqlen = 32768 tokens, causal and
-not. For every variant (``softcap=30``) the forward (``attention`` with its lse) and the
-backward (``attention_backward``) run on the same inputs as the plain call, in the same
-process; GPU time from CUDA events (numflash.timing.time_gpu, L2 flushed between runs). Each
+not. For every variant (``softcap=30``; ``sinks``, one random logit a head) the forward
+(``attention`` with its lse) and the backward (``attention_backward``; over the forward's lse,
+which holds the sinks) run on the same inputs as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu, L2 flushed between runs). Each
 variant's output is first checked against the float64 reference on a small problem, so a fast
 wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
 (1.10 = 10% slower). Writes benchmarks/results/variants.json and variants.md.
@@ -13,6 +13,8 @@ wrong kernel cannot pass. The table gives each variant's time as a ratio of the 
 
 import os
 import sys
+
+import cupy
 
 import numflash
 from numflash import reference
@@ -25,8 +27,18 @@ from bench_forward import DTYPES  # noqa: E402
 
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 
-#: name -> the keyword arguments that turn the variant on ("plain" is the baseline).
-VARIANTS = {"plain": {}, "softcap": {"softcap": 30.0}}
+#: The variants timed ("plain" is the baseline).
+VARIANTS = ("plain", "softcap", "sinks")
+
+
+def variant_kwargs(variant):
+    """(the forward's keyword arguments that turn ``variant`` on, the backward's)."""
+    if variant == "softcap":
+        return {"softcap": 30.0}, {"softcap": 30.0}
+    if variant == "sinks":
+        sinks = cupy.random.default_rng(3).standard_normal(NHEADS, dtype=cupy.float32)
+        return {"sinks": sinks}, {}
+    return {}, {}
 
 
 def gqa_arrays(batch, seqlen, dtype, seed=0):
@@ -39,7 +51,7 @@ def gqa_arrays(batch, seqlen, dtype, seed=0):
 def check(dtype, causal, variant):
     """Raise unless the variant's forward matches the float64 reference on a small problem."""
     q, k, v, _ = gqa_arrays(1, 300, dtype, seed=7)
-    kwargs = VARIANTS[variant]
+    kwargs, _ = variant_kwargs(variant)
     out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
     result = reference.check(
         q, k, v, out, lse, causal=causal, variants=reference.Variants(**kwargs)
@@ -52,13 +64,14 @@ def time_problem(dtype, causal, seqlen, batch, runs):
     """{variant: (forward timing, backward timing)} on one problem."""
     q, k, v, dout = gqa_arrays(batch, seqlen, dtype)
     timings = {}
-    for variant, kwargs in VARIANTS.items():
+    for variant in VARIANTS:
+        kwargs, backward_kwargs = variant_kwargs(variant)
         out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
 
         def forward(kwargs=kwargs):
             numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
 
-        def backward(kwargs=kwargs, out=out, lse=lse):
+        def backward(kwargs=backward_kwargs, out=out, lse=lse):
             numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **kwargs)
 
         timings[variant] = (time_gpu(forward, runs=runs), time_gpu(backward, runs=runs))

@@ -56,7 +56,8 @@ _ATTENTION = signature.Signature(
     "attention",
     [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")]
+    + [("sinks", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -72,7 +73,8 @@ _VARLEN = signature.Signature(
     [(name, "array") for name in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
     + [("max_seqlen_q", "rows"), ("max_seqlen_k", "rows"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")]
+    + [("sinks", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -230,6 +232,16 @@ def _outputs(q):
 _STAY = contextlib.nullcontext()
 
 
+def _empty_rows(out, lse, sinks, heads):
+    """A call without keys: out 0, lse -inf, or each head's sink with sinks (``heads``: the
+    index that spreads the sinks over lse's layout)."""
+    arrays.bits(out)[...] = 0
+    if sinks is None:
+        lse[...] = -np.inf
+    else:
+        lse[...] = sinks[heads]
+
+
 def _on_device(x):
     """A context in which ``x``'s GPU is the current device: no switch in the simulator, nor
     where the process sees one GPU (which is then current)."""
@@ -274,6 +286,7 @@ def attention(
     out=None,
     config=None,
     softcap=0.0,
+    sinks=None,
 ):
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).
 
@@ -298,25 +311,34 @@ def attention(
             softcap) before the mask and the softmax (Gemma 2: 50); 0 (the default) for none.
             Each softcap value compiles its own kernels; :func:`attention_backward` takes the
             same value.
+        sinks: optional float32 (nheads,) on q's device: a logit a head that joins every
+            row's softmax denominator with no value (gpt-oss's attention sinks): out_i =
+            sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sinks[h]}), and lse the log of that whole
+            denominator. :func:`attention_backward` given this lse computes dq, dk and dv of
+            such a call unchanged (the gradient of the sinks themselves is not computed
+            yet). A call with sinks runs the forward kernels even for few query rows and is
+            not replayed from a plan (each call takes the full path).
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
         float32 (batch, nheads, seqlen_q), natural log. A row that sees no key gets output 0 and
-        lse -inf; a NaN or inf among a row's scores makes that row's output and lse NaN.
+        lse -inf (with sinks: the row's sink); a NaN or inf among a row's scores makes that
+        row's output and lse NaN.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap)
+    args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     result, key, args = _repeated(_ATTENTION, args, "attention")
     if result is not None:
         return result
-    q, k, v, out = args[0], args[1], args[2], args[7]
+    q, k, v, out, sinks = args[0], args[1], args[2], args[7], args[10]
     options = (causal, softmax_scale, window_size, return_lse)
-    # else no plan yet, or an out= overlapping an input: the full path refuses it by name
-    if key is None:
-        return _attention(q, k, v, *options, out, config, softcap)
+    # else no plan yet, or an out= overlapping an input: the full path refuses it by name;
+    # calls with sinks get no plan (a plan's replay does not take the sinks' address)
+    if key is None or sinks is not None:
+        return _attention(q, k, v, *options, out, config, softcap, sinks)
     given = out is not None
     with launch.recording() as recorded:
         result = _attention(q, k, v, *options, out, config, softcap)
@@ -358,18 +380,26 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
     return kp, choice, splits
 
 
-def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0):
+def _attention(
+    q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0, sinks=None
+):
     # -- validate and normalise
-    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap)
+    q, k, v, p = validation.problem(
+        q, k, v, causal, softmax_scale, window_size, softcap, sinks is not None
+    )
+    sinks = validation.check_sinks(sinks, q, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
+    if out is not None and sinks is not None:
+        validation.check_no_overlap(out, "out", {"sinks": sinks})
     with _on_device(q):
         device = current_device()
         cfg = validation.check_forward_config(config, p, device)
         # -- choose: few query rows go to the decode kernel, unless a configuration is forced
         route = None
         if cfg is None:
-            route = _decode_route(q, k, v, p, causal, softmax_scale, window_size, device)
+            if not p.sinks:  # the decode kernels take no sinks yet
+                route = _decode_route(q, k, v, p, causal, softmax_scale, window_size, device)
             if route is None:
                 cfg = selection.forward(p, device).config
         # -- launch
@@ -378,13 +408,12 @@ def _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, con
         lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
             if p.seqlen_k == 0:  # nothing to attend to: every row is empty
-                arrays.bits(out)[...] = 0
-                lse[...] = -np.inf
+                _empty_rows(out, lse, sinks, (None, slice(None), None))
             elif route is not None:
                 kp, choice, splits = route
                 launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse)
             else:
-                launch.forward(cfg, p, q, k, v, out, lse)
+                launch.forward(cfg, p, q, k, v, out, lse, () if sinks is None else (sinks,))
     return (out, lse) if return_lse else out
 
 
@@ -404,6 +433,7 @@ def attention_varlen(
     out=None,
     config=None,
     softcap=0.0,
+    sinks=None,
 ):
     """Attention over a packed batch of sequences of different lengths, without padding, in
     flash-attn's vocabulary (``flash_attn_varlen_func``).
@@ -425,6 +455,7 @@ def attention_varlen(
             :func:`attention`; by default numflash chooses as for a dense call of the max
             lengths.
         softcap: as :func:`attention` (:func:`attention_varlen_backward` takes it too).
+        sinks: as :func:`attention` (a row that sees no key gets lse = its head's sink).
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
@@ -437,11 +468,11 @@ def attention_varlen(
     (numflash.plans).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-    args += (softmax_scale, window_size, return_lse, out, config, softcap)
+    args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
-    if key is None:
+    if key is None or sinks is not None:  # calls with sinks get no plan (as attention's)
         return _attention_varlen(*args)
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
@@ -458,13 +489,18 @@ def attention_varlen(
 
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                      softmax_scale, window_size, return_lse, out, config, softcap=0.0):  # fmt: skip
+                      softmax_scale, window_size, return_lse, out, config, softcap=0.0,
+                      sinks=None):  # fmt: skip
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)  # fmt: skip
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
+        sinks is not None)  # fmt: skip
+    sinks = validation.check_sinks(sinks, q, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
-        validation.check_no_overlap(out, "out", {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k})
+        validation.check_no_overlap(
+            out, "out", {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "sinks": sinks}
+        )
     with _on_device(q):
         device = current_device()
         cfg = validation.check_varlen_config(config, p, device)
@@ -475,10 +511,10 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         lse = arrays.empty((p.nheads, q.shape[0]), np.float32, like=q)
         if out.size:
             if k.shape[0] == 0:  # nothing to attend to: every row is empty
-                arrays.bits(out)[...] = 0
-                lse[...] = -np.inf
+                _empty_rows(out, lse, sinks, (slice(None), None))
             else:
-                launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k)
+                variant = () if sinks is None else (sinks,)
+                launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k, variant)
     return (out, lse) if return_lse else out
 
 

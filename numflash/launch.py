@@ -85,6 +85,11 @@ class KernelSpec(NamedTuple):
     arrays: tuple
     strided: tuple
     scalars: tuple
+    #: The arrays an attention variant adds (:func:`variant_arrays`), as ``arrays``, taken by
+    #: the kernel's trailing ``*variant`` parameter; None for a kernel without one. A plain
+    #: call's kernel takes an empty tuple there, which compiles to the same PTX as no
+    #: parameter at all.
+    variant: tuple = None
 
     def signature(self, dtype_name):
         """The Numba argument types (None in the simulator, which types nothing)."""
@@ -99,26 +104,38 @@ class KernelSpec(NamedTuple):
             "float32": types.float32,
             "map": types.UniTuple(types.int64, ptx_tma.MAP_WORDS),
         }
+        variant = ()
+        if self.variant is not None:
+            extra = tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.variant)
+            variant = (types.StarArgTuple.from_types(extra),)
         return (
             tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
             + (types.UniTuple(types.int64, 3),) * len(self.strided)
             + tuple(scalar[kind] for _, kind in self.scalars)
+            + variant
         )
 
     def args(self, views, scalars):
         """The launch arguments from ``views`` ({array name: arrays.kernel_view(x)}) and
-        ``scalars`` (values in the spec's order, already of their types)."""
+        ``scalars`` (values in the spec's order, already of their types); the variant's
+        arrays last, one argument each (the kernel gathers them into ``variant``)."""
         return (
             tuple(views[name][0] for name, _ in self.arrays)
             + tuple(tuple(views[name][1][:3]) for name in self.strided)
             + tuple(scalars)
+            + tuple(views[name][0] for name, _ in self.variant or ())
         )
+
+    def for_problem(self, p):
+        """This spec with the variant arrays problem ``p`` asks for."""
+        return self._replace(variant=variant_arrays(p))
 
 
 FORWARD = KernelSpec(
     arrays=(("q", "elem"), ("k", "elem"), ("v", "elem"), ("o", "elem"), ("lse", "float32")),
     strided=("q", "k", "v", "o"),
     scalars=ATTENTION_SCALARS,
+    variant=(),
 )
 PREPROCESS = KernelSpec(
     arrays=(("do", "elem"), ("o", "elem"), ("delta", "float32")),
@@ -158,6 +175,7 @@ FORWARD_VARLEN = KernelSpec(
     arrays=FORWARD.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=("q", "k", "v", "o"),
     scalars=ATTENTION_SCALARS + (("total_q", "int32"), ("total_k", "int32")),
+    variant=(),
 )
 
 
@@ -206,6 +224,11 @@ def _param_layout(argtypes):
         elif isinstance(ty, types.UniTuple) and ty.dtype in scalars:
             fmt += scalars[ty.dtype] * ty.count
             kinds.append(-ty.count)
+        elif isinstance(ty, types.BaseTuple) and all(
+            isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" for t in ty
+        ):  # a kernel's trailing *variant: its arrays, passed one argument each
+            fmt += "QQqqQqq" * len(ty)
+            kinds += [7] * len(ty)
         elif ty in scalars:
             fmt += scalars[ty]
             kinds.append(1)
@@ -693,13 +716,13 @@ def _packed_offsets(offsets, q, k):
 
 def _launch_forward(
     build, spec_key, cfg, p, arrays_in, head_dim, scale_log2, shared, offsets, extra=None,
-    grid=None,
+    grid=None, variant=(),
 ):  # fmt: skip
     """Launch a forward kernel over ``arrays_in`` = (q, k, v, out, lse): dense, or a packed
     batch with ``offsets`` = (cu_q, cu_k) (the kernel of ``build`` is then the varlen one and
     ``p`` holds the max lengths). ``extra``: (the kernel's spec, views of its arrays beyond
     FORWARD_VARLEN's, its scalars beyond them). ``grid``: a block per (row block, head,
-    batch) unless given."""
+    batch) unless given. ``variant``: the arrays of variant_arrays(p), in its order."""
     q, k, v, out, lse = arrays_in
     target, direct = _output_target(out, head_dim, p)
     named = (("q", q), ("k", k), ("v", v), ("o", target), ("lse", lse))
@@ -721,6 +744,8 @@ def _launch_forward(
         spec, more_views, more_scalars = extra
         views.update(more_views)
         scalars += more_scalars
+    spec = spec.for_problem(p)
+    views.update((name, arrays.kernel_view(x)) for (name, _), x in zip(spec.variant, variant))
     launch = launcher(spec_key, build, spec, p.dtype)
     if grid is None:
         grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
@@ -732,7 +757,13 @@ def _launch_forward(
 def variant_key(p):
     """What a kernel's compile key gains from the attention variant ``p`` (a Problem) asks
     for: nothing for plain attention, so its kernels are the ones compiled without variants."""
-    return (("softcap", p.softcap),) if p.softcap else ()
+    return ((("softcap", p.softcap),) if p.softcap else ()) + (("sinks",) if p.sinks else ())
+
+
+def variant_arrays(p):
+    """The arrays a kernel's ``*variant`` takes for problem ``p``, as KernelSpec.arrays: the
+    sink logits (float32, one a query head) where the call has them."""
+    return (("sinks", "float32"),) if p.sinks else ()
 
 
 def _tensor_core_inputs(cfg, p, q, k, v):
@@ -748,7 +779,7 @@ def _tensor_core_inputs(cfg, p, q, k, v):
 
 
 @launches(configs.TensorCoreConfig)
-def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
+def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     q, k, v, scale, head_dim = _tensor_core_inputs(cfg, p, q, k, v)
     varlen = offsets is not None
     key = (configs.TensorCoreConfig, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
@@ -756,7 +787,7 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
-        lambda: build(head_dim, p.dtype, *tiles, p.softcap),
+        lambda: build(head_dim, p.dtype, *tiles, p.softcap, p.sinks),
         key,
         cfg,
         p,
@@ -765,18 +796,19 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None):
         scale * LOG2E,
         cfg.shared_memory_bytes(head_dim),
         offsets,
+        variant=variant,
     )
 
 
 @launches(configs.PortableConfig)
-def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
+def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     q, k, v = (_kernel_input(x) for x in (q, k, v))
     varlen = offsets is not None
     key = (configs.PortableConfig, p.head_dim, p.dtype, cfg) + (("varlen",) if varlen else ())
     key += variant_key(p)
     build = forward_portable.build_varlen if varlen else forward_portable.build
     _launch_forward(
-        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap),
+        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap, p.sinks),
         key,
         cfg,
         p,
@@ -785,6 +817,7 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None):
         p.scale * LOG2E,
         0,
         offsets,
+        variant=variant,
     )
 
 
@@ -832,19 +865,24 @@ def _multiprocessors():
     return _device_attribute("MultiProcessorCount")
 
 
-def forward(cfg, p, q, k, v, out, lse):
+def forward(cfg, p, q, k, v, out, lse, variant=()):
     """out and lse of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0),
-    through the launch prepared for its geometry (:func:`prepared`)."""
+    through the launch prepared for its geometry (:func:`prepared`); ``variant``: the arrays
+    of variant_arrays(p)."""
     build = LAUNCHERS[type(cfg)]
-    prepared((cfg, p), (q, k, v, out, lse), lambda: build(cfg, p, q, k, v, out, lse))
+    roles = (q, k, v, out, lse, *variant)
+    prepared((cfg, p), roles, lambda: build(cfg, p, q, k, v, out, lse, variant=variant))
 
 
-def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k):
+def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k, variant=()):
     """out (total_q, nheads, head_dim) and lse (nheads, total_q) of a packed batch; ``p``
     holds the max lengths and the batch (validated arrays)."""
     build = LAUNCHERS[type(cfg)]
-    roles = (q, k, v, out, lse, cu_q, cu_k)
-    prepared((cfg, p), roles, lambda: build(cfg, p, q, k, v, out, lse, offsets=(cu_q, cu_k)))
+    roles = (q, k, v, out, lse, cu_q, cu_k, *variant)
+    offsets = (cu_q, cu_k)
+    prepared(
+        (cfg, p), roles, lambda: build(cfg, p, q, k, v, out, lse, offsets=offsets, variant=variant)
+    )
 
 
 # -- backward ---------------------------------------------------------------------------------

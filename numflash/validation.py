@@ -25,8 +25,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """What a call computes, normalised: sizes, dtype name, scale and window (causal is the
-    window (left, 0); -1 means unbounded, and a bound past every key is clamped), and the
-    softcap of the scores (0: none)."""
+    window (left, 0); -1 means unbounded, and a bound past every key is clamped), the softcap
+    of the scores (0: none) and whether a sink logit a head joins the softmax (the array
+    travels beside the problem: check_sinks)."""
 
     batch: int
     seqlen_q: int
@@ -39,6 +40,7 @@ class Problem:
     window_left: int
     window_right: int
     softcap: float = 0.0
+    sinks: bool = False
 
     @property
     def heads_per_kv(self):
@@ -116,6 +118,20 @@ def check_softcap(softcap):
             f"softcap must be 0 (none) or a finite positive number within float32; got {softcap!r}"
         )
     return cap
+
+
+def check_sinks(sinks, q, nheads):
+    """The sink logits as a C-contiguous float32 array of shape (nheads,) on q's device (a
+    copy where they were strided), or None."""
+    if sinks is None:
+        return None
+    sinks = arrays.intake(sinks, "sinks")
+    if sinks.dtype != np.float32:
+        raise TypeError(f"sinks must have dtype float32; got {sinks.dtype}")
+    if sinks.shape != (nheads,):
+        raise ValueError(f"sinks must have shape (nheads,) = ({nheads},); got {shape_str(sinks)}")
+    check_device(sinks, "sinks", q, "q")
+    return arrays.array_module(sinks).ascontiguousarray(sinks)
 
 
 def check_qkv(q, k, v):
@@ -238,8 +254,9 @@ def check_like(x, name, like, like_name, dtype=None, shape=None):
     return x
 
 
-def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0):
-    """The validated arrays and the normalised :class:`Problem` they pose."""
+def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=False):
+    """The validated arrays and the normalised :class:`Problem` they pose (``sinks``: whether
+    the call has sink logits)."""
     q = arrays.intake(q, "q")
     k = arrays.intake(k, "k")
     v = arrays.intake(v, "v")
@@ -251,7 +268,8 @@ def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0):
     sk = k.shape[1]
     left, right = _clamp_window(left, sq, sk), _clamp_window(right, sq, sk)
     cap = check_softcap(softcap)
-    return q, k, v, Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap)
+    p = Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap, bool(sinks))
+    return q, k, v, p
 
 
 def _check_offsets(cu, name, like):
@@ -273,7 +291,7 @@ def _check_offsets(cu, name, like):
 
 def varlen_problem(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
-    softcap=0.0,
+    softcap=0.0, sinks=False,
 ):  # fmt: skip
     """Validated packed arrays (q, k, v, cu_seqlens_q, cu_seqlens_k) and the :class:`Problem`
     of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths as the kernels cover
@@ -319,7 +337,8 @@ def varlen_problem(
     left, right = (_clamp_window(w, rows_q, rows_k) for w in (left, right))
     h, d = q.shape[1:]
     cap = check_softcap(softcap)
-    p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right, cap)
+    p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right, cap,
+                bool(sinks))  # fmt: skip
     return q, k, v, cu_q, cu_k, p
 
 
@@ -466,6 +485,8 @@ class KVCacheProblem:
     cache_aligned: bool = False
     #: The softcap of the scores (0: none), as Problem's.
     softcap: float = 0.0
+    #: Sink logits (Problem's); not taken by KV-cache calls yet.
+    sinks: bool = False
 
     @property
     def heads_per_kv(self):

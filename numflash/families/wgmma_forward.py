@@ -197,6 +197,7 @@ WGMMA_FORWARD = launch.KernelSpec(
     arrays=launch.FORWARD_VARLEN.arrays + (("maps", "int64"),),
     strided=launch.FORWARD_VARLEN.strided,
     scalars=launch.FORWARD_VARLEN.scalars + _WGMMA_TAIL,
+    variant=(),
 )
 
 
@@ -257,7 +258,7 @@ def _map_templates(p, xs, addresses, box_rows):
 
 
 @launch.launches(WgmmaForwardConfig)
-def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
+def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
     kernels take WGMMA_FORWARD's parameters: a dense call hands it offsets it never reads, a
     call without TMA a map buffer and templates it never reads."""
@@ -270,7 +271,7 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     launch._launch_forward(
-        lambda: forward_sm90.build(head_dim, p.dtype, *schedule, softcap=p.softcap),
+        lambda: forward_sm90.build(head_dim, p.dtype, *schedule, softcap=p.softcap, sinks=p.sinks),
         (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen) + launch.variant_key(p),
         cfg,
         p,
@@ -281,6 +282,7 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None):
         offsets if varlen else launch._absent_offsets(xp),
         (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, _wgmma_work(p, head_dim) + maps[1]),
         _wgmma_grid(cfg, p),
+        variant,
     )
 
 

@@ -37,7 +37,7 @@ from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, softcap_function
+from .softmax import NEG_INF, final_lse, inverse_sum, sink_functions, softcap_function
 from .warp_step import warp_step
 
 
@@ -51,11 +51,13 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
 
 @functools.lru_cache(maxsize=None)
 def _block_attender(
-    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0
-):
+    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
+    sinks=False,
+):  # fmt: skip
     """The device function that attends one block of query rows (all sizes compile-time),
     shared by the dense and the packed (varlen) kernels; ``softcap`` > 0 caps the scores
-    (softmax.softcap_function)."""
+    (softmax.softcap_function); with ``sinks`` the head's sink joins each row's sum
+    (softmax.sink_functions)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
     BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
@@ -79,6 +81,8 @@ def _block_attender(
     pack = PACK[dtype_name]
     SOFTCAP = softcap > 0
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
+    SINKS = sinks
+    _, with_sink = sink_functions(sinks)
     load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
         dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS
@@ -122,7 +126,7 @@ def _block_attender(
             mask_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, wl, wr)
 
     @device_function
-    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
+    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink):
         """O = acc / l_i (0 where l_i = 0) and the row's LSE, for this warp's rows."""
         for mt in range(M_TILES):
             for h in range(2):
@@ -130,9 +134,13 @@ def _block_attender(
                 l_row = l_i[r]
                 l_row += ptx.shfl_xor(l_row, 1)
                 l_row += ptx.shfl_xor(l_row, 2)
+                m_row = m_i[r]
                 row = row0 + mt * 16 + (lane >> 2) + 8 * h
                 if row < seqlen_q:
-                    inv_l = inverse_sum(l_row)
+                    factor = float32(1.0)
+                    if SINKS:
+                        m_row, l_row, factor = with_sink(m_row, l_row, sink)
+                    inv_l = inverse_sum(l_row) * factor
                     out_row = o_base + int64(row) * o_ss
                     for dt in range(D_TILES):
                         col = dt * 8 + (lane & 3) * 2
@@ -142,30 +150,32 @@ def _block_attender(
                             o[out_row + col] = uint16(pair & uint32(0xFFFF))
                             o[out_row + col + 1] = uint16(pair >> uint32(16))
                     if (lane & 3) == 0:
-                        lse[lse_base + row] = final_lse(m_i[r], l_row)
+                        lse[lse_base + row] = final_lse(m_row, l_row)
 
     @device_function
-    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid):
-        """Rows that see no key at all: O = 0, LSE = -inf."""
+    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink):
+        """Rows that see no key at all: O = 0, LSE = -inf (the sink with sinks)."""
         for i in range(tid, BLOCK_M * HEAD_DIM, THREADS):
             r = i // HEAD_DIM
             if m0 + r < seqlen_q:
                 o[o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)] = uint16(0)
+        empty_lse = final_lse(sink, float32(1.0)) if SINKS else NEG_INF
         for r in range(tid, BLOCK_M, THREADS):
             if m0 + r < seqlen_q:
-                lse[lse_base + m0 + r] = NEG_INF
+                lse[lse_base + m0 + r] = empty_lse
 
     # -- one block of query rows of one sequence and head --------------------------------------
 
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp,
+        tid, lane, warp, sink,
     ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head), by thread ``tid``
         (``lane`` of ``warp``) of the block: ``bases`` (q, k, v, o, lse) is where the
         sequence's row 0 of this head (its kv head for k, v) starts in each array, rows
-        ``row_strides`` (q, k, v, o) elements apart; ``window`` is (left, right)."""
+        ``row_strides`` (q, k, v, o) elements apart; ``window`` is (left, right); ``sink``
+        the head's sink logit (log2 domain), read only with sinks."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         window_left, window_right = window
@@ -182,7 +192,7 @@ def _block_attender(
 
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
         if n_hi <= n_lo:
-            write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
+            write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink)
             return
         first_tile = int32(n_lo // BLOCK_N)
         # Loop state in int32: Numba widens integer arithmetic to 64 bits, two registers each.
@@ -268,17 +278,21 @@ def _block_attender(
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 
         ptx.cp_async_wait(0)  # nothing may be in flight when the block exits
-        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
+        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink)
 
     return attend_block
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0):
+def build(
+    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
+    sinks=False,
+):  # fmt: skip
     """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks
     )
+    sink_of, _ = sink_functions(sinks)
 
     @kernel(launch_bounds=32 * num_warps)
     def forward(
@@ -297,6 +311,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         scale_log2,
         window_left,
         window_right,
+        *variant,
     ):
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
@@ -311,6 +326,7 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q,
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
+            sink_of(variant, head),
         )  # fmt: skip
 
     return forward
@@ -318,16 +334,18 @@ def build(head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_regist
 
 @functools.lru_cache(maxsize=None)
 def build_varlen(
-    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0
-):
+    head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
+    sinks=False,
+):  # fmt: skip
     """The tensor-core forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch), lse (nheads, total_q). Offsets are
     clamped to the arrays and lengths to max_seqlen: no read or write leaves q, k, v, o or
     lse. The same block body as the dense kernel (:func:`build`)."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks
     )
+    sink_of, _ = sink_functions(sinks)
     BLOCK_M = block_m
 
     @kernel(launch_bounds=32 * num_warps)
@@ -351,6 +369,7 @@ def build_varlen(
         window_right,
         total_q,
         total_k,
+        *variant,
     ):
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
@@ -368,6 +387,7 @@ def build_varlen(
         attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q,
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
+            sink_of(variant, head),
         )  # fmt: skip
 
     return forward_varlen

@@ -22,7 +22,7 @@ from numba import cuda, float32, int64
 from . import ptx
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, shift_of, softcap_functions
+from .softmax import NEG_INF, final_lse, inverse_sum, shift_of, sink_functions, softcap_functions
 
 
 @device_function
@@ -136,13 +136,16 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 
 @functools.lru_cache(maxsize=None)
-def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0):
+def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
     """The device function ``attend_rows(q, k, v, o, lse, bases, row_strides, seqlen_q,
-    seqlen_k, scale_log2, window, m_block)``: query block ``m_block`` of one (sequence, head),
-    one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's row 0 for this head
-    (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements apart; ``window`` is
-    (left, right). ``softcap`` > 0 caps the scores (softmax.softcap_functions)."""
+    seqlen_k, scale_log2, window, m_block, sink)``: query block ``m_block`` of one (sequence,
+    head), one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's row 0 for this
+    head (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements apart; ``window`` is
+    (left, right). ``softcap`` > 0 caps the scores (softmax.softcap_functions); with
+    ``sinks`` the head's ``sink`` joins each row's sum (softmax.sink_functions)."""
     SOFTCAP = softcap > 0
+    SINKS = sinks
+    _, with_sink = sink_functions(sinks)
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
@@ -156,8 +159,9 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0):
 
     @device_function
     def attend_rows(
-        q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block
-    ):
+        q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block,
+        sink,
+    ):  # fmt: skip
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         window_left, window_right = window
@@ -207,7 +211,10 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0):
             m_i = m_new
 
         if active:
-            inv_l = inverse_sum(l_i)
+            factor = float32(1.0)
+            if SINKS:
+                m_i, l_i, factor = with_sink(m_i, l_i, sink)
+            inv_l = inverse_sum(l_i) * factor
             o_at = o_base + row * o_ss
             for d in range(HEAD_DIM):
                 o[o_at + d] = from_f32(acc[d] * inv_l)
@@ -217,9 +224,10 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, softcap=0.0):
-    """The portable forward kernel specialised for one (head_dim, dtype, tile, softcap) key."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap)
+def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
+    """The portable forward kernel specialised for one (head_dim, dtype, tile, variant) key."""
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks)
+    sink_of, _ = sink_functions(sinks)
 
     @kernel
     def forward_portable(
@@ -238,6 +246,7 @@ def build(head_dim, dtype_name, block_m, block_n, softcap=0.0):
         scale_log2,
         window_left,
         window_right,
+        *variant,
     ):
         m_block = cuda.blockIdx.x
         head = cuda.blockIdx.y
@@ -247,19 +256,20 @@ def build(head_dim, dtype_name, block_m, block_n, softcap=0.0):
                             cuda.gridDim.y)  # fmt: skip
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
-            scale_log2, (window_left, window_right), m_block,
+            scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
         )  # fmt: skip
 
     return forward_portable
 
 
 @functools.lru_cache(maxsize=None)
-def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0):
+def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
     """The portable forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch). Offsets are clamped to the arrays and
     lengths to max_seqlen: no read or write leaves q, k, v, o or lse (nheads, total_q)."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks)
+    sink_of, _ = sink_functions(sinks)
     BLOCK_M = block_m
 
     @kernel
@@ -283,6 +293,7 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0):
         window_right,
         total_q,
         total_k,
+        *variant,
     ):
         head = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -295,7 +306,7 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0):
         bases = packed_bases((q_st, k_st, v_st, o_st), q_start, k_start, head, kv_head, total_q)
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
-            scale_log2, (window_left, window_right), m_block,
+            scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
         )  # fmt: skip
 
     return forward_portable_varlen

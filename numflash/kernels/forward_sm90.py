@@ -78,7 +78,7 @@ from .loads import (
     swizzled_row_loader,
 )
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, shift_of, softcap_function
+from .softmax import NEG_INF, final_lse, shift_of, sink_functions, softcap_function
 
 #: Query rows of one warpgroup: the M of every wgmma.
 WARPGROUP_ROWS = 64
@@ -151,7 +151,7 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None, softcap=0.0,
+    cache=None, softcap=0.0, sinks=False,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -162,13 +162,16 @@ def build(
     families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``softcap`` > 0 caps the scores
-    (softmax.softcap_function)."""
+    (softmax.softcap_function); with ``sinks`` (not over a KV cache) the head's sink logit,
+    the kernel's first ``*variant`` array, joins each row's sum (softmax.sink_functions)."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
         raise ValueError("TMA loads take a producer")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
+    if sinks and cache is not None:
+        raise ValueError("sinks over a KV cache are not built yet")
     if cache == "paged" and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
@@ -176,6 +179,8 @@ def build(
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     CACHE, PAGED = cache is not None, cache == "paged"
     SOFTCAP = softcap > 0
+    SINKS = sinks
+    sink_of, with_sink = sink_functions(sinks)
     PERSISTENT = persistent(producer, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
@@ -430,16 +435,22 @@ def build(
     # -- output ----------------------------------------------------------------------------------
 
     @device_function
-    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q):
-        """O = acc / l_i (0 where l_i = 0) and the row's LSE, for this lane's two rows."""
+    def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink):
+        """O = acc / l_i (0 where l_i = 0) and the row's LSE, for this lane's two rows (the
+        ``sink`` joined to l_i with sinks)."""
         for h in range(2):
             l_row = l_i[h]
             l_row += ptx.shfl_xor(l_row, 1)
             l_row += ptx.shfl_xor(l_row, 2)
+            m_row = m_i[h]
             row = row0 + (lane >> 2) + 8 * h
             if row < seqlen_q:
+                factor = float32(1.0)
+                if SINKS:
+                    m_row, l_row, factor = with_sink(m_row, l_row, sink)
                 # 0 for a row that saw no key (O = 0); NaN for a NaN sum (softmax.inverse_sum)
                 inv_l = ptx_sm90.reciprocal(l_row) if l_row != float32(0.0) else float32(0.0)
+                inv_l *= factor
                 at = o_base + int64(row) * o_ss
                 for dt in range(D_TILES):
                     col = dt * 8 + (lane & 3) * 2
@@ -448,11 +459,13 @@ def build(
                         pair = pack(acc[i] * inv_l, acc[i + 1] * inv_l)
                         ptx.store_pair(o, (at + col) & NON_NEGATIVE, pair)
                 if (lane & 3) == 0:
-                    lse[(lse_base + row) & NON_NEGATIVE] = final_lse(m_i[h], l_row)
+                    lse[(lse_base + row) & NON_NEGATIVE] = final_lse(m_row, l_row)
 
     @device_function
-    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid):
-        """Rows that see no key at all: O = 0, LSE = -inf (the consumer threads)."""
+    def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink):
+        """Rows that see no key at all: O = 0, LSE = -inf (the sink with sinks; the consumer
+        threads)."""
+        empty_lse = final_lse(sink, float32(1.0)) if SINKS else NEG_INF
         t = tid - 128 * FIRST_CONSUMER
         for i in range(t, BLOCK_M * HEAD_DIM, CONSUMER_THREADS):
             r = i // HEAD_DIM
@@ -460,7 +473,7 @@ def build(
                 o[(o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)) & NON_NEGATIVE] = uint16(0)
         for r in range(t, BLOCK_M, CONSUMER_THREADS):
             if m0 + r < seqlen_q:
-                lse[(lse_base + m0 + r) & NON_NEGATIVE] = NEG_INF
+                lse[(lse_base + m0 + r) & NON_NEGATIVE] = empty_lse
 
     # -- the pipeline's synchronisation ------------------------------------------------------
 
@@ -816,7 +829,7 @@ def build(
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, maps, coords, pages, g0, job, producing,
+        tid, lane, warp, maps, coords, pages, g0, job, producing, sink,
     ):  # fmt: skip
         """This thread's part (``producing``: the producer's; a constant where inlined, so each
         role's loop holds its code alone) in rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
@@ -827,7 +840,7 @@ def build(
         batch's tensor maps are over all its rows) the block's. ``pages``: a paged cache's
         geometry (see load_keys). ``g0`` key tiles and ``job`` Q tiles went through the block's
         shared memory before (its earlier work tiles). The key tiles it took (0: its rows see
-        no key)."""
+        no key). ``sink``: the head's sink logit, read only with sinks."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -837,7 +850,7 @@ def build(
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, wl, wr)
         if n_hi <= n_lo:
             if not producing:
-                write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid)
+                write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink)
             return int32(0)
         first_tile = int32(n_lo // BLOCK_N)
         n_tiles = int32((n_hi - first_tile * BLOCK_N + BLOCK_N - 1) // BLOCK_N)
@@ -867,7 +880,7 @@ def build(
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job)  # fmt: skip
+                lane, warp, pages, g0, job, sink)  # fmt: skip
         return n_tiles
 
     @device_function
@@ -880,7 +893,7 @@ def build(
     @device_function
     def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job):  # fmt: skip
+                lane, warp, pages, g0, job, sink):  # fmt: skip
         """A consumer warpgroup's 64 rows over the work tile's key tiles, the block's ``job``-th
         Q tile and its g0-th key tile on; without a producer its threads also refill the ring
         (k_first, v_first, keys_left: the next tile to load; the ring starts at slot 0)."""
@@ -983,7 +996,7 @@ def build(
         release_half(base, EMPTY_V, slot)  # the block's next work tile may refill it
         if not PRODUCER:
             ptx.cp_async_wait(0)  # nothing may be in flight when the tile's work ends
-        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q)
+        write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink)
 
     @device_function
     def counted(taken, g, job):
@@ -996,7 +1009,7 @@ def build(
     @device_function
     def dense_tile(
         tile, work, producing, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q, seqlen_k,
-        heads_per_kv, scale_log2, window, total_q, total_k, tid, lane, warp, g, job,
+        heads_per_kv, scale_log2, window, total_q, total_k, tid, lane, warp, g, job, variant,
     ):  # fmt: skip
         """Work tile ``tile`` of forward_sm90 (attend_block); the key tiles it took."""
         q_st, k_st, v_st, o_st = strides
@@ -1021,7 +1034,7 @@ def build(
         return attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
-            producing,
+            producing, sink_of(variant, head),
         )  # fmt: skip
 
     # setmaxnreg needs the register count at entry: a block per multiprocessor. A block works
@@ -1033,7 +1046,7 @@ def build(
     def forward_sm90(
         q, k, v, o, lse, cu_q, cu_k, maps, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
         heads_per_kv, scale_log2, window_left, window_right, total_q, total_k, nheads, batch,
-        section, q_map, k_map, v_map,
+        section, q_map, k_map, v_map, *variant,
     ):  # fmt: skip
         tid = cuda.threadIdx.x  # read first: the order the registers are allocated in
         lane = tid & 31
@@ -1056,7 +1069,7 @@ def build(
                     taken = dense_tile(
                         tile, work, True, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
                         seqlen_k, heads_per_kv, scale_log2, window, total_q, total_k, tid, lane,
-                        warp, g, job,
+                        warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
                 start, reverse = following(start, reverse, tiles)
@@ -1069,7 +1082,7 @@ def build(
                     taken = dense_tile(
                         tile, work, False, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
                         seqlen_k, heads_per_kv, scale_log2, window, total_q, total_k, tid, lane,
-                        warp, g, job,
+                        warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
                 start, reverse = following(start, reverse, tiles)
@@ -1106,7 +1119,7 @@ def build(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
-            g, job, producing,
+            g, job, producing, NEG_INF,
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)

@@ -51,6 +51,36 @@ def row_log2_lse(lse_value):
     return lse_value * float32(LOG2E)
 
 
+@functools.lru_cache(maxsize=None)
+def sink_functions(sinks):
+    """(``sink_of(variant, head) -> sink``, ``with_sink(m_i, l_i, sink) -> (m, l, factor)``)
+    for a kernel compiled with sink logits (``sinks``, a compile-time flag) or without.
+
+    ``sink_of``: head ``head``'s sink in the log2 domain, from the kernel's ``*variant``
+    arrays (the sinks first); -inf without sinks, which changes nothing. ``with_sink``: a
+    row's log2-domain max ``m_i`` and sum ``l_i`` with the sink joined to the sum (a logit
+    with no value), and the factor by which its output accumulator, kept relative to m_i,
+    is rescaled to the new max: O = acc * factor / l and final_lse(m, l) hold the sink. A row
+    that saw no key gets l = 1 at m = sink (O = 0, LSE = the sink); a -inf sink changes
+    nothing and a NaN one makes the row NaN."""
+    SINKS = sinks
+
+    @device_function
+    def sink_of(variant, head):
+        if SINKS:
+            return variant[0][head] * float32(LOG2E)
+        return NEG_INF
+
+    @device_function
+    def with_sink(m_i, l_i, sink):
+        m = max(m_i, sink)
+        shift = shift_of(m)
+        factor = ptx.exp2(m_i - shift)
+        return m, l_i * factor + ptx.exp2(sink - shift), factor
+
+    return sink_of, with_sink
+
+
 @device_function
 def ceil_div(a, b):
     return int32((a + b - 1) // b)

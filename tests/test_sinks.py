@@ -1,0 +1,158 @@
+"""Attention sinks (issue 32): one logit a head joins every row's softmax denominator with no
+value, through ``attention(..., sinks=)`` and ``attention_varlen(..., sinks=)`` on each forward
+family, forced by configuration, against numflash.reference's float64 reference with the same
+sinks; the backward's dq, dk, dv from the forward's lse; bad sinks refused by name."""
+
+import numpy as np
+import pytest
+from support import (
+    assert_gradients_match,
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+    to_numpy,
+    xp,
+)
+from test_variants import CONFIGS, MASKS, _forced
+
+import numflash
+from numflash.kernels.jit import SIMULATOR
+from numflash.reference import Variants
+
+#: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, softcap)
+CASES = [
+    ("float16", 1, 40, 70, 2, 1, 64, "causal", 0.0),
+    ("bfloat16", 2, 33, 33, 2, 2, 64, "window", 0.0),
+    ("float16", 1, 17, 90, 4, 2, 64, "none", 5.0),
+]
+if not SIMULATOR:
+    CASES += [
+        ("bfloat16", 2, 300, 1000, 8, 2, 128, "causal", 0.0),
+        ("float16", 1, 1023, 777, 4, 4, 128, "none", 30.0),
+        ("bfloat16", 2, 500, 500, 4, 1, 64, "window", 0.0),
+    ]
+
+
+def _sinks(nheads, seed=5):
+    """Sink logits of several units, each side of the rows' own log-sum-exp."""
+    return random_array((nheads,), "float32", np.random.default_rng(seed)) * 3
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}-cap{c[8]}")
+def test_sinks_match_the_reference(family, case):
+    dtype, batch, sq, sk, h, hk, d, mask, softcap = case
+    config = _forced(family, dtype, d)
+    q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
+    sinks = _sinks(h)
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, out=out, return_lse=True, config=config, softcap=softcap, sinks=sinks,
+        **MASKS[mask],
+    )  # fmt: skip
+    assert res is out
+    variants = Variants(softcap=softcap, sinks=sinks)
+    assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
+
+
+def test_sinks_in_float32_on_the_portable_kernel():
+    q, k, v = random_qkv(2, 21, 30, 2, 1, 32, "float32")
+    sinks = _sinks(2)
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, sinks=sinks,
+                                  config=CONFIGS["portable"])  # fmt: skip
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=Variants(sinks=sinks))
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_rows_that_see_no_key_get_the_sink(family):
+    """A window that hides every key from the first rows: out 0 and lse = the head's sink,
+    where the plain call gives lse -inf."""
+    config = _forced(family, "float16", 64)
+    q, k, v = random_qkv(1, 80, 20, 2, 2, 64, "float16")
+    sinks = _sinks(2)
+    window = (0, 0)  # row i sees key i - 60 alone: rows below 60 see none
+    out, lse = numflash.attention(q, k, v, window_size=window, return_lse=True, sinks=sinks,
+                                  config=config)  # fmt: skip
+    lse, out = to_numpy(lse), to_numpy(out).astype(np.float64)
+    np.testing.assert_array_equal(out[:, :60], 0.0)
+    np.testing.assert_allclose(lse[0, :, :60], np.repeat(to_numpy(sinks)[:, None], 60, 1),
+                               rtol=1e-6)  # fmt: skip
+    assert np.isfinite(lse).all()
+
+
+def test_no_keys_at_all_give_the_sink():
+    q = random_array((1, 5, 2, 64), "float16")
+    k = v = random_array((1, 0, 2, 64), "float16")
+    sinks = _sinks(2)
+    out, lse = numflash.attention(q, k, v, return_lse=True, sinks=sinks)
+    assert (to_numpy(out).astype(np.float64) == 0).all()
+    np.testing.assert_array_equal(to_numpy(lse)[0], np.repeat(to_numpy(sinks)[:, None], 5, 1))
+
+
+def test_sinks_with_few_query_rows():
+    """Few rows run the forward kernels (the decode kernels take no sinks yet), not wrongly."""
+    q, k, v = random_qkv(2, 3, 200, 4, 2, 64, "float16")
+    sinks = _sinks(4)
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, sinks=sinks)
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=Variants(sinks=sinks))
+
+
+def test_sinks_over_a_packed_batch():
+    lengths_q, lengths_k = [5, 0, 40, 17], [9, 3, 40, 30]
+    cu_q = xp.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
+    cu_k = xp.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
+    h, hk, d = 4, 2, 64
+    q = random_array((sum(lengths_q), h, d), "float16")
+    k = random_array((sum(lengths_k), hk, d), "float16")
+    v = random_array((sum(lengths_k), hk, d), "float16")
+    sinks = _sinks(h)
+    out, lse = numflash.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
+                                         causal=True, return_lse=True, sinks=sinks)  # fmt: skip
+    variants = Variants(sinks=sinks)
+    for b in range(len(lengths_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        assert_matches_reference(q[rows][None], k[keys][None], v[keys][None], out[rows][None],
+                                 lse[:, rows][None], causal=True, variants=variants)  # fmt: skip
+
+
+def test_repeated_calls_with_other_sinks_are_not_mixed_up():
+    """Calls that differ only in their sinks array (one shape) each see their own."""
+    q, k, v = random_qkv(1, 64, 64, 2, 2, 64, "float16")
+    for seed in (1, 2, 3, 2):
+        sinks = _sinks(2, seed=seed)
+        out, lse = numflash.attention(q, k, v, return_lse=True, sinks=sinks)
+        assert_matches_reference(q, k, v, out, lse, variants=Variants(sinks=sinks))
+    plain_out, plain_lse = numflash.attention(q, k, v, return_lse=True)
+    assert_matches_reference(q, k, v, plain_out, plain_lse)
+
+
+def test_the_backward_of_a_call_with_sinks_from_its_lse():
+    """dq, dk, dv of a call with sinks: attention_backward given the forward's lse, which holds
+    the sinks, against the reference's gradients with the same sinks."""
+    q, k, v = random_qkv(1, 48, 64, 2, 1, 64, "float16")
+    sinks = _sinks(2)
+    dout = random_array(q.shape, "float16")
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, sinks=sinks)
+    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=True, variants=Variants(sinks=sinks))
+
+
+@pytest.mark.parametrize(
+    "sinks, error, words",
+    [
+        (np.zeros(3, np.float32), ValueError, "sinks must have shape (nheads,) = (2,)"),
+        (np.zeros(2, np.float64), TypeError, "sinks must have dtype float32"),
+        (np.zeros((1, 2), np.float32), ValueError, "sinks must have shape"),
+        ([0.0, 1.0], TypeError, "sinks"),
+    ],
+)
+def test_bad_sinks_are_refused_by_name(sinks, error, words):
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 64, "float16")
+    if isinstance(sinks, np.ndarray):
+        sinks = xp.asarray(sinks)
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        numflash.attention(q, k, v, sinks=sinks)
