@@ -23,8 +23,9 @@ seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.
 ``scale_log2 > 0``: the row max is taken on unscaled scores and the scale is folded into the
 fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Packed batches of
 variable-length sequences run the same block body (:func:`build_varlen`); a softcap of the
-scores is a compile-time constant of the build. Does not: dropout, ALiBi, KV cache
-(numflash.kernels.decode).
+scores is a compile-time constant of the build, and so is whether sink logits (one a head, the
+kernel's ``*variant`` array) join each row's sum in the epilogue. Does not: dropout, ALiBi, KV
+cache (numflash.kernels.decode).
 """
 
 import functools

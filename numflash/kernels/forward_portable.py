@@ -11,8 +11,9 @@ and values is loaded into shared memory once (converted to fp32) and read by eve
 
 Supports: float16, bfloat16 (both as uint16 bits) and float32; any head_dim up to 256; GQA;
 causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows that see no key
-(output 0, LSE -inf); a softcap of the scores (a compile-time constant). Packed batches:
-:func:`build_varlen`. Does not: dropout, ALiBi.
+(output 0, LSE -inf); a softcap of the scores (a compile-time constant); sink logits (one a
+head, the ``*variant`` array; a compile-time switch). Packed batches: :func:`build_varlen`.
+Does not: dropout, ALiBi.
 """
 
 import functools

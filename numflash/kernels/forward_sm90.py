@@ -50,7 +50,8 @@ next sequence's rows: masked out of S, and (zero_rows_past_end) zeroed in the la
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
--inf). Needs compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
+-inf); a softcap and, but over a KV cache, sink logits (build's ``softcap``, ``sinks``). Needs
+compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
 first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
 load through the block table: by TMA as boxes of whole pages where the page size allows it
