@@ -65,7 +65,8 @@ _BACKWARD = signature.Signature(
     "backward",
     [(name, "array") for name in ("dout", "q", "k", "v", "out", "lse")]
     + [("causal", "value"), ("softmax_scale", "value"), ("window_size", "window")]
-    + [("deterministic", "value"), ("config", "config"), ("softcap", "value")],
+    + [("deterministic", "value"), ("config", "config"), ("softcap", "value")]
+    + [("sinks", "optional")],
     _NAMESPACE,
 )
 _VARLEN = signature.Signature(
@@ -84,7 +85,8 @@ _KVCACHE = signature.Signature(
     + [("v", "optional"), ("cache_seqlens", "lengths"), ("cache_batch_idx", "optional")]
     + [("block_table", "optional"), ("causal", "value"), ("softmax_scale", "value")]
     + [("window_size", "window"), ("num_splits", "value"), ("return_lse", "value")]
-    + [("out", "optional"), ("config", "config"), ("softcap", "value")],
+    + [("out", "optional"), ("config", "config"), ("softcap", "value")]
+    + [("sinks", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -314,10 +316,9 @@ def attention(
         sinks: optional float32 (nheads,) on q's device: a logit a head that joins every
             row's softmax denominator with no value (gpt-oss's attention sinks): out_i =
             sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sinks[h]}), and lse the log of that whole
-            denominator. :func:`attention_backward` given this lse computes dq, dk and dv of
-            such a call unchanged (the gradient of the sinks themselves is not computed
-            yet). A call with sinks runs the forward kernels even for few query rows and is
-            not replayed from a plan (each call takes the full path).
+            denominator. :func:`attention_backward` takes the same sinks and returns their
+            gradient too. A call with sinks is not replayed from a plan (each takes the full
+            path).
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -371,6 +372,7 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
             window_size,
             0,
             p.softcap,
+            p.sinks,
         )[-1]
     except (TypeError, ValueError):
         return None
@@ -398,8 +400,7 @@ def _attention(
         # -- choose: few query rows go to the decode kernel, unless a configuration is forced
         route = None
         if cfg is None:
-            if not p.sinks:  # the decode kernels take no sinks yet
-                route = _decode_route(q, k, v, p, causal, softmax_scale, window_size, device)
+            route = _decode_route(q, k, v, p, causal, softmax_scale, window_size, device)
             if route is None:
                 cfg = selection.forward(p, device).config
         # -- launch
@@ -411,7 +412,7 @@ def _attention(
                 _empty_rows(out, lse, sinks, (None, slice(None), None))
             elif route is not None:
                 kp, choice, splits = route
-                launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse)
+                launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse, sinks)
             else:
                 launch.forward(cfg, p, q, k, v, out, lse, () if sinks is None else (sinks,))
     return (out, lse) if return_lse else out
@@ -536,9 +537,11 @@ def attention_varlen_backward(
     deterministic=False,
     config=None,
     softcap=0.0,
+    sinks=None,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments (``softcap`` too) and its outputs out and lse (nheads, total_q).
+    the forward's arguments (``softcap`` too) and its outputs out and lse (nheads, total_q);
+    with ``sinks`` also dsinks, as :func:`attention_backward` returns it.
     The kernels and ``deterministic`` as for :func:`attention_backward`, chosen as for a dense
     call of the max lengths; ``config`` forces a backward configuration as there. Rows of no
     sequence, or past a max_seqlen's bound (the forward's cut), get zero gradients.
@@ -551,7 +554,7 @@ def attention_varlen_backward(
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)  # fmt: skip
     return _gradients(p, dout, q, k, v, out, lse, (p.nheads, q.shape[0]), deterministic, config,
-                      (cu_q, cu_k))  # fmt: skip
+                      (cu_q, cu_k), sinks)  # fmt: skip
 
 
 def selected_backward_config(
@@ -583,6 +586,7 @@ def attention_backward(
     deterministic=False,
     config=None,
     softcap=0.0,
+    sinks=None,
 ):
     """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
 
@@ -602,21 +606,26 @@ def attention_backward(
             :class:`numflash.TensorCoreBackwardConfig` (mma.sync, fp16/bf16, compute capability
             8.0+) or a :class:`numflash.WgmmaBackwardConfig` (Hopper). By default numflash
             chooses (:func:`selected_backward_config` tells which).
+        sinks: the forward's sink logits, float32 (nheads,), if it had them: dq, dk and dv
+            need only the forward's lse (which holds them); given, the call also returns
+            dsinks = -sum over batch and rows of exp(sinks[h] - lse) * rowsum(dout * out),
+            summed in a fixed order (a call with sinks is not replayed from a plan).
 
     Returns:
-        dq with q's shape and dtype; dk and dv with k's shape and dtype. With GQA, dk and dv sum
-        the contributions of every query head of their group. Rows that see no key contribute
-        nothing; keys that no row sees get zero gradients; a NaN in the inputs propagates.
+        dq with q's shape and dtype; dk and dv with k's shape and dtype; with ``sinks``, also
+        dsinks, float32 (nheads,). With GQA, dk and dv sum the contributions of every query
+        head of their group. Rows that see no key contribute nothing; keys that no row sees
+        get zero gradients; a NaN in the inputs propagates.
 
     Kernels run on CuPy's current stream; the call returns without synchronising. A repeated
     call replays the launches of the first (numflash.plans).
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    args += (softcap,)
+    args += (softcap, sinks)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
-    if key is None:
+    if key is None or sinks is not None:  # calls with sinks get no plan (as attention's)
         return _attention_backward(*args)
     dout, q, k, v, out, lse = args[:6]
     with launch.recording() as recorded:
@@ -629,20 +638,24 @@ def attention_backward(
 
 def _attention_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config,
-    softcap=0.0,
+    softcap=0.0, sinks=None,
 ):  # fmt: skip
-    # -- validate and normalise
+    # -- validate and normalise (the sinks change no gradient kernel: lse holds them)
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap)
     lse_shape = (p.batch, p.nheads, p.seqlen_q)
-    return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config)
+    return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, sinks=sinks)
 
 
-def _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None):
+def _gradients(
+    p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None, sinks=None
+):
     """(dq, dk, dv) of the validated problem ``p`` over q, k, v: dense, or a packed batch with
-    ``offsets`` = (cu_q, cu_k) (lse of shape ``lse_shape``)."""
+    ``offsets`` = (cu_q, cu_k) (lse of shape ``lse_shape``); with ``sinks`` a fourth, dsinks
+    (launch.sink_gradient)."""
     dout = validation.check_like(dout, "dout", q, "q")
     out = validation.check_like(out, "out", q, "q")
     lse = validation.check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=lse_shape)
+    sinks = validation.check_sinks(sinks, q, p.nheads)
     deterministic = validation.check_flag(deterministic, "deterministic")
     with _on_device(q):
         device = current_device()
@@ -660,7 +673,14 @@ def _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, off
             launch.backward(cfg, p, dout, q, k, v, out, lse, *grads)
         else:
             launch.backward_varlen(cfg, p, dout, q, k, v, out, lse, *grads, *offsets)
-    return grads
+        if sinks is None:
+            return grads
+        dsinks = arrays.empty((p.nheads,), np.float32, like=q)
+        if q.size == 0:
+            dsinks[...] = 0
+        else:
+            launch.sink_gradient(p, dout, out, lse, sinks, dsinks, packed=offsets is not None)
+    return (*grads, dsinks)
 
 
 def selected_kvcache_config(
@@ -708,6 +728,7 @@ def attention_with_kvcache(
     out=None,
     config=None,
     softcap=0.0,
+    sinks=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys and values in place
     (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
@@ -739,6 +760,8 @@ def attention_with_kvcache(
             a multiple of 8, 48 over other pages: chunked prefill, long drafts) runs the
             Hopper forward after appending, fewer the split-KV decode kernel.
         softcap: as :func:`attention`, on every kernel this call may run.
+        sinks: as :func:`attention`: float32 (nheads,), joined to every row's sum (a call with
+            sinks is not replayed from a plan).
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -750,13 +773,14 @@ def attention_with_kvcache(
     replays the launch of the first (numflash.plans).
     """
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
-    args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap)
+    args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
     result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
-    # v (an append would write one over the other): the full path refuses it by name
-    if key is None:
+    # v (an append would write one over the other): the full path refuses it by name; calls
+    # with sinks get no plan (as attention's)
+    if key is None or sinks is not None:
         return _attention_with_kvcache(*args)
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]
@@ -794,16 +818,20 @@ def _rows(k):
 
 def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                             block_table, causal, softmax_scale, window_size, num_splits,
-                            return_lse, out, config, softcap=0.0):  # fmt: skip
+                            return_lse, out, config, softcap=0.0, sinks=None):  # fmt: skip
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
-        softmax_scale, window_size, num_splits, softcap)  # fmt: skip
+        softmax_scale, window_size, num_splits, softcap, sinks is not None)  # fmt: skip
+    sinks = validation.check_sinks(sinks, q, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
+    if sinks is not None:  # the caches are written
+        caches = dict(k_cache=k_cache, v_cache=v_cache)
+        validation.check_no_overlap(sinks, "sinks", caches if k is not None else {})
     if out is not None:
         out = validation.check_like(out, "out", q, "q")
         validation.check_writable(out, "out")
         inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens)
-        inputs.update(cache_batch_idx=batch_idx, block_table=block_table)
+        inputs.update(cache_batch_idx=batch_idx, block_table=block_table, sinks=sinks)
         validation.check_no_overlap(out, "out", inputs)
     with _on_device(q):
         device = current_device()
@@ -815,7 +843,6 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
             out = arrays.empty(q.shape, q.dtype, like=q)
         lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
-            launch.kvcache(
-                cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
-            )
+            launch.kvcache(cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx,
+                           block_table, out, lse, sinks)  # fmt: skip
     return (out, lse) if return_lse else out

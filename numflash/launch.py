@@ -216,6 +216,8 @@ def _param_layout(argtypes):
     }
     fmt, kinds = "=", []
     for ty in argtypes:
+        if isinstance(ty, types.BaseTuple) and len(ty) == 0:  # a plain call's empty *variant
+            continue
         if isinstance(ty, types.Array):
             if ty.ndim != 1 or ty.layout != "C":
                 raise TypeError(f"only 1-D C arrays are launched directly; got {ty}")
@@ -919,6 +921,37 @@ def _preprocess(p, dout, out, lse):
     return lse, delta
 
 
+SINK_GRADIENT = KernelSpec(
+    arrays=(("lse", "float32"), ("delta", "float32"), ("sinks", "float32"),
+            ("dsinks", "float32")),
+    strided=(),
+    scalars=(("batch", "int32"), ("seqlen_q", "int32")),
+)  # fmt: skip
+
+
+def sink_gradient(p, dout, out, lse, sinks, dsinks, packed=False):
+    """dsinks (float32 (nheads,)) of a call with sink logits: D = rowsum(dout * out) again
+    (_preprocess), then one block a head sums exp(sink - lse) * D in a fixed order
+    (backward_portable.build_sink_gradient). ``packed``: a packed batch's (total, heads,
+    head_dim) arrays and its (nheads, total) lse, as one sequence."""
+    dout, out = (_kernel_input(x) for x in (dout, out))
+    if packed:
+        p = dataclasses.replace(p, batch=1, seqlen_q=dout.shape[0])
+        dout, out = dout[None], out[None]
+    lse, delta = _preprocess(p, dout, out, lse)
+    views = {name: arrays.kernel_view(x) for name, x in
+             (("lse", lse), ("delta", delta), ("sinks", sinks), ("dsinks", dsinks))}  # fmt: skip
+    kernel = launcher(("sink gradient",), backward_portable.build_sink_gradient, SINK_GRADIENT,
+                      "float32")  # fmt: skip
+    kernel(
+        (p.nheads,),
+        backward_portable.SINK_GRADIENT_THREADS,
+        arrays.current_stream(),
+        0,
+        SINK_GRADIENT.args(views, (p.batch, p.seqlen_q)),
+    )
+
+
 def _row_statistics(p, dout, out, lse, grads, offsets):
     """(lse, D) of a backward (_preprocess). For a packed batch (``offsets`` given) D is row
     by row, so the dense preprocess kernel computes it over the packed rows as one sequence,
@@ -1122,6 +1155,7 @@ COMBINE = KernelSpec(
     arrays=(("o_part", "float32"), ("lse_part", "float32"), ("out", "elem"), ("lse", "float32")),
     strided=("out",),
     scalars=(("seqlen_q", "int32"), ("nheads", "int32"), ("num_splits", "int32")),
+    variant=(),
 )
 
 #: The tensor-core KV-cache kernel, the whole call in one launch: SPLIT_ATTENTION's arrays,
@@ -1133,15 +1167,17 @@ DECODE = KernelSpec(
     + (("out", "elem"), ("lse", "float32"), ("k", "elem"), ("v", "elem"), ("counters", "int32")),
     strided=("q", "k_cache", "v_cache", "out", "k", "v"),
     scalars=SPLIT_ATTENTION.scalars[:-1],
+    variant=(),
 )
 
 
 def kvcache(
-    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
-):
+    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse,
+    sinks=None,
+):  # fmt: skip
     """:func:`_kvcache` through the launches prepared for its geometry (:func:`prepared`):
     the arrays given, which of them are, the configuration, split count and problem."""
-    given = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
+    given = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse, sinks)
     present = tuple(x is not None for x in given)
     prepared(
         (cfg, num_splits, p, present),
@@ -1151,14 +1187,15 @@ def kvcache(
 
 
 def _kvcache(
-    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse
-):
+    cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse,
+    sinks=None,
+):  # fmt: skip
     """Append k, v (when given), then attention of q over each sequence's keys split
     ``num_splits`` ways, the partials combined into out and lse: one launch of the tensor-core
     kernel, or the portable append, split and combine kernels. Index arrays may be None:
     ``seqlens`` (a device array unless p.cache_seqlens is an int), ``batch_idx`` (the
     identity), ``block_table`` (contiguous cache); stand-ins of ``batch`` int32s are made for
-    them, nothing the size of the cache."""
+    them, nothing the size of the cache. ``sinks``: the sink logits where p.sinks."""
     xp = arrays.array_module(q)
     if seqlens is None:
         seqlens = host_lengths(xp, p.batch, p.cache_seqlens)
@@ -1175,6 +1212,8 @@ def _kvcache(
         "batch_idx": arrays.kernel_view(xp.ascontiguousarray(batch_idx)),
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
     }
+    if sinks is not None:
+        views["sinks"] = arrays.kernel_view(sinks)
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     portable = isinstance(cfg, configs.PortableDecodeConfig)
     prefill = cfg.ROLE == "forward"  # chunked prefill on a forward family (the Hopper forward)
@@ -1207,10 +1246,11 @@ def _kvcache(
     else:
         LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:
+        spec = COMBINE.for_problem(p)
         combine = launcher(
-            (PORTABLE_DECODE_COMBINE, d, dtype),
-            lambda: decode_portable.build_combine(d, dtype),
-            COMBINE,
+            (PORTABLE_DECODE_COMBINE, d, dtype) + (("sinks",) if p.sinks else ()),
+            lambda: decode_portable.build_combine(d, dtype, p.sinks),
+            spec,
             dtype,
         )
         combine(
@@ -1218,7 +1258,7 @@ def _kvcache(
             decode_portable.combine_threads(d),
             stream,
             0,
-            COMBINE.args(views, (p.seqlen_q, p.nheads, num_splits)),
+            spec.args(views, (p.seqlen_q, p.nheads, num_splits)),
         )
     if not direct:
         _copy_back(out, target, p)
@@ -1281,10 +1321,11 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     else:
         views["counters"] = views["seqlens"]  # never touched with one split
     tiles = (cfg.block_n, cfg.num_warps, cfg.stages, p.paged)
+    spec = DECODE.for_problem(p)
     launch = launcher(
         (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged) + variant_key(p),
-        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap),
-        DECODE,
+        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap, p.sinks),
+        spec,
         dtype,
     )
     scalars = (
@@ -1302,7 +1343,7 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         cfg.threads,
         stream,
         cfg.shared_memory_bytes(d),
-        DECODE.args(views, scalars),
+        spec.args(views, scalars),
     )
 
 

@@ -485,7 +485,7 @@ class KVCacheProblem:
     cache_aligned: bool = False
     #: The softcap of the scores (0: none), as Problem's.
     softcap: float = 0.0
-    #: Sink logits (Problem's); not taken by KV-cache calls yet.
+    #: Sink logits, as Problem's.
     sinks: bool = False
 
     @property
@@ -522,7 +522,8 @@ def _check_int(value, name, low=None):
 
 
 def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                    causal, softmax_scale, window_size, num_splits, softcap=0.0):  # fmt: skip
+                    causal, softmax_scale, window_size, num_splits, softcap=0.0,
+                    sinks=False):  # fmt: skip
     """Validated arrays (q, k_cache, v_cache, k, v, cache_seqlens as an array or None,
     cache_batch_idx, block_table) and the :class:`KVCacheProblem` they pose. Checks everything
     that can be known without reading device memory; nothing is written."""
@@ -664,5 +665,6 @@ def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
         num_splits,
         all(arrays.readable_in_place(x, alignment_elements=8) for x in (k_cache, v_cache)),
         check_softcap(softcap),
+        bool(sinks),
     )
     return q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, problem

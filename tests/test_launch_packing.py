@@ -20,6 +20,8 @@ SPECS = {
     name: getattr(launch, name)
     for name in ("FORWARD", "FORWARD_VARLEN", "DQ", "TENSOR_CORE_DKDV", "DECODE", "APPEND")
 }
+#: A kernel with a variant's arrays: its trailing *variant, one array argument each.
+SPECS["FORWARD with sinks"] = launch.FORWARD._replace(variant=(("sinks", "float32"),))
 
 
 @pytest.fixture
@@ -32,8 +34,11 @@ def _arguments(signature):
     """Distinct values for each parameter of ``signature``: arrays at addresses 1 GiB apart."""
     from numba.cuda import types
 
+    flat = []
+    for ty in signature:  # a trailing *variant: its arrays, one argument each
+        flat += list(ty) if isinstance(ty, (types.StarArgTuple, types.StarArgUniTuple)) else [ty]
     args = []
-    for i, ty in enumerate(signature):
+    for i, ty in enumerate(flat):
         if isinstance(ty, types.Array):
             itemsize = ty.dtype.bitwidth // 8
             args.append(KernelArray((i + 1) << 30, 1000 + i, itemsize))

@@ -1,7 +1,8 @@
 """Attention sinks (issue 32): one logit a head joins every row's softmax denominator with no
 value, through ``attention(..., sinks=)`` and ``attention_varlen(..., sinks=)`` on each forward
 family, forced by configuration, against numflash.reference's float64 reference with the same
-sinks; the backward's dq, dk, dv from the forward's lse; bad sinks refused by name."""
+sinks; the backward's dq, dk, dv and dsinks; bad sinks refused by name. The KV-cache call's
+sinks are tested with its other variants (test_variants.py)."""
 
 import numpy as np
 import pytest
@@ -12,13 +13,14 @@ from support import (
     random_array,
     random_qkv,
     to_numpy,
+    wgmma_or_skip,
     xp,
 )
 from test_variants import CONFIGS, MASKS, _forced
 
 import numflash
 from numflash.kernels.jit import SIMULATOR
-from numflash.reference import Variants
+from numflash.reference import Variants, attention_backward_reference, check_backward
 
 #: (dtype, batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, mask, softcap)
 CASES = [
@@ -130,15 +132,77 @@ def test_repeated_calls_with_other_sinks_are_not_mixed_up():
     assert_matches_reference(q, k, v, plain_out, plain_lse)
 
 
-def test_the_backward_of_a_call_with_sinks_from_its_lse():
-    """dq, dk, dv of a call with sinks: attention_backward given the forward's lse, which holds
-    the sinks, against the reference's gradients with the same sinks."""
-    q, k, v = random_qkv(1, 48, 64, 2, 1, 64, "float16")
-    sinks = _sinks(2)
+#: The backward families, forced (the simulator's small tiles; on a GPU the defaults).
+BACKWARD_FAMILIES = ["portable", "tensor-core", "hopper"]
+
+
+@pytest.mark.parametrize("family", BACKWARD_FAMILIES)
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: f"{c[0]}-q{c[2]}-k{c[3]}-{c[7]}")
+def test_gradients_with_sinks_match_the_reference(family, case):
+    """dq, dk, dv of a call with sinks (the backward kernels read them through lse) and
+    dsinks, against the reference's gradients with the same sinks."""
+    from test_variants import BACKWARD_CONFIGS
+
+    dtype, batch, sq, sk, h, hk, d, mask, softcap = case
+    config = wgmma_or_skip(BACKWARD_CONFIGS[family])
+    q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
+    sinks = _sinks(h)
+    dout = random_array(q.shape, dtype)
+    kw = dict(softcap=softcap, **MASKS[mask])
+    out, lse = numflash.attention(q, k, v, return_lse=True, sinks=sinks, **kw)
+    dq, dk, dv, dsinks = numflash.attention_backward(
+        dout, q, k, v, out, lse, sinks=sinks, config=config, **kw
+    )
+    assert dsinks.shape == (h,) and dsinks.dtype == np.float32
+    variants = Variants(softcap=softcap, sinks=sinks)
+    results = check_backward(dout, q, k, v, dq, dk, dv, variants=variants, dsinks=dsinks,
+                             **MASKS[mask])  # fmt: skip
+    for result in results:
+        assert result.nan == 0 and result.err <= result.bar, result
+    # the plain backward over the same lse gives the same dq, dk, dv
+    plain = numflash.attention_backward(dout, q, k, v, out, lse, config=config, **kw)
+    for a, b in zip(plain, (dq, dk, dv)):
+        np.testing.assert_array_equal(to_numpy(a).view(np.uint16), to_numpy(b).view(np.uint16))
+
+
+def test_sink_gradients_of_a_packed_batch():
+    lengths = [30, 0, 45, 1]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1])
+    q = random_array((total, 4, 64), "float16")
+    k, v = (random_array((total, 2, 64), "float16") for _ in range(2))
+    dout = random_array(q.shape, "float16")
+    cu_d = xp.asarray(cu)
+    sinks = _sinks(4)
+    args = (q, k, v, cu_d, cu_d, max(lengths), max(lengths))
+    out, lse = numflash.attention_varlen(*args, causal=True, return_lse=True, sinks=sinks)
+    dq, dk, dv, dsinks = numflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, *args[3:], causal=True, sinks=sinks
+    )
+    variants = Variants(sinks=sinks)
+    want = np.zeros(4)
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        seq = [x[rows][None] for x in (dout, q, k, v)]
+        refs = attention_backward_reference(*seq, causal=True, variants=variants)
+        want += to_numpy(refs[3])
+        assert_gradients_match(*seq, dq[rows][None], dk[rows][None], dv[rows][None],
+                               causal=True, variants=variants)  # fmt: skip
+    np.testing.assert_allclose(to_numpy(dsinks), want, rtol=2e-2, atol=2e-3)
+
+
+def test_sink_gradients_are_repeatable():
+    q, k, v = random_qkv(2, 100, 100, 4, 2, 64, "float16")
+    sinks = _sinks(4)
     dout = random_array(q.shape, "float16")
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, sinks=sinks)
-    dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, causal=True)
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=True, variants=Variants(sinks=sinks))
+    first = to_numpy(numflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                                 sinks=sinks)[3])  # fmt: skip
+    for _ in range(3):
+        again = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, sinks=sinks)
+        np.testing.assert_array_equal(to_numpy(again[3]), first)
 
 
 @pytest.mark.parametrize(

@@ -145,11 +145,23 @@ KVCACHE_CONFIGS = {
 }
 
 
+#: The variants over a KV cache: (name, softcap, sinks, num_splits); several splits take the
+#: decode kernels' combine, where a sink joins the sum.
+KVCACHE_VARIANTS = [
+    ("softcap", 1.5, False, 0),
+    ("sinks", 0.0, True, 1),
+    ("sinks-3-splits", 0.0, True, 3),
+    ("softcap-sinks", 4.0, True, 2),
+]
+
+
+@pytest.mark.parametrize("variant", KVCACHE_VARIANTS, ids=lambda c: c[0])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("family", list(KVCACHE_CONFIGS))
-def test_softcap_over_a_kv_cache_matches_the_reference(family, paged):
-    """attention_with_kvcache(softcap=) with an append: each sequence's rows against the
-    reference over its keys after the append."""
+def test_variants_over_a_kv_cache_match_the_reference(family, paged, variant):
+    """attention_with_kvcache(softcap=, sinks=) with an append: each sequence's rows against
+    the reference over its keys after the append."""
+    _, softcap, with_sinks, num_splits = variant
     config = KVCACHE_CONFIGS[family]
     problems = config.problems(64, numflash.device.current_device())
     if problems:
@@ -172,10 +184,14 @@ def test_softcap_over_a_kv_cache_matches_the_reference(family, paged):
     else:
         caches = (k_cache, v_cache)
     seqlens = xp.asarray(np.array(lengths, np.int32))
+    sinks = random_array((4,), "float32") * 3 if with_sinks else None
+    if family == "hopper":
+        num_splits = 0  # the Hopper forward does not split the keys
     out, lse = numflash.attention_with_kvcache(
         q, *caches, k_new, v_new, cache_seqlens=seqlens, causal=True, return_lse=True,
-        config=config, softcap=1.5, **kw,
+        config=config, softcap=softcap, sinks=sinks, num_splits=num_splits, **kw,
     )  # fmt: skip
+    variants = Variants(softcap=softcap, sinks=sinks)
     for b, length in enumerate(lengths):
         keys = slice(0, length + new)
         k_b = xp.concatenate([k_cache[b, :length], k_new[b]])[None]
@@ -183,7 +199,7 @@ def test_softcap_over_a_kv_cache_matches_the_reference(family, paged):
         assert k_b.shape[1] == keys.stop
         result = check(
             q[b : b + 1], k_b, v_b, out[b : b + 1], lse[b : b + 1], causal=True,
-            variants=Variants(softcap=1.5),
+            variants=variants,
         )  # fmt: skip
         assert result.nan == 0 and result.err <= result.bar, (b, result)
         assert result.lse_err <= result.lse_bar, (b, result)

@@ -316,6 +316,7 @@ WGMMA_KVCACHE = launch.KernelSpec(
             ("block_table", "int32"), ("maps", "int64")),
     strided=("q", "k_cache", "v_cache", "o"),
     scalars=launch.SPLIT_ATTENTION.scalars[:6] + launch.SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
+    variant=(),
 )  # fmt: skip
 
 
@@ -340,10 +341,11 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     tma, maps = _maps_or_none(maps, xp)
     views["maps"] = arrays.kernel_view(maps[0])
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
+    spec = WGMMA_KVCACHE.for_problem(p)
     kernel = launch.launcher(
         (WgmmaForwardConfig, d, dtype, cfg, cache, tma) + launch.variant_key(p),
-        lambda: forward_sm90.build(d, dtype, *schedule, softcap=p.softcap),
-        WGMMA_KVCACHE,
+        lambda: forward_sm90.build(d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks),
+        spec,
         dtype,
     )
     scalars = (p.seqlen_q, p.seqlen_new, p.heads_per_kv, np.float32(scale * launch.LOG2E))
@@ -351,4 +353,4 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     scalars += _wgmma_work(p, d) + tuple(maps[1])
     shared = forward_sm90.shared_memory_layout(d, cfg.block_m, cfg.block_n, cfg.stages, p.paged)
     grid = _wgmma_grid(cfg, p, cache)
-    kernel(grid, cfg.threads, stream, shared[-1], WGMMA_KVCACHE.args(views, scalars))
+    kernel(grid, cfg.threads, stream, shared[-1], spec.args(views, scalars))

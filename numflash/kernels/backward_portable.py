@@ -75,6 +75,48 @@ def build_preprocess(head_dim, dtype_name, rows):
     return preprocess
 
 
+#: Threads of the sink-gradient kernel's block (a power of two: its tree reduction halves them).
+SINK_GRADIENT_THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def build_sink_gradient():
+    """dsinks[h] = -sum over batch and rows of exp(sinks[h] - lse) * D, the gradient of the
+    loss by each head's sink logit (D = rowsum(dO * O), lse holding the sinks): one block a
+    head, grid (nheads,), SINK_GRADIENT_THREADS threads, lse and D contiguous (batch, nheads,
+    seqlen_q). Each thread sums a fixed stride of the rows and the block halves the partials
+    in a fixed order: the same inputs give the same bits. A row whose lse is -inf (a -inf
+    sink and no key) weighs nothing."""
+    THREADS = SINK_GRADIENT_THREADS
+
+    @kernel
+    def sink_gradient(lse, delta, sinks, dsinks, batch, seqlen_q):
+        part = cuda.shared.array(THREADS, float32)
+        head = cuda.blockIdx.x
+        nheads = cuda.gridDim.x
+        tid = cuda.threadIdx.x
+        sink = sinks[head]
+        acc = float32(0.0)
+        for b in range(batch):
+            base = (int64(b) * nheads + head) * seqlen_q
+            for i in range(tid, seqlen_q, THREADS):
+                x = lse[base + i]
+                if x != NEG_INF:
+                    acc += ptx.exp2((sink - x) * float32(LOG2E)) * delta[base + i]
+        part[tid] = acc
+        cuda.syncthreads()
+        width = THREADS // 2
+        while width > 0:
+            if tid < width:
+                part[tid] += part[tid + width]
+            cuda.syncthreads()
+            width //= 2
+        if tid == 0:
+            dsinks[head] = -part[0]
+
+    return sink_gradient
+
+
 def _score_and_dp(head_dim):
     """A device function: (q . k, dO . v) of one query row and one key row, each pair of rows
     read at its own offset (q and dO share one, k and v the other)."""

@@ -45,7 +45,16 @@ from .forward_portable import FROM_F32
 from .fragments import acc_index, accumulator_position
 from .jit import SIMULATOR, device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, shift_of, softcap_function
+from .softmax import (
+    LN2,
+    LOG2E,
+    NEG_INF,
+    final_lse,
+    inverse_sum,
+    shift_of,
+    sink_functions,
+    softcap_function,
+)
 from .warp_step import swizzled_chunk, warp_step
 
 #: Query rows of a block: one 16-row mma tile.
@@ -90,11 +99,13 @@ def merge_floats(head_dim, num_warps):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
+def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, sinks=False):
     """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
     batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
     shared memory; with several splits, ``counters`` holds one zero int32 per row group
-    (batch, kv head, block of 16 rows), and every launch leaves them zero."""
+    (batch, kv head, block of 16 rows), and every launch leaves them zero. With ``sinks`` the
+    row's head's sink logit (the ``*variant`` array) joins its sum where the output is made:
+    the one split's merge, or the combine of several (their partials hold no sink)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16
     BLOCK_N, NUM_WARPS, STAGES = block_n, num_warps, stages
@@ -117,6 +128,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
     ACC_REGS = D_TILES * 4
     SOFTCAP = softcap > 0  # the scores capped (softmax.softcap_function)
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
+    SINKS = sinks
+    sink_of, with_sink = sink_functions(sinks)
     FLAGS = STAGES * KEYS
     ABSENT = FLAGS + STAGES  # shared-array sizes must be plain constants
     ADDRESSES = 4 * KEYS  # two tiles' (k_at, v_at) pairs
@@ -348,7 +361,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
     @device_function
     def merge_and_write(
         merged, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows, seqlen_q,
-        heads_per_kv, split, num_splits, tid,
+        heads_per_kv, split, num_splits, tid, variant,
     ):  # fmt: skip
         """Every thread merges COLS columns of one of the block's rows across the warps'
         published rows (weights exp2(m_w - m)) and writes them: the output and LSE with one
@@ -369,6 +382,9 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
                 total += merge_ml[(w * ROWS + r) * 2 + 1] * weights[w]
             inv = inverse_sum(total)
             i, head, row_at = output_row(b, kv_head, rr, seqlen_q, heads_per_kv)
+            if SINKS and num_splits == 1:
+                m, total, factor = with_sink(m, total, sink_of(variant, head))
+                inv = inverse_sum(total) * factor
             if num_splits > 1:
                 row_at += int64(split) * cuda.gridDim.z * nheads * seqlen_q
             for c in range(COLS):
@@ -410,7 +426,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
     @device_function
     def combine_partials(
         o_part, lse_part, out, lse, o_st, b, kv_head, rr0, rows, seqlen_q, heads_per_kv,
-        num_splits, tid,
+        num_splits, tid, variant,
     ):  # fmt: skip
         """The output and LSE of the block's rows from every split's partial: out = sum_s
         exp(LSE_s - LSE) O_s with LSE = log sum_s exp(LSE_s); rows that see no key get 0 and
@@ -452,6 +468,15 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
                         for c in range(COLS):
                             values[c] = values[c] * keep + w * parts[u * COLS + c]
                         m = m_new
+            if SINKS:  # the sink joins the sum once, as a split with no value
+                x = sink_of(variant, head) * float32(LN2)
+                m_new = max(m, x)
+                shift = shift_of(m_new)
+                keep = ptx.exp2((m - shift) * float32(LOG2E))
+                total = total * keep + ptx.exp2((x - shift) * float32(LOG2E))
+                for c in range(COLS):
+                    values[c] *= keep
+                m = m_new
             inv = inverse_sum(total)
             for c in range(COLS):
                 d = j + c * TPR
@@ -495,6 +520,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
         slots,
         capacity,
         num_splits,
+        *variant,
     ):
         q_sb, q_ss, q_sh = q_st
         smem = cuda.shared.array(0, uint16)
@@ -680,7 +706,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
         cuda.syncthreads()
         merge_and_write(
             merge_acc, merge_ml, out, lse, o_part, lse_part, o_st, b, kv_head, rr0, rows,
-            seqlen_q, heads_per_kv, split, num_splits, tid,
+            seqlen_q, heads_per_kv, split, num_splits, tid, variant,
         )  # fmt: skip
         if num_splits > 1:  # -- the last split block of the row group to arrive combines
             cuda.syncthreads()  # every thread's partial is written (for the block) ...
@@ -697,7 +723,7 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0):
             if absent[0] == 1:
                 combine_partials(
                     o_part, lse_part, out, lse, o_st, b, kv_head, rr0, rows, seqlen_q,
-                    heads_per_kv, num_splits, tid,
+                    heads_per_kv, num_splits, tid, variant,
                 )  # fmt: skip
 
     return decode

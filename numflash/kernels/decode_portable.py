@@ -277,15 +277,17 @@ def combine_threads(head_dim):
 
 
 @functools.lru_cache(maxsize=None)
-def build_combine(head_dim, dtype_name):
+def build_combine(head_dim, dtype_name, sinks=False):
     """The combine kernel: grid (nheads * seqlen_q, batch), combine_threads(head_dim) threads,
     one output column each (the split weights are recomputed by every thread: num_splits
-    exp2 a thread, from values the whole block reads at once)."""
+    exp2 a thread, from values the whole block reads at once). With ``sinks`` the head's sink
+    logit (the ``*variant`` array) joins the sum as a split with no value."""
     HEAD_DIM = head_dim
+    SINKS = sinks
     from_f32 = FROM_F32[dtype_name]
 
     @kernel
-    def combine(o_part, lse_part, out, lse, out_st, seqlen_q, nheads, num_splits):
+    def combine(o_part, lse_part, out, lse, out_st, seqlen_q, nheads, num_splits, *variant):
         o_sb, o_ss, o_sh = out_st
         r = cuda.blockIdx.x  # head * seqlen_q + position
         b = cuda.blockIdx.y
@@ -297,8 +299,14 @@ def build_combine(head_dim, dtype_name):
         m = NEG_INF
         for s in range(num_splits):
             m = max(m, lse_part[first + s * stride])
+        sink = NEG_INF
+        if SINKS:
+            sink = variant[0][head]
+            m = max(m, sink)
         shift = m if m != NEG_INF else float32(0.0)
         total = float32(0.0)
+        if SINKS:
+            total = ptx.exp2((sink - shift) * float32(LOG2E))
         value = float32(0.0)
         for s in range(num_splits):
             w = ptx.exp2((lse_part[first + s * stride] - shift) * float32(LOG2E))

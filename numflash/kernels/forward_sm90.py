@@ -50,7 +50,7 @@ next sequence's rows: masked out of S, and (zero_rows_past_end) zeroed in the la
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
--inf); a softcap and, but over a KV cache, sink logits (build's ``softcap``, ``sinks``). Needs
+-inf); a softcap and sink logits (build's ``softcap``, ``sinks``). Needs
 compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
 first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
@@ -163,16 +163,14 @@ def build(
     families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``softcap`` > 0 caps the scores
-    (softmax.softcap_function); with ``sinks`` (not over a KV cache) the head's sink logit,
-    the kernel's first ``*variant`` array, joins each row's sum (softmax.sink_functions)."""
+    (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
+    ``*variant`` array, joins each row's sum (softmax.sink_functions)."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
         raise ValueError("TMA loads take a producer")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
-    if sinks and cache is not None:
-        raise ValueError("sinks over a KV cache are not built yet")
     if cache == "paged" and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
@@ -1092,7 +1090,7 @@ def build(
     def cache_tile(
         tile, work, producing, q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table,
         maps, strides, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window, page_size,
-        max_blocks, slots, capacity, flag0, tid, lane, warp, g, job,
+        max_blocks, slots, capacity, flag0, tid, lane, warp, g, job, variant,
     ):  # fmt: skip
         """Work tile ``tile`` of forward_sm90_kvcache (attend_block); the key tiles it took."""
         q_st, kc_st, vc_st, o_st = strides
@@ -1120,7 +1118,7 @@ def build(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
-            g, job, producing, NEG_INF,
+            g, job, producing, sink_of(variant, head),
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
@@ -1128,6 +1126,7 @@ def build(
         q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, q_st, kc_st, vc_st,
         o_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left, window_right,
         page_size, max_blocks, slots, capacity, nheads, batch, section, q_map, k_map, v_map,
+        *variant,
     ):  # fmt: skip
         """Chunked prefill: q (batch, seqlen_q, nheads, head_dim) over sequence b's keys of the
         caches, cache_seqlens[b] + seqlen_new of them within [0, capacity] (the new rows were
@@ -1156,7 +1155,7 @@ def build(
                         tile, work, True, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
                         block_table, maps, strides, seqlen_q, seqlen_new, heads_per_kv,
                         scale_log2, window, page_size, max_blocks, slots, capacity, flag0, tid,
-                        lane, warp, g, job,
+                        lane, warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
                 start, reverse = following(start, reverse, tiles)
@@ -1170,7 +1169,7 @@ def build(
                         tile, work, False, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
                         block_table, maps, strides, seqlen_q, seqlen_new, heads_per_kv,
                         scale_log2, window, page_size, max_blocks, slots, capacity, flag0, tid,
-                        lane, warp, g, job,
+                        lane, warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
                 start, reverse = following(start, reverse, tiles)
