@@ -51,7 +51,9 @@ def _rows_key(max_seqlen):
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
 _NAMESPACE.update(ROWS=_rows_key)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
-#: arrays' roles follow this order; a replay appends the outputs the call makes).
+#: arrays' roles follow this order; a replay appends the outputs the call makes). ``sinks``
+#: comes last and only calls without sinks get plans: in those its role holds address 0, and
+#: the first output a replay makes takes that role's place.
 _ATTENTION = signature.Signature(
     "attention",
     [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
