@@ -2,7 +2,8 @@
 jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss curve, and
 jax_decode.py decodes over paged caches in a jitted loop as one causal pass computes;
 ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
-generates the same tokens eagerly and from a CUDA graph."""
+generates the same tokens eagerly and from a CUDA graph; sinks_decode.py's decoding loop with
+sinks and a window agrees with one pass over the whole sequences."""
 
 import math
 import sys
@@ -45,6 +46,16 @@ def test_example_learns_to_reverse_within_a_minute():
     elapsed = time.perf_counter() - start
     assert elapsed < 60, elapsed
     assert history[-1][1] < 0.25 * math.log(16), history[-1]
+
+
+def test_sinks_decode_example_agrees_with_one_pass_over_the_whole_sequences():
+    """examples/sinks_decode.py at tiny sizes: a prompt through chunked prefill, then steps of
+    one token, with sinks and a sliding window over a paged cache; it exits with an error if
+    the steps differ from attention over the whole sequences."""
+    import sinks_decode
+
+    diff = sinks_decode.main(["--batch", "2", "--prompt", "37", "--steps", "3", "--window", "9"])
+    assert diff < 4e-3
 
 
 @pytest.mark.gpu
