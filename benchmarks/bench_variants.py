@@ -8,7 +8,12 @@ not. For every variant (``softcap=30``; ``sinks``, one random logit a head) the 
 which holds the sinks) run on the same inputs as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu, L2 flushed between runs). Each
 variant's output is first checked against the float64 reference on a small problem, so a fast
 wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
-(1.10 = 10% slower). Writes benchmarks/results/variants.json and variants.md.
+(1.10 = 10% slower).
+
+Then gpt-oss-style decoding: one query row a sequence, batch 64, 4096 cached tokens in pages of
+16, 64 query heads / 8 KV heads, head_dim 64, a 128-token window, the new key and value
+appended (the same slot every run): ``attention_with_kvcache`` with and without sinks.
+Writes benchmarks/results/variants.json and variants.md.
 """
 
 import os
@@ -78,6 +83,37 @@ def time_problem(dtype, causal, seqlen, batch, runs):
     return timings
 
 
+#: gpt-oss's decoding shape: (batch, cached tokens, heads, kv heads, head_dim, window, page)
+DECODE = (64, 4096, 64, 8, 64, 128, 16)
+
+
+def time_decode(dtype, runs):
+    """(plain timing, timing with sinks) of one gpt-oss-style decoding step (DECODE)."""
+    batch, cached, heads, kv_heads, d, window, page = DECODE
+    rng = cupy.random.default_rng(4)
+
+    def randn(*shape):
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(dtype)
+
+    pages = batch * (cached + page) // page
+    k_cache, v_cache = randn(pages, page, kv_heads, d), randn(pages, page, kv_heads, d)
+    table = cupy.arange(pages, dtype=cupy.int32).reshape(batch, -1)
+    seqlens = cupy.full((batch,), cached, dtype=cupy.int32)
+    q, k, v = randn(batch, 1, heads, d), randn(batch, 1, kv_heads, d), randn(batch, 1, kv_heads, d)
+    sinks = rng.standard_normal(heads, dtype=cupy.float32)
+    timings = []
+    for extra in ({}, {"sinks": sinks}):
+
+        def step(extra=extra):
+            numflash.attention_with_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
+                causal=True, window_size=(window - 1, 0), **extra,
+            )  # fmt: skip
+
+        timings.append(time_gpu(step, runs=runs))
+    return timings
+
+
 def main():
     ap = peers.parser(__doc__, choices=list(DTYPES))
     ap.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
@@ -123,6 +159,21 @@ def main():
                         f"{bwd.median_ms / plain_bwd.median_ms:.3f} |"
                     )
                 print(lines[-1], flush=True)
+    lines += [
+        "",
+        "gpt-oss-style decoding step (batch 64 x 4096 cached in pages of 16, 64 / 8 heads, "
+        "head_dim 64, window 128), us:",
+        "",
+        "| dtype | plain | sinks | sinks / plain |",
+        "|---|---|---|---|",
+    ]
+    for dt in args.dtypes:
+        plain, sinks = time_decode(DTYPES[dt], args.runs)
+        for variant, timing in (("plain", plain), ("sinks", sinks)):
+            records.append(peers.record(timing, 0, "numflash", "decode", dt, variant=variant))
+        lines.append(f"| {dt} | {plain.median_ms * 1e3:.1f} | {sinks.median_ms * 1e3:.1f} | "
+                     f"{sinks.median_ms / plain.median_ms:.3f} |")  # fmt: skip
+        print(lines[-1], flush=True)
     peers.save_results(args.out_dir, "variants", dev, records, "\n".join(lines) + "\n")
 
 
