@@ -145,23 +145,25 @@ KVCACHE_CONFIGS = {
 }
 
 
-#: The variants over a KV cache: (name, softcap, sinks, num_splits); several splits take the
-#: decode kernels' combine, where a sink joins the sum.
+#: The variants over a KV cache: (name, softcap, sinks, num_splits, paged), contiguous and
+#: paged where the variant is given both; several splits take the decode kernels' combine,
+#: where a sink joins the sum, one split their merge.
 KVCACHE_VARIANTS = [
-    ("softcap", 1.5, False, 0),
-    ("sinks", 0.0, True, 1),
-    ("sinks-3-splits", 0.0, True, 3),
-    ("softcap-sinks", 4.0, True, 2),
+    ("softcap", 1.5, False, 0, False),
+    ("softcap", 1.5, False, 0, True),
+    ("sinks", 0.0, True, 1, False),
+    ("softcap-sinks-3-splits", 4.0, True, 3, True),
 ]
 
 
-@pytest.mark.parametrize("variant", KVCACHE_VARIANTS, ids=lambda c: c[0])
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize(
+    "variant", KVCACHE_VARIANTS, ids=lambda c: c[0] + ("-paged" if c[4] else "-contiguous")
+)
 @pytest.mark.parametrize("family", list(KVCACHE_CONFIGS))
-def test_variants_over_a_kv_cache_match_the_reference(family, paged, variant):
+def test_variants_over_a_kv_cache_match_the_reference(family, variant):
     """attention_with_kvcache(softcap=, sinks=) with an append: each sequence's rows against
     the reference over its keys after the append."""
-    _, softcap, with_sinks, num_splits = variant
+    _, softcap, with_sinks, num_splits, paged = variant
     config = KVCACHE_CONFIGS[family]
     problems = config.problems(64, numflash.device.current_device())
     if problems:
