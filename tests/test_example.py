@@ -54,7 +54,7 @@ def test_sinks_decode_example_agrees_with_one_pass_over_the_whole_sequences():
     the steps differ from attention over the whole sequences."""
     import sinks_decode
 
-    diff = sinks_decode.main(["--batch", "2", "--prompt", "37", "--steps", "3", "--window", "9"])
+    diff = sinks_decode.main(["--batch", "2", "--prompt", "21", "--steps", "2", "--window", "9"])
     assert diff < 4e-3
 
 
