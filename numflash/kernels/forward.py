@@ -82,7 +82,6 @@ def _block_attender(
     pack = PACK[dtype_name]
     SOFTCAP = softcap > 0
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
-    SINKS = sinks
     _, with_sink = sink_functions(sinks)
     load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
@@ -138,9 +137,7 @@ def _block_attender(
                 m_row = m_i[r]
                 row = row0 + mt * 16 + (lane >> 2) + 8 * h
                 if row < seqlen_q:
-                    factor = float32(1.0)
-                    if SINKS:
-                        m_row, l_row, factor = with_sink(m_row, l_row, sink)
+                    m_row, l_row, factor = with_sink(m_row, l_row, sink)
                     inv_l = inverse_sum(l_row) * factor
                     out_row = o_base + int64(row) * o_ss
                     for dt in range(D_TILES):
@@ -160,7 +157,8 @@ def _block_attender(
             r = i // HEAD_DIM
             if m0 + r < seqlen_q:
                 o[o_base + int64(m0 + r) * o_ss + (i - r * HEAD_DIM)] = uint16(0)
-        empty_lse = final_lse(sink, float32(1.0)) if SINKS else NEG_INF
+        m_empty, l_empty, _ = with_sink(NEG_INF, float32(0.0), sink)
+        empty_lse = final_lse(m_empty, l_empty)
         for r in range(tid, BLOCK_M, THREADS):
             if m0 + r < seqlen_q:
                 lse[lse_base + m0 + r] = empty_lse

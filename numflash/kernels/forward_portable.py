@@ -145,7 +145,6 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
     (left, right). ``softcap`` > 0 caps the scores (softmax.softcap_functions); with
     ``sinks`` the head's ``sink`` joins each row's sum (softmax.sink_functions)."""
     SOFTCAP = softcap > 0
-    SINKS = sinks
     _, with_sink = sink_functions(sinks)
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
@@ -212,9 +211,7 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
             m_i = m_new
 
         if active:
-            factor = float32(1.0)
-            if SINKS:
-                m_i, l_i, factor = with_sink(m_i, l_i, sink)
+            m_i, l_i, factor = with_sink(m_i, l_i, sink)
             inv_l = inverse_sum(l_i) * factor
             o_at = o_base + row * o_ss
             for d in range(HEAD_DIM):

@@ -178,7 +178,6 @@ def build(
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     CACHE, PAGED = cache is not None, cache == "paged"
     SOFTCAP = softcap > 0
-    SINKS = sinks
     sink_of, with_sink = sink_functions(sinks)
     PERSISTENT = persistent(producer, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
@@ -444,9 +443,7 @@ def build(
             m_row = m_i[h]
             row = row0 + (lane >> 2) + 8 * h
             if row < seqlen_q:
-                factor = float32(1.0)
-                if SINKS:
-                    m_row, l_row, factor = with_sink(m_row, l_row, sink)
+                m_row, l_row, factor = with_sink(m_row, l_row, sink)
                 # 0 for a row that saw no key (O = 0); NaN for a NaN sum (softmax.inverse_sum)
                 inv_l = ptx_sm90.reciprocal(l_row) if l_row != float32(0.0) else float32(0.0)
                 inv_l *= factor
@@ -464,7 +461,8 @@ def build(
     def write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink):
         """Rows that see no key at all: O = 0, LSE = -inf (the sink with sinks; the consumer
         threads)."""
-        empty_lse = final_lse(sink, float32(1.0)) if SINKS else NEG_INF
+        m_empty, l_empty, _ = with_sink(NEG_INF, float32(0.0), sink)
+        empty_lse = final_lse(m_empty, l_empty)
         t = tid - 128 * FIRST_CONSUMER
         for i in range(t, BLOCK_M * HEAD_DIM, CONSUMER_THREADS):
             r = i // HEAD_DIM

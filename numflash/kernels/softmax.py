@@ -62,7 +62,8 @@ def sink_functions(sinks):
     with no value), and the factor by which its output accumulator, kept relative to m_i,
     is rescaled to the new max: O = acc * factor / l and final_lse(m, l) hold the sink. A row
     that saw no key gets l = 1 at m = sink (O = 0, LSE = the sink); a -inf sink changes
-    nothing and a NaN one makes the row NaN."""
+    nothing and a NaN one makes the row NaN. Without sinks, (m_i, l_i, 1): the epilogues call
+    it either way."""
     SINKS = sinks
 
     @device_function
@@ -73,6 +74,8 @@ def sink_functions(sinks):
 
     @device_function
     def with_sink(m_i, l_i, sink):
+        if not SINKS:
+            return m_i, l_i, float32(1.0)
         m = max(m_i, sink)
         shift = shift_of(m)
         factor = ptx.exp2(m_i - shift)
