@@ -1,11 +1,14 @@
 """Attention-variant benchmark: what each built-in variant costs beside the plain call.
 
     python benchmarks/bench_variants.py [--dtypes float16 bfloat16] [--seqlens 4096 16384]
+        [--variants softcap sinks alibi]
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, batch x seqlen = 32768 tokens, causal and
-not. For every variant (``softcap=30``; ``sinks``, one random logit a head) the forward
-(``attention`` with its lse) and the backward (``attention_backward``; over the forward's lse,
-which holds the sinks) run on the same inputs as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu, L2 flushed between runs). Each
+not. For every variant (``softcap=30``; ``sinks``, one random logit a head; ``alibi``,
+BLOOM's slopes 2^(-8 (h + 1) / 32)) the forward (``attention`` with its lse) and the backward
+(``attention_backward``; over the forward's lse, which holds the sinks) run on the same inputs
+as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu,
+L2 flushed between runs). Each
 variant's output is first checked against the float64 reference on a small problem, so a fast
 wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
 (1.10 = 10% slower).
@@ -33,7 +36,7 @@ from bench_forward import DTYPES  # noqa: E402
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 
 #: The variants timed ("plain" is the baseline).
-VARIANTS = ("plain", "softcap", "sinks")
+VARIANTS = ("plain", "softcap", "sinks", "alibi")
 
 
 def variant_kwargs(variant):
@@ -43,6 +46,9 @@ def variant_kwargs(variant):
     if variant == "sinks":
         sinks = cupy.random.default_rng(3).standard_normal(NHEADS, dtype=cupy.float32)
         return {"sinks": sinks}, {}
+    if variant == "alibi":
+        slopes = 2.0 ** (-8.0 * cupy.arange(1, NHEADS + 1, dtype=cupy.float32) / NHEADS)
+        return {"alibi_slopes": slopes}, {"alibi_slopes": slopes}
     return {}, {}
 
 
@@ -65,11 +71,11 @@ def check(dtype, causal, variant):
         raise SystemExit(f"{variant} forward wrong: error {result.err:.3g} > bar {result.bar:.3g}")
 
 
-def time_problem(dtype, causal, seqlen, batch, runs):
-    """{variant: (forward timing, backward timing)} on one problem."""
+def time_problem(dtype, causal, seqlen, batch, runs, variants):
+    """{variant: (forward timing, backward timing)} on one problem, the plain call's first."""
     q, k, v, dout = gqa_arrays(batch, seqlen, dtype)
     timings = {}
-    for variant in VARIANTS:
+    for variant in ("plain", *variants):
         kwargs, backward_kwargs = variant_kwargs(variant)
         out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
 
@@ -120,6 +126,8 @@ def main():
     ap.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS[1:], default=list(VARIANTS[1:]))
+    ap.add_argument("--no-decode", action="store_true", help="skip the decoding step")
     args = ap.parse_args()
     dev = current_device()
     print(f"device: {dev.name} ({dev.arch}), numflash {numflash.__version__}", flush=True)
@@ -131,11 +139,11 @@ def main():
     ]
     for dt in args.dtypes:
         for causal in causals:
-            for variant in VARIANTS:
+            for variant in ("plain", *args.variants):
                 check(DTYPES[dt], causal, variant)
             for seqlen in args.seqlens:
                 batch = max(1, args.tokens // seqlen)
-                timings = time_problem(DTYPES[dt], causal, seqlen, batch, args.runs)
+                timings = time_problem(DTYPES[dt], causal, seqlen, batch, args.runs, args.variants)
                 flops = attention_flops(batch, NHEADS, seqlen, seqlen, HEAD_DIM, causal)
                 plain_fwd, plain_bwd = timings["plain"]
                 for variant, (fwd, bwd) in timings.items():
@@ -159,6 +167,9 @@ def main():
                         f"{bwd.median_ms / plain_bwd.median_ms:.3f} |"
                     )
                 print(lines[-1], flush=True)
+    if args.no_decode:
+        peers.save_results(args.out_dir, "variants", dev, records, "\n".join(lines) + "\n")
+        return
     lines += [
         "",
         "gpt-oss-style decoding step (batch 64 x 4096 cached in pages of 16, 64 / 8 heads, "

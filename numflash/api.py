@@ -51,15 +51,15 @@ def _rows_key(max_seqlen):
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
 _NAMESPACE.update(ROWS=_rows_key)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
-#: arrays' roles follow this order; a replay appends the outputs the call makes). ``sinks``
-#: comes last and only calls without sinks get plans: in those its role holds address 0, and
-#: the first output a replay makes takes that role's place.
+#: arrays' roles follow this order; a replay appends the outputs the call makes). The variant
+#: arrays (``sinks``, ``alibi_slopes``) come last and only calls without them get plans: in
+#: those their roles hold address 0, and the outputs a replay makes take their places.
 _ATTENTION = signature.Signature(
     "attention",
     [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config"), ("softcap", "value")]
-    + [("sinks", "optional")],
+    + [("sinks", "optional"), ("alibi_slopes", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -68,7 +68,7 @@ _BACKWARD = signature.Signature(
     [(name, "array") for name in ("dout", "q", "k", "v", "out", "lse")]
     + [("causal", "value"), ("softmax_scale", "value"), ("window_size", "window")]
     + [("deterministic", "value"), ("config", "config"), ("softcap", "value")]
-    + [("sinks", "optional")],
+    + [("sinks", "optional"), ("alibi_slopes", "optional")],
     _NAMESPACE,
 )
 _VARLEN = signature.Signature(
@@ -77,7 +77,7 @@ _VARLEN = signature.Signature(
     + [("max_seqlen_q", "rows"), ("max_seqlen_k", "rows"), ("causal", "value")]
     + [("softmax_scale", "value"), ("window_size", "window"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config"), ("softcap", "value")]
-    + [("sinks", "optional")],
+    + [("sinks", "optional"), ("alibi_slopes", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -88,7 +88,7 @@ _KVCACHE = signature.Signature(
     + [("block_table", "optional"), ("causal", "value"), ("softmax_scale", "value")]
     + [("window_size", "window"), ("num_splits", "value"), ("return_lse", "value")]
     + [("out", "optional"), ("config", "config"), ("softcap", "value")]
-    + [("sinks", "optional")],
+    + [("sinks", "optional"), ("alibi_slopes", "optional")],
     _NAMESPACE,
     output="out",
 )
@@ -236,6 +236,11 @@ def _outputs(q):
 _STAY = contextlib.nullcontext()
 
 
+def _variant(sinks, alibi_slopes):
+    """A validated call's variant arrays, in launch.variant_arrays' order."""
+    return tuple(x for x in (sinks, alibi_slopes) if x is not None)
+
+
 def _empty_rows(out, lse, sinks, heads):
     """A call without keys: out 0, lse -inf, or each head's sink with sinks (``heads``: the
     index that spreads the sinks over lse's layout)."""
@@ -291,6 +296,7 @@ def attention(
     config=None,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).
 
@@ -321,6 +327,10 @@ def attention(
             denominator. :func:`attention_backward` takes the same sinks and returns their
             gradient too. A call with sinks is not replayed from a plan (each takes the full
             path).
+        alibi_slopes: optional float32 (nheads,) or (batch, nheads) on q's device: ALiBi
+            (BLOOM, MPT): after the softcap each score gets -slope * |i + seqlen_k - seqlen_q
+            - j| for query i and key j (the causal mask's alignment). The backward takes the
+            same slopes. A call with slopes is not replayed from a plan.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -333,15 +343,16 @@ def attention(
     replays the launches of the first (numflash.plans).
     """
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
+    args += (alibi_slopes,)
     result, key, args = _repeated(_ATTENTION, args, "attention")
     if result is not None:
         return result
-    q, k, v, out, sinks = args[0], args[1], args[2], args[7], args[10]
+    q, k, v, out, sinks, alibi_slopes = args[0], args[1], args[2], args[7], args[10], args[11]
     options = (causal, softmax_scale, window_size, return_lse)
     # else no plan yet, or an out= overlapping an input: the full path refuses it by name;
-    # calls with sinks get no plan (a plan's replay does not take the sinks' address)
-    if key is None or sinks is not None:
-        return _attention(q, k, v, *options, out, config, softcap, sinks)
+    # calls with variant arrays get no plan (a plan's replay does not take their addresses)
+    if key is None or sinks is not None or alibi_slopes is not None:
+        return _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
     given = out is not None
     with launch.recording() as recorded:
         result = _attention(q, k, v, *options, out, config, softcap)
@@ -375,6 +386,7 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
             0,
             p.softcap,
             p.sinks,
+            p.alibi,
         )[-1]
     except (TypeError, ValueError):
         return None
@@ -385,17 +397,19 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
 
 
 def _attention(
-    q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0, sinks=None
-):
+    q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0, sinks=None,
+    alibi_slopes=None,
+):  # fmt: skip
     # -- validate and normalise
-    q, k, v, p = validation.problem(
-        q, k, v, causal, softmax_scale, window_size, softcap, sinks is not None
-    )
+    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap,
+                                    sinks is not None, alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
+    alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
-    if out is not None and sinks is not None:
-        validation.check_no_overlap(out, "out", {"sinks": sinks})
+    if out is not None:
+        validation.check_no_overlap(out, "out", {"sinks": sinks, "alibi_slopes": alibi_slopes})
+    variant = _variant(sinks, alibi_slopes)
     with _on_device(q):
         device = current_device()
         cfg = validation.check_forward_config(config, p, device)
@@ -414,9 +428,9 @@ def _attention(
                 _empty_rows(out, lse, sinks, (None, slice(None), None))
             elif route is not None:
                 kp, choice, splits = route
-                launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse, sinks)
+                launch.kvcache(choice.config, splits, kp, q, k, v, *(None,) * 5, out, lse, variant)
             else:
-                launch.forward(cfg, p, q, k, v, out, lse, () if sinks is None else (sinks,))
+                launch.forward(cfg, p, q, k, v, out, lse, variant)
     return (out, lse) if return_lse else out
 
 
@@ -437,6 +451,7 @@ def attention_varlen(
     config=None,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """Attention over a packed batch of sequences of different lengths, without padding, in
     flash-attn's vocabulary (``flash_attn_varlen_func``).
@@ -459,6 +474,8 @@ def attention_varlen(
             lengths.
         softcap: as :func:`attention` (:func:`attention_varlen_backward` takes it too).
         sinks: as :func:`attention` (a row that sees no key gets lse = its head's sink).
+        alibi_slopes: as :func:`attention`, (nheads,) or (batch, nheads) with batch =
+            len(cu_seqlens_q) - 1, positions within each sequence.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
@@ -471,11 +488,11 @@ def attention_varlen(
     (numflash.plans).
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
-    args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks)
+    args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks, alibi_slopes)
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
-    if key is None or sinks is not None:  # calls with sinks get no plan (as attention's)
+    if key is None or args[14] is not None or args[15] is not None:  # (as attention's)
         return _attention_varlen(*args)
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
@@ -493,17 +510,17 @@ def attention_varlen(
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, window_size, return_lse, out, config, softcap=0.0,
-                      sinks=None):  # fmt: skip
+                      sinks=None, alibi_slopes=None):  # fmt: skip
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
-        sinks is not None)  # fmt: skip
+        sinks is not None, alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
+    alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
-        validation.check_no_overlap(
-            out, "out", {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "sinks": sinks}
-        )
+        inputs = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "sinks": sinks}
+        validation.check_no_overlap(out, "out", dict(inputs, alibi_slopes=alibi_slopes))
     with _on_device(q):
         device = current_device()
         cfg = validation.check_varlen_config(config, p, device)
@@ -516,7 +533,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             if k.shape[0] == 0:  # nothing to attend to: every row is empty
                 _empty_rows(out, lse, sinks, (slice(None), None))
             else:
-                variant = () if sinks is None else (sinks,)
+                variant = _variant(sinks, alibi_slopes)
                 launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k, variant)
     return (out, lse) if return_lse else out
 
@@ -540,9 +557,10 @@ def attention_varlen_backward(
     config=None,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments (``softcap`` too) and its outputs out and lse (nheads, total_q);
+    the forward's arguments (``softcap`` and ``alibi_slopes`` too) and its outputs out and lse (nheads, total_q);
     with ``sinks`` also dsinks, as :func:`attention_backward` returns it.
     The kernels and ``deterministic`` as for :func:`attention_backward`, chosen as for a dense
     call of the max lengths; ``config`` forces a backward configuration as there. Rows of no
@@ -554,9 +572,10 @@ def attention_varlen_backward(
     """
     _refuse_under_capture("attention_varlen_backward", planned=False)
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
-        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap)  # fmt: skip
+        max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
+        alibi=alibi_slopes is not None)  # fmt: skip
     return _gradients(p, dout, q, k, v, out, lse, (p.nheads, q.shape[0]), deterministic, config,
-                      (cu_q, cu_k), sinks)  # fmt: skip
+                      (cu_q, cu_k), sinks, alibi_slopes)  # fmt: skip
 
 
 def selected_backward_config(
@@ -589,6 +608,7 @@ def attention_backward(
     config=None,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
 
@@ -597,9 +617,9 @@ def attention_backward(
         q, k, v: the forward's inputs.
         out, lse: the forward's outputs (``attention(..., return_lse=True)``); attention is
             recomputed from q, k and lse, never stored.
-        causal, softmax_scale, window_size, softcap: as given to the forward call (a
-            softcap the forward had and the backward is not given gives wrong gradients:
-            the backward recomputes the scores from these arguments).
+        causal, softmax_scale, window_size, softcap, alibi_slopes: as given to the forward
+            call (a softcap or slopes the forward had and the backward is not given give wrong
+            gradients: the backward recomputes the scores from these arguments).
         deterministic: ask for bitwise reproducible gradients. Every kernel family is, except
             an mma.sync configuration with ``dq_separate=False`` (dQ added up with atomics in
             no fixed order): with the flag, a tuned configuration of that kind runs with
@@ -623,11 +643,11 @@ def attention_backward(
     call replays the launches of the first (numflash.plans).
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
-    args += (softcap, sinks)
+    args += (softcap, sinks, alibi_slopes)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
-    if key is None or sinks is not None:  # calls with sinks get no plan (as attention's)
+    if key is None or args[12] is not None or args[13] is not None:  # (as attention's)
         return _attention_backward(*args)
     dout, q, k, v, out, lse = args[:6]
     with launch.recording() as recorded:
@@ -640,24 +660,30 @@ def attention_backward(
 
 def _attention_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config,
-    softcap=0.0, sinks=None,
+    softcap=0.0, sinks=None, alibi_slopes=None,
 ):  # fmt: skip
     # -- validate and normalise (the sinks change no gradient kernel: lse holds them)
-    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap)
+    q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap,
+                                    alibi=alibi_slopes is not None)  # fmt: skip
     lse_shape = (p.batch, p.nheads, p.seqlen_q)
-    return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, sinks=sinks)
+    return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, None, sinks,
+                      alibi_slopes)  # fmt: skip
 
 
 def _gradients(
-    p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None, sinks=None
-):
+    p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None, sinks=None,
+    alibi_slopes=None,
+):  # fmt: skip
     """(dq, dk, dv) of the validated problem ``p`` over q, k, v: dense, or a packed batch with
     ``offsets`` = (cu_q, cu_k) (lse of shape ``lse_shape``); with ``sinks`` a fourth, dsinks
-    (launch.sink_gradient)."""
+    (launch.sink_gradient). The gradient kernels take the ALiBi slopes (the sinks only
+    through lse)."""
     dout = validation.check_like(dout, "dout", q, "q")
     out = validation.check_like(out, "out", q, "q")
     lse = validation.check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=lse_shape)
     sinks = validation.check_sinks(sinks, q, p.nheads)
+    alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
+    variant = _variant(None, alibi_slopes)
     deterministic = validation.check_flag(deterministic, "deterministic")
     with _on_device(q):
         device = current_device()
@@ -672,9 +698,11 @@ def _gradients(
             for g in grads:  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
         elif offsets is None:
-            launch.backward(cfg, p, dout, q, k, v, out, lse, *grads)
+            launch.backward(cfg, p, dout, q, k, v, out, lse, *grads, variant=variant)
         else:
-            launch.backward_varlen(cfg, p, dout, q, k, v, out, lse, *grads, *offsets)
+            launch.backward_varlen(
+                cfg, p, dout, q, k, v, out, lse, *grads, *offsets, variant=variant
+            )
         if sinks is None:
             return grads
         dsinks = arrays.empty((p.nheads,), np.float32, like=q)
@@ -731,6 +759,7 @@ def attention_with_kvcache(
     config=None,
     softcap=0.0,
     sinks=None,
+    alibi_slopes=None,
 ):
     """Attention of new query rows over a KV cache, appending new keys and values in place
     (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
@@ -764,6 +793,9 @@ def attention_with_kvcache(
         softcap: as :func:`attention`, on every kernel this call may run.
         sinks: as :func:`attention`: float32 (nheads,), joined to every row's sum (a call with
             sinks is not replayed from a plan).
+        alibi_slopes: as :func:`attention`, (nheads,) or (batch, nheads): a query's position
+            is its place in the sequence after the append (a call with slopes is not replayed
+            from a plan).
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -776,13 +808,14 @@ def attention_with_kvcache(
     """
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
+    args += (alibi_slopes,)
     result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
     # v (an append would write one over the other): the full path refuses it by name; calls
-    # with sinks get no plan (as attention's)
-    if key is None or sinks is not None:
+    # with variant arrays get no plan (as attention's)
+    if key is None or args[16] is not None or args[17] is not None:
         return _attention_with_kvcache(*args)
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]
@@ -820,20 +853,25 @@ def _rows(k):
 
 def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                             block_table, causal, softmax_scale, window_size, num_splits,
-                            return_lse, out, config, softcap=0.0, sinks=None):  # fmt: skip
+                            return_lse, out, config, softcap=0.0, sinks=None,
+                            alibi_slopes=None):  # fmt: skip
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
-        softmax_scale, window_size, num_splits, softcap, sinks is not None)  # fmt: skip
+        softmax_scale, window_size, num_splits, softcap, sinks is not None,
+        alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
+    alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
     return_lse = validation.check_flag(return_lse, "return_lse")
-    if sinks is not None:  # the caches are written
-        caches = dict(k_cache=k_cache, v_cache=v_cache)
-        validation.check_no_overlap(sinks, "sinks", caches if k is not None else {})
+    caches = dict(k_cache=k_cache, v_cache=v_cache) if k is not None else {}  # written
+    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if x is not None:
+            validation.check_no_overlap(x, name, caches)
     if out is not None:
         out = validation.check_like(out, "out", q, "q")
         validation.check_writable(out, "out")
         inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens)
         inputs.update(cache_batch_idx=batch_idx, block_table=block_table, sinks=sinks)
+        inputs.update(alibi_slopes=alibi_slopes)
         validation.check_no_overlap(out, "out", inputs)
     with _on_device(q):
         device = current_device()
@@ -846,5 +884,5 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
             launch.kvcache(cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx,
-                           block_table, out, lse, sinks)  # fmt: skip
+                           block_table, out, lse, _variant(sinks, alibi_slopes))  # fmt: skip
     return (out, lse) if return_lse else out

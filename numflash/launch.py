@@ -154,18 +154,21 @@ PORTABLE_DKDV = KernelSpec(
     arrays=_BACKWARD_INPUTS + (("dk", "elem"), ("dv", "elem")),
     strided=("q", "k", "v", "do", "dk", "dv"),
     scalars=ATTENTION_SCALARS,
+    variant=(),
 )
 #: The tensor-core dK/dV kernels: dQ's fp32 accumulator last (atomic dQ only; else unused).
 TENSOR_CORE_DKDV = KernelSpec(
     arrays=_BACKWARD_INPUTS + (("dk", "elem"), ("dv", "elem"), ("dq_acc", "float32")),
     strided=("q", "k", "v", "do", "dk", "dv", "dq_acc"),
     scalars=ATTENTION_SCALARS,
+    variant=(),
 )
 #: Every dQ kernel (portable, mma.sync, wgmma).
 DQ = KernelSpec(
     arrays=_BACKWARD_INPUTS + (("dq", "elem"),),
     strided=("q", "k", "v", "do", "dq"),
     scalars=ATTENTION_SCALARS,
+    variant=(),
 )
 
 
@@ -747,7 +750,7 @@ def _launch_forward(
         views.update(more_views)
         scalars += more_scalars
     spec = spec.for_problem(p)
-    views.update((name, arrays.kernel_view(x)) for (name, _), x in zip(spec.variant, variant))
+    views.update(_variant_views(p, variant))
     launch = launcher(spec_key, build, spec, p.dtype)
     if grid is None:
         grid = (_ceil_div(p.seqlen_q, cfg.block_m), p.nheads, p.batch)
@@ -759,13 +762,22 @@ def _launch_forward(
 def variant_key(p):
     """What a kernel's compile key gains from the attention variant ``p`` (a Problem) asks
     for: nothing for plain attention, so its kernels are the ones compiled without variants."""
-    return ((("softcap", p.softcap),) if p.softcap else ()) + (("sinks",) if p.sinks else ())
+    key = (("softcap", p.softcap),) if p.softcap else ()
+    return key + (("sinks",) if p.sinks else ()) + (("alibi",) if p.alibi else ())
 
 
 def variant_arrays(p):
-    """The arrays a kernel's ``*variant`` takes for problem ``p``, as KernelSpec.arrays: the
-    sink logits (float32, one a query head) where the call has them."""
-    return (("sinks", "float32"),) if p.sinks else ()
+    """The arrays a kernel's ``*variant`` takes for problem ``p``, as KernelSpec.arrays, in
+    this order: the sink logits (float32, one a query head), then the ALiBi slopes (float32,
+    (nheads,) or (batch, nheads) flat), each where the call has them
+    (softmax.alibi_functions' index)."""
+    sinks = (("sinks", "float32"),) if p.sinks else ()
+    return sinks + ((("alibi_slopes", "float32"),) if p.alibi else ())
+
+
+def _variant_views(p, variant):
+    """{name: arrays.kernel_view(x)} of ``variant``, the arrays of variant_arrays(p)."""
+    return {name: arrays.kernel_view(x) for (name, _), x in zip(variant_arrays(p), variant)}
 
 
 def _tensor_core_inputs(cfg, p, q, k, v):
@@ -789,7 +801,7 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
-        lambda: build(head_dim, p.dtype, *tiles, p.softcap, p.sinks),
+        lambda: build(head_dim, p.dtype, *tiles, p.softcap, p.sinks, p.alibi),
         key,
         cfg,
         p,
@@ -810,7 +822,7 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     key += variant_key(p)
     build = forward_portable.build_varlen if varlen else forward_portable.build
     _launch_forward(
-        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap, p.sinks),
+        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap, p.sinks, p.alibi),
         key,
         cfg,
         p,
@@ -972,18 +984,21 @@ PORTABLE_DKDV_VARLEN = KernelSpec(
     arrays=PORTABLE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=PORTABLE_DKDV.strided,
     scalars=FORWARD_VARLEN.scalars,
+    variant=(),
 )
 DQ_VARLEN = KernelSpec(
     arrays=DQ.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=DQ.strided,
     scalars=FORWARD_VARLEN.scalars,
+    variant=(),
 )
 
 
 @launches(configs.PortableBackwardConfig)
-def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
+def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None, variant=()):
     """The portable dK/dV and dQ kernels: dense, or a packed batch with ``offsets`` = (cu_q,
-    cu_k) (``p`` then holds the max lengths; see _row_statistics)."""
+    cu_k) (``p`` then holds the max lengths; see _row_statistics); ``variant``: the arrays
+    of variant_arrays(p)."""
     q, k, v, dout, out = (_kernel_input(x) for x in (q, k, v, dout, out))
     scalars = attention_scalars(p, p.scale)
     lse, delta = _row_statistics(p, dout, out, lse, (dq, dk, dv), offsets)
@@ -997,11 +1012,15 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
     for name, x in (("q", q), ("k", k), ("v", v), ("do", dout), ("lse", lse),
                     ("delta", delta), ("dq", dq), ("dk", dk), ("dv", dv)):  # fmt: skip
         views[name] = arrays.kernel_view(x)
+    views.update(_variant_views(p, variant))
     stream = arrays.current_stream()
     d, dtype, tiles = p.head_dim, p.dtype, (cfg.block_m, cfg.block_n)
     extra = {"varlen": True} if offsets is not None else {}
     if p.softcap:
         extra["softcap"] = p.softcap
+    if p.alibi:
+        extra["alibi"] = True
+    specs = tuple(spec.for_problem(p) for spec in specs)
     for kind, build, spec, grid, threads in (
         ("dkdv", backward_portable.build_dkdv, specs[0],
          (_ceil_div(p.seqlen_k, cfg.block_n), p.nheads_k, p.batch), cfg.block_n),
@@ -1017,14 +1036,14 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
         kernel(grid, threads, stream, 0, spec.args(views, scalars))
 
 
-def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k):
+def backward_varlen(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, variant=()):
     """dq, dk, dv (total rows first) of a packed batch; ``p`` holds the max lengths."""
     build = LAUNCHERS[type(cfg)]
     roles = (dout, q, k, v, out, lse, dq, dk, dv)
     prepared(
         (cfg, p),
-        roles + (cu_q, cu_k),
-        lambda: build(cfg, p, *roles, offsets=(cu_q, cu_k)),
+        roles + (cu_q, cu_k, *variant),
+        lambda: build(cfg, p, *roles, offsets=(cu_q, cu_k), variant=variant),
     )
 
 
@@ -1033,10 +1052,13 @@ TENSOR_CORE_DKDV_VARLEN = KernelSpec(
     arrays=TENSOR_CORE_DKDV.arrays + (("cu_q", "int32"), ("cu_k", "int32")),
     strided=TENSOR_CORE_DKDV.strided,
     scalars=FORWARD_VARLEN.scalars,
+    variant=(),
 )
 
 
-def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None):
+def tensor_core_backward(
+    cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None, variant=()
+):
     """D, then the dK/dV kernel; dQ either accumulated there in fp32 by atomics and then scaled
     and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim, varlen)``
     gives the family's (dK/dV, dQ) Launchers. Dense, or a packed batch with ``offsets`` =
@@ -1063,6 +1085,7 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, o
              ("dv", dv_t), ("dq_acc", dq_acc))  # fmt: skip
     views = {name: arrays.kernel_view(x[None] if varlen else x) for name, x in named}
     views["lse"], views["delta"] = arrays.kernel_view(lse), arrays.kernel_view(delta)
+    views.update(_variant_views(p, variant))
     scalars = attention_scalars(p, p.scale)
     specs = (TENSOR_CORE_DKDV, DQ)
     if varlen:
@@ -1070,6 +1093,7 @@ def tensor_core_backward(cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, o
         views.update(offset_views)
         scalars += totals
         specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN)
+    specs = tuple(spec.for_problem(p) for spec in specs)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     dkdv, dq_kernel = kernels(head_dim, varlen)
     blocks = _ceil_div(p.seqlen_k, cfg.block_n) * cfg.head_split
@@ -1091,19 +1115,19 @@ def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
     """The (dK/dV, dQ) Launchers of a tensor-core backward family; ``build()`` gives its
     backward.Kernels. dQ is None where the dK/dV kernel adds dQ up by atomics."""
     key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ()) + variant_key(p)
+    specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN) if varlen else (TENSOR_CORE_DKDV, DQ)
+    specs = tuple(spec.for_problem(p) for spec in specs)
     if varlen:
-        dkdv = launcher(
-            key + ("dkdv",), lambda: build().dkdv_varlen, TENSOR_CORE_DKDV_VARLEN, p.dtype
-        )
-        dq = launcher(key + ("dq",), lambda: build().dq_varlen, DQ_VARLEN, p.dtype)
+        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv_varlen, specs[0], p.dtype)
+        dq = launcher(key + ("dq",), lambda: build().dq_varlen, specs[1], p.dtype)
     else:
-        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, TENSOR_CORE_DKDV, p.dtype)
-        dq = launcher(key + ("dq",), lambda: build().dq, DQ, p.dtype)
+        dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, specs[0], p.dtype)
+        dq = launcher(key + ("dq",), lambda: build().dq, specs[1], p.dtype)
     return dkdv, dq if cfg.dq_separate else None
 
 
 @launches(configs.TensorCoreBackwardConfig)
-def _mma_backward(cfg, p, *tensors, offsets=None):
+def _mma_backward(cfg, p, *tensors, offsets=None, variant=()):
     def kernels(head_dim, varlen):
         def build():
             return backward_mma.build_kernels(
@@ -1115,21 +1139,23 @@ def _mma_backward(cfg, p, *tensors, offsets=None):
                 cfg.dq_separate,
                 cfg.head_split,
                 softcap=p.softcap,
+                alibi=p.alibi,
             )
 
         return _tensor_core_launchers(
             configs.TensorCoreBackwardConfig, build, head_dim, p, cfg, varlen
         )
 
-    tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
+    tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets, variant=variant)
 
 
-def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv):
+def backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, variant=()):
     """dq, dk, dv of problem ``p`` with configuration ``cfg`` (validated arrays, sizes > 0),
-    through the launches prepared for its geometry (:func:`prepared`)."""
+    through the launches prepared for its geometry (:func:`prepared`); ``variant``: the
+    arrays of variant_arrays(p)."""
     build = LAUNCHERS[type(cfg)]
     roles = (dout, q, k, v, out, lse, dq, dk, dv)
-    prepared((cfg, p), roles, lambda: build(cfg, p, *roles))
+    prepared((cfg, p), roles + variant, lambda: build(cfg, p, *roles, variant=variant))
 
 
 # -- attention over a KV cache ----------------------------------------------------------------
@@ -1150,6 +1176,7 @@ SPLIT_ATTENTION = KernelSpec(
              ("scale", "float32"), ("window_left", "int32"), ("window_right", "int32"),
              ("page_size", "int32"), ("max_blocks", "int32"), ("slots", "int32"),
              ("capacity", "int32"), ("num_splits", "int32"), ("chunk", "int32")),
+    variant=(),
 )  # fmt: skip
 COMBINE = KernelSpec(
     arrays=(("o_part", "float32"), ("lse_part", "float32"), ("out", "elem"), ("lse", "float32")),
@@ -1173,29 +1200,29 @@ DECODE = KernelSpec(
 
 def kvcache(
     cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse,
-    sinks=None,
+    variant=(),
 ):  # fmt: skip
     """:func:`_kvcache` through the launches prepared for its geometry (:func:`prepared`):
     the arrays given, which of them are, the configuration, split count and problem."""
-    given = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse, sinks)
+    given = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
     present = tuple(x is not None for x in given)
     prepared(
         (cfg, num_splits, p, present),
-        [x for x in given if x is not None],
-        lambda: _kvcache(cfg, num_splits, p, *given),
+        [x for x in given if x is not None] + list(variant),
+        lambda: _kvcache(cfg, num_splits, p, *given, variant),
     )
 
 
 def _kvcache(
     cfg, num_splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse,
-    sinks=None,
+    variant=(),
 ):  # fmt: skip
     """Append k, v (when given), then attention of q over each sequence's keys split
     ``num_splits`` ways, the partials combined into out and lse: one launch of the tensor-core
     kernel, or the portable append, split and combine kernels. Index arrays may be None:
     ``seqlens`` (a device array unless p.cache_seqlens is an int), ``batch_idx`` (the
     identity), ``block_table`` (contiguous cache); stand-ins of ``batch`` int32s are made for
-    them, nothing the size of the cache. ``sinks``: the sink logits where p.sinks."""
+    them, nothing the size of the cache. ``variant``: the arrays of variant_arrays(p)."""
     xp = arrays.array_module(q)
     if seqlens is None:
         seqlens = host_lengths(xp, p.batch, p.cache_seqlens)
@@ -1212,8 +1239,7 @@ def _kvcache(
         "batch_idx": arrays.kernel_view(xp.ascontiguousarray(batch_idx)),
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
     }
-    if sinks is not None:
-        views["sinks"] = arrays.kernel_view(sinks)
+    views.update(_variant_views(p, variant))
     d, dtype, paged = p.head_dim, p.dtype, p.paged
     portable = isinstance(cfg, configs.PortableDecodeConfig)
     prefill = cfg.ROLE == "forward"  # chunked prefill on a forward family (the Hopper forward)
@@ -1245,8 +1271,8 @@ def _kvcache(
         PREFILL_LAUNCHERS[type(cfg)](cfg, p, q, k_cache, v_cache, views, geometry, stream)
     else:
         LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
-    if portable:
-        spec = COMBINE.for_problem(p)
+    if portable:  # the combine takes the sinks alone
+        spec = COMBINE._replace(variant=variant_arrays(dataclasses.replace(p, alibi=False)))
         combine = launcher(
             (PORTABLE_DECODE_COMBINE, d, dtype) + (("sinks",) if p.sinks else ()),
             lambda: decode_portable.build_combine(d, dtype, p.sinks),
@@ -1270,12 +1296,13 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     d, dtype = p.head_dim, p.dtype
     views["q"] = arrays.kernel_view(_kernel_input(q))
     chunk = _ceil_div(_ceil_div(p.capacity, num_splits), cfg.block_n) * cfg.block_n
+    spec = SPLIT_ATTENTION.for_problem(p)
     split = launcher(
         (type(cfg), d, dtype, cfg, p.paged) + variant_key(p),
         lambda: decode_portable.build_split_attention(
-            d, dtype, cfg.block_m, cfg.block_n, p.paged, p.softcap
+            d, dtype, cfg.block_m, cfg.block_n, p.paged, p.softcap, p.sinks, p.alibi
         ),
-        SPLIT_ATTENTION,
+        spec,
         dtype,
     )
     rows = _ceil_div(p.heads_per_kv * p.seqlen_q, cfg.block_m)
@@ -1295,7 +1322,7 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         cfg.block_m,
         stream,
         0,
-        SPLIT_ATTENTION.args(views, scalars),
+        spec.args(views, scalars),
     )
 
 
@@ -1324,7 +1351,7 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     spec = DECODE.for_problem(p)
     launch = launcher(
         (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged) + variant_key(p),
-        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap, p.sinks),
+        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap, p.sinks, p.alibi),
         spec,
         dtype,
     )

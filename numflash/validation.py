@@ -26,8 +26,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 class Problem:
     """What a call computes, normalised: sizes, dtype name, scale and window (causal is the
     window (left, 0); -1 means unbounded, and a bound past every key is clamped), the softcap
-    of the scores (0: none) and whether a sink logit a head joins the softmax (the array
-    travels beside the problem: check_sinks)."""
+    of the scores (0: none), whether a sink logit a head joins the softmax and whether ALiBi
+    biases the scores (the arrays travel beside the problem: check_sinks,
+    check_alibi_slopes)."""
 
     batch: int
     seqlen_q: int
@@ -41,6 +42,7 @@ class Problem:
     window_right: int
     softcap: float = 0.0
     sinks: bool = False
+    alibi: bool = False
 
     @property
     def heads_per_kv(self):
@@ -118,6 +120,24 @@ def check_softcap(softcap):
             f"softcap must be 0 (none) or a finite positive number within float32; got {softcap!r}"
         )
     return cap
+
+
+def check_alibi_slopes(slopes, q, batch, nheads):
+    """None, or ALiBi slopes as the kernels read them: float32 of shape (nheads,) or (batch,
+    nheads) on q's device, as a contiguous array (their values are not read: a non-finite
+    slope makes NaN scores, which reach the rows' outputs)."""
+    if slopes is None:
+        return None
+    slopes = arrays.intake(slopes, "alibi_slopes")
+    if slopes.dtype != np.float32:
+        raise TypeError(f"alibi_slopes must have dtype float32; got {slopes.dtype}")
+    if slopes.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
+            f"({batch}, {nheads}); got {shape_str(slopes)}"
+        )
+    check_device(slopes, "alibi_slopes", q, "q")
+    return arrays.array_module(slopes).ascontiguousarray(slopes)
 
 
 def check_sinks(sinks, q, nheads):
@@ -254,9 +274,9 @@ def check_like(x, name, like, like_name, dtype=None, shape=None):
     return x
 
 
-def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=False):
-    """The validated arrays and the normalised :class:`Problem` they pose (``sinks``: whether
-    the call has sink logits)."""
+def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=False, alibi=False):
+    """The validated arrays and the normalised :class:`Problem` they pose (``sinks``,
+    ``alibi``: whether the call has sink logits, ALiBi slopes)."""
     q = arrays.intake(q, "q")
     k = arrays.intake(k, "k")
     v = arrays.intake(v, "v")
@@ -268,7 +288,8 @@ def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=Fals
     sk = k.shape[1]
     left, right = _clamp_window(left, sq, sk), _clamp_window(right, sq, sk)
     cap = check_softcap(softcap)
-    p = Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap, bool(sinks))
+    p = Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap, bool(sinks),
+                bool(alibi))  # fmt: skip
     return q, k, v, p
 
 
@@ -291,7 +312,7 @@ def _check_offsets(cu, name, like):
 
 def varlen_problem(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
-    softcap=0.0, sinks=False,
+    softcap=0.0, sinks=False, alibi=False,
 ):  # fmt: skip
     """Validated packed arrays (q, k, v, cu_seqlens_q, cu_seqlens_k) and the :class:`Problem`
     of the batch: batch = len(cu_seqlens_q) - 1, seqlens the max lengths as the kernels cover
@@ -338,7 +359,7 @@ def varlen_problem(
     h, d = q.shape[1:]
     cap = check_softcap(softcap)
     p = Problem(batch, rows_q, rows_k, h, k.shape[1], d, dtype, scale, left, right, cap,
-                bool(sinks))  # fmt: skip
+                bool(sinks), bool(alibi))  # fmt: skip
     return q, k, v, cu_q, cu_k, p
 
 
@@ -487,6 +508,8 @@ class KVCacheProblem:
     softcap: float = 0.0
     #: Sink logits, as Problem's.
     sinks: bool = False
+    #: ALiBi slopes, as Problem's.
+    alibi: bool = False
 
     @property
     def heads_per_kv(self):
@@ -523,7 +546,7 @@ def _check_int(value, name, low=None):
 
 def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                     causal, softmax_scale, window_size, num_splits, softcap=0.0,
-                    sinks=False):  # fmt: skip
+                    sinks=False, alibi=False):  # fmt: skip
     """Validated arrays (q, k_cache, v_cache, k, v, cache_seqlens as an array or None,
     cache_batch_idx, block_table) and the :class:`KVCacheProblem` they pose. Checks everything
     that can be known without reading device memory; nothing is written."""
@@ -666,5 +689,6 @@ def kvcache_problem(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, b
         all(arrays.readable_in_place(x, alignment_elements=8) for x in (k_cache, v_cache)),
         check_softcap(softcap),
         bool(sinks),
+        bool(alibi),
     )
     return q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, problem

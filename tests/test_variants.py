@@ -145,36 +145,39 @@ KVCACHE_CONFIGS = {
 }
 
 
-#: The variants over a KV cache: (name, softcap, sinks, num_splits, paged), contiguous and
-#: paged where the variant is given both; several splits take the decode kernels' combine,
-#: where a sink joins the sum, one split their merge.
+#: The variants over a KV cache: (name, softcap, sinks, ALiBi slopes' shape or None,
+#: num_splits, paged), contiguous and paged where the variant is given both; several splits
+#: take the decode kernels' combine, where a sink joins the sum, one split their merge.
 KVCACHE_VARIANTS = [
-    ("softcap", 1.5, False, 0, False),
-    ("softcap", 1.5, False, 0, True),
-    ("sinks", 0.0, True, 1, False),
-    ("softcap-sinks-3-splits", 4.0, True, 3, True),
+    ("softcap", 1.5, False, None, 0, False),
+    ("softcap", 1.5, False, None, 0, True),
+    ("sinks", 0.0, True, None, 1, False),
+    ("softcap-sinks-3-splits", 4.0, True, None, 3, True),
+    ("alibi", 0.0, False, (4,), 1, False),
+    ("alibi-per-sequence-sinks-2-splits", 2.0, True, (2, 4), 2, True),
 ]
 
 
 #: (family, variant) pairs: all on a GPU; in the simulator the Hopper forward (the slowest
-#: to simulate, and never split) with the paged variants alone.
+#: to simulate, and never split) with the paged variants alone, and ALiBi in its mixed case.
 KVCACHE_PAIRS = [
     (family, variant)
     for family in KVCACHE_CONFIGS
     for variant in KVCACHE_VARIANTS
-    if not SIMULATOR or family != "hopper" or variant[4]  # the Hopper kernel's paged cases
+    # the Hopper kernel's paged cases alone, and ALiBi beside the other variants alone
+    if not SIMULATOR or ((family != "hopper" or variant[5]) and variant[0] != "alibi")
 ]
 
 
 @pytest.mark.parametrize(
     "family, variant",
     KVCACHE_PAIRS,
-    ids=lambda c: c if isinstance(c, str) else c[0] + ("-paged" if c[4] else "-contiguous"),
+    ids=lambda c: c if isinstance(c, str) else c[0] + ("-paged" if c[5] else "-contiguous"),
 )
 def test_variants_over_a_kv_cache_match_the_reference(family, variant):
-    """attention_with_kvcache(softcap=, sinks=) with an append: each sequence's rows against
-    the reference over its keys after the append."""
-    _, softcap, with_sinks, num_splits, paged = variant
+    """attention_with_kvcache(softcap=, sinks=, alibi_slopes=) with an append: each
+    sequence's rows against the reference over its keys after the append."""
+    _, softcap, with_sinks, slopes_shape, num_splits, paged = variant
     config = KVCACHE_CONFIGS[family]
     problems = config.problems(64, numflash.device.current_device())
     if problems:
@@ -198,14 +201,19 @@ def test_variants_over_a_kv_cache_match_the_reference(family, variant):
         caches = (k_cache, v_cache)
     seqlens = xp.asarray(np.array(lengths, np.int32))
     sinks = random_array((4,), "float32") * 3 if with_sinks else None
+    slopes = None
+    if slopes_shape is not None:
+        slopes = xp.asarray(np.random.default_rng(3).uniform(0.05, 0.5, slopes_shape), np.float32)
     if family == "hopper":
         num_splits = 0  # the Hopper forward does not split the keys
     out, lse = numflash.attention_with_kvcache(
         q, *caches, k_new, v_new, cache_seqlens=seqlens, causal=True, return_lse=True,
-        config=config, softcap=softcap, sinks=sinks, num_splits=num_splits, **kw,
+        config=config, softcap=softcap, sinks=sinks, num_splits=num_splits, alibi_slopes=slopes,
+        **kw,
     )  # fmt: skip
-    variants = Variants(softcap=softcap, sinks=sinks)
     for b, length in enumerate(lengths):
+        row_slopes = slopes if slopes is None or slopes.ndim == 1 else slopes[b : b + 1]
+        variants = Variants(softcap=softcap, sinks=sinks, alibi_slopes=row_slopes)
         keys = slice(0, length + new)
         k_b = xp.concatenate([k_cache[b, :length], k_new[b]])[None]
         v_b = xp.concatenate([v_cache[b, :length], v_new[b]])[None]

@@ -94,13 +94,13 @@ def fits(problem, device):
 
 
 @launch.launches(WgmmaBackwardConfig)
-def _wgmma_backward(cfg, p, *tensors, offsets=None):
+def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
     def kernels(head_dim, varlen):
         def build():
             return backward_sm90.build_kernels(
-                head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap
+                head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi
             )
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 
-    launch.tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets)
+    launch.tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets, variant=variant)

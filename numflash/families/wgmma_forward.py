@@ -271,7 +271,9 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     launch._launch_forward(
-        lambda: forward_sm90.build(head_dim, p.dtype, *schedule, softcap=p.softcap, sinks=p.sinks),
+        lambda: forward_sm90.build(
+            head_dim, p.dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi
+        ),
         (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen) + launch.variant_key(p),
         cfg,
         p,
@@ -344,7 +346,9 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     spec = WGMMA_KVCACHE.for_problem(p)
     kernel = launch.launcher(
         (WgmmaForwardConfig, d, dtype, cfg, cache, tma) + launch.variant_key(p),
-        lambda: forward_sm90.build(d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks),
+        lambda: forward_sm90.build(
+            d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi
+        ),
         spec,
         dtype,
     )

@@ -36,7 +36,7 @@ from .forward_portable import packed_sequence
 from .fragments import PACK, acc_index, accumulator_position, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
-from .softmax import LOG2E, row_log2_lse, softcap_gradient_functions
+from .softmax import LOG2E, alibi_functions, row_log2_lse, softcap_gradient_functions
 
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
 #: does (cuda.atomic.add always), about eight integer instructions per access; with the sign bit
@@ -81,21 +81,51 @@ def capped_p_and_ds_function(softcap):
 
 
 @functools.lru_cache(maxsize=None)
-def probabilities_function(q_tiles, softcap=0.0):
+def element_function(softcap=0.0, alibi=False):
+    """``p_and_ds_of(s, dp, neg_lse, d, scale_log2, a, b, distance, slope)``: (P, dS) of one
+    element of raw score ``s`` as the forward changed it: capped (``softcap`` > 0, with
+    softmax.softcap_functions' ``a`` and ``b``; dS times the cap's derivative), then with
+    ``alibi`` less ``slope`` (log2 domain) times |``distance``| (the derivative 1)."""
+    SOFTCAP = softcap > 0
+    ALIBI = alibi
+    capped_p_and_ds = capped_p_and_ds_function(softcap if SOFTCAP else 1.0)
+    _, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
+    _, biased = alibi_functions(alibi)
+
+    @device_function
+    def p_and_ds_of(s, dp, neg_lse, d, scale_log2, a, b, distance, slope):
+        if not ALIBI:
+            if SOFTCAP:
+                return capped_p_and_ds(s, dp, neg_lse, d, scale_log2, a, b)
+            return p_and_ds(s, dp, neg_lse, d, scale_log2)
+        factor = float32(1.0)
+        if SOFTCAP:
+            s, factor = capped_and_slope(s, a, b)
+        p = ptx.exp2(biased(ptx.fma(s, scale_log2, neg_lse), distance, slope))
+        return p, p * (dp - d) * factor
+
+    return p_and_ds_of
+
+
+@functools.lru_cache(maxsize=None)
+def probabilities_function(q_tiles, softcap=0.0, alibi=False):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
     the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share;
-    ``softcap`` > 0: of scores capped as the forward capped them."""
+    ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
+    (element_function)."""
     Q_TILES = q_tiles
     SOFTCAP = softcap > 0
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
-    capped_p_and_ds = capped_p_and_ds_function(softcap if SOFTCAP else 1.0)
+    p_and_ds_of = element_function(softcap, alibi)
 
     @device_function
     def probabilities_and_ds(
-        st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr
-    ):
+        st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
+        slope,
+    ):  # fmt: skip
         """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and
         key0 + 8 (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
+        ``slope``: the head's ALiBi slope (log2 domain), read only with ALiBi.
 
         No branch per element: every element is computed and masked ones are selected away,
         and each query's LSE and D are read once for both key rows (``stats`` is the block's
@@ -107,24 +137,22 @@ def probabilities_function(q_tiles, softcap=0.0):
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
+        # q_idx - kv_idx of the lane's first query and key row key0 (ALiBi)
+        distance = float32(m0 + (lane & 3) * 2 + seqlen_k - seqlen_q - key0)
         for qt in range(Q_TILES):
             for e in range(2):
                 i = tile_base(qt) + e  # key row key0
                 _, col = accumulator_position(i, 0)  # the query, from the lane's first
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
-                if SOFTCAP:
-                    p, ds = capped_p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b)
-                else:
-                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                at = distance + float32(col)
+                p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
                 seen = (lo0 <= int32(col)) & (int32(col) < hi0)
                 st[i] = p if seen else float32(0.0)
                 dpt[i] = ds if seen else float32(0.0)
                 i += 2  # key row key0 + 8
-                if SOFTCAP:
-                    p, ds = capped_p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b)
-                else:
-                    p, ds = p_and_ds(st[i], dpt[i], neg_lse, d, scale_log2)
+                at = at - float32(8)
+                p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
                 seen = (lo1 <= int32(col)) & (int32(col) < hi1)
                 st[i] = p if seen else float32(0.0)
                 dpt[i] = ds if seen else float32(0.0)
@@ -268,21 +296,24 @@ def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_
 
 
 @functools.lru_cache(maxsize=None)
-def row_ds_function(key_tiles, softcap=0.0):
+def row_ds_function(key_tiles, softcap=0.0, alibi=False):
     """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
     accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share);
-    ``softcap`` > 0: of scores capped as the forward capped them."""
+    ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
+    (element_function)."""
     Q_TILES = key_tiles
     SOFTCAP = softcap > 0
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
-    capped_p_and_ds = capped_p_and_ds_function(softcap if SOFTCAP else 1.0)
+    p_and_ds_of = element_function(softcap, alibi)
 
     @device_function
-    def row_ds(dp, s, stats, shift, scale_log2):
+    def row_ds(dp, s, stats, shift, scale_log2, bias):
         """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
         second, of every key tile); 0 where masked. ``stats``: lane_row_stats' group, whose
         visible keys are moved ``shift`` columns left (the tile's offset from the first). No
-        branch per element (see probabilities_and_ds)."""
+        branch per element (see probabilities_and_ds). ``bias``: (q_idx - kv_idx of the first
+        row and the lane's first column of the first tile, the head's ALiBi slope in the log2
+        domain), read only with ALiBi."""
         lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = stats
         lo_0 = int32(lo_0 - shift)
         hi_0 = int32(hi_0 - shift)
@@ -291,6 +322,8 @@ def row_ds_function(key_tiles, softcap=0.0):
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
+        distance0, slope = bias
+        distance0 = distance0 - float32(shift)
         for qt in range(Q_TILES):
             for e in range(4):
                 i = tile_base(qt) + e
@@ -298,10 +331,8 @@ def row_ds_function(key_tiles, softcap=0.0):
                 second = e >= 2  # the lane's second row
                 neg_lse = -(lse_1 if second else lse_0)
                 d = d_1 if second else d_0
-                if SOFTCAP:
-                    _, ds = capped_p_and_ds(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b)
-                else:
-                    _, ds = p_and_ds(s[i], dp[i], neg_lse, d, scale_log2)
+                at = distance0 + float32(8 if second else 0) - float32(col)
+                _, ds = p_and_ds_of(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
                 lo = lo_1 if second else lo_0
                 hi = hi_1 if second else hi_0
                 dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
@@ -425,10 +456,12 @@ class Backend(NamedTuple):
     write_rows: object
 
 
-def build_kernels(backend):
+def build_kernels(backend, alibi=False):
     """The dK/dV kernel and (unless the backend adds dQ up by atomics) the dQ kernel, closed
     over ``backend``, each dense and over a packed batch; Numba compiles each on its first
-    launch.
+    launch. With ``alibi`` the ALiBi slopes are the kernels' ``*variant`` array, and each
+    head's slope goes to the backend's steps (its probabilities_function and row_ds_function
+    built with ``alibi`` too).
 
     One block body per kernel (``dkdv_block``, ``dq_block``) takes where its sequence starts in
     every array and its lengths; the dense kernels give it batch ``blockIdx.z``'s, the packed
@@ -457,6 +490,7 @@ def build_kernels(backend):
     write_rows = backend.write_rows
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     load_query_block = query_block_loader(load_pair, fetch_row_stats)
+    slope_of, _ = alibi_functions(alibi)
 
     @device_function
     def dkdv_block(
@@ -485,10 +519,13 @@ def build_kernels(backend):
         window_left,
         window_right,
         position,
+        variant,
+        b,
     ):
         """dK and dV of one key block (and dQ's atomics). ``firsts``: where the sequence starts
         in k, v, dk, dv and dq_acc; ``rows``: in q, do, lse and delta (load_query_block);
-        ``position``: block_position's (tid, lane, warp, n0, col_base, kv_head)."""
+        ``position``: block_position's (tid, lane, warp, n0, col_base, kv_head); ``variant``,
+        ``b``: the kernel's variant arrays and the sequence (ALiBi's slopes)."""
         k_first, v_first, dk_first, dv_first, dq_first = firsts
         _, k_ss, k_sh = k_st
         _, v_ss, v_sh = v_st
@@ -547,6 +584,7 @@ def build_kernels(backend):
             )  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
+        nheads = cuda.gridDim.y * heads_per_kv
         for it in range(n_blocks):
             head = next_head
             m0 = next_m0
@@ -586,6 +624,7 @@ def build_kernels(backend):
                 scale_log2,
                 window_left,
                 window_right,
+                slope_of(variant, b, head, nheads, float32(LOG2E)),
             )
             if DQ_ATOMIC:  # -- dQ += dS K through shared memory, by atomics
                 atomic_dq(
@@ -644,9 +683,11 @@ def build_kernels(backend):
         window_left,
         window_right,
         position,
+        slope,
     ):
         """dQ = scale * sum over keys of dS K for BLOCK_N query rows, each element summed by
-        one thread in key order: deterministic. The dK/dV block with the roles swapped: Q and
+        one thread in key order: deterministic. ``slope``: the head's ALiBi slope (log2
+        domain), read only with ALiBi. The dK/dV block with the roles swapped: Q and
         dO stay in the slots that hold K and V there, and tiles of BLOCK_M keys and values
         stream through the stages that hold Q and dO there. ``firsts``: where the sequence
         starts in q, k, v, do and dq; ``lse_base``: where this head's row 0 is in lse and
@@ -702,6 +743,8 @@ def build_kernels(backend):
         )
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
+        # ALiBi: q_idx - kv_idx of the lane's first row and first column of the first tile
+        distance = float32(warp_row + (lane >> 2) + seqlen_k - seqlen_q - n_lo - (lane & 3) * 2)
 
         k_at = k_first + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
         v_at = v_first + kv_head * v_sh + int64(n_lo) * v_ss
@@ -739,6 +782,7 @@ def build_kernels(backend):
                 row_stats,
                 int32(it * BLOCK_M),
                 scale_log2,
+                (distance, slope),
             )
             k_at += int64(BLOCK_M) * k_ss  # key tile it + 1
             v_at += int64(BLOCK_M) * v_ss
@@ -772,6 +816,7 @@ def build_kernels(backend):
         scale,
         window_left,
         window_right,
+        *variant,
     ):
         # n0: the block's first key. The first keys are seen by the most queries under a causal
         # mask, the last ones under a left window alone.
@@ -785,7 +830,7 @@ def build_kernels(backend):
              batch * dq_st[0]),
             (batch * q_st[0], batch * do_st[0], int64(batch) * nheads, 0, seqlen_q),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, n0, col_base, kv_head),
+            (tid, lane, warp, n0, col_base, kv_head), variant, batch,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -816,6 +861,7 @@ def build_kernels(backend):
         window_right,
         total_q,
         total_k,
+        *variant,
     ):
         """dkdv over a packed batch: q, do, dq_acc (total_q, nheads, head_dim), k, v, dk, dv
         (total_k, nheads_k, head_dim) viewed with a batch of 1, lse and delta (nheads,
@@ -833,7 +879,7 @@ def build_kernels(backend):
              q_start * dq_st[1]),
             (q_start * q_st[1], q_start * do_st[1], int64(0), q_start, total_q),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, n0, col_base, kv_head),
+            (tid, lane, warp, n0, col_base, kv_head), variant, b,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -856,6 +902,7 @@ def build_kernels(backend):
         scale,
         window_left,
         window_right,
+        *variant,
     ):
         # m0: the block's first query row. The last rows see the most keys under a causal mask,
         # the first ones under a left window alone.
@@ -869,6 +916,7 @@ def build_kernels(backend):
             (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, m0, col_base, head),
+            slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -895,6 +943,7 @@ def build_kernels(backend):
         window_right,
         total_q,
         total_k,
+        *variant,
     ):
         """dq_kernel over a packed batch (arrays as dkdv_varlen's)."""
         tid, lane, warp, m0, col_base, head, b = block_position(
@@ -911,6 +960,7 @@ def build_kernels(backend):
             int64(head) * total_q + q_start,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, m0, col_base, head),
+            slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
         )  # fmt: skip
 
     if DQ_ATOMIC:

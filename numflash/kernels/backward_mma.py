@@ -69,10 +69,11 @@ def dq_split(head_dim, block_m, num_warps):
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1, *, heavy_group=None,
-    softcap=0.0,
+    softcap=0.0, alibi=False,
 ):  # fmt: skip
     """Both kernels of one configuration (backward.Kernels; no dQ kernel without
-    ``dq_separate``); all sizes are compile-time.
+    ``dq_separate``); all sizes are compile-time. ``softcap``, ``alibi``: of scores changed as
+    the forward changed them (backward.element_function).
 
     ``heavy_group``: under a mask bounded on one side only, where the blocks' work differs
     (causal: the dK/dV kernel's first keys and the dQ kernel's last query rows see the most),
@@ -105,8 +106,8 @@ def build_kernels(
     DQ_REGS = DQ_TILES * 4
     mma = MMA[dtype_name]
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap)
-    row_ds = backward.row_ds_function(Q_TILES, softcap)
+    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap, alibi)
+    row_ds = backward.row_ds_function(Q_TILES, softcap, alibi)
     load_rows = row_loader(ROW, HEAD_DIM // 8, THREADS)
 
     @device_function
@@ -203,6 +204,7 @@ def build_kernels(
         scale_log2,
         wl,
         wr,
+        slope,
     ):
         """One warp's work on one query block in the dK/dV kernel. Straight-line code, so
         that the compiler overlaps the P/dS arithmetic with the mma on either side (copies
@@ -216,14 +218,15 @@ def build_kernels(
         mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
         # -- P^T and dS^T, masked pairs 0
         probabilities_and_ds(
-            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr
-        )
+            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
+            slope,
+        )  # fmt: skip
         # -- dV += P^T dO, dK += dS^T Q
         mma_accumulate(dv_acc, st, do_stage + out_lane)
         mma_accumulate(dk_acc, dpt, q_stage + out_lane)
 
     @device_function
-    def key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2):
+    def key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2, bias):
         """One warp's work on one key tile in the dQ kernel (straight-line, as
         query_block_step)."""
         q_rows, do_rows, b_lane, out_lane = resident
@@ -233,7 +236,7 @@ def build_kernels(
         mma_rows_by_queries(s, q_rows, k_stage + b_lane)
         mma_rows_by_queries(dp, do_rows, v_stage + b_lane)
         # -- dS = P (dP - D), masked pairs 0
-        row_ds(dp, s, row_stats, shift, scale_log2)
+        row_ds(dp, s, row_stats, shift, scale_log2, bias)
         # -- dQ += dS K (K read transposed)
         mma_accumulate(acc, dp, k_stage + out_lane)
 
@@ -312,5 +315,6 @@ def build_kernels(
             atomic_dq=atomic_dq,
             divide=backward.floor_quotient,
             write_rows=backward.row_writer(PART, dtype_name),
-        )
+        ),
+        alibi,
     )

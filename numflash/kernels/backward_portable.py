@@ -36,7 +36,7 @@ from .forward_portable import (
 )
 from .jit import device_function, kernel
 from .mask import block_query_range, visible_keys
-from .softmax import LOG2E, NEG_INF, row_log2_lse, softcap_gradient_functions
+from .softmax import LOG2E, NEG_INF, alibi_functions, row_log2_lse, softcap_gradient_functions
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,10 +147,11 @@ def _row_pair_loader(head_dim, to_f32):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
+def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False):
     """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads. With
     ``varlen`` over a packed batch: the cumulative offsets cu_q, cu_k after the arrays, max
-    lengths in place of the lengths, the arrays' row counts last."""
+    lengths in place of the lengths, the arrays' row counts last. ``softcap``, ``alibi``:
+    the scores as the forward changed them (the slopes the kernel's ``*variant`` array)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -163,6 +164,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     score_and_dp = _score_and_dp(HEAD_DIM)
     SOFTCAP = softcap > 0  # the scores capped as the forward capped them
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
+    slope_of, biased = alibi_functions(alibi)
 
     @device_function
     def load_query_tile(
@@ -198,12 +200,12 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     @device_function
     def dkdv_block(
         q, k, v, do, lse, delta, dk, dv, offsets, row_off, row_head_stride, strides, seqlen_q,
-        seqlen_k, heads_per_kv, scale, window, kv_head, n_block,
+        seqlen_k, heads_per_kv, scale, window, kv_head, n_block, variant, b,
     ):  # fmt: skip
-        """dK and dV of keys n_block * BLOCK_N .. of one (sequence, kv head): ``offsets`` (q,
-        k, v, do, dk, dv) index the sequence's row 0 (head 0) in each array, whose (batch,
-        row, head) ``strides`` come alike; lse and D of (head, row) at row_off + head *
-        row_head_stride + row; ``window`` is (left, right)."""
+        """dK and dV of keys n_block * BLOCK_N .. of one (sequence ``b``, kv head):
+        ``offsets`` (q, k, v, do, dk, dv) index the sequence's row 0 (head 0) in each array,
+        whose (batch, row, head) ``strides`` come alike; lse and D of (head, row) at row_off +
+        head * row_head_stride + row; ``window`` is (left, right)."""
         q_off, k_off, v_off, do_off, dk_off, dv_off = offsets
         q_st, k_st, v_st, do_st, dk_st, dv_st = strides
         window_left, window_right = window
@@ -242,7 +244,9 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             dk_acc[d] = float32(0.0)
             dv_acc[d] = float32(0.0)
 
+        nheads = cuda.gridDim.y * heads_per_kv
         for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
+            slope_h = slope_of(variant, b, head, nheads, float32(LOG2E))
             q_base = q_off + head * q_sh
             do_base = do_off + head * do_sh
             row_base = row_off + head * row_head_stride
@@ -279,7 +283,9 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
                             slope = float32(1.0)
                             if SOFTCAP:
                                 s, slope = capped_and_slope(s, cap_a, cap_b)
-                            p = ptx.exp2(s * scale_log2 - lse_tile[i])
+                            q_idx = float32(m0 + i + seqlen_k - seqlen_q)
+                            score = biased(s * scale_log2, q_idx - float32(key), slope_h)
+                            p = ptx.exp2(score - lse_tile[i])
                             ds = p * (dp - d_tile[i])
                             if SOFTCAP:
                                 ds = ds * slope
@@ -325,6 +331,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             window_right,
             total_q,
             total_k,
+            *variant,
         ):
             b = cuda.blockIdx.z
             q_start, seqlen_q = packed_sequence(cu_q, b, total_q, max_seqlen_q)
@@ -344,6 +351,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             dkdv_block(
                 q, k, v, do, lse, delta, dk, dv, offsets, q_start, int64(total_q), strides,
                 seqlen_q, seqlen_k, heads_per_kv, scale, window, cuda.blockIdx.y, cuda.blockIdx.x,
+                variant, b,
             )  # fmt: skip
 
     else:
@@ -370,6 +378,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             scale,
             window_left,
             window_right,
+            *variant,
         ):
             batch = cuda.blockIdx.z
             nheads = cuda.gridDim.y * heads_per_kv
@@ -387,15 +396,16 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             dkdv_block(
                 q, k, v, do, lse, delta, dk, dv, offsets, row_off, int64(seqlen_q), strides,
                 seqlen_q, seqlen_k, heads_per_kv, scale, window, cuda.blockIdx.y, cuda.blockIdx.x,
+                variant, batch,
             )  # fmt: skip
 
     return dkdv
 
 
 @functools.lru_cache(maxsize=None)
-def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
-    """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads (``varlen``: as
-    :func:`build_dkdv`)."""
+def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False):
+    """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads (``varlen``,
+    ``softcap``, ``alibi``: as :func:`build_dkdv`)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -409,16 +419,17 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
     score_and_dp = _score_and_dp(HEAD_DIM)
     SOFTCAP = softcap > 0  # the scores capped as the forward capped them
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
+    slope_of, biased = alibi_functions(alibi)
 
     @device_function
     def dq_block(
         q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
-        window, head, kv_head, m_block,
+        window, head, kv_head, m_block, alibi_slope,
     ):  # fmt: skip
         """dQ of query block m_block of one (sequence, head): ``offsets`` (q, k, v, do, dq)
         index the sequence's row 0 (head 0) in each array, whose (batch, row, head)
         ``strides`` come alike; lse and D of row i at row_base + i; ``window`` is (left,
-        right)."""
+        right); ``alibi_slope`` the head's (log2 domain), read only with ALiBi."""
         q_off, k_off, v_off, do_off, dq_off = offsets
         q_st, k_st, v_st, do_st, dq_st = strides
         window_left, window_right = window
@@ -450,6 +461,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
             dq_acc[d] = float32(0.0)
         row_lse = -NEG_INF
         row_d = float32(0.0)
+        q_idx = float32(row + seqlen_k - seqlen_q)
         if active:
             row_lse = row_log2_lse(lse[row_base + row])
             row_d = delta[row_base + row]
@@ -469,7 +481,8 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
                     slope = float32(1.0)
                     if SOFTCAP:
                         s, slope = capped_and_slope(s, cap_a, cap_b)
-                    ds = ptx.exp2(s * scale_log2 - row_lse) * (dp - row_d)
+                    score = biased(s * scale_log2, q_idx - float32(key), alibi_slope)
+                    ds = ptx.exp2(score - row_lse) * (dp - row_d)
                     if SOFTCAP:
                         ds = ds * slope
                     for d in range(HEAD_DIM):
@@ -508,6 +521,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
             window_right,
             total_q,
             total_k,
+            *variant,
         ):
             head = cuda.blockIdx.y
             b = cuda.blockIdx.z
@@ -528,6 +542,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
             dq_block(
                 q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
                 window, head, head // heads_per_kv, cuda.blockIdx.x,
+                slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
             )  # fmt: skip
 
     else:
@@ -552,6 +567,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
             scale,
             window_left,
             window_right,
+            *variant,
         ):
             head = cuda.blockIdx.y
             batch = cuda.blockIdx.z
@@ -568,6 +584,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0):
             dq_block(
                 q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
                 window, head, head // heads_per_kv, cuda.blockIdx.x,
+                slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
             )  # fmt: skip
 
     return dq_kernel

@@ -67,10 +67,10 @@ def shared_memory_layout(head_dim, num_warps, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0):
+def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False):
     """Both kernels of one configuration (backward.Kernels). ``heavy_group``: as
-    backward_mma.build_kernels (8 there with the dQ kernel); ``softcap`` > 0: of scores capped
-    as the forward capped them."""
+    backward_mma.build_kernels (8 there with the dQ kernel); ``softcap`` > 0, ``alibi``: of
+    scores changed as the forward changed them (backward.element_function)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
@@ -91,8 +91,8 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap)
-    row_ds = backward.row_ds_function(BLOCK_M // 8, softcap)
+    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap, alibi)
+    row_ds = backward.row_ds_function(BLOCK_M // 8, softcap, alibi)
 
     load_rows = swizzled_row_loader(CHUNKS, THREADS)
     descriptor = swizzled_descriptor
@@ -157,6 +157,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
         scale_log2,
         wl,
         wr,
+        slope,
     ):
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
         k_desc, v_desc = resident
@@ -165,8 +166,9 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
         score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
         # -- P^T and dS^T, masked pairs 0
         probabilities_and_ds(
-            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr
-        )
+            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
+            slope,
+        )  # fmt: skip
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
@@ -212,7 +214,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
         cuda.syncthreads()
 
     @device_function
-    def key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2):
+    def key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2, bias):
         """One warpgroup's work on one key tile (the stage at ``stage_addr``) in the dQ
         kernel."""
         q_desc, do_desc = resident
@@ -220,7 +222,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
         # -- S = Q K^T and dP = dO V^T for this warpgroup's 64 query rows
         score_pair(s, dp, q_desc, descriptor(k_addr, 16), do_desc, descriptor(v_addr, 16))
         # -- dS = P (dP - D), masked pairs 0
-        row_ds(dp, s, row_stats, shift, scale_log2)
+        row_ds(dp, s, row_stats, shift, scale_log2, bias)
         # -- dQ += dS K
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
@@ -264,5 +266,6 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
             atomic_dq=no_atomic_dq,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
-        )
+        ),
+        alibi,
     )

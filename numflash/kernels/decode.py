@@ -49,8 +49,10 @@ from .softmax import (
     LN2,
     LOG2E,
     NEG_INF,
+    alibi_functions,
     final_lse,
     inverse_sum,
+    raw_unit,
     shift_of,
     sink_functions,
     softcap_function,
@@ -99,13 +101,17 @@ def merge_floats(head_dim, num_warps):
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, sinks=False):
+def build(
+    head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, sinks=False, alibi=False
+):
     """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
     batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
     shared memory; with several splits, ``counters`` holds one zero int32 per row group
     (batch, kv head, block of 16 rows), and every launch leaves them zero. With ``sinks`` the
     row's head's sink logit (the ``*variant`` array) joins its sum where the output is made:
-    the one split's merge, or the combine of several (their partials hold no sink)."""
+    the one split's merge, or the combine of several (their partials hold no sink). With
+    ``alibi`` each row's head's slope (the next array) times the distance is taken from its
+    scores (bias_scores)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16
     BLOCK_N, NUM_WARPS, STAGES = block_n, num_warps, stages
@@ -130,6 +136,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, 
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
     SINKS = sinks
     sink_of, with_sink = sink_functions(sinks)
+    ALIBI = alibi
+    slope_of, biased = alibi_functions(alibi, sinks)
     FLAGS = STAGES * KEYS
     ABSENT = FLAGS + STAGES  # shared-array sizes must be plain constants
     ADDRESSES = 4 * KEYS  # two tiles' (k_at, v_at) pairs
@@ -309,6 +317,32 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, 
                 s[i] = s[i] if here and lo0 <= j and j < hi0 else NEG_INF
                 i = acc_index(nt, 1) + e
                 s[i] = s[i] if here and lo1 <= j and j < hi1 else NEG_INF
+
+    @device_function
+    def row_bias(variant, b, kv_head, rr, rows, seqlen_q, seqlen_k, heads_per_kv, scale_log2):
+        """(q_idx, ALiBi slope in units of 1 / scale) of block row ``rr``: its query's
+        position among the keys and its head's slope (0 for a padding row)."""
+        if rr >= rows:
+            return float32(0.0), float32(0.0)
+        g = rr // seqlen_q
+        i = rr - g * seqlen_q
+        head = kv_head * heads_per_kv + g
+        nheads = cuda.gridDim.y * heads_per_kv
+        slope = slope_of(variant, b, head, nheads, raw_unit(scale_log2))
+        return float32(i + seqlen_k - seqlen_q), slope
+
+    @device_function
+    def bias_scores(s, lane, k0, bias0, bias1):
+        """ALiBi on this lane's scores of the warp's keys k0.. for its two rows, ``bias0``
+        and ``bias1`` their row_bias; the column offsets are constants."""
+        for h in range(2):
+            q_idx, slope = bias0 if h == 0 else bias1
+            distance = q_idx - float32(k0 + (lane & 3) * 2)
+            for nt in range(N_TILES):
+                for e in range(2):
+                    i = acc_index(nt, h) + e
+                    _, col = accumulator_position(i, 0)
+                    s[i] = biased(s[i], distance - float32(col), slope)
 
     @device_function
     def row_keys(rr, rows, seqlen_q, seqlen_k, wl, wr, n_end):
@@ -661,6 +695,12 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, 
         lo1, hi1 = row_keys(
             rr0 + (lane >> 2) + 8, rows, seqlen_q, seqlen_k, window_left, window_right, n_end
         )
+        bias0, bias1 = (float32(0.0), float32(0.0)), (float32(0.0), float32(0.0))
+        if ALIBI:
+            bias0 = row_bias(variant, b, kv_head, rr0 + (lane >> 2), rows, seqlen_q, seqlen_k,
+                             heads_per_kv, scale_log2)  # fmt: skip
+            bias1 = row_bias(variant, b, kv_head, rr0 + (lane >> 2) + 8, rows, seqlen_q,
+                             seqlen_k, heads_per_kv, scale_log2)  # fmt: skip
         lo_both = max(lo0, lo1)  # the keys both of this lane's rows see
         hi_both = min(hi0, hi1)
         for h in range(2):
@@ -691,6 +731,8 @@ def build(head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, 
                 cap_scores(s, scale_log2)
             n0 = n_begin + it * KEYS
             k0 = n0 + warp * BLOCK_N  # this warp's first key of the slot
+            if ALIBI:
+                bias_scores(s, lane, k0, bias0, bias1)
             seen = lo_both <= k0 and k0 + BLOCK_N <= hi_both  # by both rows: nothing to mask ...
             if PAGED:
                 seen = seen and absent[FLAGS + stage] != it  # ... unless a page was bad

@@ -35,7 +35,7 @@ from . import ptx
 from .forward_portable import FROM_F32, TO_F32, tile_absorber
 from .jit import device_function, kernel
 from .mask import visible_keys
-from .softmax import LN2, LOG2E, NEG_INF, final_lse, inverse_sum, softcap_functions
+from .softmax import LN2, LOG2E, NEG_INF, alibi_functions, final_lse, inverse_sum, softcap_functions
 
 
 @device_function
@@ -113,12 +113,18 @@ def build_append(head_dim, dtype_name, paged):
 
 
 @functools.lru_cache(maxsize=None)
-def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap=0.0):
+def build_split_attention(
+    head_dim, dtype_name, block_m, block_n, paged, softcap=0.0, sinks=False, alibi=False
+):
     """The split-KV kernel: grid (num_splits * ceil(group * seqlen_q / block_m), nheads_k,
-    batch), block_m threads; ``softcap`` > 0 caps the scores (softmax.softcap_functions)."""
+    batch), block_m threads; ``softcap`` > 0 caps the scores (softmax.softcap_functions);
+    with ``alibi`` each row's head's slope times the distance is taken from its scores (the
+    slopes the ``*variant`` array after the sinks, which ``sinks`` says it is handed and the
+    combine reads)."""
     HEAD_DIM, BLOCK_M, BLOCK_N = head_dim, block_m, block_n
     SOFTCAP = softcap > 0
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
+    slope_of, biased = alibi_functions(alibi, sinks)
     TILE = BLOCK_N * HEAD_DIM
     to_f32 = TO_F32[dtype_name]
     key_row = address_function(paged)
@@ -189,6 +195,7 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap
         capacity,
         num_splits,
         chunk,
+        *variant,
     ):
         q_sb, q_ss, q_sh = q_st
         k_tile = cuda.shared.array(TILE, float32)
@@ -218,6 +225,10 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:  # once a thread, not once a score
             cap_a, cap_b = cap_factors(scale_log2)
+        slope = float32(0.0)  # ALiBi's, log2 domain
+        if active:
+            slope = slope_of(variant, b, head, cuda.gridDim.y * heads_per_kv, float32(LOG2E))
+        q_idx = float32(i + seqlen_k - seqlen_q)
         l_i = float32(0.0)
         for n0 in range(n_start, n_end, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
@@ -252,7 +263,7 @@ def build_split_attention(head_dim, dtype_name, block_m, block_n, paged, softcap
                         dot += q_row[d] * k_tile[jj * HEAD_DIM + d]
                     if SOFTCAP:
                         dot = capped(dot, cap_a, cap_b)
-                    score = dot * scale_log2
+                    score = biased(dot * scale_log2, q_idx - float32(j), slope)
                 s[jj] = score
                 m_new = max(m_new, score)
             # -- update m_i and l_i; acc = alpha * acc + p V

@@ -24,7 +24,8 @@ seqlen_k; rows that see no key (output 0, LSE -inf). Needs compute capability 8.
 fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Packed batches of
 variable-length sequences run the same block body (:func:`build_varlen`); a softcap of the
 scores is a compile-time constant of the build, and so is whether sink logits (one a head, the
-kernel's ``*variant`` array) join each row's sum in the epilogue. Does not: dropout, ALiBi, KV
+kernel's ``*variant`` array) join each row's sum in the epilogue, and so are ALiBi slopes (the
+next ``*variant`` array) biasing every tile's scores. Does not: dropout, KV
 cache (numflash.kernels.decode).
 """
 
@@ -38,7 +39,15 @@ from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, sink_functions, softcap_function
+from .softmax import (
+    NEG_INF,
+    alibi_functions,
+    final_lse,
+    inverse_sum,
+    raw_unit,
+    sink_functions,
+    softcap_function,
+)
 from .warp_step import warp_step
 
 
@@ -53,12 +62,13 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
 @functools.lru_cache(maxsize=None)
 def _block_attender(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False,
+    sinks=False, alibi=False,
 ):  # fmt: skip
     """The device function that attends one block of query rows (all sizes compile-time),
     shared by the dense and the packed (varlen) kernels; ``softcap`` > 0 caps the scores
     (softmax.softcap_function); with ``sinks`` the head's sink joins each row's sum
-    (softmax.sink_functions)."""
+    (softmax.sink_functions); with ``alibi`` the scores less the head's slope times the
+    distance (softmax.alibi_functions, bias_scores)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
     BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
@@ -83,6 +93,8 @@ def _block_attender(
     SOFTCAP = softcap > 0
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
     _, with_sink = sink_functions(sinks)
+    ALIBI = alibi
+    _, biased = alibi_functions(alibi)
     load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
         dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS
@@ -111,6 +123,28 @@ def _block_attender(
                 _, col = accumulator_position(4 * nt + e, 0)  # from the lane's first column
                 visible = lo <= col and col < hi
                 s[first + 4 * nt + e] = s[first + 4 * nt + e] if visible else NEG_INF
+
+    @device_function
+    def bias_row(s, first, distance, slope):
+        """ALiBi on this lane's scores ``s[first + 4 nt + e]`` of one row: ``distance`` is
+        the row's position among the keys less the lane's first column; the column offsets
+        are constants (as mask_row's)."""
+        for nt in range(N_TILES):
+            for e in range(2):
+                _, col = accumulator_position(4 * nt + e, 0)
+                i = first + 4 * nt + e
+                s[i] = biased(s[i], distance - float32(col), slope)
+
+    @device_function
+    def bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope):
+        """ALiBi on every score of the tile of keys n0.. (raw scores: ``slope`` in units of
+        1 / scale), one call per row this lane holds as in mask_scores."""
+        distance = float32(row0 + (lane >> 2) + seqlen_k - seqlen_q - n0 - (lane & 3) * 2)
+        bias_row(s, 0, distance, slope)
+        bias_row(s, 2, distance + float32(8), slope)
+        if M_TILES == 2:
+            bias_row(s, 4 * N_TILES, distance + float32(16), slope)
+            bias_row(s, 4 * N_TILES + 2, distance + float32(24), slope)
 
     @device_function
     def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
@@ -168,13 +202,14 @@ def _block_attender(
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, sink,
+        tid, lane, warp, sink, slope,
     ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head), by thread ``tid``
         (``lane`` of ``warp``) of the block: ``bases`` (q, k, v, o, lse) is where the
         sequence's row 0 of this head (its kv head for k, v) starts in each array, rows
         ``row_strides`` (q, k, v, o) elements apart; ``window`` is (left, right); ``sink``
-        the head's sink logit (log2 domain), read only with sinks."""
+        the head's sink logit (log2 domain), read only with sinks; ``slope`` its ALiBi slope
+        in units of 1 / scale, read only with ALiBi."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         window_left, window_right = window
@@ -259,6 +294,8 @@ def _block_attender(
             mma_qk(qf, s, q_addr, stage_addr + uint32(K_BASE * 2) + k_lane)
             if SOFTCAP:
                 cap_scores(s, scale_log2)
+            if ALIBI:
+                bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope)
             if tile_needs_mask(
                 m0,
                 m0 + BLOCK_M - 1,
@@ -285,13 +322,15 @@ def _block_attender(
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False,
+    sinks=False, alibi=False,
 ):  # fmt: skip
     """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks
-    )
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks,
+        alibi,
+    )  # fmt: skip
     sink_of, _ = sink_functions(sinks)
+    slope_of, _ = alibi_functions(alibi, sinks)
 
     @kernel(launch_bounds=32 * num_warps)
     def forward(
@@ -326,6 +365,7 @@ def build(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q,
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
             sink_of(variant, head),
+            slope_of(variant, batch, head, cuda.gridDim.y, raw_unit(scale_log2)),
         )  # fmt: skip
 
     return forward
@@ -334,7 +374,7 @@ def build(
 @functools.lru_cache(maxsize=None)
 def build_varlen(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False,
+    sinks=False, alibi=False,
 ):  # fmt: skip
     """The tensor-core forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
@@ -342,9 +382,11 @@ def build_varlen(
     clamped to the arrays and lengths to max_seqlen: no read or write leaves q, k, v, o or
     lse. The same block body as the dense kernel (:func:`build`)."""
     attend_block = _block_attender(
-        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks
-    )
+        head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks,
+        alibi,
+    )  # fmt: skip
     sink_of, _ = sink_functions(sinks)
+    slope_of, _ = alibi_functions(alibi, sinks)
     BLOCK_M = block_m
 
     @kernel(launch_bounds=32 * num_warps)
@@ -387,6 +429,7 @@ def build_varlen(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, seqlen_q,
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
             sink_of(variant, head),
+            slope_of(variant, b, head, cuda.gridDim.y, raw_unit(scale_log2)),
         )  # fmt: skip
 
     return forward_varlen

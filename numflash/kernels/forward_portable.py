@@ -12,8 +12,8 @@ and values is loaded into shared memory once (converted to fp32) and read by eve
 Supports: float16, bfloat16 (both as uint16 bits) and float32; any head_dim up to 256; GQA;
 causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows that see no key
 (output 0, LSE -inf); a softcap of the scores (a compile-time constant); sink logits (one a
-head, the ``*variant`` array; a compile-time switch). Packed batches: :func:`build_varlen`.
-Does not: dropout, ALiBi.
+head) and ALiBi slopes, the ``*variant`` arrays (compile-time switches). Packed batches:
+:func:`build_varlen`. Does not: dropout.
 """
 
 import functools
@@ -23,7 +23,16 @@ from numba import cuda, float32, int64
 from . import ptx
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
-from .softmax import NEG_INF, final_lse, inverse_sum, shift_of, sink_functions, softcap_functions
+from .softmax import (
+    LOG2E,
+    NEG_INF,
+    alibi_functions,
+    final_lse,
+    inverse_sum,
+    shift_of,
+    sink_functions,
+    softcap_functions,
+)
 
 
 @device_function
@@ -137,15 +146,18 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 
 @functools.lru_cache(maxsize=None)
-def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
+def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
     """The device function ``attend_rows(q, k, v, o, lse, bases, row_strides, seqlen_q,
-    seqlen_k, scale_log2, window, m_block, sink)``: query block ``m_block`` of one (sequence,
-    head), one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's row 0 for this
-    head (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements apart; ``window`` is
-    (left, right). ``softcap`` > 0 caps the scores (softmax.softcap_functions); with
-    ``sinks`` the head's ``sink`` joins each row's sum (softmax.sink_functions)."""
+    seqlen_k, scale_log2, window, m_block, sink, slope)``: query block ``m_block`` of one
+    (sequence, head), one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's
+    row 0 for this head (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements
+    apart; ``window`` is (left, right). ``softcap`` > 0 caps the scores
+    (softmax.softcap_functions); with ``sinks`` the head's ``sink`` joins each row's sum
+    (softmax.sink_functions); with ``alibi`` the scores less ``slope`` (log2 domain) times
+    the distance (softmax.alibi_functions)."""
     SOFTCAP = softcap > 0
     _, with_sink = sink_functions(sinks)
+    _, biased = alibi_functions(alibi)
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
@@ -160,7 +172,7 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
     @device_function
     def attend_rows(
         q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block,
-        sink,
+        sink, slope,
     ):  # fmt: skip
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
@@ -182,6 +194,7 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
             acc[d] = float32(0.0)
         m_i = NEG_INF
         l_i = float32(0.0)
+        q_idx = float32(row + seqlen_k - seqlen_q)  # the row's position among the keys
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
@@ -202,7 +215,7 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
                         dot += q_row[d] * k_tile[j * HEAD_DIM + d]
                     if SOFTCAP:
                         dot = capped(dot, cap_a, cap_b)
-                    score = dot * scale_log2
+                    score = biased(dot * scale_log2, q_idx - float32(key), slope)
                 s[j] = score
                 m_new = max(m_new, score)
 
@@ -222,10 +235,11 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
+def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
     """The portable forward kernel specialised for one (head_dim, dtype, tile, variant) key."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi)
     sink_of, _ = sink_functions(sinks)
+    slope_of, _ = alibi_functions(alibi, sinks)
 
     @kernel
     def forward_portable(
@@ -255,19 +269,21 @@ def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
+            slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
         )  # fmt: skip
 
     return forward_portable
 
 
 @functools.lru_cache(maxsize=None)
-def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False):
+def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
     """The portable forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch). Offsets are clamped to the arrays and
     lengths to max_seqlen: no read or write leaves q, k, v, o or lse (nheads, total_q)."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi)
     sink_of, _ = sink_functions(sinks)
+    slope_of, _ = alibi_functions(alibi, sinks)
     BLOCK_M = block_m
 
     @kernel
@@ -305,6 +321,7 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
+            slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
         )  # fmt: skip
 
     return forward_portable_varlen

@@ -50,7 +50,7 @@ next sequence's rows: masked out of S, and (zero_rows_past_end) zeroed in the la
 
 Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; causal and sliding
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
--inf); a softcap and sink logits (build's ``softcap``, ``sinks``). Needs
+-inf); a softcap, sink logits and ALiBi (build's ``softcap``, ``sinks``, ``alibi``). Needs
 compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
 With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
 first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
@@ -79,7 +79,15 @@ from .loads import (
     swizzled_row_loader,
 )
 from .mask import block_key_range, tile_needs_mask, visible_keys
-from .softmax import NEG_INF, final_lse, shift_of, sink_functions, softcap_function
+from .softmax import (
+    NEG_INF,
+    alibi_functions,
+    final_lse,
+    raw_unit,
+    shift_of,
+    sink_functions,
+    softcap_function,
+)
 
 #: Query rows of one warpgroup: the M of every wgmma.
 WARPGROUP_ROWS = 64
@@ -152,7 +160,7 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None, softcap=0.0, sinks=False,
+    cache=None, softcap=0.0, sinks=False, alibi=False,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -164,7 +172,9 @@ def build(
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``softcap`` > 0 caps the scores
     (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
-    ``*variant`` array, joins each row's sum (softmax.sink_functions)."""
+    ``*variant`` array, joins each row's sum (softmax.sink_functions); with ``alibi`` the
+    scores less the head's slope (the next array) times the distance
+    (softmax.alibi_functions)."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
@@ -179,6 +189,8 @@ def build(
     CACHE, PAGED = cache is not None, cache == "paged"
     SOFTCAP = softcap > 0
     sink_of, with_sink = sink_functions(sinks)
+    ALIBI = alibi
+    slope_of, biased = alibi_functions(alibi, sinks)
     PERSISTENT = persistent(producer, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
@@ -361,6 +373,20 @@ def build(
                     seen = seen & (((bad >> uint64(i)) & uint64(1)) == uint64(0))
                 s[index] = s[index] if seen else NEG_INF
 
+    @device_function
+    def bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope):
+        """ALiBi on every score of the tile of keys n0.. of this lane's rows (row0 + lane // 4
+        and 8 below; raw scores: ``slope`` in units of 1 / scale), the column offsets
+        constants as in mask_scores."""
+        for h in range(2):
+            distance = float32(
+                row0 + 8 * h + (lane >> 2) + seqlen_k - seqlen_q - n0 - (lane & 3) * 2
+            )
+            for i in range(S_REGS // 2):
+                index = 4 * (i >> 1) + 2 * h + (i & 1)
+                _, col = accumulator_position(index, 0)
+                s[index] = biased(s[index], distance - float32(col), slope)
+
     def softmax_function(masked):
         """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
         only hidden keys so far, its max still -inf) or for one it does not (every row sees a
@@ -397,7 +423,8 @@ def build(
 
     @device_function
     def absorb(
-        s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, bad
+        s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, bad,
+        slope,
     ):  # fmt: skip
         """Mask the tile of keys n0.. where it needs it (``bad``: absent_keys), then its
         softmax. Each case runs its own copy of the softmax, so that the wait for acc += P V
@@ -405,6 +432,8 @@ def build(
         that held the softmax, which then no longer overlapped the product."""
         if SOFTCAP:
             cap_scores(s, scale_log2)
+        if ALIBI:
+            bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
         if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
             # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)
@@ -826,7 +855,7 @@ def build(
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, maps, coords, pages, g0, job, producing, sink,
+        tid, lane, warp, maps, coords, pages, g0, job, producing, sink, slope,
     ):  # fmt: skip
         """This thread's part (``producing``: the producer's; a constant where inlined, so each
         role's loop holds its code alone) in rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
@@ -837,7 +866,8 @@ def build(
         batch's tensor maps are over all its rows) the block's. ``pages``: a paged cache's
         geometry (see load_keys). ``g0`` key tiles and ``job`` Q tiles went through the block's
         shared memory before (its earlier work tiles). The key tiles it took (0: its rows see
-        no key). ``sink``: the head's sink logit, read only with sinks."""
+        no key). ``sink``: the head's sink logit, read only with sinks; ``slope``: its ALiBi
+        slope in units of 1 / scale, read only with ALiBi."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -877,7 +907,7 @@ def build(
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job, sink)  # fmt: skip
+                lane, warp, pages, g0, job, sink, slope)  # fmt: skip
         return n_tiles
 
     @device_function
@@ -890,7 +920,7 @@ def build(
     @device_function
     def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job, sink):  # fmt: skip
+                lane, warp, pages, g0, job, sink, slope):  # fmt: skip
         """A consumer warpgroup's 64 rows over the work tile's key tiles, the block's ``job``-th
         Q tile and its g0-th key tile on; without a producer its threads also refill the ring
         (k_first, v_first, keys_left: the next tile to load; the ring starts at slot 0)."""
@@ -929,7 +959,7 @@ def build(
         release_half(base, EMPTY_K, slot)
         n0 = int32(first_tile * BLOCK_N)
         absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-               bad)  # fmt: skip
+               bad, slope)  # fmt: skip
         rescale_and_pack(acc, s, pf, alpha)
 
         for it in range(1, n_tiles):
@@ -955,7 +985,7 @@ def build(
             release_half(base, EMPTY_K, nxt)
             n0 = int32((first_tile + it) * BLOCK_N)
             absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-                   bad)  # fmt: skip
+                   bad, slope)  # fmt: skip
             # P must be computed before the wait below, not moved after it by the compiler
             # (it moves register arithmetic freely across the asm statements otherwise)
             ptx_sm90.fence_operands(s, S_REGS)
@@ -1032,6 +1062,7 @@ def build(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
             producing, sink_of(variant, head),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
         )  # fmt: skip
 
     # setmaxnreg needs the register count at entry: a block per multiprocessor. A block works
@@ -1117,6 +1148,7 @@ def build(
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
             g, job, producing, sink_of(variant, head),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)

@@ -84,6 +84,49 @@ def sink_functions(sinks):
     return sink_of, with_sink
 
 
+@functools.lru_cache(maxsize=None)
+def alibi_functions(alibi, sinks=False):
+    """(``slope_of(variant, b, head, nheads, unit) -> slope``, ``biased(x, distance,
+    slope)``) for a kernel compiled with ALiBi slopes (``alibi``, a compile-time flag) or
+    without. The slopes are the kernel's ``*variant`` array after the sinks (``sinks``: the
+    kernel has them; launch.variant_arrays' order), flat (nheads,) or (batch, nheads).
+
+    ``slope_of``: sequence ``b``'s slope of head ``head`` (of ``nheads``) times ``unit``,
+    the factor to the domain of the kernel's scores where it adds the bias: log2(e) for
+    log2-domain scores, 1 / scale for raw ones (q . k, which the softmax's scale turns into
+    the bias); 0 without ALiBi. ``biased``: score ``x`` less slope * |distance|, distance
+    = q_idx - kv_idx as a float (exact to 2^24 positions); ``x`` itself without ALiBi. A
+    masked score (-inf) stays -inf."""
+    ALIBI = alibi
+    INDEX = 1 if sinks else 0
+
+    @device_function
+    def slope_of(variant, b, head, nheads, unit):
+        if ALIBI:
+            slopes = variant[INDEX]
+            i = b * nheads + head
+            if i >= slopes.shape[0]:  # (nheads,): every sequence's
+                i = head
+            return slopes[i] * unit
+        return float32(0.0)
+
+    @device_function
+    def biased(x, distance, slope):
+        if ALIBI:
+            return ptx.fma(-slope, abs(distance), x)
+        return x
+
+    return slope_of, biased
+
+
+@device_function
+def raw_unit(scale_log2):
+    """alibi_functions' ``unit`` for raw scores (q . k, scaled by ``scale_log2`` > 0 in the
+    softmax): log2(e) / scale_log2 = 1 / scale, by rcp.approx (an IEEE division is a
+    subroutine call, which made ptxas serialise the Hopper kernels' wgmma)."""
+    return float32(LOG2E) * ptx.reciprocal(scale_log2)
+
+
 @device_function
 def ceil_div(a, b):
     return int32((a + b - 1) // b)
