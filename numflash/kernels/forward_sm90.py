@@ -374,18 +374,34 @@ def build(
                 s[index] = s[index] if seen else NEG_INF
 
     @device_function
-    def bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope):
-        """ALiBi on every score of the tile of keys n0.. of this lane's rows (row0 + lane // 4
-        and 8 below; raw scores: ``slope`` in units of 1 / scale), the column offsets
-        constants as in mask_scores."""
+    def bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope):
+        """ALiBi on the scores of the tile of keys n0.. of this lane's rows (row0 + lane // 4
+        and 8 below; raw scores: ``slope`` in units of 1 / scale): the rows' offsets (t_0,
+        t_1), s left holding each biased score less its row's offset.
+
+        Where every key of the tile a row sees is on one side of it (the whole block's rows
+        below or above the tile's keys, or a causal mask: keys at or before the row), the bias
+        -slope |q_idx - kv_idx| is linear in the key: one fma with a constant a score (the
+        lane's column offset), the rest a row's offset, which softmax_rows adds to the row's
+        max and to the exponent's shift (half the work of |distance|, which the tiles the
+        diagonal crosses take)."""
+        offset = seqlen_k - seqlen_q  # a row's position among the keys less its index
+        # q_idx - kv_idx of this lane's first row and its first column of the tile
+        distance = float32(row0 + (lane >> 2) + offset - n0 - (lane & 3) * 2)
+        below = wr == 0 or n0 + BLOCK_N - 1 <= m0 + offset  # every seen key at or before
+        if below or wl == 0 or n0 >= m0 + BLOCK_M - 1 + offset:  # ... or at or after the row
+            step = slope if below else -slope  # the bias's change from one key to the next
+            for i in range(S_REGS):
+                _, col = accumulator_position(i, 0)
+                s[i] = ptx.fma(step, float32(col), s[i])
+            return -step * distance, -step * (distance + float32(8))
         for h in range(2):
-            distance = float32(
-                row0 + 8 * h + (lane >> 2) + seqlen_k - seqlen_q - n0 - (lane & 3) * 2
-            )
             for i in range(S_REGS // 2):
                 index = 4 * (i >> 1) + 2 * h + (i & 1)
                 _, col = accumulator_position(index, 0)
-                s[index] = biased(s[index], distance - float32(col), slope)
+                at = distance + float32(8 * h - col)
+                s[index] = biased(s[index], at, slope)
+        return float32(0.0), float32(0.0)
 
     def softmax_function(masked):
         """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
@@ -393,26 +409,32 @@ def build(
         key of it, so its max is finite and shifts the scores as it is)."""
 
         @device_function
-        def softmax_rows(s, m_i, l_i, alpha, scale_log2):
+        def softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets):
             """P = exp2(S * scale_log2 - m) left in s; m_i, l_i updated, alpha the factor that
             rescales acc (applied once acc has landed). The row max is taken on the raw scores
-            (scale_log2 > 0 keeps their order), so each probability costs an fma and an ex2."""
+            (scale_log2 > 0 keeps their order), so each probability costs an fma and an ex2.
+            With ALiBi, s holds each score less its row's ``offsets`` (bias_scores)."""
             for h in range(2):
                 m_raw = s[acc_index(0, h)]
                 for nt in range(N_TILES):
                     i = acc_index(nt, h)
                     m_raw = max(m_raw, max(s[i], s[i + 1]))
+                if ALIBI:
+                    m_raw += offsets[h]
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))  # the 4 lanes of a row
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
                 m_new = max(m_i[h], m_raw * scale_log2)
                 shift = shift_of(m_new) if masked else m_new
                 alpha[h] = ptx.exp2(m_i[h] - shift)
                 m_i[h] = m_new
+                neg_shift = -shift
+                if ALIBI:
+                    neg_shift = ptx.fma(offsets[h], scale_log2, neg_shift)
                 row_sum = float32(0.0)
                 for nt in range(N_TILES):
                     i = acc_index(nt, h)
-                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
-                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
+                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, neg_shift))
+                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, neg_shift))
                     row_sum += s[i] + s[i + 1]
                 l_i[h] = l_i[h] * alpha[h] + row_sum  # this lane's part; the 4 summed at the end
 
@@ -432,17 +454,18 @@ def build(
         that held the softmax, which then no longer overlapped the product."""
         if SOFTCAP:
             cap_scores(s, scale_log2)
+        offsets = (float32(0.0), float32(0.0))
         if ALIBI:
-            bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope)
+            offsets = bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
         if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
             # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)
             needs = needs or ptx.any_lane(bad != uint64(0))
         if needs:
             mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr, bad)
-            masked_softmax_rows(s, m_i, l_i, alpha, scale_log2)
+            masked_softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets)
         else:
-            softmax_rows(s, m_i, l_i, alpha, scale_log2)
+            softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets)
 
     @device_function
     def rescale_and_pack(acc, s, pf, alpha):
