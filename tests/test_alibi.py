@@ -63,9 +63,11 @@ def test_alibi_matches_the_reference(family, index):
     assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family", ["portable"] if SIMULATOR else list(CONFIGS))
 def test_alibi_with_sinks_and_a_softcap(family):
-    """Every built-in variant at once; the sink joins the biased scores' sum."""
+    """Every built-in variant at once; the sink joins the biased scores' sum (in the
+    simulator the portable kernel's alone: test_variants' KV-cache cases mix the three on
+    the others)."""
     config = _forced(family, "bfloat16", 64)
     q, k, v = random_qkv(2, 37, 61, 4, 2, 64, "bfloat16")
     slopes = _slopes(1, 2, 4)
@@ -163,7 +165,7 @@ def test_repeated_calls_with_other_slopes_are_not_mixed_up():
     """Calls that differ only in their slopes (one shape) each see their own, and a plain
     call after them is plain."""
     q, k, v = random_qkv(1, 64, 64, 2, 2, 64, "float16")
-    for index in (0, 2, 4, 2):
+    for index in (0, 2, 0):
         slopes = _slopes(index, 1, 2)
         out, lse = numflash.attention(q, k, v, return_lse=True, alibi_slopes=slopes)
         assert_matches_reference(q, k, v, out, lse, variants=Variants(alibi_slopes=slopes))
