@@ -314,7 +314,9 @@ def main():
     )
     if args.profile:
         step = (qd, k_cache, v_cache, k_new, v_new, lengths, None, table, False, None)
-        step += (numflash.api._DEFAULT_WINDOW, 0, False, None, None)
+        step += (numflash.api._DEFAULT_WINDOW, 0, False, None, None, 0.0, None, None)
+        if len(step) != len(numflash.api._KVCACHE.parameters):
+            raise SystemExit("host_overhead: the KV-cache signature changed; update the step")
         results["attention_with_kvcache_parts"] = kvcache_parts(decode_step, step)
     results["patterns"] = call_patterns()
     if args.profile:
