@@ -738,7 +738,7 @@ def build(
                 seen = seen and absent[FLAGS + stage] != it  # ... unless a page was bad
             if not seen:
                 mask_scores(s, absent, stage, it, warp, lane, n0, lo0, hi0, lo1, hi1)
-            online_softmax(s, m_i, l_i, acc, scale_log2)
+            online_softmax(s, m_i, l_i, acc, scale_log2, m_i)  # (no row offsets: not read)
             mma_pv(s, pf, acc, slot_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 

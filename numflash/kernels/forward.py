@@ -97,7 +97,7 @@ def _block_attender(
     _, biased = alibi_functions(alibi)
     load_rows = row_loader(ROW, CHUNKS, THREADS, whole_tile_fast_path=True)
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
-        dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS
+        dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS, offsets=alibi
     )
 
     # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
@@ -126,9 +126,9 @@ def _block_attender(
 
     @device_function
     def bias_row(s, first, distance, slope):
-        """ALiBi on this lane's scores ``s[first + 4 nt + e]`` of one row: ``distance`` is
-        the row's position among the keys less the lane's first column; the column offsets
-        are constants (as mask_row's)."""
+        """ALiBi as |distance| on this lane's scores ``s[first + 4 nt + e]`` of one row:
+        ``distance`` is the row's position among the keys less the lane's first column; the
+        column offsets are constants (as mask_row's)."""
         for nt in range(N_TILES):
             for e in range(2):
                 _, col = accumulator_position(4 * nt + e, 0)
@@ -136,15 +136,32 @@ def _block_attender(
                 s[i] = biased(s[i], distance - float32(col), slope)
 
     @device_function
-    def bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope):
-        """ALiBi on every score of the tile of keys n0.. (raw scores: ``slope`` in units of
-        1 / scale), one call per row this lane holds as in mask_scores."""
-        distance = float32(row0 + (lane >> 2) + seqlen_k - seqlen_q - n0 - (lane & 3) * 2)
+    def bias_scores(s, t, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope):
+        """ALiBi on the scores of the tile of keys n0.. (raw scores: ``slope`` in units of
+        1 / scale), t[r] the offset of this lane's row r left out of s (online_softmax adds
+        it). As the Hopper forward's bias_scores: where every key a row sees in the tile is on
+        one side of it, one fma with a constant a score and the rest in t; else |distance|."""
+        offset = seqlen_k - seqlen_q
+        distance = float32(row0 + (lane >> 2) + offset - n0 - (lane & 3) * 2)
+        below = wr == 0 or n0 + BLOCK_N - 1 <= m0 + offset  # every seen key at or before
+        if below or wl == 0 or n0 >= m0 + BLOCK_M - 1 + offset:  # ... or at or after the row
+            step = slope if below else -slope
+            for mt in range(M_TILES):
+                for j in range(4 * N_TILES):
+                    _, col = accumulator_position(j, 0)
+                    i = mt * 4 * N_TILES + j
+                    s[i] = ptx.fma(step, float32(col), s[i])
+                for h in range(2):
+                    t[mt * 2 + h] = -step * (distance + float32(16 * mt + 8 * h))
+            return
+        # One call per row this lane holds, each with constant offsets (as mask_scores)
         bias_row(s, 0, distance, slope)
         bias_row(s, 2, distance + float32(8), slope)
         if M_TILES == 2:
             bias_row(s, 4 * N_TILES, distance + float32(16), slope)
             bias_row(s, 4 * N_TILES + 2, distance + float32(24), slope)
+        for r in range(ROWS):
+            t[r] = float32(0.0)
 
     @device_function
     def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
@@ -220,6 +237,9 @@ def _block_attender(
         acc = cuda.local.array(ACC_REGS, float32)
         m_i = cuda.local.array(ROWS, float32)
         l_i = cuda.local.array(ROWS, float32)
+        t = m_i  # the rows' ALiBi offsets (bias_scores), not read without ALiBi; no array
+        if ALIBI:  # of its own then: even unread it moved an add in the plain kernel's PTX
+            t = cuda.local.array(ROWS, float32)
 
         m0 = m_block * BLOCK_M
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
@@ -295,7 +315,8 @@ def _block_attender(
             if SOFTCAP:
                 cap_scores(s, scale_log2)
             if ALIBI:
-                bias_scores(s, row0, n0, lane, seqlen_q, seqlen_k, slope)
+                bias_scores(s, t, row0, n0, m0, lane, seqlen_q, seqlen_k, window_left,
+                            window_right, slope)  # fmt: skip
             if tile_needs_mask(
                 m0,
                 m0 + BLOCK_M - 1,
@@ -308,7 +329,7 @@ def _block_attender(
             ):
                 mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, window_left, window_right)
             # -- update m_i and l_i, rescale acc, P = exp2(S * scale - m_i)
-            online_softmax(s, m_i, l_i, acc, scale_log2)
+            online_softmax(s, m_i, l_i, acc, scale_log2, t)
             # -- acc += P V_j
             mma_pv(s, pf, acc, stage_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)

@@ -42,11 +42,15 @@ class WarpStep(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers, swizzle=False):
+def warp_step(
+    dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers, swizzle=False,
+    offsets=False,
+):  # fmt: skip
     """The device functions of one warp's step for these compile-time sizes: ``n_tiles``
     8-key tiles of scores (an even count), a head_dim padded to a multiple of 16; the
     swizzled layout with ``swizzle`` (head_dim_padded a multiple of 64, ``row`` equal to it)."""
     M_TILES, N_TILES, ROW, Q_IN_REGS, SWIZZLE = m_tiles, n_tiles, row, q_in_registers, swizzle
+    OFFSETS = offsets
     if SWIZZLE and (row != head_dim_padded or row % 64):
         raise ValueError(f"the swizzled layout needs unpadded rows of 64k elements; got {row}")
     K_STEPS = head_dim_padded // 16  # k16 steps of S = Q K^T
@@ -127,11 +131,13 @@ def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers
                     )
 
     @device_function
-    def online_softmax(s, m_i, l_i, acc, scale_log2):
+    def online_softmax(s, m_i, l_i, acc, scale_log2, t):
         """m_i, l_i and acc absorb the tile; P = exp2(S * scale_log2 - m_i) is left in s.
 
         ``s`` holds raw scores q.k (scale_log2 > 0 keeps their order), m_i is in the scaled
-        log2 domain, so each probability costs one fma and one ex2.
+        log2 domain, so each probability costs one fma and one ex2. Built with ``offsets``,
+        s holds each score less its row's offset ``t[r]`` (raw; forward.bias_scores), which
+        joins the row's max and the exponent's shift; else ``t`` is not read.
         """
         for mt in range(M_TILES):
             for h in range(2):
@@ -141,18 +147,21 @@ def warp_step(dtype_name, m_tiles, n_tiles, head_dim_padded, row, q_in_registers
                 for nt in range(N_TILES):
                     i = acc_index(mt * N_TILES + nt, h)
                     m_raw = max(m_raw, max(s[i], s[i + 1]))
+                if OFFSETS:
+                    m_raw += t[r]
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 1))
                 m_raw = max(m_raw, ptx.shfl_xor(m_raw, 2))
                 m_new = max(m_i[r], m_raw * scale_log2)
                 shift = shift_of(m_new)
                 alpha = ptx.exp2(m_i[r] - shift)
                 m_i[r] = m_new
+                neg_shift = ptx.fma(t[r], scale_log2, -shift) if OFFSETS else -shift
                 # -- P = exp2(S - m); l_i keeps this thread's partial sum (reduced at the end)
                 row_sum = float32(0.0)
                 for nt in range(N_TILES):
                     i = acc_index(mt * N_TILES + nt, h)
-                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, -shift))
-                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, -shift))
+                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, neg_shift))
+                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, neg_shift))
                     row_sum += s[i] + s[i + 1]
                 l_i[r] = l_i[r] * alpha + row_sum
                 for dt in range(D_TILES):
