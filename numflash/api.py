@@ -560,8 +560,8 @@ def attention_varlen_backward(
     alibi_slopes=None,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments (``softcap`` and ``alibi_slopes`` too) and its outputs out and lse (nheads, total_q);
-    with ``sinks`` also dsinks, as :func:`attention_backward` returns it.
+    the forward's arguments (``softcap`` and ``alibi_slopes`` too) and its outputs out and lse
+    (nheads, total_q); with ``sinks`` also dsinks, as :func:`attention_backward` returns it.
     The kernels and ``deterministic`` as for :func:`attention_backward`, chosen as for a dense
     call of the max lengths; ``config`` forces a backward configuration as there. Rows of no
     sequence, or past a max_seqlen's bound (the forward's cut), get zero gradients.
