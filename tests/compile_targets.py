@@ -264,17 +264,21 @@ def wgmma_backward(hd, dtype, warps, stages, softcap=0.0):
                    head_dim=hd, dtype=dtype, num_warps=warps, softcap=softcap)  # fmt: skip
 
 
-def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0):
+def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False):
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
     a KV cache (``cache``: "contiguous" or "paged"), its scores capped by ``softcap`` where
-    given. Its resources are read as Numba builds it for a launch
+    given, with sinks and ALiBi slopes where ``variants``. Its resources are read as Numba builds it for a launch
     (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
     schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
-    kernel = forward_sm90.build(hd, dtype, *schedule, softcap=softcap)
+    kernel = forward_sm90.build(
+        hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants
+    )
     spec = wgmma_family.WGMMA_KVCACHE if cache else wgmma_family.WGMMA_FORWARD
+    if variants:
+        spec = spec._replace(variant=(("sinks", "float32"), ("alibi_slopes", "float32")))
     signature = spec.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
@@ -286,6 +290,7 @@ def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0):
             "head_dim": hd,
             "dtype": dtype,
             "softcap": softcap,
+            "variants": variants,
             "config": cfg.to_dict(),
             "target": offline.arch_name(cc),
             "counts": {i: ptx.count(i) for i in INSTRUCTIONS},
@@ -355,6 +360,7 @@ def jobs(quick):
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
+    out.append((wgmma_forward, (128, "float16", None, False, None, 0.0, True)))  # sinks, ALiBi
     return out
 
 

@@ -232,7 +232,8 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
     """The Hopper forward (numflash/kernels/forward_sm90.py) through ptxas for sm_90a, as Numba
     links it: S = Q K^T and acc += P V on wgmma (each issued from two places: the first tile's
     scores and the main loop; the main loop's and the last tile's values), nothing spilled, no
-    remark that ptxas serialised the wgmma pipeline or ignored setmaxnreg; a producer hands
+    remark that ptxas serialised the wgmma pipeline or ignored setmaxnreg (with softcap, and
+    with sinks and ALiBi, too); a producer hands
     tiles over through mbarriers and moves registers to the consumers, its copies cp.async or
     one TMA copy per 64 columns of a tile through the three tensor maps it publishes (over a
     KV cache too: chunked prefill)."""
@@ -246,6 +247,7 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
         (128, "kvcache-paged"),
     }
     assert any(e["softcap"] for e in entries)  # the scores capped (attention's softcap)
+    assert any(e["variants"] for e in entries)  # sinks and ALiBi
     for e in entries:
         cfg, hd = e["config"], e["head_dim"]
         products = 2 * ((hd + 15) // 16) + 2 * (cfg["block_n"] // 16)
