@@ -1,13 +1,15 @@
 """Train one attention layer to reverse a sequence, with CuPy and numflash alone.
 
     python examples/train_reverse.py [--steps 300] [--seqlen 32] [--batch 64] [--softcap 50]
+        [--alibi]
 
 The model: token and position embeddings, one multi-head attention layer (numflash.attention,
 fp16), a residual connection and a linear read-out. The task: output the input sequence
 backwards, which the layer can only solve by attending from position i to position L-1-i. Every
 gradient is written out below with CuPy matmuls; the attention's comes from
 numflash.attention_backward. No autograd framework is involved. ``--softcap`` caps the
-attention's scores as Gemma 2 does (softcap * tanh(s / softcap)), forward and backward.
+attention's scores as Gemma 2 does (softcap * tanh(s / softcap)), forward and backward;
+``--alibi`` biases them by distance as BLOOM does (alibi_slopes: BLOOM's slopes a head).
 
 Prints the loss and accuracy as it trains; the loss falls from ln(vocab) towards 0.
 In Numba's CUDA simulator (no GPU) the same script runs on NumPy arrays, slowly: use tiny sizes.
@@ -44,10 +46,16 @@ def init_params(rng, vocab, seqlen, dim):
     }
 
 
-def loss_and_grads(params, tokens, targets, heads, softcap=0.0):
+def alibi_slopes(heads):
+    """BLOOM's ALiBi slopes: 2^(-8 (h + 1) / heads) for head h, float32 on the arrays' device."""
+    return xp.asarray(2.0 ** (-8.0 * np.arange(1, heads + 1) / heads), dtype=np.float32)
+
+
+def loss_and_grads(params, tokens, targets, heads, softcap=0.0, alibi=False):
     """Cross-entropy of the model on one batch, and its gradient for every parameter; with a
-    ``softcap``, the attention's scores capped as Gemma 2 caps them (its forward and backward
-    given the same value)."""
+    ``softcap``, the attention's scores capped as Gemma 2 caps them, with ``alibi`` biased as
+    BLOOM biases them (the forward and backward given the same values)."""
+    variants = dict(softcap=softcap, alibi_slopes=alibi_slopes(heads) if alibi else None)
     loss_sum, correct, grads = part_loss_and_grads(
         params,
         tokens,
@@ -55,18 +63,20 @@ def loss_and_grads(params, tokens, targets, heads, softcap=0.0):
         heads,
         xp.arange(tokens.shape[1]),
         tokens.size,
-        functools.partial(_attend, softcap=softcap),
-        functools.partial(_attend_backward, softcap=softcap),
+        functools.partial(_attend, **variants),
+        functools.partial(_attend_backward, **variants),
     )
     return loss_sum, correct / tokens.size, grads
 
 
-def _attend(q, k, v, softcap=0.0):
-    return numflash.attention(q, k, v, return_lse=True, softcap=softcap)
+def _attend(q, k, v, softcap=0.0, alibi_slopes=None):
+    return numflash.attention(q, k, v, return_lse=True, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
-def _attend_backward(dout, q, k, v, out, lse, softcap=0.0):
-    return numflash.attention_backward(dout, q, k, v, out, lse, softcap=softcap)
+def _attend_backward(dout, q, k, v, out, lse, softcap=0.0, alibi_slopes=None):
+    return numflash.attention_backward(
+        dout, q, k, v, out, lse, softcap=softcap, alibi_slopes=alibi_slopes
+    )
 
 
 def part_loss_and_grads(params, tokens, targets, heads, positions, n_all, attend, attend_backward):
@@ -149,6 +159,7 @@ def train(
     log_every=25,
     out=print,
     softcap=0.0,
+    alibi=False,
 ):
     """Train and return the list of (step, loss, accuracy)."""
     rng = np.random.default_rng(seed)
@@ -159,7 +170,7 @@ def train(
     for step in range(1, steps + 1):
         tokens = xp.asarray(rng.integers(0, vocab, size=(batch, seqlen)))
         targets = tokens[:, ::-1].copy()
-        loss, accuracy, grads = loss_and_grads(params, tokens, targets, heads, softcap)
+        loss, accuracy, grads = loss_and_grads(params, tokens, targets, heads, softcap, alibi)
         opt.step(params, grads)
         history.append((step, loss, accuracy))
         if step == 1 or step % log_every == 0 or step == steps:
@@ -187,9 +198,10 @@ def main():
     ap.add_argument(
         "--softcap", type=float, default=0.0, help="cap the attention scores (Gemma 2: 50)"
     )
+    ap.add_argument("--alibi", action="store_true", help="ALiBi with BLOOM's slopes")
     args = ap.parse_args()
     sizes = (args.steps, args.seqlen, args.batch, args.vocab, args.dim, args.heads, args.lr)
-    history = train(*sizes, softcap=args.softcap)
+    history = train(*sizes, softcap=args.softcap, alibi=args.alibi)
     first, last = history[0][1], history[-1][1]
     print(f"loss {first:.4f} -> {last:.4f} (ln(vocab) = {math.log(args.vocab):.4f})")
 

@@ -1,4 +1,5 @@
-"""The examples: train_reverse.py's hand-written backward, through numflash, trains the model;
+"""The examples: train_reverse.py's hand-written backward, through numflash, trains the model
+(plain, with a softcap and with ALiBi);
 jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss curve, and
 jax_decode.py decodes over paged caches in a jitted loop as one causal pass computes;
 ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
@@ -17,11 +18,13 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
 import train_reverse  # noqa: E402
 
 
-@pytest.mark.parametrize("softcap", [0.0, 0.5], ids=["plain", "softcap"])
-def test_gradient_steps_lower_the_loss_on_a_fixed_batch(softcap):
+@pytest.mark.parametrize(
+    "softcap, alibi", [(0.0, False), (0.5, False), (0.0, True)], ids=["plain", "softcap", "alibi"]
+)
+def test_gradient_steps_lower_the_loss_on_a_fixed_batch(softcap, alibi):
     """Six Adam steps on one batch (tiny sizes: this runs in the simulator on CI); with the
-    attention's scores capped as Gemma 2 caps them too (here a tight 0.5), the forward and
-    backward given the cap."""
+    attention's scores capped as Gemma 2 caps them too (here a tight 0.5), or biased by
+    BLOOM's ALiBi, the forward and backward given the same values."""
     xp = train_reverse.xp
     rng = np.random.default_rng(3)
     params = train_reverse.init_params(rng, vocab=4, seqlen=8, dim=16)
@@ -30,7 +33,7 @@ def test_gradient_steps_lower_the_loss_on_a_fixed_batch(softcap):
     targets = tokens[:, ::-1].copy()
     losses = []
     for _ in range(6):
-        loss, _, grads = train_reverse.loss_and_grads(params, tokens, targets, 2, softcap)
+        loss, _, grads = train_reverse.loss_and_grads(params, tokens, targets, 2, softcap, alibi)
         assert set(grads) == set(params)
         for name, g in grads.items():
             assert g.shape == params[name].shape and bool(xp.isfinite(g).all()), name
