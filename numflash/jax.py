@@ -102,14 +102,14 @@ def _on_xla_stream(ctx):
 
 @functools.lru_cache(maxsize=256)  # one callable per options: JAX caches by the callable
 def _forward_callback(options):
-    causal, scale, window = options
+    causal, scale, window, softcap = options
 
     def callback(ctx, outs, q, k, v):
         out, lse = _flat(_array(outs[0]), 3), _flat(_array(outs[1]), 2)
         with _on_xla_stream(ctx):
             _, got = api.attention(
                 *(_flat(_array(x), 3) for x in (q, k, v)), causal=causal, softmax_scale=scale,
-                window_size=window, return_lse=True, out=out,
+                window_size=window, return_lse=True, out=out, softcap=softcap,
             )  # fmt: skip
             lse[...] = got
 
@@ -118,13 +118,13 @@ def _forward_callback(options):
 
 @functools.lru_cache(maxsize=256)
 def _backward_callback(options):
-    causal, scale, window = options
+    causal, scale, window, softcap = options
 
     def callback(ctx, outs, dout, q, k, v, out, lse):
         with _on_xla_stream(ctx):
             grads = api.attention_backward(
                 *(_flat(_array(b), 3) for b in (dout, q, k, v, out)), _flat(_array(lse), 2),
-                causal=causal, softmax_scale=scale, window_size=window,
+                causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
             )  # fmt: skip
             for buffer, grad in zip(outs, grads):
                 _flat(_array(buffer), 3)[...] = grad
@@ -168,15 +168,25 @@ def _attention_bwd(options, saved, cotangents):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False):
+def _static(softmax_scale, window_size, softcap):
+    """The static options every call takes, as Python values (scale, window, softcap; the
+    softcap as given: numflash checks it when the call runs, as the others)."""
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return scale, tuple(int(w) for w in window_size), softcap
+
+
+def attention(
+    q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False,
+    softcap=0.0,
+):  # fmt: skip
     """:func:`numflash.attention` on JAX arrays, usable inside ``jax.jit`` and differentiable
     with ``jax.grad`` (q, k, v; the lse is not differentiable). Same arguments and semantics:
     q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim), float16
     or bfloat16 on a GPU; returns out, and with ``return_lse`` the lse (batch, heads, seqlen_q,
-    float32). Bad arguments raise when the call runs (inside the callback under jit)."""
-    scale = None if softmax_scale is None else float(softmax_scale)
-    window = tuple(int(w) for w in window_size)
-    out, lse = _attention(q, k, v, (bool(causal), scale, window))
+    float32); ``softcap`` (a Python number, static) caps the scores in the forward and the
+    gradients. Bad arguments raise when the call runs (inside the callback under jit)."""
+    scale, window, softcap = _static(softmax_scale, window_size, softcap)
+    out, lse = _attention(q, k, v, (bool(causal), scale, window, softcap))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -185,7 +195,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 @functools.lru_cache(maxsize=256)
 def _varlen_forward_callback(options):
-    causal, scale, window, max_q, max_k = options
+    causal, scale, window, max_q, max_k, softcap = options
 
     def callback(ctx, outs, q, k, v, cu_q, cu_k):
         out, lse = (_array(b) for b in outs)
@@ -193,6 +203,7 @@ def _varlen_forward_callback(options):
             _, got = api.attention_varlen(
                 *(_array(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
                 softmax_scale=scale, window_size=window, return_lse=True, out=out,
+                softcap=softcap,
             )  # fmt: skip
             lse[...] = got
 
@@ -201,13 +212,13 @@ def _varlen_forward_callback(options):
 
 @functools.lru_cache(maxsize=256)
 def _varlen_backward_callback(options):
-    causal, scale, window, max_q, max_k = options
+    causal, scale, window, max_q, max_k, softcap = options
 
     def callback(ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k):
         with _on_xla_stream(ctx):
             grads = api.attention_varlen_backward(
                 *(_array(x) for x in (dout, q, k, v, out, lse, cu_q, cu_k)), max_q, max_k,
-                causal=causal, softmax_scale=scale, window_size=window,
+                causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
             )  # fmt: skip
             for buffer, grad in zip(outs, grads):
                 _array(buffer)[...] = grad
@@ -247,15 +258,15 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-    softmax_scale=None, window_size=(-1, -1), return_lse=False,
+    softmax_scale=None, window_size=(-1, -1), return_lse=False, softcap=0.0,
 ):  # fmt: skip
     """:func:`numflash.attention_varlen` on JAX arrays, under ``jax.jit`` and ``jax.grad``:
     q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), ``cu_seqlens_*`` int32
     JAX arrays (batch + 1,), ``max_seqlen_*`` Python ints (static: they size the launch).
-    Returns out, and with ``return_lse`` the lse (heads, total_q), not differentiable."""
-    scale = None if softmax_scale is None else float(softmax_scale)
-    window = tuple(int(w) for w in window_size)
-    options = (bool(causal), scale, window, int(max_seqlen_q), int(max_seqlen_k))
+    Returns out, and with ``return_lse`` the lse (heads, total_q), not differentiable;
+    ``softcap`` as :func:`attention`'s."""
+    scale, window, softcap = _static(softmax_scale, window_size, softcap)
+    options = (bool(causal), scale, window, int(max_seqlen_q), int(max_seqlen_k), softcap)
     out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
@@ -265,7 +276,7 @@ def attention_varlen(
 
 @functools.lru_cache(maxsize=256)
 def _kvcache_callback(options, appends, paged):
-    causal, scale, window = options
+    causal, scale, window, softcap = options
 
     def callback(ctx, outs, q, k_cache, v_cache, *rest):
         # the caches' outputs alias their inputs (input_output_aliases): the append and the
@@ -278,7 +289,7 @@ def _kvcache_callback(options, appends, paged):
         with _on_xla_stream(ctx):
             api.attention_with_kvcache(
                 _array(q), k_out, v_out, k, v, cache_seqlens=seqlens, block_table=block_table,
-                causal=causal, softmax_scale=scale, window_size=window, out=out,
+                causal=causal, softmax_scale=scale, window_size=window, out=out, softcap=softcap,
             )  # fmt: skip
 
     return callback
@@ -286,7 +297,7 @@ def _kvcache_callback(options, appends, paged):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
-    softmax_scale=None, window_size=(-1, -1),
+    softmax_scale=None, window_size=(-1, -1), softcap=0.0,
 ):  # fmt: skip
     """:func:`numflash.attention_with_kvcache` on JAX arrays, under ``jax.jit`` (not
     differentiable: inference). Returns ``(out, k_cache, v_cache)``: the caches with k and v
@@ -294,9 +305,8 @@ def attention_with_kvcache(
     caches given, so that with donated caches (``jax.jit(..., donate_argnums=...)``, or the
     carry of ``jax.lax.fori_loop`` / ``scan``) a decoding step appends in place without
     copying them. Contiguous caches (batch, seqlen_cache, heads_k, head_dim) or paged ones
-    with ``block_table`` (batch, max_blocks) int32."""
-    scale = None if softmax_scale is None else float(softmax_scale)
-    options = (bool(causal), scale, tuple(int(w) for w in window_size))
+    with ``block_table`` (batch, max_blocks) int32; ``softcap`` as :func:`attention`'s."""
+    options = (bool(causal), *_static(softmax_scale, window_size, softcap))
     appends, paged = k is not None, block_table is not None
     if appends != (v is not None):
         raise ValueError("attention_with_kvcache: give k and v together, or neither")

@@ -8,6 +8,7 @@ import pytest
 from support import assert_gradients_match, assert_matches_reference, random_array, random_qkv
 
 from numflash.kernels.jit import SIMULATOR
+from numflash.reference import Variants
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -46,6 +47,27 @@ def test_attention_under_jit_and_grad_matches_the_reference(
 
     grads = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1, 2)))(jq, jk, jv)
     assert_gradients_match(dout, q, k, v, *(_host(g) for g in grads), **mask)
+
+
+def test_a_softcap_under_jit_and_grad_matches_the_reference():
+    """softcap (static) reaches the forward and the backward kernels."""
+    q, k, v = random_qkv(1, 10, 14, 2, 1, 16, "float16")
+    q = q * 4  # scores of several units, so that the cap bends them
+    dout = random_array(q.shape, "float16")
+    jq, jk, jv, jd = (jnp.asarray(np.asarray(x if SIMULATOR else x.get())) for x in (q, k, v, dout))
+    variants = Variants(softcap=1.5)
+    attend = jax.jit(lambda a, b, c: njax.attention(a, b, c, causal=True, return_lse=True,
+                                                    softcap=1.5))  # fmt: skip
+    out, lse = attend(jq, jk, jv)
+    assert_matches_reference(q, k, v, _host(out), _host(lse), causal=True, variants=variants)
+
+    def loss(a, b, c):
+        o = njax.attention(a, b, c, causal=True, softcap=1.5)
+        return jnp.sum(o.astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+    assert_gradients_match(dout, q, k, v, *(_host(g) for g in grads), causal=True,
+                           variants=variants)  # fmt: skip
 
 
 def test_the_lse_carries_no_gradient():
