@@ -6,16 +6,8 @@ name. The KV-cache call's slopes are tested with its other variants (test_varian
 
 import numpy as np
 import pytest
-from support import (
-    assert_gradients_match,
-    assert_matches_reference,
-    poisoned_like,
-    random_array,
-    random_qkv,
-    to_numpy,
-    wgmma_or_skip,
-    xp,
-)
+import support
+from support import random_array, random_qkv, xp
 from test_variants import BACKWARD_CONFIGS, CONFIGS, MASKS, _forced
 from test_variants import CASES as VARIANT_CASES
 
@@ -53,14 +45,14 @@ def test_alibi_matches_the_reference(family, index):
     config = _forced(family, dtype, d)
     q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
     slopes = _slopes(index, batch, h)
-    out = poisoned_like(q)
+    out = support.poisoned_like(q)
     res, lse = numflash.attention(
         q, k, v, out=out, return_lse=True, config=config, softcap=softcap, alibi_slopes=slopes,
         **MASKS[mask],
     )  # fmt: skip
     assert res is out
     variants = Variants(softcap=softcap, alibi_slopes=slopes)
-    assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
+    support.assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
 
 
 @pytest.mark.parametrize("family", ["portable"] if SIMULATOR else list(CONFIGS))
@@ -75,14 +67,14 @@ def test_alibi_with_sinks_and_a_softcap(family):
     out, lse = numflash.attention(q * 3, k, v, causal=True, return_lse=True, config=config,
                                   softcap=8.0, sinks=sinks, alibi_slopes=slopes)  # fmt: skip
     variants = Variants(softcap=8.0, sinks=sinks, alibi_slopes=slopes)
-    assert_matches_reference(q * 3, k, v, out, lse, causal=True, variants=variants)
+    support.assert_matches_reference(q * 3, k, v, out, lse, causal=True, variants=variants)
 
 
 def test_alibi_in_float32_on_the_portable_kernel():
     q, k, v = random_qkv(2, 21, 30, 2, 1, 32, "float32")
     slopes = _slopes(0, 2, 2)
     out, lse = numflash.attention(q, k, v, return_lse=True, alibi_slopes=slopes)
-    assert_matches_reference(q, k, v, out, lse, variants=Variants(alibi_slopes=slopes))
+    support.assert_matches_reference(q, k, v, out, lse, variants=Variants(alibi_slopes=slopes))
 
 
 @pytest.mark.parametrize("scale", [-0.3, 0.0])
@@ -94,7 +86,7 @@ def test_alibi_at_a_negative_or_zero_scale(scale):
     out, lse = numflash.attention(q, k, v, return_lse=True, softmax_scale=scale,
                                   alibi_slopes=slopes)  # fmt: skip
     variants = Variants(alibi_slopes=slopes)
-    assert_matches_reference(q, k, v, out, lse, softmax_scale=scale, variants=variants)
+    support.assert_matches_reference(q, k, v, out, lse, softmax_scale=scale, variants=variants)
 
 
 def test_alibi_with_few_query_rows():
@@ -105,7 +97,7 @@ def test_alibi_with_few_query_rows():
     slopes = _slopes(1, 2, 4)
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, alibi_slopes=slopes)
     variants = Variants(alibi_slopes=slopes)
-    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+    support.assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
 
 
 def test_alibi_over_a_packed_batch():
@@ -129,9 +121,9 @@ def test_alibi_over_a_packed_batch():
             continue
         variants = Variants(alibi_slopes=slopes[b : b + 1])
         seq = [x[None] for x in (q[rows], k[keys], v[keys])]
-        assert_matches_reference(*seq, out[rows][None], lse[:, rows][None], causal=True,
+        support.assert_matches_reference(*seq, out[rows][None], lse[:, rows][None], causal=True,
                                  variants=variants)  # fmt: skip
-        assert_gradients_match(dout[rows][None], *seq, dq[rows][None], dk[keys][None],
+        support.assert_gradients_match(dout[rows][None], *seq, dq[rows][None], dk[keys][None],
                                dv[keys][None], causal=True, variants=variants)  # fmt: skip
 
 
@@ -150,7 +142,7 @@ BACKWARD_PAIRS = [
 )
 def test_alibi_gradients_match_the_reference(family, index):
     dtype, batch, sq, sk, h, hk, d, mask, softcap = CASES[index]
-    config = wgmma_or_skip(BACKWARD_CONFIGS[family])
+    config = support.wgmma_or_skip(BACKWARD_CONFIGS[family])
     q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
     slopes = _slopes(index, batch, h)
     dout = random_array(q.shape, dtype)
@@ -158,7 +150,7 @@ def test_alibi_gradients_match_the_reference(family, index):
     out, lse = numflash.attention(q, k, v, return_lse=True, **kw)
     dq, dk, dv = numflash.attention_backward(dout, q, k, v, out, lse, config=config, **kw)
     variants = Variants(softcap=softcap, alibi_slopes=slopes)
-    assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=variants, **MASKS[mask])
+    support.assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=variants, **MASKS[mask])
 
 
 def test_repeated_calls_with_other_slopes_are_not_mixed_up():
@@ -168,9 +160,9 @@ def test_repeated_calls_with_other_slopes_are_not_mixed_up():
     for index in (0, 2, 0):
         slopes = _slopes(index, 1, 2)
         out, lse = numflash.attention(q, k, v, return_lse=True, alibi_slopes=slopes)
-        assert_matches_reference(q, k, v, out, lse, variants=Variants(alibi_slopes=slopes))
+        support.assert_matches_reference(q, k, v, out, lse, variants=Variants(alibi_slopes=slopes))
     out, lse = numflash.attention(q, k, v, return_lse=True)
-    assert_matches_reference(q, k, v, out, lse)
+    support.assert_matches_reference(q, k, v, out, lse)
 
 
 def test_zero_slopes_are_plain_attention():
@@ -178,7 +170,9 @@ def test_zero_slopes_are_plain_attention():
     zero = xp.zeros((2,), np.float32)
     biased = numflash.attention(q, k, v, alibi_slopes=zero, config=CONFIGS["portable"])
     plain = numflash.attention(q, k, v, config=CONFIGS["portable"])
-    np.testing.assert_array_equal(to_numpy(biased).view(np.uint16), to_numpy(plain).view(np.uint16))
+    np.testing.assert_array_equal(
+        support.to_numpy(biased).view(np.uint16), support.to_numpy(plain).view(np.uint16)
+    )
 
 
 @pytest.mark.parametrize(
