@@ -44,6 +44,7 @@ from .softmax import (
     alibi_functions,
     final_lse,
     inverse_sum,
+    linear_alibi_step,
     raw_unit,
     sink_functions,
     softcap_function,
@@ -139,13 +140,14 @@ def _block_attender(
     def bias_scores(s, t, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope):
         """ALiBi on the scores of the tile of keys n0.. (raw scores: ``slope`` in units of
         1 / scale), t[r] the offset of this lane's row r left out of s (online_softmax adds
-        it). As the Hopper forward's bias_scores: where every key a row sees in the tile is on
-        one side of it, one fma with a constant a score and the rest in t; else |distance|."""
+        it): linear in the key where softmax.linear_alibi_step says so (one fma with a
+        constant a score, the rest in t), else |distance|."""
         offset = seqlen_k - seqlen_q
         distance = float32(row0 + (lane >> 2) + offset - n0 - (lane & 3) * 2)
-        below = wr == 0 or n0 + BLOCK_N - 1 <= m0 + offset  # every seen key at or before
-        if below or wl == 0 or n0 >= m0 + BLOCK_M - 1 + offset:  # ... or at or after the row
-            step = slope if below else -slope
+        linear, step = linear_alibi_step(
+            slope, n0, n0 + BLOCK_N - 1, m0 + offset, m0 + BLOCK_M - 1 + offset, wl, wr
+        )
+        if linear:
             for mt in range(M_TILES):
                 for j in range(4 * N_TILES):
                     _, col = accumulator_position(j, 0)

@@ -83,6 +83,7 @@ from .softmax import (
     NEG_INF,
     alibi_functions,
     final_lse,
+    linear_alibi_step,
     raw_unit,
     shift_of,
     sink_functions,
@@ -377,20 +378,17 @@ def build(
     def bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope):
         """ALiBi on the scores of the tile of keys n0.. of this lane's rows (row0 + lane // 4
         and 8 below; raw scores: ``slope`` in units of 1 / scale): the rows' offsets (t_0,
-        t_1), s left holding each biased score less its row's offset.
-
-        Where every key of the tile a row sees is on one side of it (the whole block's rows
-        below or above the tile's keys, or a causal mask: keys at or before the row), the bias
-        -slope |q_idx - kv_idx| is linear in the key: one fma with a constant a score (the
-        lane's column offset), the rest a row's offset, which softmax_rows adds to the row's
-        max and to the exponent's shift (half the work of |distance|, which the tiles the
-        diagonal crosses take)."""
+        t_1), s left holding each biased score less its row's offset, which softmax_rows
+        adds to the row's max and to the exponent's shift. Linear in the key where
+        softmax.linear_alibi_step says so (one fma with a constant, the lane's column
+        offset, a score), else |distance|."""
         offset = seqlen_k - seqlen_q  # a row's position among the keys less its index
         # q_idx - kv_idx of this lane's first row and its first column of the tile
         distance = float32(row0 + (lane >> 2) + offset - n0 - (lane & 3) * 2)
-        below = wr == 0 or n0 + BLOCK_N - 1 <= m0 + offset  # every seen key at or before
-        if below or wl == 0 or n0 >= m0 + BLOCK_M - 1 + offset:  # ... or at or after the row
-            step = slope if below else -slope  # the bias's change from one key to the next
+        linear, step = linear_alibi_step(
+            slope, n0, n0 + BLOCK_N - 1, m0 + offset, m0 + BLOCK_M - 1 + offset, wl, wr
+        )
+        if linear:
             for i in range(S_REGS):
                 _, col = accumulator_position(i, 0)
                 s[i] = ptx.fma(step, float32(col), s[i])

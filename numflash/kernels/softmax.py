@@ -120,6 +120,21 @@ def alibi_functions(alibi, sinks=False):
 
 
 @device_function
+def linear_alibi_step(slope, first_key, last_key, first_row, last_row, wl, wr):
+    """(whether ALiBi is linear in the key over a tile, the bias's change from one key to
+    the next there): keys first_key..last_key of a tile and rows whose positions among the
+    keys are first_row..last_row, under window (wl, wr). Linear where every key a row sees
+    is on one side of it: a causal mask (wr 0) or the keys before every row give +slope
+    (-slope |q - k| = slope k - slope q), keys after every row (or wl 0) -slope; a tile the
+    diagonal crosses is not linear. The forwards then add step * column to the scores and
+    the rest, a row's offset, to its max and its exponent's shift (one fma a score, where
+    |distance| takes two)."""
+    below = wr == 0 or last_key <= first_row  # every seen key at or before its row
+    linear = below or wl == 0 or first_key >= last_row  # ... or at or after it
+    return linear, (slope if below else -slope)
+
+
+@device_function
 def raw_unit(scale_log2):
     """alibi_functions' ``unit`` for raw scores (q . k, scaled by ``scale_log2`` > 0 in the
     softmax): log2(e) / scale_log2 = 1 / scale, by rcp.approx (an IEEE division is a
