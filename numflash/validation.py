@@ -122,22 +122,26 @@ def check_softcap(softcap):
     return cap
 
 
+def _variant_array(x, name, q, shapes, expected):
+    """A variant's array as the kernels read it: float32, of one of ``shapes`` (``expected``
+    says which in the error), on q's device, C-contiguous (a copy where it was strided)."""
+    x = arrays.intake(x, name)
+    if x.dtype != np.float32:
+        raise TypeError(f"{name} must have dtype float32; got {x.dtype}")
+    if x.shape not in shapes:
+        raise ValueError(f"{name} must have shape {expected}; got {shape_str(x)}")
+    check_device(x, name, q, "q")
+    return arrays.array_module(x).ascontiguousarray(x)
+
+
 def check_alibi_slopes(slopes, q, batch, nheads):
     """None, or ALiBi slopes as the kernels read them: float32 of shape (nheads,) or (batch,
     nheads) on q's device, as a contiguous array (their values are not read: a non-finite
     slope makes NaN scores, which reach the rows' outputs)."""
     if slopes is None:
         return None
-    slopes = arrays.intake(slopes, "alibi_slopes")
-    if slopes.dtype != np.float32:
-        raise TypeError(f"alibi_slopes must have dtype float32; got {slopes.dtype}")
-    if slopes.shape not in ((nheads,), (batch, nheads)):
-        raise ValueError(
-            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = "
-            f"({batch}, {nheads}); got {shape_str(slopes)}"
-        )
-    check_device(slopes, "alibi_slopes", q, "q")
-    return arrays.array_module(slopes).ascontiguousarray(slopes)
+    expected = f"(nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads})"
+    return _variant_array(slopes, "alibi_slopes", q, ((nheads,), (batch, nheads)), expected)
 
 
 def check_sinks(sinks, q, nheads):
@@ -145,13 +149,7 @@ def check_sinks(sinks, q, nheads):
     copy where they were strided), or None."""
     if sinks is None:
         return None
-    sinks = arrays.intake(sinks, "sinks")
-    if sinks.dtype != np.float32:
-        raise TypeError(f"sinks must have dtype float32; got {sinks.dtype}")
-    if sinks.shape != (nheads,):
-        raise ValueError(f"sinks must have shape (nheads,) = ({nheads},); got {shape_str(sinks)}")
-    check_device(sinks, "sinks", q, "q")
-    return arrays.array_module(sinks).ascontiguousarray(sinks)
+    return _variant_array(sinks, "sinks", q, ((nheads,),), f"(nheads,) = ({nheads},)")
 
 
 def check_qkv(q, k, v):
