@@ -1087,13 +1087,11 @@ def tensor_core_backward(
     views["lse"], views["delta"] = arrays.kernel_view(lse), arrays.kernel_view(delta)
     views.update(_variant_views(p, variant))
     scalars = attention_scalars(p, p.scale)
-    specs = (TENSOR_CORE_DKDV, DQ)
     if varlen:
         offset_views, totals = _packed_offsets(offsets, q, k)
         views.update(offset_views)
         scalars += totals
-        specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN)
-    specs = tuple(spec.for_problem(p) for spec in specs)
+    specs = _tensor_core_backward_specs(p, varlen)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
     dkdv, dq_kernel = kernels(head_dim, varlen)
     blocks = _ceil_div(p.seqlen_k, cfg.block_n) * cfg.head_split
@@ -1111,12 +1109,17 @@ def tensor_core_backward(
         _copy_back(dv, dv_t, p)
 
 
+def _tensor_core_backward_specs(p, varlen):
+    """The (dK/dV, dQ) KernelSpecs of the tensor-core backward kernels for problem ``p``."""
+    specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN) if varlen else (TENSOR_CORE_DKDV, DQ)
+    return tuple(spec.for_problem(p) for spec in specs)
+
+
 def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
     """The (dK/dV, dQ) Launchers of a tensor-core backward family; ``build()`` gives its
     backward.Kernels. dQ is None where the dK/dV kernel adds dQ up by atomics."""
     key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ()) + variant_key(p)
-    specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN) if varlen else (TENSOR_CORE_DKDV, DQ)
-    specs = tuple(spec.for_problem(p) for spec in specs)
+    specs = _tensor_core_backward_specs(p, varlen)
     if varlen:
         dkdv = launcher(key + ("dkdv",), lambda: build().dkdv_varlen, specs[0], p.dtype)
         dq = launcher(key + ("dq",), lambda: build().dq_varlen, specs[1], p.dtype)
