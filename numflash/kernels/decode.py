@@ -324,9 +324,7 @@ def build(
         position among the keys and its head's slope (0 for a padding row)."""
         if rr >= rows:
             return float32(0.0), float32(0.0)
-        g = rr // seqlen_q
-        i = rr - g * seqlen_q
-        head = kv_head * heads_per_kv + g
+        i, head, _ = output_row(b, kv_head, rr, seqlen_q, heads_per_kv)
         nheads = cuda.gridDim.y * heads_per_kv
         slope = slope_of(variant, b, head, nheads, raw_unit(scale_log2))
         return float32(i + seqlen_k - seqlen_q), slope
