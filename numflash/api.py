@@ -236,6 +236,13 @@ def _outputs(q):
 _STAY = contextlib.nullcontext()
 
 
+def _unplanned(key, args):
+    """Whether a call runs the full path without a plan: no key, or variant arrays given
+    (the last two parameters of every signature; a plan's replay does not take their
+    addresses)."""
+    return key is None or args[-2] is not None or args[-1] is not None
+
+
 def _variant(sinks, alibi_slopes):
     """A validated call's variant arrays, in launch.variant_arrays' order."""
     return tuple(x for x in (sinks, alibi_slopes) if x is not None)
@@ -350,8 +357,8 @@ def attention(
     q, k, v, out, sinks, alibi_slopes = args[0], args[1], args[2], args[7], args[10], args[11]
     options = (causal, softmax_scale, window_size, return_lse)
     # else no plan yet, or an out= overlapping an input: the full path refuses it by name;
-    # calls with variant arrays get no plan (a plan's replay does not take their addresses)
-    if key is None or sinks is not None or alibi_slopes is not None:
+    # calls with variant arrays get no plan (_unplanned)
+    if _unplanned(key, args):
         return _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
     given = out is not None
     with launch.recording() as recorded:
@@ -492,7 +499,7 @@ def attention_varlen(
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
-    if key is None or args[14] is not None or args[15] is not None:  # (as attention's)
+    if _unplanned(key, args):
         return _attention_varlen(*args)
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
@@ -647,7 +654,7 @@ def attention_backward(
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
-    if key is None or args[12] is not None or args[13] is not None:  # (as attention's)
+    if _unplanned(key, args):
         return _attention_backward(*args)
     dout, q, k, v, out, lse = args[:6]
     with launch.recording() as recorded:
@@ -815,7 +822,7 @@ def attention_with_kvcache(
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
     # v (an append would write one over the other): the full path refuses it by name; calls
     # with variant arrays get no plan (as attention's)
-    if key is None or args[16] is not None or args[17] is not None:
+    if _unplanned(key, args):
         return _attention_with_kvcache(*args)
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]

@@ -203,10 +203,13 @@ def test_a_matcher_is_made_only_for_a_key_of_its_signature(namespace):
         (api.attention, api._ATTENTION),
         (api.attention_backward, api._BACKWARD),
         (api.attention_with_kvcache, api._KVCACHE),
+        (api.attention_varlen, api._VARLEN),
     ],
     ids=lambda x: getattr(x, "__name__", ""),
 )
 def test_a_signature_holds_every_parameter_of_its_function_in_order(function, sig):
-    """A parameter left out of the key would let calls that differ in it share a plan."""
+    """A parameter left out of the key would let calls that differ in it share a plan; the
+    variant arrays last (api._unplanned sends calls that give them down the full path)."""
     names = list(inspect.signature(function).parameters)
     assert [name for name, _ in sig.parameters] == names
+    assert names[-2:] == ["sinks", "alibi_slopes"]
