@@ -50,7 +50,8 @@ class WgmmaForwardConfig(config._Config):
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
     READS_KV_CACHE: ClassVar[bool] = True
-    REVISION: ClassVar[int] = 5  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax
+    REVISION: ClassVar[int] = 6  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
+    # 6: a dense persistent launch's work order made on the host
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
@@ -192,9 +193,10 @@ _WGMMA_TAIL = (
     ("v_map", "map"),
 )
 #: The Hopper forward, dense or packed: launch.FORWARD_VARLEN's parameters, the buffer its blocks
-#: publish tensor maps into, and _WGMMA_TAIL.
+#: publish tensor maps into, a persistent dense launch's work order (work_order; unread
+#: otherwise), and _WGMMA_TAIL.
 WGMMA_FORWARD = launch.KernelSpec(
-    arrays=launch.FORWARD_VARLEN.arrays + (("maps", "int64"),),
+    arrays=launch.FORWARD_VARLEN.arrays + (("maps", "int64"), ("order", "int32")),
     strided=launch.FORWARD_VARLEN.strided,
     scalars=launch.FORWARD_VARLEN.scalars + _WGMMA_TAIL,
     variant=(),
@@ -270,6 +272,12 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
         maps = _tensor_maps(cfg, p, *((x[None] for x in (q, k, v)) if varlen else (q, k, v)))
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
+    work, grid = _wgmma_work(p, head_dim), _wgmma_grid(cfg, p)
+    if forward_sm90.ordered(cfg.producer, varlen):
+        order = _work_order_array(p, cfg, work, grid[0], xp)
+    else:
+        order = launch._unread_array(xp, xp.int32)
+    views = {"maps": arrays.kernel_view(maps[0]), "order": arrays.kernel_view(order)}
     launch._launch_forward(
         lambda: forward_sm90.build(
             head_dim, p.dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi
@@ -282,8 +290,8 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
         scale * launch.LOG2E,
         cfg.shared_memory_bytes(head_dim),
         offsets if varlen else launch._absent_offsets(xp),
-        (WGMMA_FORWARD, {"maps": arrays.kernel_view(maps[0])}, _wgmma_work(p, head_dim) + maps[1]),
-        _wgmma_grid(cfg, p),
+        (WGMMA_FORWARD, views, work + maps[1]),
+        grid,
         variant,
     )
 
@@ -297,6 +305,109 @@ def _wgmma_grid(cfg, p, cache=None):
     if forward_sm90.persistent(cfg.producer, cache):
         tiles = min(tiles, launch._multiprocessors())
     return (tiles, 1, 1)
+
+
+#: What a work tile costs beside its key tiles, in key tiles: its start and end (the first S
+#: alone, the output's stores), 4.4 us against 2.12 us a 128-key tile at head_dim 128 and 2.4
+#: against 1.40 at 64 (H200; docs/performance.md, "A persistent launch").
+TILE_OVERHEAD = 2.0
+#: The least gain in the model for which work_order leaves the alternating rounds: where the
+#: model saw none, the least-loaded rounds measured 5-9% slower (H200, fp16: head_dim 128 at
+#: 4096 keys, 16384 causal; 64 at 4096) and the alternation as fast or faster; where it saw
+#: 3-49%, they measured 2.5-36% faster (tools/work_order.py; docs/performance.md).
+MODEL_GAIN = 1.02
+
+
+def tile_costs(p, block_m, block_n, section):
+    """Each work tile's cost in the model work_order balances, by rank (forward_sm90.tile_of's
+    order: sections of (batch, head) pairs, each its row blocks last first): the key tiles its
+    rows see under the mask (kernels/mask.py, aligned bottom-right) plus TILE_OVERHEAD."""
+    m_blocks = launch._ceil_div(p.seqlen_q, block_m)
+    pairs = p.nheads * p.batch
+    first = np.arange(m_blocks, dtype=np.int64) * block_m
+    last = np.minimum(first + block_m, p.seqlen_q) - 1
+    offset = p.seqlen_k - p.seqlen_q
+    hi = np.full(m_blocks, p.seqlen_k, dtype=np.int64)
+    if p.window_right >= 0:
+        hi = np.minimum(hi, last + offset + p.window_right + 1)
+    lo = np.zeros(m_blocks, dtype=np.int64)
+    if p.window_left >= 0:
+        lo = np.maximum(lo, first + offset - p.window_left)
+    seen = np.where(hi > lo, -(-hi // block_n) - lo // block_n, 0)
+    rank = np.arange(m_blocks * pairs)
+    sec = rank // (section * m_blocks)
+    width = np.minimum(section, pairs - sec * section)
+    step = (rank - sec * section * m_blocks) // width
+    return seen[m_blocks - 1 - step] + TILE_OVERHEAD
+
+
+def _alternating(tiles, blocks):
+    """Each tile's block when the rounds of ``blocks`` tiles alternate in direction (the order
+    of a launch without a work order: forward_sm90.ranked)."""
+    rank = np.arange(tiles)
+    round_, within = np.divmod(rank, blocks)
+    return np.where(round_ % 2 == 1, blocks - 1 - within, within)
+
+
+def _least_loaded(cost, blocks):
+    """Each tile's block when each round of ``blocks`` tiles (in rank order) hands its
+    costliest tiles to the blocks with the least work so far."""
+    load = np.zeros(blocks)
+    owner = np.empty(len(cost), dtype=np.int64)
+    for start in range(0, len(cost), blocks):
+        costs = cost[start : start + blocks]
+        takers = np.argsort(load, kind="stable")[: len(costs)]
+        by_cost = np.argsort(-costs, kind="stable")
+        owner[start + by_cost] = takers
+        load[takers] += costs[by_cost]
+    return owner
+
+
+def work_order(p, block_m, block_n, section, blocks):
+    """Which work tiles each block of a persistent dense launch goes through, as an int32
+    array: ``blocks + 1`` offsets, then the tiles' ranks (forward_sm90.tile_of's order), block
+    x's from ``order[x]`` to ``order[x + 1]`` after the offsets, in rank order. A block takes
+    a tile a round of ``blocks`` tiles in rank order, so the tiles in flight together share
+    their keys in L2 as before; which one of its round, tile_costs' model decides: each
+    round's costliest tiles to the blocks with the least work so far where that finishes at
+    least MODEL_GAIN sooner than the rounds alternating in direction (the order without a
+    work order), else the alternation. The alternation ran up to 1.53x the balanced time in
+    the model (head_dim 256, 16384 keys, causal: sections of one (batch, head) pair, 128 tiles
+    a section over 132 blocks, so the costs fall and rise again within a round); this stays
+    within 1.07x of it on bench_forward's grid."""
+    tiles = launch._ceil_div(p.seqlen_q, block_m) * p.nheads * p.batch
+    if tiles <= blocks:  # a tile a block
+        return np.concatenate([np.arange(tiles + 1), np.arange(tiles)]).astype(np.int32)
+    cost = tile_costs(p, block_m, block_n, section)
+    owner = _alternating(tiles, blocks)
+    balanced = _least_loaded(cost, blocks)
+    span, balanced_span = (np.bincount(x, weights=cost, minlength=blocks).max()
+                           for x in (owner, balanced))  # fmt: skip
+    if balanced_span * MODEL_GAIN < span:
+        owner = balanced
+    ranks = np.argsort(owner, kind="stable")  # each block's tiles in rank order
+    offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
+    return np.concatenate([offsets, ranks]).astype(np.int32)
+
+
+#: Device copies of work_order's arrays by device and geometry (a prepared launch or a plan
+#: holds its own reference, so dropping them all at the bound frees none in use).
+_orders = {}
+
+
+def _work_order_array(p, cfg, work, blocks, xp):
+    """work_order's array for a persistent dense launch of ``blocks`` blocks, on the current
+    device, made once per geometry."""
+    device = 0 if launch.SIMULATOR else xp.cuda.runtime.getDevice()
+    key = (device, p.batch, p.seqlen_q, p.seqlen_k, p.nheads, p.window_left, p.window_right)
+    key += (cfg.block_m, cfg.block_n, work, blocks)
+    found = _orders.get(key)
+    if found is None:
+        if len(_orders) >= 256:
+            _orders.clear()
+        order = work_order(p, cfg.block_m, cfg.block_n, work[-1], blocks)
+        found = _orders[key] = xp.asarray(order)
+    return found
 
 
 def _wgmma_work(p, head_dim):

@@ -2,7 +2,8 @@
 
 A work tile is a block of BLOCK_M query rows of one (head, batch). With a producer the launch
 is persistent (a thread block a multiprocessor going through work tiles, tile_of and ranked
-say in which order; not over a paged cache: persistent), else a thread block a tile. A block's CONSUMERS warpgroups (128
+say in which order, a dense launch's from a work order made on the host: ordered; not over a
+paged cache: persistent), else a thread block a tile. A block's CONSUMERS warpgroups (128
 threads each) own 64 query rows apiece and keep their output accumulator ``acc`` (64 x
 head_dim, fp32), running max ``m_i`` and running sum ``l_i`` in registers; the block's Q tile
 stays in shared memory, and key/value tiles of BLOCK_N rows stream through a ring of STAGES
@@ -149,6 +150,15 @@ def persistent(producer, cache=None):
     return producer and cache != "paged"
 
 
+def ordered(producer, varlen=False, cache=None):
+    """Whether the launch's blocks take their work tiles from a work order made on the host
+    (families.wgmma_forward.work_order: each round's costliest tiles to the blocks with the
+    least work so far): a persistent dense launch, whose tiles' costs the host knows. A packed
+    batch's and a KV cache's depend on lengths on the device: rounds of alternating
+    direction (ranked)."""
+    return persistent(producer, cache) and not varlen and cache is None
+
+
 def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
     schedule, TMA loads where it asks for them and ``tma`` (the arrays allow them), ``varlen``
@@ -193,6 +203,7 @@ def build(
     ALIBI = alibi
     slope_of, biased = alibi_functions(alibi, sinks)
     PERSISTENT = persistent(producer, cache)
+    ORDERED = ordered(producer, varlen, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
     CONSUMER_THREADS = 128 * consumers
     THREADS = CONSUMER_THREADS + (128 if PRODUCER else 0)
@@ -857,18 +868,33 @@ def build(
         return int32(m_blocks - 1 - step), int32(pair - b * nheads), int32(b)
 
     @device_function
-    def ranked(start, reverse):
-        """The rank of this block's work tile in the round of tiles start.. (a tile a block):
-        the rounds alternate in direction, so that each block's sum of the (falling) costs of
-        its tiles comes out alike."""
+    def first_round(order, tiles):
+        """(start, reverse, end) of this block's first round of work tiles: with a work order
+        (ORDERED) its place there and where its tiles end, else the launch's first round and
+        its ``tiles``."""
+        if ORDERED:
+            return order[cuda.blockIdx.x], False, order[cuda.blockIdx.x + 1]
+        return int32(0), False, tiles
+
+    @device_function
+    def ranked(order, start, reverse):
+        """The rank of this block's work tile in the round ``start``: its order's entry
+        (ORDERED), else tile start + blockIdx.x of the round of tiles start.. (a tile a
+        block), the rounds alternating in direction so that each block's sum of the (falling)
+        costs of its tiles comes out alike."""
+        if ORDERED:
+            return order[cuda.gridDim.x + 1 + start]
         if reverse:
             return int32(start + cuda.gridDim.x - 1 - cuda.blockIdx.x)
         return int32(start + cuda.blockIdx.x)
 
     @device_function
     def following(start, reverse, tiles):
-        """The next round's (start, reverse): gridDim.x tiles on when the launch is
-        persistent, else none (``tiles``; the loops over the rounds then fold away)."""
+        """The next round's (start, reverse): the order's next entry (ORDERED), gridDim.x
+        tiles on when the launch is persistent, else none (``tiles``; the loops over the
+        rounds then fold away)."""
+        if ORDERED:
+            return int32(start + 1), reverse
         if PERSISTENT:
             return int32(start + cuda.gridDim.x), not reverse
         return tiles, reverse
@@ -1093,7 +1119,7 @@ def build(
     # the producer's registers (setmaxnreg) hold its loop's state alone.
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
     def forward_sm90(
-        q, k, v, o, lse, cu_q, cu_k, maps, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
+        q, k, v, o, lse, cu_q, cu_k, maps, order, q_st, k_st, v_st, o_st, seqlen_q, seqlen_k,
         heads_per_kv, scale_log2, window_left, window_right, total_q, total_k, nheads, batch,
         section, q_map, k_map, v_map, *variant,
     ):  # fmt: skip
@@ -1107,13 +1133,13 @@ def build(
         work = (m_blocks, nheads, int32(nheads * batch), section)
         tiles = int32(m_blocks * nheads * batch)
         g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
-        start, reverse = int32(0), False  # the round of work tiles
+        start, reverse, end = first_round(order, tiles)  # the round of work tiles
         # setmaxnreg's register counts hold where its role's code alone follows (ptxas)
         if PRODUCER and warp < 4:
             if not start_producer(q, k, v, maps, (q_map, k_map, v_map), lane, warp):
                 return
-            while start < tiles:
-                tile = ranked(start, reverse)
+            while start < end:
+                tile = ranked(order, start, reverse)
                 if tile < tiles:
                     taken = dense_tile(
                         tile, work, True, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
@@ -1125,8 +1151,8 @@ def build(
             finish_producer()
         else:
             start_consumer()
-            while start < tiles:
-                tile = ranked(start, reverse)
+            while start < end:
+                tile = ranked(order, start, reverse)
                 if tile < tiles:
                     taken = dense_tile(
                         tile, work, False, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
@@ -1195,12 +1221,12 @@ def build(
         work = (m_blocks, nheads, int32(nheads * batch), section)
         tiles = int32(m_blocks * nheads * batch)
         g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
-        start, reverse = int32(0), False  # the round of work tiles
+        start, reverse, end = first_round(maps, tiles)  # the round of work tiles (no order)
         if PRODUCER and warp < 4:
             if not start_producer(q, k_cache, v_cache, maps, (q_map, k_map, v_map), lane, warp):
                 return
-            while start < tiles:
-                tile = ranked(start, reverse)
+            while start < end:
+                tile = ranked(maps, start, reverse)
                 if tile < tiles:
                     taken = cache_tile(
                         tile, work, True, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
@@ -1213,8 +1239,8 @@ def build(
             finish_producer()
         else:
             start_consumer()
-            while start < tiles:
-                tile = ranked(start, reverse)
+            while start < end:
+                tile = ranked(maps, start, reverse)
                 if tile < tiles:
                     taken = cache_tile(
                         tile, work, False, q, k_cache, v_cache, o, lse, seqlens, batch_idx,

@@ -1,0 +1,126 @@
+"""The Hopper forward's work order against the alternating rounds it replaced, on a GPU.
+
+    python tools/work_order.py [--head-dims 64 128 256] [--seqlens 1024 4096 16384]
+                               [--dtypes float16] [--causal both] [--runs 20] [--out PATH]
+
+A persistent dense launch takes its work tiles from the order families.wgmma_forward.work_order
+makes. For each problem (batch x seqlen = --tokens, heads x head_dim = --model-dim) this times
+the default configuration's call in one process with that order and with an order that hands
+out the tiles as the kernel did without one (rounds of a tile a block alternating in
+direction: _alternating), the two taking turns --rounds times, each keeping its fastest round,
+their outputs compared (the same tiles, so the same bits); cuDNN's forward beside them where
+PyTorch is there. It prints the gain the cost model
+(tile_costs) predicts beside the one measured.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import cupy
+import numpy as np
+
+import numflash
+from numflash import api, launch, selection
+from numflash.device import current_device
+from numflash.families import wgmma_forward
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import peers  # noqa: E402
+
+
+def alternating_order(p, block_m, block_n, section, blocks):
+    """work_order's format for the rounds alternating in direction."""
+    tiles = launch._ceil_div(p.seqlen_q, block_m) * p.nheads * p.batch
+    if tiles <= blocks:
+        return wgmma_forward.work_order(p, block_m, block_n, section, blocks)
+    owner = wgmma_forward._alternating(tiles, blocks)
+    ranks = np.argsort(owner, kind="stable")
+    offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
+    return np.concatenate([offsets, ranks]).astype(np.int32)
+
+
+def spans(p, cfg, head_dim):
+    """(alternating, ordered) makespans over the balanced share, in tile_costs' model."""
+    section = wgmma_forward._wgmma_work(p, head_dim)[-1]
+    blocks = wgmma_forward._wgmma_grid(cfg, p)[0]
+    cost = wgmma_forward.tile_costs(p, cfg.block_m, cfg.block_n, section)
+    ideal = cost.sum() / blocks
+    out = []
+    for make in (alternating_order, wgmma_forward.work_order):
+        order = make(p, cfg.block_m, cfg.block_n, section, blocks)
+        offsets, ranks = order[: blocks + 1], order[blocks + 1 :]
+        out.append(max(cost[ranks[offsets[x] : offsets[x + 1]]].sum() for x in range(blocks)))
+    return out[0] / ideal, out[1] / ideal
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    peers.add_problem_arguments(ap)
+    ap.set_defaults(head_dims=[64, 128, 256], seqlens=[1024, 4096, 16384])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    for hd, dt, dtype, causal, seqlen, batch, nheads in peers.problems(args):
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
+        p = numflash.validation.problem(q, k, v, causal, None, (-1, -1))[-1]
+        cfg = selection.forward(p, current_device()).config
+        if not isinstance(cfg, wgmma_forward.WgmmaForwardConfig):
+            print(f"hd{hd}: the default is {type(cfg).__name__}, not the Hopper forward")
+            continue
+        flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
+        # one launch, its order array rewritten in place between the timings: the two orders
+        # take turns --rounds times and each keeps its fastest round (the GPU's speed drifts
+        # over a minute), the same kernel and buffers for both
+        wgmma_forward._orders.clear()
+        launch._prepared.clear()
+        api._plans.clear()
+        call = peers.numflash_forward(q, k, v, causal)
+        call()
+        (array,) = wgmma_forward._orders.values()
+        section = wgmma_forward._wgmma_work(p, hd)[-1]
+        blocks = wgmma_forward._wgmma_grid(cfg, p)[0]
+        orders = {
+            "alternating": alternating_order(p, cfg.block_m, cfg.block_n, section, blocks),
+            "ordered": wgmma_forward.work_order(p, cfg.block_m, cfg.block_n, section, blocks),
+        }
+        found, outs = {}, {}
+        for _ in range(args.rounds):
+            for name, order in orders.items():
+                array[...] = cupy.asarray(order)
+                outs[name] = call()
+                t = time_gpu(call, runs=args.runs)
+                if name not in found or t.median_ms < found[name].median_ms:
+                    found[name] = t
+        same = bool((outs["alternating"].view(np.uint16) == outs["ordered"].view(np.uint16)).all())
+        cudnn = None
+        if peers.torch_available():
+            try:
+                cudnn = time_gpu(peers.sdpa_forward(q, k, v, causal, "cudnn"), runs=args.runs)
+            except Exception as exc:  # cuDNN refuses some shapes
+                print(f"  cudnn: {type(exc).__name__}: {exc}")
+        alternating, ordered = spans(p, cfg, hd)
+        tf = {name: t.tflops(flops) for name, t in found.items()}
+        row = dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
+                   nheads=nheads, config=cfg.to_dict(), tflops=tf, same_bits=same,
+                   cudnn_tflops=cudnn.tflops(flops) if cudnn else None,
+                   model_span=dict(alternating=alternating, ordered=ordered))  # fmt: skip
+        rows.append(row)
+        ratio = f"{tf['ordered'] / row['cudnn_tflops']:.3f}" if cudnn else "-"
+        print(
+            f"hd{hd} {dt} causal={int(causal)} s{seqlen}: alternating {tf['alternating']:6.1f} "
+            f"ordered {tf['ordered']:6.1f} TFLOP/s, gain {tf['ordered'] / tf['alternating']:.3f} "
+            f"(model {alternating / ordered:.3f}) | x cuDNN {ratio} | same bits {same}",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": current_device().name, "rows": rows}, f, indent=1)
+    return 0 if all(r["same_bits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
