@@ -5,12 +5,11 @@
 
 A persistent dense launch takes its work tiles from the order families.wgmma_forward.work_order
 makes. For each problem (batch x seqlen = --tokens, heads x head_dim = --model-dim) this times
-the default configuration's call in one process with that order and with an order that hands
-out the tiles as the kernel did without one (rounds of a tile a block alternating in
-direction: _alternating), the two taking turns --rounds times, each keeping its fastest round,
-their outputs compared (the same tiles, so the same bits); cuDNN's forward beside them where
-PyTorch is there. It prints the gain the cost model
-(tile_costs) predicts beside the one measured.
+the default configuration's call in one process with that order and with ALTERNATING (rounds
+of a tile a block alternating in direction, which the kernel works out itself), the two
+taking turns --rounds times, each keeping its fastest round, and compares their outputs (the
+same tiles, so the same bits); cuDNN's forward beside them where PyTorch is there. It prints
+the gain the cost model (tile_costs) predicts beside the one measured.
 """
 
 import argparse
@@ -18,7 +17,6 @@ import json
 import os
 import sys
 
-import cupy
 import numpy as np
 
 import numflash
@@ -32,14 +30,19 @@ import peers  # noqa: E402
 
 
 def alternating_order(p, block_m, block_n, section, blocks):
-    """work_order's format for the rounds alternating in direction."""
+    """work_order's answer for the rounds alternating in direction."""
+    return wgmma_forward.ALTERNATING
+
+
+def _as_list(order, p, block_m, blocks):
+    """An order as work_order's list, ALTERNATING worked out as the kernel does."""
+    if order is not wgmma_forward.ALTERNATING:
+        return order
     tiles = launch._ceil_div(p.seqlen_q, block_m) * p.nheads * p.batch
-    if tiles <= blocks:
-        return wgmma_forward.work_order(p, block_m, block_n, section, blocks)
     owner = wgmma_forward._alternating(tiles, blocks)
     ranks = np.argsort(owner, kind="stable")
     offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
-    return np.concatenate([offsets, ranks]).astype(np.int32)
+    return np.concatenate([offsets, ranks])
 
 
 def spans(p, cfg, head_dim):
@@ -50,7 +53,7 @@ def spans(p, cfg, head_dim):
     ideal = cost.sum() / blocks
     out = []
     for make in (alternating_order, wgmma_forward.work_order):
-        order = make(p, cfg.block_m, cfg.block_n, section, blocks)
+        order = _as_list(make(p, cfg.block_m, cfg.block_n, section, blocks), p, cfg.block_m, blocks)
         offsets, ranks = order[: blocks + 1], order[blocks + 1 :]
         out.append(max(cost[ranks[offsets[x] : offsets[x + 1]]].sum() for x in range(blocks)))
     return out[0] / ideal, out[1] / ideal
@@ -72,27 +75,22 @@ def main():
             print(f"hd{hd}: the default is {type(cfg).__name__}, not the Hopper forward")
             continue
         flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal)
-        # one launch, its order array rewritten in place between the timings: the two orders
-        # take turns --rounds times and each keeps its fastest round (the GPU's speed drifts
-        # over a minute), the same kernel and buffers for both
-        wgmma_forward._orders.clear()
-        launch._prepared.clear()
-        api._plans.clear()
-        call = peers.numflash_forward(q, k, v, causal)
-        call()
-        (array,) = wgmma_forward._orders.values()
-        section = wgmma_forward._wgmma_work(p, hd)[-1]
-        blocks = wgmma_forward._wgmma_grid(cfg, p)[0]
-        orders = {
-            "alternating": alternating_order(p, cfg.block_m, cfg.block_n, section, blocks),
-            "ordered": wgmma_forward.work_order(p, cfg.block_m, cfg.block_n, section, blocks),
-        }
+        # the two orders take turns --rounds times, each keeping its fastest round (the GPU's
+        # speed drifts over a minute); each turn builds its launch anew
+        made = wgmma_forward.work_order
         found, outs = {}, {}
         for _ in range(args.rounds):
-            for name, order in orders.items():
-                array[...] = cupy.asarray(order)
-                outs[name] = call()
-                t = time_gpu(call, runs=args.runs)
+            for name, make in (("alternating", alternating_order), ("ordered", made)):
+                wgmma_forward.work_order = make
+                wgmma_forward._orders.clear()
+                launch._prepared.clear()
+                api._plans.clear()
+                try:
+                    call = peers.numflash_forward(q, k, v, causal)
+                    outs[name] = call()
+                    t = time_gpu(call, runs=args.runs)
+                finally:
+                    wgmma_forward.work_order = made
                 if name not in found or t.median_ms < found[name].median_ms:
                     found[name] = t
         same = bool((outs["alternating"].view(np.uint16) == outs["ordered"].view(np.uint16)).all())

@@ -312,9 +312,9 @@ def _wgmma_grid(cfg, p, cache=None):
 #: against 1.40 at 64 (H200; docs/performance.md, "A persistent launch").
 TILE_OVERHEAD = 2.0
 #: The least gain in the model for which work_order leaves the alternating rounds: where the
-#: model saw none, the least-loaded rounds measured 5-9% slower (H200, fp16: head_dim 128 at
-#: 4096 keys, 16384 causal; 64 at 4096) and the alternation as fast or faster; where it saw
-#: 3-49%, they measured 2.5-36% faster (tools/work_order.py; docs/performance.md).
+#: model saw none the least-loaded rounds measured 5-9% slower (H200, fp16: head_dim 128 at
+#: 4096 keys and at 16384 causal, 64 at 4096), where it saw 2-49% they measured 2-44% faster
+#: (tools/work_order.py; docs/performance.md, "A work order").
 MODEL_GAIN = 1.02
 
 
@@ -363,28 +363,32 @@ def _least_loaded(cost, blocks):
     return owner
 
 
+#: work_order's array for the rounds alternating in direction, which the kernel works out
+#: itself (no load from the order a tile).
+ALTERNATING = np.array([-1], dtype=np.int32)
+
+
 def work_order(p, block_m, block_n, section, blocks):
     """Which work tiles each block of a persistent dense launch goes through, as an int32
     array: ``blocks + 1`` offsets, then the tiles' ranks (forward_sm90.tile_of's order), block
-    x's from ``order[x]`` to ``order[x + 1]`` after the offsets, in rank order. A block takes
+    x's from ``order[x]`` to ``order[x + 1]`` after the offsets, in rank order; or
+    ALTERNATING (the rounds alternating in direction, a tile a block). A block takes
     a tile a round of ``blocks`` tiles in rank order, so the tiles in flight together share
     their keys in L2 as before; which one of its round, tile_costs' model decides: each
     round's costliest tiles to the blocks with the least work so far where that finishes at
-    least MODEL_GAIN sooner than the rounds alternating in direction (the order without a
-    work order), else the alternation. The alternation ran up to 1.53x the balanced time in
+    least MODEL_GAIN sooner than the rounds alternating in direction, else the alternation. The alternation ran up to 1.53x the balanced time in
     the model (head_dim 256, 16384 keys, causal: sections of one (batch, head) pair, 128 tiles
     a section over 132 blocks, so the costs fall and rise again within a round); this stays
     within 1.07x of it on bench_forward's grid."""
     tiles = launch._ceil_div(p.seqlen_q, block_m) * p.nheads * p.batch
     if tiles <= blocks:  # a tile a block
-        return np.concatenate([np.arange(tiles + 1), np.arange(tiles)]).astype(np.int32)
+        return ALTERNATING
     cost = tile_costs(p, block_m, block_n, section)
-    owner = _alternating(tiles, blocks)
-    balanced = _least_loaded(cost, blocks)
-    span, balanced_span = (np.bincount(x, weights=cost, minlength=blocks).max()
-                           for x in (owner, balanced))  # fmt: skip
-    if balanced_span * MODEL_GAIN < span:
-        owner = balanced
+    owner = _least_loaded(cost, blocks)
+    balanced, alternating = (np.bincount(x, weights=cost, minlength=blocks).max()
+                             for x in (owner, _alternating(tiles, blocks)))  # fmt: skip
+    if balanced * MODEL_GAIN >= alternating:
+        return ALTERNATING
     ranks = np.argsort(owner, kind="stable")  # each block's tiles in rank order
     offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
     return np.concatenate([offsets, ranks]).astype(np.int32)

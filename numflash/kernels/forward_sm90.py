@@ -869,31 +869,36 @@ def build(
 
     @device_function
     def first_round(order, tiles):
-        """(start, reverse, end) of this block's first round of work tiles: with a work order
-        (ORDERED) its place there and where its tiles end, else the launch's first round and
-        its ``tiles``."""
+        """(start, reverse, end, listed) of this block's first round of work tiles: with a
+        work order (ORDERED, and its first entry not -1: families.wgmma_forward.work_order)
+        its place there, where its tiles end and True, else the launch's first round, its
+        ``tiles`` and False."""
         if ORDERED:
-            return order[cuda.blockIdx.x], False, order[cuda.blockIdx.x + 1]
-        return int32(0), False, tiles
+            if order[0] >= 0:
+                return order[cuda.blockIdx.x], False, order[cuda.blockIdx.x + 1], True
+        return int32(0), False, tiles, False
 
     @device_function
-    def ranked(order, start, reverse):
-        """The rank of this block's work tile in the round ``start``: its order's entry
-        (ORDERED), else tile start + blockIdx.x of the round of tiles start.. (a tile a
-        block), the rounds alternating in direction so that each block's sum of the (falling)
-        costs of its tiles comes out alike."""
-        if ORDERED:
-            return order[cuda.gridDim.x + 1 + start]
+    def ranked(order, start, reverse, listed, end):
+        """The rank of this block's work tile in the round ``start``: the order's entry where
+        ``listed`` (``end``: where the block's entries end; past it, none), else tile start +
+        blockIdx.x of the round of tiles start.. (a tile a block), the rounds alternating in
+        direction so that each block's sum of the (falling) costs of its tiles comes out
+        alike."""
+        if ORDERED and listed:
+            if start < end:
+                return order[cuda.gridDim.x + 1 + start]
+            return end
         if reverse:
             return int32(start + cuda.gridDim.x - 1 - cuda.blockIdx.x)
         return int32(start + cuda.blockIdx.x)
 
     @device_function
-    def following(start, reverse, tiles):
-        """The next round's (start, reverse): the order's next entry (ORDERED), gridDim.x
-        tiles on when the launch is persistent, else none (``tiles``; the loops over the
-        rounds then fold away)."""
-        if ORDERED:
+    def following(start, reverse, tiles, listed):
+        """The next round's (start, reverse): the order's next entry where ``listed``,
+        gridDim.x tiles on when the launch is persistent, else none (``tiles``; the loops over
+        the rounds then fold away)."""
+        if ORDERED and listed:
             return int32(start + 1), reverse
         if PERSISTENT:
             return int32(start + cuda.gridDim.x), not reverse
@@ -1133,13 +1138,18 @@ def build(
         work = (m_blocks, nheads, int32(nheads * batch), section)
         tiles = int32(m_blocks * nheads * batch)
         g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
-        start, reverse, end = first_round(order, tiles)  # the round of work tiles
-        # setmaxnreg's register counts hold where its role's code alone follows (ptxas)
+        start, reverse, end, listed = first_round(order, tiles)  # the round of work tiles
+        # setmaxnreg's register counts hold where its role's code alone follows (ptxas); each
+        # loop reads the next tile's rank before the tile's work (a load from the work order
+        # at the start of each tile cost 3-5% at 1024 keys)
         if PRODUCER and warp < 4:
             if not start_producer(q, k, v, maps, (q_map, k_map, v_map), lane, warp):
                 return
+            upcoming = ranked(order, start, reverse, listed, end)
             while start < end:
-                tile = ranked(order, start, reverse)
+                tile = upcoming
+                start, reverse = following(start, reverse, tiles, listed)
+                upcoming = ranked(order, start, reverse, listed, end)
                 if tile < tiles:
                     taken = dense_tile(
                         tile, work, True, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
@@ -1147,12 +1157,14 @@ def build(
                         warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
-                start, reverse = following(start, reverse, tiles)
             finish_producer()
         else:
             start_consumer()
+            upcoming = ranked(order, start, reverse, listed, end)
             while start < end:
-                tile = ranked(order, start, reverse)
+                tile = upcoming
+                start, reverse = following(start, reverse, tiles, listed)
+                upcoming = ranked(order, start, reverse, listed, end)
                 if tile < tiles:
                     taken = dense_tile(
                         tile, work, False, q, k, v, o, lse, cu_q, cu_k, maps, strides, seqlen_q,
@@ -1160,7 +1172,6 @@ def build(
                         warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
-                start, reverse = following(start, reverse, tiles)
 
     @device_function
     def cache_tile(
@@ -1221,12 +1232,12 @@ def build(
         work = (m_blocks, nheads, int32(nheads * batch), section)
         tiles = int32(m_blocks * nheads * batch)
         g, job = int32(0), int32(0)  # key tiles and Q tiles through the shared memory so far
-        start, reverse, end = first_round(maps, tiles)  # the round of work tiles (no order)
+        start, reverse, end, _ = first_round(maps, tiles)  # the round of work tiles (no order)
         if PRODUCER and warp < 4:
             if not start_producer(q, k_cache, v_cache, maps, (q_map, k_map, v_map), lane, warp):
                 return
             while start < end:
-                tile = ranked(maps, start, reverse)
+                tile = ranked(maps, start, reverse, False, end)
                 if tile < tiles:
                     taken = cache_tile(
                         tile, work, True, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
@@ -1235,12 +1246,12 @@ def build(
                         lane, warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
-                start, reverse = following(start, reverse, tiles)
+                start, reverse = following(start, reverse, tiles, False)
             finish_producer()
         else:
             start_consumer()
             while start < end:
-                tile = ranked(maps, start, reverse)
+                tile = ranked(maps, start, reverse, False, end)
                 if tile < tiles:
                     taken = cache_tile(
                         tile, work, False, q, k_cache, v_cache, o, lse, seqlens, batch_idx,
@@ -1249,6 +1260,6 @@ def build(
                         lane, warp, g, job, variant,
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
-                start, reverse = following(start, reverse, tiles)
+                start, reverse = following(start, reverse, tiles, False)
 
     return forward_sm90_kvcache if CACHE else forward_sm90
