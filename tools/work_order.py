@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -57,6 +58,19 @@ def spans(p, cfg, head_dim):
         offsets, ranks = order[: blocks + 1], order[blocks + 1 :]
         out.append(max(cost[ranks[offsets[x] : offsets[x + 1]]].sum() for x in range(blocks)))
     return out[0] / ideal, out[1] / ideal
+
+
+def _line(row):
+    """A row as the tool prints it."""
+    tf, span, cudnn = row["tflops"], row["model_span"], row["cudnn_tflops"]
+    gain, model = tf["ordered"] / tf["alternating"], span["alternating"] / span["ordered"]
+    ratio = f"{tf['ordered'] / cudnn:.3f}" if cudnn else "-"
+    problem = f"hd{row['head_dim']} {row['dtype']} causal={int(row['causal'])} s{row['seqlen']}"
+    timed = f"alternating {tf['alternating']:6.1f} ordered {tf['ordered']:6.1f} TFLOP/s"
+    return (
+        f"{problem}: {timed}, gain {gain:.3f} (model {model:.3f}) | x cuDNN {ratio} | "
+        f"same bits {row['same_bits']}"
+    )
 
 
 def main():
@@ -107,16 +121,9 @@ def main():
                    cudnn_tflops=cudnn.tflops(flops) if cudnn else None,
                    model_span=dict(alternating=alternating, ordered=ordered))  # fmt: skip
         rows.append(row)
-        ratio = f"{tf['ordered'] / row['cudnn_tflops']:.3f}" if cudnn else "-"
-        print(
-            f"hd{hd} {dt} causal={int(causal)} s{seqlen}: alternating {tf['alternating']:6.1f} "
-            f"ordered {tf['ordered']:6.1f} TFLOP/s, gain {tf['ordered'] / tf['alternating']:.3f} "
-            f"(model {alternating / ordered:.3f}) | x cuDNN {ratio} | same bits {same}",
-            flush=True,
-        )
+        print(_line(row), flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": current_device().name, "rows": rows}, f, indent=1)
+        Path(args.out).write_text(json.dumps({"device": current_device().name, "rows": rows}))
     return 0 if all(r["same_bits"] for r in rows) else 1
 
 
