@@ -29,6 +29,7 @@ from support.standins import DeviceArray  # noqa: E402
 
 import numflash  # noqa: E402
 from numflash import api, arrays, device, launch, selection, validation  # noqa: E402
+from numflash.families import wgmma_forward  # noqa: E402
 from numflash.kernels import ptx_tma  # noqa: E402
 
 #: The GPU the stand-ins stand for.
@@ -82,6 +83,7 @@ def stand_in(set_attr=setattr, launched=lambda *args: None):
     runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1)
     cupy = types.SimpleNamespace(
         ndarray=_Array, empty=_empty, zeros=_empty, ascontiguousarray=lambda x: x,
+        asarray=lambda x: _Array(x.shape, x.dtype),
         int32=np.int32, int64=np.int64,
         float32=np.float32, cuda=types.SimpleNamespace(
             runtime=runtime, get_current_stream=lambda: stream),
@@ -95,6 +97,8 @@ def stand_in(set_attr=setattr, launched=lambda *args: None):
     set_attr(launch, "_driver", lambda: _Driver(launched))
     set_attr(launch, "_launch_kernel", lambda: launched)
     set_attr(launch, "_prepared", {})
+    for cache in ("_orders", "_alternating_arrays"):  # device arrays the stand-ins made
+        set_attr(wgmma_forward, cache, {})
     set_attr(
         ptx_tma, "template", lambda dtype, dims, strides, box, address: (0,) * ptx_tma.MAP_WORDS
     )

@@ -397,6 +397,8 @@ def work_order(p, block_m, block_n, section, blocks):
 #: Device copies of work_order's arrays by device and geometry (a prepared launch or a plan
 #: holds its own reference, so dropping them all at the bound frees none in use).
 _orders = {}
+#: ALTERNATING on each device.
+_alternating_arrays = {}
 
 
 def _work_order_array(p, cfg, work, blocks, xp):
@@ -410,7 +412,13 @@ def _work_order_array(p, cfg, work, blocks, xp):
         if len(_orders) >= 256:
             _orders.clear()
         order = work_order(p, cfg.block_m, cfg.block_n, work[-1], blocks)
-        found = _orders[key] = xp.asarray(order)
+        if order is ALTERNATING:  # the common answer: one copy a device, no upload a geometry
+            found = _alternating_arrays.get(device)
+            if found is None:
+                found = _alternating_arrays[device] = xp.asarray(ALTERNATING)
+        else:
+            found = xp.asarray(order)
+        _orders[key] = found
     return found
 
 
