@@ -384,10 +384,11 @@ def work_order(p, block_m, block_n, section, blocks):
     if tiles <= blocks:  # a tile a block
         return ALTERNATING
     cost = tile_costs(p, block_m, block_n, section)
+    alternating = np.bincount(_alternating(tiles, blocks), weights=cost, minlength=blocks).max()
+    if max(cost.sum() / blocks, cost.max()) * MODEL_GAIN >= alternating:
+        return ALTERNATING  # no order finishes sooner than that bound: the rounds' loop unrun
     owner = _least_loaded(cost, blocks)
-    balanced, alternating = (np.bincount(x, weights=cost, minlength=blocks).max()
-                             for x in (owner, _alternating(tiles, blocks)))  # fmt: skip
-    if balanced * MODEL_GAIN >= alternating:
+    if np.bincount(owner, weights=cost, minlength=blocks).max() * MODEL_GAIN >= alternating:
         return ALTERNATING
     ranks = np.argsort(owner, kind="stable")  # each block's tiles in rank order
     offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
