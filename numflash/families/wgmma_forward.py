@@ -372,14 +372,14 @@ def work_order(p, block_m, block_n, section, blocks):
     """Which work tiles each block of a persistent dense launch goes through, as an int32
     array: ``blocks + 1`` offsets, then the tiles' ranks (forward_sm90.tile_of's order), block
     x's from ``order[x]`` to ``order[x + 1]`` after the offsets, in rank order; or
-    ALTERNATING (the rounds alternating in direction, a tile a block). A block takes
-    a tile a round of ``blocks`` tiles in rank order, so the tiles in flight together share
-    their keys in L2 as before; which one of its round, tile_costs' model decides: each
-    round's costliest tiles to the blocks with the least work so far where that finishes at
-    least MODEL_GAIN sooner than the rounds alternating in direction, else the alternation. The alternation ran up to 1.53x the balanced time in
-    the model (head_dim 256, 16384 keys, causal: sections of one (batch, head) pair, 128 tiles
-    a section over 132 blocks, so the costs fall and rise again within a round); this stays
-    within 1.07x of it on bench_forward's grid."""
+    ALTERNATING (the rounds alternating in direction, a tile a block). A block takes a tile a
+    round of ``blocks`` tiles in rank order, so the tiles in flight together share their keys
+    in L2 as before; which one of its round, tile_costs' model decides: each round's
+    costliest tiles to the blocks with the least work so far where that finishes at least
+    MODEL_GAIN sooner than the alternation, else the alternation. The alternation ran up to
+    1.53x the balanced share in the model (head_dim 256, 16384 keys, causal: sections of one
+    (batch, head) pair, 128 tiles a section over 132 blocks, so the costs fall and rise again
+    within a round); this stays within 1.07x of it on bench_forward's grid."""
     tiles = launch._ceil_div(p.seqlen_q, block_m) * p.nheads * p.batch
     if tiles <= blocks:  # a tile a block
         return ALTERNATING

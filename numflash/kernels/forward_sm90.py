@@ -881,7 +881,8 @@ def build(
     @device_function
     def ranked(order, start, reverse, listed, end):
         """The rank of this block's work tile in the round ``start``: the order's entry where
-        ``listed`` (``end``: where the block's entries end; past it, none), else tile start +
+        ``listed`` (``end``: where the block's entries end; past it, end, which no loop
+        reaches), else tile start +
         blockIdx.x of the round of tiles start.. (a tile a block), the rounds alternating in
         direction so that each block's sum of the (falling) costs of its tiles comes out
         alike."""
