@@ -390,7 +390,13 @@ def work_order(p, block_m, block_n, section, blocks):
     owner = _least_loaded(cost, blocks)
     if np.bincount(owner, weights=cost, minlength=blocks).max() * MODEL_GAIN >= alternating:
         return ALTERNATING
-    ranks = np.argsort(owner, kind="stable")  # each block's tiles in rank order
+    return listed_order(owner, blocks)
+
+
+def listed_order(owner, blocks):
+    """work_order's list from each tile's block (``owner``, by rank): the blocks' offsets,
+    then each block's tiles in rank order."""
+    ranks = np.argsort(owner, kind="stable")
     offsets = np.searchsorted(owner[ranks], np.arange(blocks + 1))
     return np.concatenate([offsets, ranks]).astype(np.int32)
 
