@@ -252,16 +252,18 @@ def wgmma_tiles(dtype):
     return out
 
 
-def wgmma_backward(hd, dtype, warps, stages, softcap=0.0):
-    built = backward_sm90.build_kernels(hd, dtype, warps, stages, softcap=softcap)
+def wgmma_backward(hd, dtype, warps, stages, softcap=0.0, pack_first=False):
+    built = backward_sm90.build_kernels(
+        hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first
+    )
     kernels = [
         ("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV),
         ("dq", built.dq, launch.DQ),
         ("dkdv-varlen", built.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
         ("dq-varlen", built.dq_varlen, launch.DQ_VARLEN),
     ]
-    return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")],
-                   head_dim=hd, dtype=dtype, num_warps=warps, softcap=softcap)  # fmt: skip
+    return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")], head_dim=hd,
+                   dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first)  # fmt: skip
 
 
 def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False):
@@ -329,6 +331,7 @@ def jobs(quick):
     out += [(wgmma_backward, (128, "float16", 8, 2)), (wgmma_backward, (64, "bfloat16", 4, 1))]
     # ... with Gemma 2's softcap (head_dim 128: at 64 the forward's 192-key tiles spill 16 bytes)
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 50.0)))
+    out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, True)))  # A rounded before the fence
     # the Hopper forward: the defaults, packed, one consumer without a producer, TMA loads
     # with pingpong and without
     one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}

@@ -154,6 +154,7 @@ TC_SIM_CASES = [
     ("bfloat16", 64, 40, 150, 1, "window", WG(num_warps=4, stages=1)),  # three key blocks
     ("bfloat16", 128, 65, 33, 1, "none", WG(num_warps=4, stages=2)),  # two head_dim atoms
     ("float16", 64, 50, 60, 2, "left", WG(num_warps=4, stages=2)),  # key blocks last first
+    ("bfloat16", 64, 70, 80, 1, "causal", WG(num_warps=4, stages=2, pack_first=True)),
 ]
 
 
@@ -196,6 +197,9 @@ TC_GPU_CASES = [
         ("float16", 64, (300, 451), 2, "window", WG(num_warps=4, stages=2)),
         ("bfloat16", 64, (517, 1023), 1, "left", WG(num_warps=8, stages=2)),
         ("float16", 128, (2048, 2048), 1, "causal", WG(num_warps=4, stages=2)),
+        # the A fragments rounded before the wgmma fence
+        ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, pack_first=True)),
+        ("bfloat16", 64, (300, 451), 1, "window", WG(num_warps=8, stages=1, pack_first=True)),
     ]
 ]
 

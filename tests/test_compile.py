@@ -218,6 +218,7 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
         (hd, kernel) for hd in (64, 128) for kernel in kernels
     }
     assert {e["kernel"] for e in entries if e["softcap"]} == set(kernels)  # Gemma 2's cap too
+    assert {e["kernel"] for e in entries if e["pack_first"]} == set(kernels)
     for e in entries:
         assert e["target"] == "sm_90a"
         products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}

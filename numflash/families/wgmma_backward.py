@@ -26,6 +26,10 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     - ``num_warps``: 4 or 8, one or two warpgroups of 64 keys (dK/dV kernel) or 64 query rows
       (dQ kernel) a block.
     - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2).
+    - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
+      to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
+      otherwise waits for the warpgroup before each such product but the first (remark
+      C7519); not yet timed, so off by default.
 
     Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
     whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
@@ -33,6 +37,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
 
     num_warps: int = config.knob(8, backward_sm90.NUM_WARPS)
     stages: int = config.knob(2, (1, 2))
+    pack_first: bool = config.knob(False, (False, True))
 
     family: ClassVar[str] = "wgmma-backward"
     ROLE: ClassVar[str] = "backward"
@@ -98,8 +103,9 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
     def kernels(head_dim, varlen):
         def build():
             return backward_sm90.build_kernels(
-                head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi
-            )
+                head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
+                pack_first=cfg.pack_first,
+            )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
 

@@ -67,16 +67,24 @@ def shared_memory_layout(head_dim, num_warps, stages):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False):
+def build_kernels(
+    head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
+    pack_first=False,
+):  # fmt: skip
     """Both kernels of one configuration (backward.Kernels). ``heavy_group``: as
     backward_mma.build_kernels (8 there with the dQ kernel); ``softcap`` > 0, ``alibi``: of
-    scores changed as the forward changed them (backward.element_function)."""
+    scores changed as the forward changed them (backward.element_function). ``pack_first``:
+    the products that take their A from registers (dV, dK; dQ) get it rounded to 16 bits
+    before the wgmma fence, behind an operand fence of its own; else each k16 step's A is
+    rounded as it is issued, after the fence, and ptxas waits for the warpgroup before every
+    such product but the first (remark C7519: 7 in the dK/dV kernel, 3 in dQ's at head_dim
+    128)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)"
         )
-    HEAD_DIM, STAGES = head_dim, stages
+    HEAD_DIM, STAGES, PACK_FIRST = head_dim, stages, pack_first
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
     THREADS = 32 * num_warps
@@ -87,6 +95,7 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
     S_REGS = BLOCK_M // 2  # a 64 x BLOCK_M fp32 tile over 128 threads
+    WORDS = S_REGS // 2  # ... rounded to 16 bits, two a register
     ACC_REGS = HEAD_DIM // 2
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
@@ -119,6 +128,23 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
                 pack(frag[c + 4], frag[c + 5]),
                 pack(frag[c + 6], frag[c + 7]),
             )
+            update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
+
+    @device_function
+    def pack_into(words, frag):
+        """``frag`` (64 x BLOCK_M in the accumulator layout) rounded to 16 bits into
+        ``words``, two values a register, in the order accumulate_packed takes them; fenced,
+        so that the rounding stays before the wgmma fence that follows."""
+        for i in range(WORDS):
+            words[i] = pack(frag[2 * i], frag[2 * i + 1])
+        ptx_sm90.fence_operands(words, WORDS)
+
+    @device_function
+    def accumulate_packed(acc, words, b_desc):
+        """accumulate, its A already rounded (``packed``)."""
+        for j in range(M_STEPS):
+            c = 4 * j
+            a = (words[c], words[c + 1], words[c + 2], words[c + 3])
             update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
 
     @device_function
@@ -170,11 +196,20 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
             slope,
         )  # fmt: skip
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
+        if PACK_FIRST:
+            pt = cuda.local.array(WORDS, uint32)
+            dst = cuda.local.array(WORDS, uint32)
+            pack_into(pt, st)
+            pack_into(dst, dpt)
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
-        accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
-        accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
+        if PACK_FIRST:
+            accumulate_packed(dv_acc, pt, descriptor(do_addr, TILE_ATOM))
+            accumulate_packed(dk_acc, dst, descriptor(q_addr, TILE_ATOM))
+        else:
+            accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
+            accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
         # the stage and the A fragments are read until the products land
         ptx_sm90.wgmma_wait(0)
@@ -224,9 +259,15 @@ def build_kernels(head_dim, dtype_name, num_warps, stages, heavy_group=8, softca
         # -- dS = P (dP - D), masked pairs 0
         row_ds(dp, s, row_stats, shift, scale_log2, bias)
         # -- dQ += dS K
+        if PACK_FIRST:
+            ds = cuda.local.array(WORDS, uint32)
+            pack_into(ds, dp)
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
-        accumulate(acc, dp, descriptor(k_addr, TILE_ATOM))
+        if PACK_FIRST:
+            accumulate_packed(acc, ds, descriptor(k_addr, TILE_ATOM))
+        else:
+            accumulate(acc, dp, descriptor(k_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc, ACC_REGS)

@@ -629,22 +629,27 @@ else:
     @intrinsic
     def fence_operands(typingctx, acc, count):
         """An empty asm statement that reads and writes the first ``count`` (a compile-time
-        constant) values of the float32 array ``acc``: ordinary code that uses the
+        constant) values of the float32 or uint32 array ``acc``: ordinary code that uses the
         accumulators of wgmma stays after the ``wgmma_wait`` before it, and code that sets them
-        before the ``wgmma_fence`` after it (the compiler may not move them across)."""
+        (or the packed A fragments of a product) before the ``wgmma_fence`` after it (the
+        compiler may not move them across)."""
         from numba.cuda.types import IntegerLiteral
 
-        if not _is_f32_vector(acc) or not isinstance(count, IntegerLiteral):
+        words = isinstance(acc, types.Array) and acc.ndim == 1 and acc.dtype == types.uint32
+        if not (_is_f32_vector(acc) or words) or not isinstance(count, IntegerLiteral):
             return None
         sig = types.void(acc, count)
         count = count.literal_value
+        element, constraint = (ir.IntType(32), "=r") if words else (_F32, "=f")
 
         def codegen(context, builder, sig, args):
             pointers = _array_pointers(context, builder, sig.args[0], args[0], count)
-            constraints = ",".join(["=f"] * count + [str(i) for i in range(count)])
-            values = _emit(builder, "", constraints, [builder.load(p) for p in pointers], count)
-            for p, value in zip(pointers, values):
-                builder.store(value, p)
+            constraints = ",".join([constraint] * count + [str(i) for i in range(count)])
+            operands = [builder.load(p) for p in pointers]
+            fnty = ir.FunctionType(ir.LiteralStructType([element] * count), [element] * count)
+            res = builder.asm(fnty, "", constraints, operands, True)
+            for i, p in enumerate(pointers):
+                builder.store(builder.extract_value(res, i), p)
             return context.get_dummy_value()
 
         return sig, codegen
