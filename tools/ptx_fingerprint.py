@@ -187,9 +187,10 @@ def cases():
             launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
-    for hd, dt, warps, stages in [(128, "float16", 8, 2), (64, "bfloat16", 4, 1)]:
-        kernels = backward_sm90.build_kernels(hd, dt, warps, stages)
-        name = f"{hd}-{dt}-{warps}-{stages}"
+    for hd, dt, warps, stages, pack in [(128, "float16", 8, 2, False), (64, "bfloat16", 4, 1, False),
+                                        (128, "float16", 8, 2, True)]:  # fmt: skip
+        kernels = backward_sm90.build_kernels(hd, dt, warps, stages, pack_first=pack)
+        name = f"{hd}-{dt}-{warps}-{stages}" + ("-pack" if pack else "")
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
     family = config.WgmmaForwardConfig.family
