@@ -141,7 +141,7 @@ def build_kernels(
 
     @device_function
     def accumulate_packed(acc, words, b_desc):
-        """accumulate, its A already rounded (``packed``)."""
+        """accumulate, its A already rounded (pack_into)."""
         for j in range(M_STEPS):
             c = 4 * j
             a = (words[c], words[c + 1], words[c + 2], words[c + 3])
