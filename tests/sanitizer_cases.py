@@ -119,6 +119,13 @@ CASES = [
          forward=numflash.WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 70, 90, 2, 1, 40), dict(),
          forward=numflash.WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
+    # a persistent launch over more tiles than an H200 has multiprocessors, in a work order
+    # that lists them (families.wgmma_forward.work_order), and the backward's A fragments
+    # rounded before the wgmma fence
+    Case("float16", (4, 1024, 1024, 8, 8, 256), dict(causal=True),
+         forward=numflash.WgmmaForwardConfig(2, 64, 2, pingpong=False)),
+    Case("bfloat16", (2, 150, 201, 4, 2, 128), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 2, pack_first=True)),
 ]  # fmt: skip
 
 
