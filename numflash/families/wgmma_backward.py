@@ -29,7 +29,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
-      C7519); not yet timed, so off by default.
+      C7519); off by default: 2.4-5.7% slower on the H200 (docs/performance.md).
 
     Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
     whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).

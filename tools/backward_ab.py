@@ -1,0 +1,98 @@
+"""Hopper backward configurations timed against each other in one process, taking turns.
+
+    python tools/backward_ab.py --configs 8,2 8,2,pack [--head-dims 64 128] [--seqlens 4096]
+                                [--dtypes float16 bfloat16] [--causal both] [--runs 15]
+                                [--rounds 3] [--out PATH]
+
+For each problem (batch x seqlen = --tokens, heads x head_dim = --model-dim) the backward
+(attention_backward from one saved forward) runs once with each configuration, the gradients
+compared bit for bit with the first configuration's (the GPU tests check them against the
+float64 reference), then the configurations take turns --rounds times, each keeping
+its fastest round (the GPU's clock drifts over a minute); cuDNN's backward beside them where
+PyTorch is there. A knob that changes only when registers are rounded (pack_first) must give
+the same bits.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import numflash
+from numflash.config import WgmmaBackwardConfig
+from numflash.timing import attention_flops, time_gpu
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+import peers  # noqa: E402
+from bench_backward import sdpa_runs  # noqa: E402
+
+
+def parse_config(text):
+    """num_warps,stages[,pack (pack_first)], e.g. 8,2,pack"""
+    parts = text.split(",")
+    warps, stages = (int(x) for x in parts[:2])
+    return WgmmaBackwardConfig(warps, stages, pack_first="pack" in parts[2:])
+
+
+def _bits(grads):
+    return [np.asarray(g.view(np.uint16).get()) for g in grads]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    peers.add_problem_arguments(ap)
+    ap.set_defaults(head_dims=[64, 128])
+    ap.add_argument("--configs", nargs="+", required=True, help=parse_config.__doc__)
+    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.configs]
+    rows = []
+    for hd, dt, dtype, causal, seqlen, batch, nheads in peers.problems(args):
+        q, k, v = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=1)
+        dout = peers.random_qkv(batch, seqlen, nheads, hd, dtype, seed=5)[0]
+        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, "bwd")
+
+        def call(cfg):
+            return lambda: numflash.attention_backward(
+                dout, q, k, v, out, lse, causal=causal, config=cfg
+            )
+
+        first = _bits(call(configs[0])())
+        same = {str(c): all((a == b).all() for a, b in zip(first, _bits(call(c)())))
+                for c in configs}  # fmt: skip
+        found = {}
+        for _ in range(args.rounds):
+            for cfg in configs:
+                t = time_gpu(call(cfg), runs=args.runs)
+                if str(cfg) not in found or t.median_ms < found[str(cfg)].median_ms:
+                    found[str(cfg)] = t
+        cudnn = None
+        if peers.torch_available():
+            try:
+                cudnn = time_gpu(sdpa_runs(q, k, v, causal, "cudnn")[0], runs=args.runs)
+                cudnn = cudnn.tflops(flops)
+            except Exception as exc:  # cuDNN refuses some shapes
+                print(f"  cudnn: {type(exc).__name__}: {exc}", flush=True)
+        tf = {name: t.tflops(flops) for name, t in found.items()}
+        base = tf[str(configs[0])]
+        cells = [
+            f"{name} {x:6.1f} ({x / base:.3f}x"
+            + (f", {x / cudnn:.3f}x cuDNN" if cudnn else "")
+            + ("" if same[name] else ", DIFFERENT BITS")
+            + ")"
+            for name, x in tf.items()
+        ]
+        print(f"hd{hd} {dt} causal={int(causal)} s{seqlen}: " + " | ".join(cells), flush=True)
+        rows.append(dict(head_dim=hd, dtype=dt, causal=causal, seqlen=seqlen, batch=batch,
+                         nheads=nheads, tflops=tf, cudnn_tflops=cudnn, same_bits=same))  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
