@@ -307,11 +307,15 @@ def test_the_work_order_gives_every_tile_once_and_balances_the_blocks(
 
 def test_a_persistent_launch_over_several_blocks_follows_its_work_order(monkeypatch):
     """Four blocks of a persistent dense launch (a multiprocessor each) over 12 causal work
-    tiles, each block going through the tiles its work order lists (whose costs the
-    alternating rounds would leave unequal): the result is the reference's."""
+    tiles, each block going through the tiles a listed work order gives it, in an uneven
+    split that no rounds would make (work_order's own choice hangs on the GPU's L2, through
+    the section): the result is the reference's."""
     from numflash import launch
 
     monkeypatch.setattr(launch, "_multiprocessors", lambda: 4)
+    owner = np.array([3, 1, 0, 2, 2, 0, 1, 3, 0, 0, 2, 1])  # block of each tile, by rank
+    listed = wgmma_forward.listed_order(owner, 4)
+    monkeypatch.setattr(wgmma_forward, "work_order", lambda *args: listed)
     cfg = W(1, 64, 2, pingpong=False)
     _wgmma_or_skip(cfg, 64)
     q, k, v = random_qkv(2, 150, 150, 2, 1, 64, "float16")
@@ -320,8 +324,9 @@ def test_a_persistent_launch_over_several_blocks_follows_its_work_order(monkeypa
     res, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=cfg, causal=True)
     assert res is out
     assert_matches_reference(q, k, v, out, lse, causal=True)
-    (order,) = wgmma_forward._orders.values()  # the launch's: a list of 12 tiles, 4 blocks
-    assert to_numpy(order)[4] == 12
+    (order,) = wgmma_forward._orders.values()  # the launch's: 12 tiles over 4 blocks
+    np.testing.assert_array_equal(to_numpy(order), listed)
+    wgmma_forward._orders.clear()
 
 
 def test_the_kernel_s_own_rounds_where_the_order_gains_too_little():
