@@ -26,8 +26,12 @@ import cupy
 
 cupy.cuda.set_allocator(None)
 
+import numpy as np  # noqa: E402
+
 import numflash  # noqa: E402
+from numflash import launch  # noqa: E402
 from numflash.device import current_device  # noqa: E402
+from numflash.families import wgmma_forward  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import test_kvcache  # noqa: E402
@@ -49,6 +53,7 @@ class Case(NamedTuple):
     mask: dict
     forward: object = None  # a forward configuration, or None
     backward: object = None  # a backward configuration, or None
+    blocks: int = 0  # > 0: a persistent Hopper forward of this many blocks, over a listed order
 
     @property
     def family(self):
@@ -119,11 +124,11 @@ CASES = [
          forward=numflash.WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False)),
     Case("bfloat16", (1, 70, 90, 2, 1, 40), dict(),
          forward=numflash.WgmmaForwardConfig(1, 64, 2, producer=True, pingpong=False)),
-    # a persistent launch over more tiles than an H200 has multiprocessors, in a work order
-    # that lists them (families.wgmma_forward.work_order), and the backward's A fragments
+    # a persistent launch of 5 blocks over 32 work tiles in a listed order (as
+    # families.wgmma_forward.work_order makes where it pays), and the backward's A fragments
     # rounded before the wgmma fence
-    Case("float16", (4, 1024, 1024, 8, 8, 256), dict(causal=True),
-         forward=numflash.WgmmaForwardConfig(2, 64, 2, pingpong=False)),
+    Case("float16", (2, 500, 500, 4, 2, 256), dict(causal=True),
+         forward=numflash.WgmmaForwardConfig(2, 64, 2, pingpong=False), blocks=5),
     Case("bfloat16", (2, 150, 201, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 2, pack_first=True)),
 ]  # fmt: skip
@@ -172,10 +177,30 @@ KVCACHE_CASES = [
 ]  # fmt: skip
 
 
+def listed(p, block_m, block_n, section, blocks):
+    """A work order (families.wgmma_forward.work_order's list) that deals the tiles to the
+    blocks unevenly, out of rank order within a round."""
+    tiles = -(-p.seqlen_q // block_m) * p.nheads * p.batch
+    return wgmma_forward.listed_order((np.arange(tiles) * 3 + tiles // 2) % blocks, blocks)
+
+
+def forward(case, q, k, v, out):
+    if not case.blocks:
+        return numflash.attention(q, k, v, out=out, return_lse=True, config=case.forward,
+                                  **case.mask)  # fmt: skip
+    saved = launch._multiprocessors, wgmma_forward.work_order
+    launch._multiprocessors, wgmma_forward.work_order = (lambda: case.blocks), listed
+    try:
+        return numflash.attention(q, k, v, out=out, return_lse=True, config=case.forward,
+                                  **case.mask)  # fmt: skip
+    finally:
+        launch._multiprocessors, wgmma_forward.work_order = saved
+
+
 def run(case):
     q, k, v = random_qkv(*case.shape, case.dtype)
     out = poisoned_like(q)
-    _, lse = numflash.attention(q, k, v, out=out, return_lse=True, config=case.forward, **case.mask)
+    _, lse = forward(case, q, k, v, out)
     cupy.cuda.Device().synchronize()
     assert_matches_reference(q, k, v, out, lse, **case.mask)
     dout = random_array(q.shape, case.dtype)
