@@ -118,6 +118,17 @@ def test_overlapping_roles_are_refused_at_replay_and_touching_ones_are_not():
     assert not plan.disjoint([0x1000, 0x1000])
 
 
+def test_checks_of_one_kind_share_their_code_and_keep_their_own_spans():
+    """Two shapes of one call kind compile one check (plans._checks), each with its spans and
+    its remembered pointers; a plan without pairs checks nothing."""
+    first = plans._disjoint_check([64, 32], ((1, 0),))
+    second = plans._disjoint_check([128, 32], ((1, 0),))
+    assert first.__code__ is second.__code__
+    assert first([0x1000, 0x1000 + 64]) and not second([0x1000, 0x1000 + 64])
+    assert second([0x1000, 0x1000 + 128]) and first([0x1000, 0x1000 + 64])
+    assert plans._disjoint_check([64, 32], ()) is plans._no_pairs
+
+
 def test_the_remembered_disjoint_pointers_are_a_copy():
     """A replay appends to and patches the list it checked: the next call's list is compared
     with the pointers as they were checked, not with that list."""
