@@ -6,6 +6,7 @@ one is forced; :mod:`numflash.launch` pads, views and launches.
 """
 
 import contextlib
+import dataclasses
 
 import numpy as np
 
@@ -243,6 +244,15 @@ def _unplanned(key, args):
     return key is None or args[-2] is not None or args[-1] is not None
 
 
+def _with_mods(p, q, mods, backward=False):
+    """(``p`` with its Mods, the mod_args as the kernels read them) of a call's (score_mod,
+    mask_mod, mod_args[, score_mod_derivative]), or (p, ()) for None."""
+    if mods is None:
+        return p, ()
+    checked, mod_args = validation.check_mods(*mods[:3], q, *mods[3:], backward=backward)
+    return dataclasses.replace(p, mods=checked), mod_args
+
+
 def _variant(sinks, alibi_slopes):
     """A validated call's variant arrays, in launch.variant_arrays' order."""
     return tuple(x for x in (sinks, alibi_slopes) if x is not None)
@@ -304,6 +314,9 @@ def attention(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_args=(),
 ):
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).
 
@@ -338,6 +351,22 @@ def attention(
             (BLOOM, MPT): after the softcap each score gets -slope * |i + seqlen_k - seqlen_q
             - j| for query i and key j (the causal mask's alignment). The backward takes the
             same slopes. A call with slopes is not replayed from a plan.
+        score_mod: optional Numba CUDA device function (``@numba.cuda.jit(device=True)``)
+            ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float``, compiled into the
+            kernel: each score the masks let through (after the softcap and ALiBi) becomes
+            what it returns. ``b`` is the batch entry, ``h`` the query head, ``q_idx`` the
+            query's position among the keys (i + seqlen_k - seqlen_q, the causal mask's
+            alignment: negative for the first rows where seqlen_q > seqlen_k), ``kv_idx`` the
+            key's, all int32; it is called only for rows and keys that exist. Return float32
+            (arithmetic on float64 values runs at float64's speed).
+        mask_mod: optional Numba CUDA device function ``mask_mod(b, h, q_idx, kv_idx,
+            *mod_args) -> bool``: a key is seen where it returns True and causal /
+            window_size let it be. A row it leaves without keys gets output 0 and lse -inf.
+        mod_args: arrays passed to score_mod and mask_mod after the indices: 1-D,
+            C-contiguous, int32, int64 or float32, on q's device (bias tables, document ids).
+            Calls with score_mod or mask_mod run the portable kernels for now (the
+            tensor-core families do not take them yet), compile their kernels once per
+            function, and are not replayed from a plan.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -349,6 +378,10 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
+    if score_mod is not None or mask_mod is not None or mod_args != ():
+        _refuse_under_capture("attention with a score_mod or mask_mod", planned=False)
+        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config,
+                          softcap, sinks, alibi_slopes, (score_mod, mask_mod, mod_args))  # fmt: skip
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
     result, key, args = _repeated(_ATTENTION, args, "attention")
@@ -375,7 +408,7 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
     """(KV-cache problem, selection, split count) of a forward call with few query rows that
     the split-KV decode kernel takes (selection.few_query_rows): k and v as a contiguous cache
     of seqlen_k keys, nothing appended. None for any other call."""
-    if p.seqlen_k == 0 or not selection.few_query_rows(p):
+    if p.seqlen_k == 0 or not selection.few_query_rows(p) or p.mods is not None:
         return None
     try:  # the arguments were checked as attention's: a refusal here only rules the route out
         kp = validation.kvcache_problem(
@@ -405,18 +438,21 @@ def _decode_route(q, k, v, p, causal, softmax_scale, window_size, device):
 
 def _attention(
     q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap=0.0, sinks=None,
-    alibi_slopes=None,
+    alibi_slopes=None, mods=None,
 ):  # fmt: skip
     # -- validate and normalise
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap,
                                     sinks is not None, alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
     alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
+    p, mod_args = _with_mods(p, q, mods)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
-        validation.check_no_overlap(out, "out", {"sinks": sinks, "alibi_slopes": alibi_slopes})
-    variant = _variant(sinks, alibi_slopes)
+        others = {"sinks": sinks, "alibi_slopes": alibi_slopes}
+        others.update((f"mod_args[{i}]", x) for i, x in enumerate(mod_args))
+        validation.check_no_overlap(out, "out", others)
+    variant = _variant(sinks, alibi_slopes) + mod_args
     with _on_device(q):
         device = current_device()
         cfg = validation.check_forward_config(config, p, device)
@@ -616,6 +652,10 @@ def attention_backward(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_args=(),
+    score_mod_derivative=None,
 ):
     """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
 
@@ -639,6 +679,11 @@ def attention_backward(
             need only the forward's lse (which holds them); given, the call also returns
             dsinks = -sum over batch and rows of exp(sinks[h] - lse) * rowsum(dout * out),
             summed in a fixed order (a call with sinks is not replayed from a plan).
+        score_mod, mask_mod, mod_args: as given to the forward call.
+        score_mod_derivative: with a score_mod, a Numba CUDA device function
+            ``score_mod_derivative(score, b, h, q_idx, kv_idx, *mod_args) -> float``, the
+            derivative of score_mod with respect to score at these arguments (a score_mod
+            without it is an error: the gradients need it).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype; with ``sinks``, also
@@ -651,6 +696,10 @@ def attention_backward(
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     args += (softcap, sinks, alibi_slopes)
+    mods = (score_mod, mask_mod, mod_args, score_mod_derivative)
+    if any(x is not None for x in mods[:2] + mods[3:]) or mod_args != ():
+        _refuse_under_capture("attention_backward with a score_mod or mask_mod", planned=False)
+        return _attention_backward(*args, mods)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
@@ -667,19 +716,20 @@ def attention_backward(
 
 def _attention_backward(
     dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config,
-    softcap=0.0, sinks=None, alibi_slopes=None,
+    softcap=0.0, sinks=None, alibi_slopes=None, mods=None,
 ):  # fmt: skip
     # -- validate and normalise (the sinks change no gradient kernel: lse holds them)
     q, k, v, p = validation.problem(q, k, v, causal, softmax_scale, window_size, softcap,
                                     alibi=alibi_slopes is not None)  # fmt: skip
+    p, mod_args = _with_mods(p, q, mods, backward=True)
     lse_shape = (p.batch, p.nheads, p.seqlen_q)
     return _gradients(p, dout, q, k, v, out, lse, lse_shape, deterministic, config, None, sinks,
-                      alibi_slopes)  # fmt: skip
+                      alibi_slopes, mod_args)  # fmt: skip
 
 
 def _gradients(
     p, dout, q, k, v, out, lse, lse_shape, deterministic, config, offsets=None, sinks=None,
-    alibi_slopes=None,
+    alibi_slopes=None, mod_args=(),
 ):  # fmt: skip
     """(dq, dk, dv) of the validated problem ``p`` over q, k, v: dense, or a packed batch with
     ``offsets`` = (cu_q, cu_k) (lse of shape ``lse_shape``); with ``sinks`` a fourth, dsinks
@@ -690,7 +740,7 @@ def _gradients(
     lse = validation.check_like(lse, "lse", q, "q", dtype=np.dtype(np.float32), shape=lse_shape)
     sinks = validation.check_sinks(sinks, q, p.nheads)
     alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
-    variant = _variant(None, alibi_slopes)
+    variant = _variant(None, alibi_slopes) + mod_args
     deterministic = validation.check_flag(deterministic, "deterministic")
     with _on_device(q):
         device = current_device()

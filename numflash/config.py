@@ -76,6 +76,10 @@ class _Config:
     #: memory there is no sign of spilled registers, which the autotuner refuses elsewhere.
     LOCAL_ROWS: ClassVar[bool] = False
 
+    #: The kernels take a user's score_mod and mask_mod (kernels/mods.py): calls with them
+    #: run only such families (numflash.selection).
+    USER_MODS: ClassVar[bool] = False
+
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
@@ -220,6 +224,7 @@ class PortableConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = "portable"
+    USER_MODS: ClassVar[bool] = True
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
@@ -253,6 +258,7 @@ class PortableBackwardConfig(_Config):
     block_n: int = knob(32, (16, 32, 64, 128))
 
     family: ClassVar[str] = "portable-backward"
+    USER_MODS: ClassVar[bool] = True
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True

@@ -13,6 +13,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import logging
 import struct
 import threading
 from typing import NamedTuple
@@ -548,15 +549,32 @@ _launchers = {}
 _launchers_lock = threading.Lock()
 
 
+_log = logging.getLogger("numflash")
+
+
+def _user_functions(key):
+    """What the compile log adds for a kernel key holding a call's Mods (", score_mod=name,
+    mask_mod=name"), else the empty string."""
+    for part in key:
+        if isinstance(part, tuple) and len(part) == 2 and part[0] == "mods":
+            mods = part[1]
+            named = [(n, getattr(mods, n)) for n in ("score_mod", "mask_mod")]
+            return "".join(f", {n}={getattr(f, '__name__', f)}" for n, f in named if f)
+    return ""
+
+
 def launcher(key, build, spec, dtype_name):
     """The Launcher stored under ``key``, made on first use from ``build()`` (a kernel
-    dispatcher) and ``spec``'s signature for ``dtype_name``. Safe from several threads."""
+    dispatcher) and ``spec``'s signature for ``dtype_name``, which says so in the "numflash"
+    log (INFO: the kernel compiles at its first launch). Safe from several threads."""
     found = _launchers.get(key)
     if found is None:
         with _launchers_lock:
             found = _launchers.get(key)
             if found is None:
                 found = _launchers[key] = Launcher(build(), spec.signature(dtype_name))
+                name = getattr(found.dispatcher, "__name__", type(found.dispatcher).__name__)
+                _log.info("compiling %s for %s%s", name, dtype_name, _user_functions(key))
     return found
 
 
@@ -763,16 +781,25 @@ def variant_key(p):
     """What a kernel's compile key gains from the attention variant ``p`` (a Problem) asks
     for: nothing for plain attention, so its kernels are the ones compiled without variants."""
     key = (("softcap", p.softcap),) if p.softcap else ()
-    return key + (("sinks",) if p.sinks else ()) + (("alibi",) if p.alibi else ())
+    key += (("sinks",) if p.sinks else ()) + (("alibi",) if p.alibi else ())
+    return key + ((("mods", p.mods),) if p.mods is not None else ())
 
 
 def variant_arrays(p):
     """The arrays a kernel's ``*variant`` takes for problem ``p``, as KernelSpec.arrays, in
     this order: the sink logits (float32, one a query head), then the ALiBi slopes (float32,
     (nheads,) or (batch, nheads) flat), each where the call has them
-    (softmax.alibi_functions' index)."""
+    (softmax.alibi_functions' index), then the mod_args of its user functions
+    (kernels/mods.py, from index :func:`first_mod_arg`)."""
     sinks = (("sinks", "float32"),) if p.sinks else ()
-    return sinks + ((("alibi_slopes", "float32"),) if p.alibi else ())
+    variant = sinks + ((("alibi_slopes", "float32"),) if p.alibi else ())
+    kinds = () if p.mods is None else p.mods.kinds
+    return variant + tuple((f"mod_args[{i}]", kind) for i, kind in enumerate(kinds))
+
+
+def first_mod_arg(p):
+    """The index of the first mod_args array among a kernel's ``*variant`` arrays."""
+    return int(p.sinks) + int(p.alibi)
 
 
 def _variant_views(p, variant):
@@ -822,7 +849,9 @@ def _portable_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     key += variant_key(p)
     build = forward_portable.build_varlen if varlen else forward_portable.build
     _launch_forward(
-        lambda: build(p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap, p.sinks, p.alibi),
+        lambda: build(
+            p.head_dim, p.dtype, cfg.block_m, cfg.block_n, p.softcap, p.sinks, p.alibi, p.mods
+        ),
         key,
         cfg,
         p,
@@ -1020,6 +1049,8 @@ def _portable_backward(cfg, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None
         extra["softcap"] = p.softcap
     if p.alibi:
         extra["alibi"] = True
+    if p.mods is not None:
+        extra["mods"] = p.mods
     specs = tuple(spec.for_problem(p) for spec in specs)
     for kind, build, spec, grid, threads in (
         ("dkdv", backward_portable.build_dkdv, specs[0],

@@ -241,8 +241,8 @@ def forward_family(problem, device):
     sm_80) the first family whose rule takes the call (the Hopper forward's: compute
     capability 9.x at the head dims it is faster at), else the mma.sync one; the portable one
     otherwise (and in the simulator)."""
-    if not on_tensor_cores(problem, device):
-        return configs.PortableConfig.family
+    if not on_tensor_cores(problem, device) or problem.mods is not None:
+        return configs.PortableConfig.family  # a user's score_mod, mask_mod: USER_MODS only
     for config_type, rule in _FORWARD_RULES.items():
         if rule(problem, device):
             return config_type.family
@@ -326,7 +326,7 @@ def backward(problem, device, deterministic):
     the separate dQ kernel instead (same tiles).
     """
     portable = configs.PortableBackwardConfig.family
-    if problem.dtype == "float32" or not device.runs("mma.sync"):
+    if problem.dtype == "float32" or not device.runs("mma.sync") or problem.mods is not None:
         return _tuned_or_default(portable, problem, device)[0]
     families = [c.family for c, rule in _BACKWARD_RULES.items() if rule(problem, device)]
     families.append(configs.TensorCoreBackwardConfig.family)

@@ -43,6 +43,7 @@ class Problem:
     softcap: float = 0.0
     sinks: bool = False
     alibi: bool = False
+    mods: object = None  # a Mods: the user's score and mask functions (check_mods)
 
     @property
     def heads_per_kv(self):
@@ -150,6 +151,78 @@ def check_sinks(sinks, q, nheads):
     if sinks is None:
         return None
     return _variant_array(sinks, "sinks", q, ((nheads,),), f"(nheads,) = ({nheads},)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    """A call's user functions (kernels/mods.py says how the kernels call them) and the
+    kernel element type of each of its mod_args ("int32", "int64" or "float32"): what its
+    kernels are compiled for, besides the problem."""
+
+    score_mod: object = None
+    mask_mod: object = None
+    score_mod_derivative: object = None
+    kinds: tuple = ()
+
+
+#: The mod_args dtypes the kernels take, as kernel element types.
+_MOD_ARG_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
+                  np.dtype(np.float32): "float32"}  # fmt: skip
+
+
+def _device_function(fn, name):
+    """``fn`` if it is a Numba CUDA device function (``numba.cuda.jit(device=True)``)."""
+    device = getattr(fn, "targetoptions", {}).get("device") or getattr(fn, "_device", False)
+    if not (device and callable(getattr(fn, "py_func", None))):
+        raise TypeError(
+            f"{name} must be a Numba CUDA device function (decorated with "
+            f"@numba.cuda.jit(device=True)); got {fn!r}"
+        )
+    return fn
+
+
+def check_mods(score_mod, mask_mod, mod_args, q, score_mod_derivative=None, backward=False):
+    """(Mods or None, the mod_args as the kernels read them) of a call's user functions:
+    each None or a Numba CUDA device function; ``mod_args`` a tuple or list of 1-D
+    C-contiguous int32, int64 or float32 arrays on q's device, which only calls with a
+    score_mod or mask_mod take. ``backward``: a score_mod needs its derivative."""
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got {type(mod_args).__name__}")
+    if score_mod is None and mask_mod is None:
+        if mod_args:
+            raise ValueError("mod_args are passed to score_mod and mask_mod; neither was given")
+        if score_mod_derivative is not None:
+            raise ValueError("score_mod_derivative was given without a score_mod")
+        return None, ()
+    if score_mod is not None:
+        _device_function(score_mod, "score_mod")
+    if mask_mod is not None:
+        _device_function(mask_mod, "mask_mod")
+    if score_mod_derivative is not None:
+        if score_mod is None:
+            raise ValueError("score_mod_derivative was given without a score_mod")
+        _device_function(score_mod_derivative, "score_mod_derivative")
+    elif backward and score_mod is not None:
+        raise ValueError(
+            "the gradients through a score_mod need score_mod_derivative(score, b, h, q_idx, "
+            "kv_idx, *mod_args), its derivative with respect to score"
+        )
+    args, kinds = [], []
+    for i, x in enumerate(mod_args):
+        name = f"mod_args[{i}]"
+        x = arrays.intake(x, name)
+        kind = _MOD_ARG_KINDS.get(np.dtype(x.dtype))
+        if kind is None:
+            raise TypeError(f"{name} must have dtype int32, int64 or float32; got {x.dtype}")
+        if x.ndim != 1 or not x.flags.c_contiguous or x.size == 0:
+            raise ValueError(
+                f"{name} must be a non-empty 1-D C-contiguous array (index a table flat); got "
+                f"shape {shape_str(x)}" + ("" if x.ndim != 1 else ", strided")
+            )
+        check_device(x, name, q, "q")
+        args.append(x)
+        kinds.append(kind)
+    return Mods(score_mod, mask_mod, score_mod_derivative, tuple(kinds)), tuple(args)
 
 
 def check_qkv(q, k, v):
@@ -272,9 +345,12 @@ def check_like(x, name, like, like_name, dtype=None, shape=None):
     return x
 
 
-def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=False, alibi=False):
+def problem(
+    q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=False, alibi=False, mods=None
+):  # fmt: skip
     """The validated arrays and the normalised :class:`Problem` they pose (``sinks``,
-    ``alibi``: whether the call has sink logits, ALiBi slopes)."""
+    ``alibi``: whether the call has sink logits, ALiBi slopes; ``mods``: its Mods, from
+    check_mods)."""
     q = arrays.intake(q, "q")
     k = arrays.intake(k, "k")
     v = arrays.intake(v, "v")
@@ -287,7 +363,7 @@ def problem(q, k, v, causal, softmax_scale, window_size, softcap=0.0, sinks=Fals
     left, right = _clamp_window(left, sq, sk), _clamp_window(right, sq, sk)
     cap = check_softcap(softcap)
     p = Problem(b, sq, sk, h, k.shape[2], d, dtype, scale, left, right, cap, bool(sinks),
-                bool(alibi))  # fmt: skip
+                bool(alibi), mods)  # fmt: skip
     return q, k, v, p
 
 
@@ -409,6 +485,12 @@ def _check_family(config, role, p):
             f"config: the {_HARDWARE_NAMES[config.HARDWARE]} {_ROLE_NAMES[role]} takes float16 "
             "or bfloat16, not float32"
         )
+    if p.mods is not None and not config.USER_MODS:
+        takes = _names(t for t in types if t.USER_MODS)
+        raise ValueError(
+            f"config: {type(config).__name__} does not take a score_mod or mask_mod yet; "
+            f"{takes} do (or leave config=None)"
+        )
 
 
 def check_forward_config(config, p, device):
@@ -508,6 +590,8 @@ class KVCacheProblem:
     sinks: bool = False
     #: ALiBi slopes, as Problem's.
     alibi: bool = False
+    #: A user's score_mod and mask_mod, which KV-cache calls do not take yet: None.
+    mods: object = None
 
     @property
     def heads_per_kv(self):

@@ -209,7 +209,17 @@ def test_a_matcher_is_made_only_for_a_key_of_its_signature(namespace):
 )
 def test_a_signature_holds_every_parameter_of_its_function_in_order(function, sig):
     """A parameter left out of the key would let calls that differ in it share a plan; the
-    variant arrays last (api._unplanned sends calls that give them down the full path)."""
+    variant arrays last (api._unplanned sends calls that give them down the full path), then
+    the user functions' parameters, which no key holds: a call that gives any of them takes
+    the full path before any plan is looked up (tests/test_mods.py)."""
     names = list(inspect.signature(function).parameters)
-    assert [name for name, _ in sig.parameters] == names
-    assert names[-2:] == ["sinks", "alibi_slopes"]
+    user = USER_FUNCTION_PARAMETERS.get(function.__name__, [])
+    assert [name for name, _ in sig.parameters] + user == names
+    assert names[len(names) - len(user) - 2 :][:2] == ["sinks", "alibi_slopes"]
+
+
+#: The parameters of a user's score_mod and mask_mod, by public function.
+USER_FUNCTION_PARAMETERS = {
+    "attention": ["score_mod", "mask_mod", "mod_args"],
+    "attention_backward": ["score_mod", "mask_mod", "mod_args", "score_mod_derivative"],
+}

@@ -36,6 +36,7 @@ from .forward_portable import (
 )
 from .jit import device_function, kernel
 from .mask import block_query_range, visible_keys
+from .mods import mod_functions
 from .softmax import LOG2E, NEG_INF, alibi_functions, row_log2_lse, softcap_gradient_functions
 
 
@@ -147,11 +148,13 @@ def _row_pair_loader(head_dim, to_f32):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False):
+def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False,
+               mods=None):  # fmt: skip
     """dK and dV: grid (ceil(seqlen_k / block_n), nheads_k, batch), block_n threads. With
     ``varlen`` over a packed batch: the cumulative offsets cu_q, cu_k after the arrays, max
-    lengths in place of the lengths, the arrays' row counts last. ``softcap``, ``alibi``:
-    the scores as the forward changed them (the slopes the kernel's ``*variant`` array)."""
+    lengths in place of the lengths, the arrays' row counts last. ``softcap``, ``alibi``,
+    ``mods`` (a validation.Mods): the scores as the forward changed them (the slopes, then
+    the mod_args, the kernel's ``*variant`` arrays; kernels/mods.py)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -165,6 +168,8 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     SOFTCAP = softcap > 0  # the scores capped as the forward capped them
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
+    MODS = mods is not None
+    modded_and_factor = mod_functions(mods, int(alibi))[2]
 
     @device_function
     def load_query_tile(
@@ -285,8 +290,13 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
                                 s, slope = capped_and_slope(s, cap_a, cap_b)
                             q_idx = float32(m0 + i + seqlen_k - seqlen_q)
                             score = biased(s * scale_log2, q_idx - float32(key), slope_h)
+                            if MODS:
+                                at = m0 + i + seqlen_k - seqlen_q
+                                score, factor = modded_and_factor(score, b, head, at, key, variant)
                             p = ptx.exp2(score - lse_tile[i])
                             ds = p * (dp - d_tile[i])
+                            if MODS:
+                                ds = ds * factor
                             if SOFTCAP:
                                 ds = ds * slope
                             for d in range(HEAD_DIM):
@@ -403,9 +413,10 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
 
 
 @functools.lru_cache(maxsize=None)
-def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False):
+def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, alibi=False,
+             mods=None):  # fmt: skip
     """dQ: grid (ceil(seqlen_q / block_m), nheads, batch), block_m threads (``varlen``,
-    ``softcap``, ``alibi``: as :func:`build_dkdv`)."""
+    ``softcap``, ``alibi``, ``mods``: as :func:`build_dkdv`)."""
     HEAD_DIM = head_dim
     BLOCK_M = block_m
     BLOCK_N = block_n
@@ -420,16 +431,19 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
     SOFTCAP = softcap > 0  # the scores capped as the forward capped them
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
+    MODS = mods is not None
+    modded_and_factor = mod_functions(mods, int(alibi))[2]
 
     @device_function
     def dq_block(
         q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
-        window, head, kv_head, m_block, alibi_slope,
+        window, head, kv_head, m_block, alibi_slope, variant, b,
     ):  # fmt: skip
-        """dQ of query block m_block of one (sequence, head): ``offsets`` (q, k, v, do, dq)
-        index the sequence's row 0 (head 0) in each array, whose (batch, row, head)
+        """dQ of query block m_block of one (sequence ``b``, head): ``offsets`` (q, k, v, do,
+        dq) index the sequence's row 0 (head 0) in each array, whose (batch, row, head)
         ``strides`` come alike; lse and D of row i at row_base + i; ``window`` is (left,
-        right); ``alibi_slope`` the head's (log2 domain), read only with ALiBi."""
+        right); ``alibi_slope`` the head's (log2 domain), read only with ALiBi; ``variant``
+        the kernel's ``*variant`` arrays (the mod_args, read only with ``mods``)."""
         q_off, k_off, v_off, do_off, dq_off = offsets
         q_st, k_st, v_st, do_st, dq_st = strides
         window_left, window_right = window
@@ -482,7 +496,15 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
                     if SOFTCAP:
                         s, slope = capped_and_slope(s, cap_a, cap_b)
                     score = biased(s * scale_log2, q_idx - float32(key), alibi_slope)
+                    factor = float32(1.0)
+                    if MODS:  # rows of the sequence only: the user's functions index by them
+                        factor = float32(0.0)
+                        if active:
+                            at = row + seqlen_k - seqlen_q
+                            score, factor = modded_and_factor(score, b, head, at, key, variant)
                     ds = ptx.exp2(score - row_lse) * (dp - row_d)
+                    if MODS:
+                        ds = ds * factor
                     if SOFTCAP:
                         ds = ds * slope
                     for d in range(HEAD_DIM):
@@ -542,7 +564,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
             dq_block(
                 q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
                 window, head, head // heads_per_kv, cuda.blockIdx.x,
-                slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
+                slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)), variant, b,
             )  # fmt: skip
 
     else:
@@ -584,7 +606,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
             dq_block(
                 q, k, v, do, lse, delta, dq, offsets, row_base, strides, seqlen_q, seqlen_k, scale,
                 window, head, head // heads_per_kv, cuda.blockIdx.x,
-                slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
+                slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)), variant, batch,
             )  # fmt: skip
 
     return dq_kernel

@@ -12,7 +12,8 @@ and values is loaded into shared memory once (converted to fp32) and read by eve
 Supports: float16, bfloat16 (both as uint16 bits) and float32; any head_dim up to 256; GQA;
 causal and sliding-window masks aligned bottom-right; seqlen_q != seqlen_k; rows that see no key
 (output 0, LSE -inf); a softcap of the scores (a compile-time constant); sink logits (one a
-head) and ALiBi slopes, the ``*variant`` arrays (compile-time switches). Packed batches:
+head) and ALiBi slopes, the ``*variant`` arrays (compile-time switches); a user's score_mod
+and mask_mod (kernels/mods.py, their mod_args the last ``*variant`` arrays). Packed batches:
 :func:`build_varlen`. Does not: dropout.
 """
 
@@ -23,6 +24,7 @@ from numba import cuda, float32, int64
 from . import ptx
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
+from .mods import mod_functions
 from .softmax import (
     LOG2E,
     NEG_INF,
@@ -146,18 +148,23 @@ def query_row_position(m_block, tid, block_m, seqlen_q, seqlen_k, window_left, w
 
 
 @functools.lru_cache(maxsize=None)
-def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
+def row_attender(
+    head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False, mods=None
+):  # fmt: skip
     """The device function ``attend_rows(q, k, v, o, lse, bases, row_strides, seqlen_q,
-    seqlen_k, scale_log2, window, m_block, sink, slope)``: query block ``m_block`` of one
-    (sequence, head), one thread per row. ``bases`` (q, k, v, o, lse) index the sequence's
-    row 0 for this head (lse: row 0's entry), rows ``row_strides`` (q, k, v, o) elements
-    apart; ``window`` is (left, right). ``softcap`` > 0 caps the scores
+    seqlen_k, scale_log2, window, m_block, sink, slope, b, head, variant)``: query block
+    ``m_block`` of one (sequence ``b``, ``head``), one thread per row. ``bases`` (q, k, v, o,
+    lse) index the sequence's row 0 for this head (lse: row 0's entry), rows ``row_strides``
+    (q, k, v, o) elements apart; ``window`` is (left, right). ``softcap`` > 0 caps the scores
     (softmax.softcap_functions); with ``sinks`` the head's ``sink`` joins each row's sum
     (softmax.sink_functions); with ``alibi`` the scores less ``slope`` (log2 domain) times
-    the distance (softmax.alibi_functions)."""
+    the distance (softmax.alibi_functions); ``mods`` (a validation.Mods): the user's
+    score_mod and mask_mod after them (kernels/mods.py, mod_args in ``variant``)."""
     SOFTCAP = softcap > 0
+    MODS = mods is not None
     _, with_sink = sink_functions(sinks)
     _, biased = alibi_functions(alibi)
+    modded = mod_functions(mods, int(sinks) + int(alibi))[0]
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
@@ -172,7 +179,7 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
     @device_function
     def attend_rows(
         q, k, v, o, lse, bases, row_strides, seqlen_q, seqlen_k, scale_log2, window, m_block,
-        sink, slope,
+        sink, slope, b, head, variant,
     ):  # fmt: skip
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
@@ -216,6 +223,9 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
                     if SOFTCAP:
                         dot = capped(dot, cap_a, cap_b)
                     score = biased(dot * scale_log2, q_idx - float32(key), slope)
+                    if MODS:  # rows of the sequence only: the user's functions index by them
+                        at = row + seqlen_k - seqlen_q
+                        score = modded(score, b, head, at, key, variant) if active else NEG_INF
                 s[j] = score
                 m_new = max(m_new, score)
 
@@ -235,9 +245,10 @@ def row_attender(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
 
 
 @functools.lru_cache(maxsize=None)
-def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
+def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False,
+          mods=None):  # fmt: skip
     """The portable forward kernel specialised for one (head_dim, dtype, tile, variant) key."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi, mods)
     sink_of, _ = sink_functions(sinks)
     slope_of, _ = alibi_functions(alibi, sinks)
 
@@ -269,19 +280,20 @@ def build(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alib
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
-            slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
+            slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)), batch, head, variant,
         )  # fmt: skip
 
     return forward_portable
 
 
 @functools.lru_cache(maxsize=None)
-def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False):
+def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=False, alibi=False,
+                 mods=None):  # fmt: skip
     """The portable forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
     grid (ceil(max_seqlen_q / block_m), nheads, batch). Offsets are clamped to the arrays and
     lengths to max_seqlen: no read or write leaves q, k, v, o or lse (nheads, total_q)."""
-    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi)
+    attend_rows = row_attender(head_dim, dtype_name, block_m, block_n, softcap, sinks, alibi, mods)
     sink_of, _ = sink_functions(sinks)
     slope_of, _ = alibi_functions(alibi, sinks)
     BLOCK_M = block_m
@@ -321,7 +333,7 @@ def build_varlen(head_dim, dtype_name, block_m, block_n, softcap=0.0, sinks=Fals
         attend_rows(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), seqlen_q, seqlen_k,
             scale_log2, (window_left, window_right), m_block, sink_of(variant, head),
-            slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
+            slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)), b, head, variant,
         )  # fmt: skip
 
     return forward_portable_varlen

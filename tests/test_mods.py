@@ -1,0 +1,215 @@
+"""A user's score_mod and mask_mod (issue 32): Numba device functions compiled into the
+kernels through ``attention(..., score_mod=, mask_mod=, mod_args=)`` and
+``attention_backward(..., score_mod_derivative=)``, against numflash.reference's float64
+reference with the same functions (their Python functions run there); the built-in variants
+beside them; rows a mask_mod leaves empty; bad functions and mod_args refused by name. Calls
+with them run the portable kernels (config.USER_MODS) until the tensor-core families take
+them."""
+
+import logging
+import math
+
+import numpy as np
+import pytest
+from numba import cuda
+from support import (
+    assert_gradients_match,
+    assert_matches_reference,
+    poisoned_like,
+    random_array,
+    random_qkv,
+    to_numpy,
+    xp,
+)
+
+import numflash
+from numflash import launch
+from numflash.kernels import forward_portable
+from numflash.reference import Variants
+
+
+@cuda.jit(device=True)
+def relative_bias(score, b, h, q_idx, kv_idx, slopes, document):
+    """A score_mod: a per-head linear bias in the distance (ALiBi's sign-free cousin)."""
+    return score + slopes[h] * (q_idx - kv_idx)
+
+
+@cuda.jit(device=True)
+def relative_bias_derivative(score, b, h, q_idx, kv_idx, slopes, document):
+    return 1.0
+
+
+@cuda.jit(device=True)
+def same_document(b, h, q_idx, kv_idx, slopes, document):
+    """A mask_mod: a query sees the keys of its own document (a packed sequence)."""
+    return document[q_idx] == document[kv_idx]
+
+
+@cuda.jit(device=True)
+def squashed(score, b, h, q_idx, kv_idx):
+    """A nonlinear score_mod, so that its derivative matters in the gradients."""
+    return 0.5 * score + math.tanh(score) + 0.01 * b - 0.02 * h
+
+
+@cuda.jit(device=True)
+def squashed_derivative(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score)
+    return 0.5 + (1.0 - t * t)
+
+
+@cuda.jit(device=True)
+def even_keys_of_odd_heads(b, h, q_idx, kv_idx):
+    """A mask_mod that leaves the first rows of some heads without keys (under causal)."""
+    return h % 2 == 0 or kv_idx % 2 == 1
+
+
+def _documents(seqlen, lengths):
+    """int32 document ids of ``seqlen`` keys, documents of ``lengths`` in turn."""
+    ids = np.repeat(np.arange(len(lengths)), lengths)[:seqlen]
+    return xp.asarray(np.pad(ids, (0, seqlen - len(ids)), mode="edge").astype(np.int32))
+
+
+def _run(q, k, v, dtype, mask, mods, variants, forward_extra=None, derivative=None):
+    """Forward and backward with ``mods`` (score_mod, mask_mod, mod_args), each against the
+    reference with ``variants``."""
+    extra = forward_extra or {}
+    score_mod, mask_mod, mod_args = mods
+    out = poisoned_like(q)
+    res, lse = numflash.attention(q, k, v, out=out, return_lse=True, score_mod=score_mod,
+                                  mask_mod=mask_mod, mod_args=mod_args, **mask, **extra)  # fmt: skip
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse, variants=variants, **mask)
+    dout = random_array(q.shape, dtype)
+    extra = {k: v for k, v in extra.items() if k != "sinks"}
+    grads = numflash.attention_backward(
+        dout, q, k, v, out, lse, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
+        score_mod_derivative=derivative, **mask, **extra,
+    )  # fmt: skip
+    assert_gradients_match(dout, q, k, v, *grads, variants=variants, **mask)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_document_mask_and_a_relative_bias_match_the_reference(dtype):
+    """Causal GQA over three documents of a sequence; queries fewer than keys (the last rows
+    of the sequence, as a chunk of prefill)."""
+    sq, sk = 19, 30
+    q, k, v = random_qkv(2, sq, sk, 2, 1, 24, dtype)
+    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
+    document = _documents(sk, (12, 11, 7))
+    mod_args = (slopes, document)
+    variants = Variants(score_mod=relative_bias, score_mod_derivative=relative_bias_derivative,
+                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+    _run(q, k, v, dtype, dict(causal=True), (relative_bias, same_document, mod_args), variants,
+         derivative=relative_bias_derivative)  # fmt: skip
+
+
+def test_a_nonlinear_score_mod_after_the_built_in_variants():
+    """softcap and ALiBi change the score first, then the score_mod; the gradients go through
+    the score_mod's derivative and the softcap's; sinks join the forward's sums."""
+    q, k, v = random_qkv(1, 45, 45, 2, 1, 32, "float16")
+    alibi = xp.asarray(np.array([0.3, 0.05], dtype=np.float32))
+    sinks = xp.asarray(np.array([0.5, -1.0], dtype=np.float32))
+    extra = dict(softcap=4.0, alibi_slopes=alibi, sinks=sinks)
+    variants = Variants(softcap=4.0, alibi_slopes=alibi, sinks=sinks, score_mod=squashed,
+                        score_mod_derivative=squashed_derivative)  # fmt: skip
+    _run(q, k, v, "float16", dict(window_size=(20, 5)), (squashed, None, ()), variants, extra,
+         derivative=squashed_derivative)  # fmt: skip
+
+
+def test_rows_a_mask_mod_leaves_without_keys_give_zero_and_minus_infinity():
+    q, k, v = random_qkv(1, 30, 30, 2, 2, 16, "float16")
+    variants = Variants(mask_mod=even_keys_of_odd_heads)
+    out, lse = _run(q, k, v, "float16", dict(causal=True), (None, even_keys_of_odd_heads, ()),
+                    variants)  # fmt: skip
+    lse = to_numpy(lse)
+    assert np.isneginf(lse[0, 1, 0]) and np.isfinite(lse[0, 0, 0])  # head 1, row 0: key 0 only
+    assert (to_numpy(out)[0, 0, 1].astype(np.float64) == 0).all()
+
+
+def test_new_mod_args_each_call_with_one_compiled_kernel(caplog):
+    """The kernel is compiled once per function (the log says so once); each call reads its
+    own mod_args (no plan replays an earlier call's)."""
+
+    @cuda.jit(device=True)
+    def bias_once(score, b, h, q_idx, kv_idx, slopes, document):  # this test's own function
+        return score + slopes[h] * (q_idx - kv_idx)
+
+    q, k, v = random_qkv(1, 24, 24, 4, 4, 16, "float16")
+    builds = forward_portable.build.cache_info().misses
+    with caplog.at_level(logging.INFO, logger="numflash"):
+        for seed in range(3):
+            slopes = random_array((4,), "float32", np.random.default_rng(seed))
+            document = _documents(24, (7 + seed, 17 - seed))
+            mod_args = (slopes, document)
+            out, lse = numflash.attention(q, k, v, return_lse=True, score_mod=bias_once,
+                                          mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+            variants = Variants(score_mod=bias_once, mask_mod=same_document, mod_args=mod_args)
+            assert_matches_reference(q, k, v, out, lse, variants=variants)
+    assert forward_portable.build.cache_info().misses - builds == 1
+    compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling")]
+    assert compiled == [
+        "compiling forward_portable for float16, score_mod=bias_once, mask_mod=same_document"
+    ]
+
+
+def test_calls_without_user_functions_compile_what_they_compiled_before():
+    """A plain call's kernel key holds no Mods (its PTX is fingerprinted unchanged:
+    tests/test_fingerprints.py)."""
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
+    p = numflash.validation.problem(q, k, v, False, None, (-1, -1))[-1]
+    assert p.mods is None and launch.variant_key(p) == () and launch.variant_arrays(p) == ()
+
+
+def _plain_device(b, h, q_idx, kv_idx):
+    return True
+
+
+def _ints(*shape, dtype=np.int32):
+    return xp.asarray(np.zeros(shape, dtype))
+
+
+#: (what a call adds, the error, its message) of the refused calls.
+BAD = [
+    (lambda: dict(mask_mod=_plain_device), TypeError, "mask_mod must be a Numba CUDA device"),
+    (lambda: dict(score_mod=lambda s, b, h, i, j: s), TypeError, "score_mod must be a Numba"),
+    (lambda: dict(mod_args=(_ints(3),)), ValueError, "neither was given"),
+    (lambda: dict(mask_mod=even_keys_of_odd_heads, mod_args=[_ints(2, 3)]), ValueError,
+     r"mod_args\[0\] must be a non-empty 1-D"),
+    (lambda: dict(mask_mod=even_keys_of_odd_heads, mod_args=(_ints(3, dtype=np.float64),)),
+     TypeError, r"mod_args\[0\] must have dtype int32, int64 or float32"),
+    (lambda: dict(mask_mod=even_keys_of_odd_heads, mod_args=_ints(3)), TypeError,
+     "mod_args must be a tuple"),
+    (lambda: dict(mask_mod=even_keys_of_odd_heads, config=numflash.TensorCoreConfig()),
+     ValueError, "TensorCoreConfig does not take a score_mod or mask_mod yet"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kwargs, error, match", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_functions_and_mod_args_are_refused_by_name(kwargs, error, match):
+    q, k, v = random_qkv(1, 8, 8, 2, 2, 16, "float16")
+    with pytest.raises(error, match=match):
+        numflash.attention(q, k, v, **kwargs())
+
+
+def test_the_backward_of_a_score_mod_needs_its_derivative():
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
+    out, lse = numflash.attention(q, k, v, return_lse=True, score_mod=squashed)
+    with pytest.raises(ValueError, match="score_mod_derivative"):
+        numflash.attention_backward(q, q, k, v, out, lse, score_mod=squashed)
+    with pytest.raises(ValueError, match="without a score_mod"):
+        numflash.attention_backward(q, q, k, v, out, lse, score_mod_derivative=squashed)
+
+
+def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
+    """No plan key holds score_mod, mask_mod or mod_args (api's signatures): such calls must
+    never reach the plans, whose replay would run the last call's kernel and arrays."""
+    from numflash import api
+
+    def refuse(*args):
+        raise AssertionError("a call with user functions looked for a plan")
+
+    monkeypatch.setattr(api, "_repeated", refuse)
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
+    out, lse = numflash.attention(q, k, v, return_lse=True, mask_mod=even_keys_of_odd_heads)
+    numflash.attention_backward(q, q, k, v, out, lse, mask_mod=even_keys_of_odd_heads)
