@@ -11,9 +11,11 @@ mma.sync (atomic dQ and the dQ kernel, head_dim split over two blocks), wgmma (w
 has it) and portable backward; tensor-core and portable KV-cache kernels over paged and
 contiguous caches with appends; the packed (varlen) kernels, forward and backward (portable,
 mma.sync and wgmma), also over device offsets that lie; the Hopper forward in each schedule,
-and over KV caches (chunked prefill, hostile lengths and pages included). ``--family NAME``
-runs the cases of one family (``varlen`` for the packed ones); ``--kvcache-only`` only its
-KV-cache cases (for the Hopper forward: chunked prefill, hostile lengths and pages included).
+and over KV caches (chunked prefill, hostile lengths and pages included); a user's score_mod
+and mask_mod. ``--family NAME`` runs the cases of one family (``varlen`` for the packed ones,
+``persistent`` for the Hopper forward's listed work orders, ``mods`` for the user functions);
+``--kvcache-only`` only its KV-cache cases (for the Hopper forward: chunked prefill, hostile
+lengths and pages included).
 
 CuPy's memory pool would hide small overruns inside pooled blocks, so it is switched off: every
 array is its own allocation.
@@ -209,11 +211,31 @@ def run(case):
     assert_gradients_match(dout, q, k, v, *grads, **case.mask)
 
 
+def run_user_functions():
+    """A document mask and a relative bias through the user functions' kernels, GQA, causal,
+    fewer queries than keys; mod_args read at every visible (row, key)."""
+    import test_mods
+
+    q, k, v = random_qkv(2, 70, 131, 4, 2, 64, "float16")
+    slopes = cupy.asarray([0.05, -0.1, 0.2, 0.0], dtype=cupy.float32)
+    document = test_mods._documents(131, (50, 60, 21))
+    mods = (test_mods.relative_bias, test_mods.same_document, (slopes, document))
+    variants = test_mods.Variants(score_mod=test_mods.relative_bias,
+                                  score_mod_derivative=test_mods.relative_bias_derivative,
+                                  mask_mod=test_mods.same_document, mod_args=mods[2])  # fmt: skip
+    test_mods._run(q, k, v, "float16", dict(causal=True), mods, variants,
+                   derivative=test_mods.relative_bias_derivative)  # fmt: skip
+    cupy.cuda.Device().synchronize()
+
+
 def main(argv):
     family = argv[argv.index("--family") + 1] if "--family" in argv else None
     kvcache_only = "--kvcache-only" in argv
     for case in CASES:
-        if kvcache_only or family is not None and case.family != family:
+        if family == "persistent":  # the listed work orders alone
+            if not case.blocks:
+                continue
+        elif kvcache_only or family is not None and case.family != family:
             continue
         hopper = (numflash.WgmmaBackwardConfig, numflash.WgmmaForwardConfig)
         if isinstance(case.backward or case.forward, hopper) and not current_device().has_wgmma:
@@ -221,6 +243,9 @@ def main(argv):
             continue
         run(case)
         print(f"ok {case}", flush=True)
+    if family in (None, "mods") and not kvcache_only:
+        run_user_functions()
+        print("ok score_mod, mask_mod and mod_args (portable kernels)", flush=True)
     for case, config in KVCACHE_CASES:
         if family is not None and config.family != family:
             continue
