@@ -364,9 +364,10 @@ def attention(
             window_size let it be. A row it leaves without keys gets output 0 and lse -inf.
         mod_args: arrays passed to score_mod and mask_mod after the indices: 1-D,
             C-contiguous, int32, int64 or float32, on q's device (bias tables, document ids).
-            Calls with score_mod or mask_mod run the portable kernels for now (the
-            tensor-core families do not take them yet), compile their kernels once per
-            function, and are not replayed from a plan.
+            Calls with score_mod or mask_mod run the families that take them: the Hopper
+            forward on compute capability 9.x, else the portable kernels (the mma.sync
+            forward and the tensor-core backwards do not take them yet); they compile their
+            kernels once per function and are not replayed from a plan.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is

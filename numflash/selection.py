@@ -240,13 +240,15 @@ def forward_family(problem, device):
     """The forward family of a call without ``config=``: on tensor cores (fp16/bf16 from
     sm_80) the first family whose rule takes the call (the Hopper forward's: compute
     capability 9.x at the head dims it is faster at), else the mma.sync one; the portable one
-    otherwise (and in the simulator)."""
-    if not on_tensor_cores(problem, device) or problem.mods is not None:
-        return configs.PortableConfig.family  # a user's score_mod, mask_mod: USER_MODS only
+    otherwise (and in the simulator). A call with a user's score_mod or mask_mod runs only
+    families that take them (config.USER_MODS): the Hopper forward, else the portable one."""
+    if not on_tensor_cores(problem, device):
+        return configs.PortableConfig.family
+    mods = problem.mods is not None  # a user's score_mod, mask_mod: families with USER_MODS
     for config_type, rule in _FORWARD_RULES.items():
-        if rule(problem, device):
+        if rule(problem, device) and (config_type.USER_MODS or not mods):
             return config_type.family
-    return configs.TensorCoreConfig.family
+    return configs.PortableConfig.family if mods else configs.TensorCoreConfig.family
 
 
 #: Query rows of a dense forward call at or below which it runs on the split-KV decode kernel

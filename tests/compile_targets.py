@@ -15,6 +15,8 @@ import types
 
 os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
 
+from numba import cuda, float32  # noqa: E402
+
 from numflash import cache, launch  # noqa: E402
 from numflash.config import TensorCoreBackwardConfig, config_from_dict  # noqa: E402
 from numflash.families import wgmma_forward as wgmma_family  # noqa: E402
@@ -37,6 +39,7 @@ from numflash.selection import (  # noqa: E402
     default_tensor_core_varlen_backward_config,
     prefill_config,
 )
+from numflash.validation import Mods  # noqa: E402
 
 forward_signature = launch.FORWARD.signature
 
@@ -266,21 +269,41 @@ def wgmma_backward(hd, dtype, warps, stages, softcap=0.0, pack_first=False):
                    dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first)  # fmt: skip
 
 
-def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False):
+@cuda.jit(device=True)
+def _relative_bias(score, b, h, q_idx, kv_idx, slopes, document):
+    """A user's score_mod (tests/test_mods.py's), for the compile of a kernel with one."""
+    return score + slopes[h] * float32(q_idx - kv_idx)
+
+
+@cuda.jit(device=True)
+def _same_document(b, h, q_idx, kv_idx, slopes, document):
+    return document[q_idx] == document[kv_idx]
+
+
+#: A user's score_mod and mask_mod with their mod_args' element types.
+MODS = Mods(_relative_bias, _same_document, None, ("float32", "int32"))
+
+
+def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False):
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
     a KV cache (``cache``: "contiguous" or "paged"), its scores capped by ``softcap`` where
-    given, with sinks and ALiBi slopes where ``variants``. Its resources are read as Numba builds it for a launch
+    given, with sinks and ALiBi slopes where ``variants``, with a user's score_mod and mask_mod
+    where ``mods`` (MODS). Its resources are read as Numba builds it for a launch
     (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
     schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
     kernel = forward_sm90.build(
-        hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants
-    )
+        hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants,
+        mods=MODS if mods else None,
+    )  # fmt: skip
     spec = wgmma_family.WGMMA_KVCACHE if cache else wgmma_family.WGMMA_FORWARD
-    if variants:
-        spec = spec._replace(variant=(("sinks", "float32"), ("alibi_slopes", "float32")))
+    extra = (("sinks", "float32"), ("alibi_slopes", "float32")) if variants else ()
+    if mods:
+        extra += tuple((f"mod_args[{i}]", kind) for i, kind in enumerate(MODS.kinds))
+    if extra:
+        spec = spec._replace(variant=extra)
     signature = spec.signature(dtype)
     cc = (9, 0, "a")
     ptx = offline.compile_ptx(kernel, signature, cc, launch_bounds=True)
@@ -293,6 +316,7 @@ def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=F
             "dtype": dtype,
             "softcap": softcap,
             "variants": variants,
+            "mods": mods,
             "config": cfg.to_dict(),
             "target": offline.arch_name(cc),
             "counts": {i: ptx.count(i) for i in INSTRUCTIONS},
@@ -364,6 +388,7 @@ def jobs(quick):
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
     out.append((wgmma_forward, (128, "float16", None, False, None, 0.0, True)))  # sinks, ALiBi
+    out.append((wgmma_forward, (128, "float16", None, False, None, 0.0, False, True)))  # mods
     return out
 
 

@@ -3,8 +3,8 @@ kernels through ``attention(..., score_mod=, mask_mod=, mod_args=)`` and
 ``attention_backward(..., score_mod_derivative=)``, against numflash.reference's float64
 reference with the same functions (their Python functions run there); the built-in variants
 beside them; rows a mask_mod leaves empty; bad functions and mod_args refused by name. Calls
-with them run the portable kernels (config.USER_MODS) until the tensor-core families take
-them."""
+with them run the families that take them (config.USER_MODS): the portable kernels and the
+Hopper forward."""
 
 import logging
 import math
@@ -25,6 +25,7 @@ from support import (
 import numflash
 from numflash import launch
 from numflash.kernels import forward_portable
+from numflash.kernels.jit import SIMULATOR
 from numflash.reference import Variants
 
 
@@ -213,3 +214,54 @@ def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
     q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
     out, lse = numflash.attention(q, k, v, return_lse=True, mask_mod=even_keys_of_odd_heads)
     numflash.attention_backward(q, q, k, v, out, lse, mask_mod=even_keys_of_odd_heads)
+
+
+#: The Hopper forward's schedules with a user's functions: one in the simulator (a score's
+#: user functions are Python calls there, minutes a case), both on a GPU.
+HOPPER = [numflash.WgmmaForwardConfig(1, 64, 2, pingpong=False)]
+if not SIMULATOR:
+    HOPPER.append(numflash.WgmmaForwardConfig(2, 64, 2, producer=False, pingpong=False, tma=False))
+
+
+@pytest.mark.parametrize("config", HOPPER, ids=["producer-tma", "no-producer"][: len(HOPPER)])
+def test_the_hopper_forward_takes_user_functions_after_the_built_in_variants(config):
+    """The wgmma forward's tiles (forward_sm90.mod_scores): a relative bias and a document
+    mask after a softcap and ALiBi (whose linear shortcut steps aside for them), GQA, causal,
+    fewer queries than keys, a last key tile past the end (on a GPU, the schedule without a
+    producer too)."""
+    from numflash.device import current_device
+
+    if not current_device().has_wgmma:
+        pytest.skip("the Hopper forward needs compute capability 9.x")
+    q, k, v = random_qkv(1, 40, 80, 2, 1, 64, "bfloat16")
+    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
+    alibi = xp.asarray(np.array([0.1, 0.3], dtype=np.float32))
+    mod_args = (slopes, _documents(80, (30, 31, 19)))
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, causal=True, out=out, return_lse=True, config=config, softcap=5.0,
+        alibi_slopes=alibi, score_mod=relative_bias, mask_mod=same_document, mod_args=mod_args,
+    )  # fmt: skip
+    assert res is out
+    variants = Variants(softcap=5.0, alibi_slopes=alibi, score_mod=relative_bias,
+                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+
+
+def test_calls_with_user_functions_run_the_families_that_take_them():
+    """On an H200 the Hopper forward (it takes them), the portable backward (the tensor-core
+    backwards do not yet); where no tensor-core family takes them, the portable forward."""
+    from numflash import selection
+    from numflash.device import DeviceInfo
+
+    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 1024)
+    a100 = DeviceInfo("NVIDIA A100", (8, 0), 108, 166912, 1024)
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 128, "float16")
+    p = numflash.validation.problem(q, k, v, False, None, (-1, -1))[-1]
+    user = numflash.validation.check_mods(None, even_keys_of_odd_heads, (), q)[0]
+    p_mods = numflash.validation.Problem(**{**p.__dict__, "mods": user})
+    assert selection.forward_family(p, h200) == "wgmma-forward"
+    assert selection.forward_family(p_mods, h200) == "wgmma-forward"
+    assert selection.forward_family(p, a100) == "tensor-core"
+    assert selection.forward_family(p_mods, a100) == "portable"
+    assert selection.backward(p_mods, h200, False).config.family == "portable-backward"

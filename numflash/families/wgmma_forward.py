@@ -50,6 +50,7 @@ class WgmmaForwardConfig(config._Config):
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "wgmma"
     READS_KV_CACHE: ClassVar[bool] = True
+    USER_MODS: ClassVar[bool] = True  # dense and packed calls (forward_sm90.mod_scores)
     REVISION: ClassVar[int] = 6  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
     # 6: a dense persistent launch's work order made on the host
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
@@ -280,7 +281,13 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     views = {"maps": arrays.kernel_view(maps[0]), "order": arrays.kernel_view(order)}
     launch._launch_forward(
         lambda: forward_sm90.build(
-            head_dim, p.dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi
+            head_dim,
+            p.dtype,
+            *schedule,
+            softcap=p.softcap,
+            sinks=p.sinks,
+            alibi=p.alibi,
+            mods=p.mods,
         ),
         (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen) + launch.variant_key(p),
         cfg,

@@ -80,6 +80,7 @@ from .loads import (
     swizzled_row_loader,
 )
 from .mask import block_key_range, tile_needs_mask, visible_keys
+from .mods import mod_functions
 from .softmax import (
     NEG_INF,
     alibi_functions,
@@ -171,7 +172,7 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None, softcap=0.0, sinks=False, alibi=False,
+    cache=None, softcap=0.0, sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -185,7 +186,9 @@ def build(
     (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
     ``*variant`` array, joins each row's sum (softmax.sink_functions); with ``alibi`` the
     scores less the head's slope (the next array) times the distance
-    (softmax.alibi_functions)."""
+    (softmax.alibi_functions); ``mods`` (a validation.Mods): the user's score_mod and mask_mod
+    after them (kernels/mods.py; the mod_args the last ``*variant`` arrays), every tile then
+    taking the masked softmax."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
@@ -202,6 +205,8 @@ def build(
     sink_of, with_sink = sink_functions(sinks)
     ALIBI = alibi
     slope_of, biased = alibi_functions(alibi, sinks)
+    MODS = mods is not None
+    modded = mod_functions(mods, int(sinks) + int(alibi))[0]
     PERSISTENT = persistent(producer, cache)
     ORDERED = ordered(producer, varlen, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
@@ -399,7 +404,7 @@ def build(
         linear, step = linear_alibi_step(
             slope, n0, n0 + BLOCK_N - 1, m0 + offset, m0 + BLOCK_M - 1 + offset, wl, wr
         )
-        if linear:
+        if linear and not MODS:  # a user's score_mod is handed each whole biased score
             for i in range(S_REGS):
                 _, col = accumulator_position(i, 0)
                 s[i] = ptx.fma(step, float32(col), s[i])
@@ -411,6 +416,26 @@ def build(
                 at = distance + float32(8 * h - col)
                 s[index] = biased(s[index], at, slope)
         return float32(0.0), float32(0.0)
+
+    @device_function
+    def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
+        """The user's score_mod and mask_mod (kernels/mods.py) on the tile of keys n0.. of
+        this lane's rows (row0 + lane // 4 and 8 below; raw scores, scale_log2 their unit in
+        the log2 domain), for the rows and keys that exist; ``ctx`` (b, head, the kernel's
+        ``*variant`` arrays)."""
+        b, head, variant = ctx
+        raw = float32(1.0) / scale_log2
+        for h in range(2):
+            row = row0 + 8 * h + (lane >> 2)
+            at = row + seqlen_k - seqlen_q
+            first = n0 + (lane & 3) * 2
+            for i in range(S_REGS // 2):
+                index = 4 * (i >> 1) + 2 * h + (i & 1)
+                _, col = accumulator_position(index, 0)
+                key = first + col
+                if row < seqlen_q and key < seqlen_k:
+                    x = modded(s[index] * scale_log2, b, head, at, key, variant)
+                    s[index] = x * raw
 
     def softmax_function(masked):
         """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
@@ -455,7 +480,7 @@ def build(
     @device_function
     def absorb(
         s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, bad,
-        slope,
+        slope, ctx,
     ):  # fmt: skip
         """Mask the tile of keys n0.. where it needs it (``bad``: absent_keys), then its
         softmax. Each case runs its own copy of the softmax, so that the wait for acc += P V
@@ -466,7 +491,11 @@ def build(
         offsets = (float32(0.0), float32(0.0))
         if ALIBI:
             offsets = bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope)
+        if MODS:
+            mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
+        if MODS:  # a row may have seen only keys the user's functions hid so far
+            needs = True
         if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
             # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)
             needs = needs or ptx.any_lane(bad != uint64(0))
@@ -908,7 +937,7 @@ def build(
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, maps, coords, pages, g0, job, producing, sink, slope,
+        tid, lane, warp, maps, coords, pages, g0, job, producing, sink, slope, ctx,
     ):  # fmt: skip
         """This thread's part (``producing``: the producer's; a constant where inlined, so each
         role's loop holds its code alone) in rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head): ``bases`` (q, k, v,
@@ -920,7 +949,8 @@ def build(
         geometry (see load_keys). ``g0`` key tiles and ``job`` Q tiles went through the block's
         shared memory before (its earlier work tiles). The key tiles it took (0: its rows see
         no key). ``sink``: the head's sink logit, read only with sinks; ``slope``: its ALiBi
-        slope in units of 1 / scale, read only with ALiBi."""
+        slope in units of 1 / scale, read only with ALiBi; ``ctx``: (b, head, the kernel's
+        ``*variant`` arrays), read only with a user's functions (mod_scores)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -960,7 +990,7 @@ def build(
                 ptx.cp_async_commit()
         consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job, sink, slope)  # fmt: skip
+                lane, warp, pages, g0, job, sink, slope, ctx)  # fmt: skip
         return n_tiles
 
     @device_function
@@ -973,7 +1003,7 @@ def build(
     @device_function
     def consume(k, v, o, lse, base, k_first, v_first, k_ss, v_ss, keys_left, o_base, o_ss,
                 lse_base, m0, first_tile, n_tiles, seqlen_q, seqlen_k, scale_log2, wl, wr, tid,
-                lane, warp, pages, g0, job, sink, slope):  # fmt: skip
+                lane, warp, pages, g0, job, sink, slope, ctx):  # fmt: skip
         """A consumer warpgroup's 64 rows over the work tile's key tiles, the block's ``job``-th
         Q tile and its g0-th key tile on; without a producer its threads also refill the ring
         (k_first, v_first, keys_left: the next tile to load; the ring starts at slot 0)."""
@@ -1012,7 +1042,7 @@ def build(
         release_half(base, EMPTY_K, slot)
         n0 = int32(first_tile * BLOCK_N)
         absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-               bad, slope)  # fmt: skip
+               bad, slope, ctx)  # fmt: skip
         rescale_and_pack(acc, s, pf, alpha)
 
         for it in range(1, n_tiles):
@@ -1038,7 +1068,7 @@ def build(
             release_half(base, EMPTY_K, nxt)
             n0 = int32((first_tile + it) * BLOCK_N)
             absorb(s, m_i, l_i, alpha, row0, n0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-                   bad, slope)  # fmt: skip
+                   bad, slope, ctx)  # fmt: skip
             # P must be computed before the wait below, not moved after it by the compiler
             # (it moves register arithmetic freely across the asm statements otherwise)
             ptx_sm90.fence_operands(s, S_REGS)
@@ -1115,7 +1145,7 @@ def build(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
             producing, sink_of(variant, head),
-            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)), (b, head, variant),
         )  # fmt: skip
 
     # setmaxnreg needs the register count at entry: a block per multiprocessor. A block works
@@ -1207,7 +1237,7 @@ def build(
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
             g, job, producing, sink_of(variant, head),
-            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)), (b, head, variant),
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
