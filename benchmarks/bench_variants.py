@@ -1,11 +1,14 @@
 """Attention-variant benchmark: what each built-in variant costs beside the plain call.
 
     python benchmarks/bench_variants.py [--dtypes float16 bfloat16] [--seqlens 4096 16384]
-        [--variants softcap sinks alibi]
+        [--variants softcap sinks alibi relbias relbias-f64]
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, batch x seqlen = 32768 tokens, causal and
 not. For every variant (``softcap=30``; ``sinks``, one random logit a head; ``alibi``,
-BLOOM's slopes 2^(-8 (h + 1) / 32)) the forward (``attention`` with its lse) and the backward
+BLOOM's slopes 2^(-8 (h + 1) / 32); ``relbias``, a user's score_mod adding a per-head
+slope times q_idx - kv_idx in float32, the slopes in mod_args; ``relbias-f64``, the same
+written without the float32 conversion, so that Numba computes it in float64, to show what
+that costs) the forward (``attention`` with its lse) and the backward
 (``attention_backward``; over the forward's lse, which holds the sinks) run on the same inputs
 as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu,
 L2 flushed between runs). The plain call and the variants are timed in turn ``--rounds`` times
@@ -13,7 +16,8 @@ and each keeps its fastest round's median: the H200's speed drifts by several pe
 timings a minute apart, which a single plain-then-variant pass reads as the variant's cost. Each
 variant's output is first checked against the float64 reference on a small problem, so a fast
 wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
-(1.10 = 10% slower).
+(1.10 = 10% slower). The backward of a user's score_mod runs the portable kernels (the
+tensor-core backwards do not take user functions yet): relbias times the forward alone.
 
 Then gpt-oss-style decoding: one query row a sequence, batch 64, 4096 cached tokens in pages of
 16, 64 query heads / 8 KV heads, head_dim 64, a 128-token window, the new key and value
@@ -25,6 +29,7 @@ import os
 import sys
 
 import cupy
+from numba import cuda, float32
 
 import numflash
 from numflash import reference
@@ -38,7 +43,27 @@ from bench_forward import DTYPES  # noqa: E402
 NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 
 #: The variants timed ("plain" is the baseline).
-VARIANTS = ("plain", "softcap", "sinks", "alibi")
+VARIANTS = ("plain", "softcap", "sinks", "alibi", "relbias", "relbias-f64")
+
+#: The variants whose backward is timed (a user's score_mod runs the portable backward).
+BACKWARD_VARIANTS = ("plain", "softcap", "sinks", "alibi")
+
+
+@cuda.jit(device=True)
+def relative_bias(score, b, h, q_idx, kv_idx, slopes):
+    """relbias' score_mod: the head's slope times the distance, signed (T5's cousin of ALiBi),
+    in float32 (the indices converted apart: the query's conversion is shared by its row)."""
+    return score + slopes[h] * (float32(q_idx) - float32(kv_idx))
+
+
+@cuda.jit(device=True)
+def relative_bias_f64(score, b, h, q_idx, kv_idx, slopes):
+    """relbias-f64's: float32 times Numba's int64 difference is float64 arithmetic."""
+    return score + slopes[h] * (q_idx - kv_idx)
+
+
+def _slopes():
+    return 2.0 ** (-8.0 * cupy.arange(1, NHEADS + 1, dtype=cupy.float32) / NHEADS)
 
 
 def variant_kwargs(variant):
@@ -49,8 +74,11 @@ def variant_kwargs(variant):
         sinks = cupy.random.default_rng(3).standard_normal(NHEADS, dtype=cupy.float32)
         return {"sinks": sinks}, {}
     if variant == "alibi":
-        slopes = 2.0 ** (-8.0 * cupy.arange(1, NHEADS + 1, dtype=cupy.float32) / NHEADS)
+        slopes = _slopes()
         return {"alibi_slopes": slopes}, {"alibi_slopes": slopes}
+    if variant in ("relbias", "relbias-f64"):
+        fn = relative_bias if variant == "relbias" else relative_bias_f64
+        return {"score_mod": fn, "mod_args": (_slopes(),)}, None
     return {}, {}
 
 
@@ -88,14 +116,14 @@ def time_problem(dtype, causal, seqlen, batch, runs, variants, rounds):
         def backward(kwargs=backward_kwargs, out=out, lse=lse):
             numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **kwargs)
 
-        calls[variant] = (forward, backward)
+        calls[variant] = (forward, backward) if backward_kwargs is not None else (forward,)
     best = {}
     for _ in range(rounds):
         for variant, fns in calls.items():
             found = tuple(time_gpu(fn, runs=runs) for fn in fns)
             kept = best.get(variant, found)
             best[variant] = tuple(min(a, b, key=lambda t: t.median_ms) for a, b in zip(kept, found))
-    return best
+    return {variant: (*timings, None)[:2] for variant, timings in best.items()}
 
 
 #: gpt-oss's decoding shape: (batch, cached tokens, heads, kv heads, head_dim, window, page)
@@ -161,6 +189,8 @@ def main():
                 for variant, (fwd, bwd) in timings.items():
                     fields = peers.problem(batch, NHEADS, seqlen, seqlen, HEAD_DIM, causal)
                     for mode, timing, scale in (("forward", fwd, 1.0), ("backward", bwd, 2.5)):
+                        if timing is None:  # a user's score_mod: its backward is portable
+                            continue
                         records.append(
                             peers.record(
                                 timing,
@@ -173,12 +203,15 @@ def main():
                                 **fields,
                             )
                         )
+                    backward = "| - | - |"
+                    if bwd is not None:
+                        backward = (f"| {bwd.median_ms:.3f} | "
+                                    f"{bwd.median_ms / plain_bwd.median_ms:.3f} |")  # fmt: skip
                     lines.append(
                         f"| {dt} | {seqlen} | {causal} | {variant} | {fwd.median_ms:.3f} | "
-                        f"{fwd.median_ms / plain_fwd.median_ms:.3f} | {bwd.median_ms:.3f} | "
-                        f"{bwd.median_ms / plain_bwd.median_ms:.3f} |"
+                        f"{fwd.median_ms / plain_fwd.median_ms:.3f} {backward}"
                     )
-                print(lines[-1], flush=True)
+                    print(lines[-1], flush=True)
     if args.no_decode:
         peers.save_results(args.out_dir, "variants", dev, records, "\n".join(lines) + "\n")
         return

@@ -417,25 +417,41 @@ def build(
                 s[index] = biased(s[index], at, slope)
         return float32(0.0), float32(0.0)
 
+    def mod_tile_function(checked):
+        """mod_scores' loop (``checked``: only for the rows and keys that exist), a column's
+        two rows after each other, so that what the functions work out from the key alone is
+        worked out once."""
+
+        @device_function
+        def mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
+            b, head, variant = ctx
+            raw = float32(1.0) / scale_log2
+            row = row0 + (lane >> 2)
+            first = n0 + (lane & 3) * 2
+            for i in range(S_REGS // 2):
+                column = 4 * (i >> 1) + (i & 1)  # row h's register: column + 2 h
+                key = first + accumulator_position(column, 0)[1]
+                for h in range(2):
+                    at = row + 8 * h + seqlen_k - seqlen_q
+                    if not checked or (row + 8 * h < seqlen_q and key < seqlen_k):
+                        x = modded(s[column + 2 * h] * scale_log2, b, head, at, key, variant)
+                        s[column + 2 * h] = x * raw
+
+        return mod_tile
+
+    mod_tile, checked_mod_tile = mod_tile_function(False), mod_tile_function(True)
+
     @device_function
     def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
         """The user's score_mod and mask_mod (kernels/mods.py) on the tile of keys n0.. of
         this lane's rows (row0 + lane // 4 and 8 below; raw scores, scale_log2 their unit in
         the log2 domain), for the rows and keys that exist; ``ctx`` (b, head, the kernel's
-        ``*variant`` arrays)."""
-        b, head, variant = ctx
-        raw = float32(1.0) / scale_log2
-        for h in range(2):
-            row = row0 + 8 * h + (lane >> 2)
-            at = row + seqlen_k - seqlen_q
-            first = n0 + (lane & 3) * 2
-            for i in range(S_REGS // 2):
-                index = 4 * (i >> 1) + 2 * h + (i & 1)
-                _, col = accumulator_position(index, 0)
-                key = first + col
-                if row < seqlen_q and key < seqlen_k:
-                    x = modded(s[index] * scale_log2, b, head, at, key, variant)
-                    s[index] = x * raw
+        ``*variant`` arrays). A warp whose 16 rows and the tile's keys all exist calls them
+        without a check per score."""
+        if row0 + 16 <= seqlen_q and n0 + BLOCK_N <= seqlen_k:
+            mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
+        else:
+            checked_mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
 
     def softmax_function(masked):
         """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
