@@ -132,10 +132,12 @@ def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypa
         (64, 1024, (-1, -1), (128, 2)),
         (64, 1000, (-1, 0), (128, 4)),
         (64, 512, (16, 16), (128, 2)),
-        # longer, or head_dim 128: the defaults measured at 4096 and 16384
+        # longer: the defaults measured at 4096 and 16384
         (64, 1025, (-1, 0), (192, 2)),
         (64, 4096, (-1, -1), (192, 2)),
+        # head_dim 128: the same tiles, pingpong only past SHORT_BUCKET keys
         (128, 1024, (-1, 0), (128, 2)),
+        (128, 4096, (-1, 0), (128, 2)),
     ],
 )
 def test_the_hopper_forward_default_follows_the_seqlen_bucket(head_dim, seqlen, window, expected):
@@ -153,6 +155,8 @@ def test_the_hopper_forward_default_follows_the_seqlen_bucket(head_dim, seqlen, 
     assert (chosen.config.block_n, chosen.config.stages) == expected
     key = cache.ProblemKey.of(family, "float16", head_dim, seqlen, seqlen, *window)
     assert selection.default_config(family, head_dim, H200, key=key)[1] == chosen.config
+    if head_dim == 128:
+        assert chosen.config.pingpong == (seqlen > wgmma_forward.SHORT_BUCKET)
     if head_dim == 64 and expected[0] == 128:
         assert not chosen.config.problems(head_dim, H200)
         assert selection.default_config(family, head_dim, H200)[1].block_n == 192  # no call

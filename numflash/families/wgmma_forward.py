@@ -143,8 +143,10 @@ HEAD_DIMS = (64, 128, 256)
 
 
 #: The longest seqlen bucket (cache.seqlen_bucket) at which head_dim 64 takes tiles of 128 keys
-#: by default: at 1024, H200, 192-key tiles (six over 1024 keys, the last a third empty) ran
-#: 0.767x / 0.708x cuDNN non-causal / causal, 128-key ones 0.837x (2 stages) / 0.812x (4).
+#: and head_dim 128 runs without pingpong by default: at 1024, H200, head_dim 64's 192-key tiles
+#: (six over 1024 keys, the last a third empty) ran 0.767x / 0.708x cuDNN non-causal / causal,
+#: 128-key ones 0.837x (2 stages) / 0.812x (4); head_dim 128 with pingpong 0.80x / 0.81-0.82x,
+#: without it 0.82-0.83x / 0.83-0.84x (docs/performance.md).
 SHORT_BUCKET = 1024
 
 
@@ -156,15 +158,16 @@ def default_wgmma_forward_config(head_dim, *, key=None):
     (1.4x cp.async at head_dim 128); at 64 key tiles of 192 (2-4% over 128), without pingpong
     (1-3% faster), except for a call's ``key`` (cache.ProblemKey) of at most SHORT_BUCKET
     keys: tiles of 128, two stages, four causal; at 128 pingpong (2-10% over 3 stages
-    without); at 256 tiles of 64 keys, the most the accumulators leave registers for, without
-    pingpong (0-4% faster)."""
+    without), except at most SHORT_BUCKET keys (2-3% slower there); at 256 tiles of 64 keys,
+    the most the accumulators leave registers for, without pingpong (0-4% faster)."""
+    short = key is not None and key.seqlen <= SHORT_BUCKET
     if head_dim <= 64:
-        if key is not None and key.seqlen <= SHORT_BUCKET:
+        if short:
             stages = 4 if key.mask == "causal" else 2
             return WgmmaForwardConfig(consumers=2, block_n=128, stages=stages, pingpong=False)
         return WgmmaForwardConfig(consumers=2, block_n=192, stages=2, pingpong=False)
     if head_dim <= 128:
-        return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=True)
+        return WgmmaForwardConfig(consumers=2, block_n=128, stages=2, pingpong=not short)
     return WgmmaForwardConfig(consumers=2, block_n=64, stages=2, pingpong=False)
 
 
