@@ -248,6 +248,29 @@ def test_the_hopper_forward_takes_user_functions_after_the_built_in_variants(con
     assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
 
 
+@pytest.mark.skipif(SIMULATOR, reason="minutes a case in the simulator")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
+def test_the_hopper_forward_runs_user_functions_alone_on_whole_tiles(which, causal):
+    """Tiles whose rows and keys all exist (mod_scores without a check per score) and tiles no
+    built-in mask cuts (the softmax that allows a row without keys so far), each function
+    alone, at the default configuration, head_dim 128."""
+    from numflash.device import current_device
+
+    if not current_device().has_wgmma:
+        pytest.skip("the Hopper forward needs compute capability 9.x")
+    q, k, v = random_qkv(2, 300, 520, 4, 2, 128, "float16")
+    slopes = xp.asarray(np.array([0.05, -0.2, 0.01, 0.3], dtype=np.float32))
+    mod_args = (slopes, _documents(520, (100, 3, 250, 167)))
+    functions = {which: relative_bias if which == "score_mod" else same_document}
+    out = poisoned_like(q)
+    res, lse = numflash.attention(q, k, v, causal=causal, out=out, return_lse=True,
+                                  mod_args=mod_args, **functions)  # fmt: skip
+    assert res is out
+    variants = Variants(mod_args=mod_args, **functions)
+    assert_matches_reference(q, k, v, out, lse, causal=causal, variants=variants)
+
+
 def test_calls_with_user_functions_run_the_families_that_take_them():
     """On an H200 the Hopper forward (it takes them), the portable backward (the tensor-core
     backwards do not yet); where no tensor-core family takes them, the portable forward."""

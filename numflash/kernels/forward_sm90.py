@@ -82,6 +82,8 @@ from .loads import (
 from .mask import block_key_range, tile_needs_mask, visible_keys
 from .mods import mod_functions
 from .softmax import (
+    LN2,
+    LOG2E,
     NEG_INF,
     alibi_functions,
     final_lse,
@@ -206,7 +208,8 @@ def build(
     ALIBI = alibi
     slope_of, biased = alibi_functions(alibi, sinks)
     MODS = mods is not None
-    modded = mod_functions(mods, int(sinks) + int(alibi))[0]
+    SCORE_MOD = MODS and mods.score_mod is not None
+    natural_modded = mod_functions(mods, int(sinks) + int(alibi))[3]
     PERSISTENT = persistent(producer, cache)
     ORDERED = ordered(producer, varlen, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
@@ -425,7 +428,7 @@ def build(
         @device_function
         def mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
             b, head, variant = ctx
-            raw = float32(1.0) / scale_log2
+            natural = scale_log2 * float32(LN2)  # softmax_scale
             row = row0 + (lane >> 2)
             first = n0 + (lane & 3) * 2
             for i in range(S_REGS // 2):
@@ -434,8 +437,11 @@ def build(
                 for h in range(2):
                     at = row + 8 * h + seqlen_k - seqlen_q
                     if not checked or (row + 8 * h < seqlen_q and key < seqlen_k):
-                        x = modded(s[column + 2 * h] * scale_log2, b, head, at, key, variant)
-                        s[column + 2 * h] = x * raw
+                        i = column + 2 * h
+                        if SCORE_MOD:  # left in natural units (mod_scores)
+                            s[i] = natural_modded(s[i] * natural, b, head, at, key, variant)
+                        else:  # a mask alone: the raw score or -inf
+                            s[i] = natural_modded(s[i], b, head, at, key, variant)
 
         return mod_tile
 
@@ -447,7 +453,10 @@ def build(
         this lane's rows (row0 + lane // 4 and 8 below; raw scores, scale_log2 their unit in
         the log2 domain), for the rows and keys that exist; ``ctx`` (b, head, the kernel's
         ``*variant`` arrays). A warp whose 16 rows and the tile's keys all exist calls them
-        without a check per score."""
+        without a check per score. With a score_mod the scores are left in natural units
+        (every tile's: its unit in the log2 domain is then LOG2E, absorb), the rows and keys
+        that do not exist as they were (the mask hides those keys; those rows are not
+        written)."""
         if row0 + 16 <= seqlen_q and n0 + BLOCK_N <= seqlen_k:
             mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
         else:
@@ -509,14 +518,16 @@ def build(
             offsets = bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope)
         if MODS:
             mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
+        if SCORE_MOD:  # mod_scores left natural units: the softmax's multiply converts them
+            scale_log2 = float32(LOG2E)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
-        if MODS:  # a row may have seen only keys the user's functions hid so far
-            needs = True
         if PAGED:  # decided for the whole warp: a branch on one lane's ``bad`` bits made ptxas
             # wrap the softmax's shuffles for lanes that went apart (1.4x slower, performance.md)
             needs = needs or ptx.any_lane(bad != uint64(0))
         if needs:
             mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr, bad)
+            masked_softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets)
+        elif MODS:  # a row may have seen only keys the user's functions hid so far
             masked_softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets)
         else:
             softmax_rows(s, m_i, l_i, alpha, scale_log2, offsets)

@@ -49,14 +49,17 @@ def _unit(score, b, h, q_idx, kv_idx, *mod_args):
 @functools.lru_cache(maxsize=None)
 def mod_functions(mods, first):
     """(``modded(x, b, h, q_idx, kv_idx, variant) -> x'``, ``gradient(x, b, h, q_idx, kv_idx,
-    variant) -> factor``, ``modded_and_factor(...) -> (x', factor)``) for a kernel compiled with ``mods`` (a validation.Mods, or None:
-    the identity and 1), whose ``*variant`` arrays from index ``first`` on are the mod_args.
+    variant) -> factor``, ``modded_and_factor(...) -> (x', factor)``, ``natural_modded``) for
+    a kernel compiled with ``mods`` (a validation.Mods, or None: the identity and 1), whose
+    ``*variant`` arrays from index ``first`` on are the mod_args.
 
     ``modded``: a score ``x`` the causal / window mask lets a query see (log2 domain) as the
     user's functions change it: -inf where mask_mod says the key is not seen, else
     score_mod's score (log2 domain). ``gradient``: the factor by which dS of the modded score
     becomes dS of ``x``, score_mod_derivative at ``x`` (1 without a score_mod; a key masked
-    by mask_mod has p = 0, so its factor is never used)."""
+    by mask_mod has p = 0, so its factor is never used). ``natural_modded``: ``modded`` of a
+    score in natural units, returned in natural units (a kernel that scales its scores
+    anyway saves the conversions)."""
     SCORE = mods is not None and mods.score_mod is not None
     MASK = mods is not None and mods.mask_mod is not None
     DERIVATIVE = mods is not None and mods.score_mod_derivative is not None
@@ -66,17 +69,20 @@ def mod_functions(mods, first):
     FIRST = first
 
     @device_function
-    def modded(x, b, h, q_idx, kv_idx, variant):
+    def natural_modded(score, b, h, q_idx, kv_idx, variant):
         b, h, q_idx, kv_idx = int32(b), int32(h), int32(q_idx), int32(kv_idx)
         if MASK:
             if not mask_mod(b, h, q_idx, kv_idx, *variant[FIRST:]):
                 return NEG_INF
         if SCORE:
-            natural = x * float32(LN2)
-            return float32(score_mod(natural, b, h, q_idx, kv_idx, *variant[FIRST:])) * float32(
-                LOG2E
-            )
-        return x
+            return float32(score_mod(score, b, h, q_idx, kv_idx, *variant[FIRST:]))
+        return score
+
+    @device_function
+    def modded(x, b, h, q_idx, kv_idx, variant):
+        if SCORE:
+            return natural_modded(x * float32(LN2), b, h, q_idx, kv_idx, variant) * float32(LOG2E)
+        return natural_modded(x, b, h, q_idx, kv_idx, variant)  # a mask alone: any unit
 
     @device_function
     def gradient(x, b, h, q_idx, kv_idx, variant):
@@ -96,4 +102,4 @@ def mod_functions(mods, first):
             factor = gradient(x, b, h, q_idx, kv_idx, variant)
         return y, factor
 
-    return modded, gradient, modded_and_factor
+    return modded, gradient, modded_and_factor, natural_modded
