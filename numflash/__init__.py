@@ -7,10 +7,12 @@ from .api import (
     attention_varlen,
     attention_varlen_backward,
     attention_with_kvcache,
+    block_mask,
     selected_backward_config,
     selected_config,
     selected_kvcache_config,
 )
+from .block_masks import BlockMask
 from .config import (
     PortableBackwardConfig,
     PortableConfig,
@@ -30,6 +32,8 @@ __all__ = [
     "attention_varlen",
     "attention_varlen_backward",
     "attention_with_kvcache",
+    "block_mask",
+    "BlockMask",
     "selected_config",
     "selected_backward_config",
     "selected_kvcache_config",

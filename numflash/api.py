@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from . import arrays, cache, launch, plans, selection, signature, validation
+from . import arrays, block_masks, cache, launch, plans, selection, signature, validation
 from .config import TensorCoreDecodeConfig
 from .device import current_device
 from .kernels.jit import SIMULATOR
@@ -245,11 +245,15 @@ def _unplanned(key, args):
 
 
 def _with_mods(p, q, mods, backward=False):
-    """(``p`` with its Mods, the mod_args as the kernels read them) of a call's (score_mod,
-    mask_mod, mod_args[, score_mod_derivative]), or (p, ()) for None."""
+    """(``p`` with its Mods, the mod_args as the kernels read them, a block mask's arrays
+    after them) of a call's (score_mod, mask_mod, mod_args, score_mod_derivative,
+    block_mask), or (p, ()) for None."""
     if mods is None:
         return p, ()
-    checked, mod_args = validation.check_mods(*mods[:3], q, *mods[3:], backward=backward)
+    score_mod, mask_mod, mod_args, derivative, block_mask = mods
+    mask_mod, mod_args = validation.check_block_mask(block_mask, mask_mod, mod_args, p, q)
+    checked, mod_args = validation.check_mods(score_mod, mask_mod, mod_args, q, derivative,
+                                              backward, block_mask)  # fmt: skip
     return dataclasses.replace(p, mods=checked), mod_args
 
 
@@ -300,6 +304,38 @@ def selected_config(q, k, v, *, causal=False, window_size=(-1, -1), config=None,
         return selection.forward(p, device)
 
 
+def block_mask(mask_mod, batch, nheads, seqlen_q, seqlen_k, *, mod_args=()):
+    """Evaluate ``mask_mod(b, h, q_idx, kv_idx, *mod_args)`` (a Numba CUDA device function, as
+    :func:`attention`'s ``mask_mod``) for every (row, key) of the shape once, on the GPU, and
+    keep what each block of 128 rows by 128 keys needs: none of its keys seen, some, or all.
+    Pass the returned :class:`numflash.BlockMask` as ``block_mask=`` to :func:`attention` and
+    :func:`attention_backward` of that shape, for any layer and step.
+
+    ``batch`` and ``nheads`` may be None where the mask is the same for every batch entry or
+    head: mask_mod is then called with b = 0 or h = 0 alone, and the block mask serves calls
+    of any batch or heads. q_idx is the query's position among the keys (row + seqlen_k -
+    seqlen_q), as in the attention calls. ``mod_args`` are the arrays the calls will pass: the
+    block mask holds what mask_mod made of their values now, so new values need a new block
+    mask. It costs one mask_mod call per (batch entry, head, row, key) it covers."""
+    validation.check_device_function(mask_mod, "mask_mod")
+    batch = validation.check_count(batch, "batch", optional=True)
+    nheads = validation.check_count(nheads, "nheads", optional=True)
+    seqlen_q = validation.check_count(seqlen_q, "seqlen_q")
+    seqlen_k = validation.check_count(seqlen_k, "seqlen_k")
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays; got {type(mod_args).__name__}")
+    like = arrays.intake(mod_args[0], "mod_args[0]") if mod_args else None
+    mod_args = validation.check_mod_args(mod_args, like, "mod_args[0]")[0]
+    entries = (batch or 1) * (nheads or 1)
+    if entries > block_masks.MAX_ENTRIES:
+        raise ValueError(
+            f"block_mask covers at most {block_masks.MAX_ENTRIES} (batch x nheads) entries; "
+            f"got {entries} (give None for a batch or heads the mask does not depend on)"
+        )
+    with _on_device(like) if like is not None else contextlib.nullcontext():
+        return block_masks.make(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_args)
+
+
 def attention(
     q,
     k,
@@ -317,6 +353,7 @@ def attention(
     score_mod=None,
     mask_mod=None,
     mod_args=(),
+    block_mask=None,
 ):
     """Exact softmax attention, computed tile by tile on chip (FlashAttention).
 
@@ -368,6 +405,11 @@ def attention(
             forward on compute capability 9.x, else the portable kernels (the mma.sync
             forward and the tensor-core backwards do not take them yet); they compile their
             kernels once per function and are not replayed from a plan.
+        block_mask: optional numflash.BlockMask (``numflash.block_mask(mask_mod, ...)``) made
+            for this call's shape: the key tiles its mask_mod hides from a whole row block
+            are skipped, and mask_mod is not called on tiles it shows whole. The call's
+            mask_mod and mod_args default to the block mask's and must otherwise be the same
+            function and arrays.
 
     Returns:
         out (q's shape and dtype), and with ``return_lse`` the tuple (out, lse) where lse is
@@ -379,10 +421,11 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    if score_mod is not None or mask_mod is not None or mod_args != ():
-        _refuse_under_capture("attention with a score_mod or mask_mod", planned=False)
+    if score_mod is not None or mask_mod is not None or mod_args != () or block_mask is not None:
+        _refuse_under_capture("attention with a score_mod, mask_mod or block_mask", planned=False)
+        mods = (score_mod, mask_mod, mod_args, None, block_mask)
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config,
-                          softcap, sinks, alibi_slopes, (score_mod, mask_mod, mod_args))  # fmt: skip
+                          softcap, sinks, alibi_slopes, mods)  # fmt: skip
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
     result, key, args = _repeated(_ATTENTION, args, "attention")
@@ -657,6 +700,7 @@ def attention_backward(
     mask_mod=None,
     mod_args=(),
     score_mod_derivative=None,
+    block_mask=None,
 ):
     """Gradients of :func:`attention`: ``(dq, dk, dv)`` of ``sum(out * dout)``.
 
@@ -685,6 +729,8 @@ def attention_backward(
             ``score_mod_derivative(score, b, h, q_idx, kv_idx, *mod_args) -> float``, the
             derivative of score_mod with respect to score at these arguments (a score_mod
             without it is an error: the gradients need it).
+        block_mask: as given to the forward call (checked against the call; the backward's
+            kernels do not skip tiles by it yet).
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype; with ``sinks``, also
@@ -697,9 +743,10 @@ def attention_backward(
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     args += (softcap, sinks, alibi_slopes)
-    mods = (score_mod, mask_mod, mod_args, score_mod_derivative)
+    mods = (score_mod, mask_mod, mod_args, score_mod_derivative, block_mask)
     if any(x is not None for x in mods[:2] + mods[3:]) or mod_args != ():
-        _refuse_under_capture("attention_backward with a score_mod or mask_mod", planned=False)
+        _refuse_under_capture("attention_backward with a score_mod, mask_mod or block_mask",
+                              planned=False)  # fmt: skip
         return _attention_backward(*args, mods)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:

@@ -790,11 +790,15 @@ def variant_arrays(p):
     this order: the sink logits (float32, one a query head), then the ALiBi slopes (float32,
     (nheads,) or (batch, nheads) flat), each where the call has them
     (softmax.alibi_functions' index), then the mod_args of its user functions
-    (kernels/mods.py, from index :func:`first_mod_arg`)."""
+    (kernels/mods.py, from index :func:`first_mod_arg`), then a block mask's index
+    (kernels/block_mask.py) where it has one."""
     sinks = (("sinks", "float32"),) if p.sinks else ()
     variant = sinks + ((("alibi_slopes", "float32"),) if p.alibi else ())
     kinds = () if p.mods is None else p.mods.kinds
-    return variant + tuple((f"mod_args[{i}]", kind) for i, kind in enumerate(kinds))
+    variant += tuple((f"mod_args[{i}]", kind) for i, kind in enumerate(kinds))
+    if p.mods is not None and p.mods.block_mask:  # kernels/block_mask.py
+        variant += (("block_mask.index", "int32"),)
+    return variant
 
 
 def first_mod_arg(p):

@@ -12,6 +12,7 @@ import numbers
 import numpy as np
 
 from . import arrays
+from .block_masks import BlockMask
 from .config import MAX_HEAD_DIM, TensorCoreBackwardConfig, families
 from .kernels.jit import SIMULATOR
 
@@ -163,6 +164,8 @@ class Mods:
     mask_mod: object = None
     score_mod_derivative: object = None
     kinds: tuple = ()
+    #: Whether a block mask's index follows the mod_args (kernels/block_mask.py).
+    block_mask: bool = False
 
 
 #: The mod_args dtypes the kernels take, as kernel element types.
@@ -170,7 +173,7 @@ _MOD_ARG_KINDS = {np.dtype(np.int32): "int32", np.dtype(np.int64): "int64",
                   np.dtype(np.float32): "float32"}  # fmt: skip
 
 
-def _device_function(fn, name):
+def check_device_function(fn, name):
     """``fn`` if it is a Numba CUDA device function (``numba.cuda.jit(device=True)``)."""
     device = getattr(fn, "targetoptions", {}).get("device") or getattr(fn, "_device", False)
     if not (device and callable(getattr(fn, "py_func", None))):
@@ -181,11 +184,14 @@ def _device_function(fn, name):
     return fn
 
 
-def check_mods(score_mod, mask_mod, mod_args, q, score_mod_derivative=None, backward=False):
+def check_mods(score_mod, mask_mod, mod_args, q, score_mod_derivative=None, backward=False,
+               block_mask=None):  # fmt: skip
     """(Mods or None, the mod_args as the kernels read them) of a call's user functions:
     each None or a Numba CUDA device function; ``mod_args`` a tuple or list of 1-D
     C-contiguous int32, int64 or float32 arrays on q's device, which only calls with a
-    score_mod or mask_mod take. ``backward``: a score_mod needs its derivative."""
+    score_mod or mask_mod take. ``backward``: a score_mod needs its derivative.
+    ``block_mask``: a BlockMask checked against the call (check_block_mask), its index
+    after the mod_args."""
     if not isinstance(mod_args, (tuple, list)):
         raise TypeError(f"mod_args must be a tuple of arrays; got {type(mod_args).__name__}")
     if score_mod is None and mask_mod is None:
@@ -195,18 +201,28 @@ def check_mods(score_mod, mask_mod, mod_args, q, score_mod_derivative=None, back
             raise ValueError("score_mod_derivative was given without a score_mod")
         return None, ()
     if score_mod is not None:
-        _device_function(score_mod, "score_mod")
+        check_device_function(score_mod, "score_mod")
     if mask_mod is not None:
-        _device_function(mask_mod, "mask_mod")
+        check_device_function(mask_mod, "mask_mod")
     if score_mod_derivative is not None:
         if score_mod is None:
             raise ValueError("score_mod_derivative was given without a score_mod")
-        _device_function(score_mod_derivative, "score_mod_derivative")
+        check_device_function(score_mod_derivative, "score_mod_derivative")
     elif backward and score_mod is not None:
         raise ValueError(
             "the gradients through a score_mod need score_mod_derivative(score, b, h, q_idx, "
             "kv_idx, *mod_args), its derivative with respect to score"
         )
+    args, kinds = check_mod_args(mod_args, q, "q")
+    if block_mask is not None:
+        args += (block_mask.index,)
+    mods = Mods(score_mod, mask_mod, score_mod_derivative, kinds, block_mask is not None)
+    return mods, args
+
+
+def check_mod_args(mod_args, like, like_name):
+    """(arrays, kernel element types) of ``mod_args``: 1-D C-contiguous int32, int64 or
+    float32 arrays on ``like``'s device."""
     args, kinds = [], []
     for i, x in enumerate(mod_args):
         name = f"mod_args[{i}]"
@@ -219,10 +235,66 @@ def check_mods(score_mod, mask_mod, mod_args, q, score_mod_derivative=None, back
                 f"{name} must be a non-empty 1-D C-contiguous array (index a table flat); got "
                 f"shape {shape_str(x)}" + ("" if x.ndim != 1 else ", strided")
             )
-        check_device(x, name, q, "q")
+        if like is not None:
+            check_device(x, name, like, like_name)
         args.append(x)
         kinds.append(kind)
-    return Mods(score_mod, mask_mod, score_mod_derivative, tuple(kinds)), tuple(args)
+    return tuple(args), tuple(kinds)
+
+
+def check_count(value, name, optional=False):
+    """``value`` as a positive int (a Python or NumPy integer; None where ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int{' or None' if optional else ''}; "
+                        f"got {value!r}")  # fmt: skip
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1; got {value}")
+    return int(value)
+
+
+def _same_arrays(a, b):
+    """Whether two tuples of arrays hold the same arrays (the same memory, shape, dtype)."""
+    return len(a) == len(b) and all(
+        x.shape == y.shape and x.dtype == y.dtype and arrays.same_elements(x, y)
+        for x, y in zip(a, b)
+    )
+
+
+def check_block_mask(block_mask, mask_mod, mod_args, p, q):
+    """(mask_mod, mod_args) of a call with ``block_mask`` (a numflash.BlockMask, or None):
+    the block mask's where the call gives none, else the same function and arrays it was
+    made with; its shape the call's (a batch or heads of None: any)."""
+    if block_mask is None:
+        return mask_mod, mod_args
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be a numflash.BlockMask (numflash.block_mask(...)); got "
+            f"{type(block_mask).__name__}"
+        )
+    made = (block_mask.batch, block_mask.nheads, block_mask.seqlen_q, block_mask.seqlen_k)
+    call = (p.batch, p.nheads, p.seqlen_q, p.seqlen_k)
+    if any(m is not None and m != c for m, c in zip(made, call)):
+        show = ", ".join("any" if m is None else str(m) for m in made)
+        raise ValueError(
+            f"block_mask was made for (batch, nheads, seqlen_q, seqlen_k) = ({show}); the "
+            f"call has {call}"
+        )
+    if mask_mod is None:
+        mask_mod = block_mask.mask_mod
+    elif mask_mod is not block_mask.mask_mod:
+        raise ValueError("mask_mod is not the function block_mask was made with")
+    if not mod_args:
+        mod_args = block_mask.mod_args
+    elif not _same_arrays(tuple(arrays.intake(x, "mod_args") for x in mod_args),
+                          block_mask.mod_args):  # fmt: skip
+        raise ValueError(
+            "mod_args are not the arrays block_mask was made with (a block mask holds what its "
+            "mask_mod saw of them: make it again for new ones)"
+        )
+    check_device(block_mask.kinds, "block_mask", q, "q")
+    return mask_mod, mod_args
 
 
 def check_qkv(q, k, v):

@@ -229,6 +229,25 @@ def run_user_functions():
     cupy.cuda.Device().synchronize()
 
 
+def run_block_masks():
+    """A block mask's evaluation and the forwards and backward that read it: documents of
+    one sequence and row blocks without keys (tests/test_block_masks.py's mask), the Hopper
+    forward's tiles over two blocks (head_dim 64) and the portable forward's."""
+    import test_block_masks as tbm
+
+    document = tbm._documents((300, 3, 400, 97))
+    q, k, v = random_qkv(2, 700, 800, 4, 2, 64, "float16")
+    bm = numflash.block_mask(tbm.document_of_head, 2, 4, 700, 800, mod_args=(document,))
+    variants = tbm.Variants(mask_mod=tbm.document_of_head, mod_args=(document,))
+    for config in (None, numflash.PortableConfig(block_m=64, block_n=32)):
+        out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, config=config,
+                                      block_mask=bm)  # fmt: skip
+        tbm.assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+    dout = tbm.random_array(q.shape, "float16")
+    numflash.attention_backward(dout, q, k, v, out, lse, causal=True, block_mask=bm)
+    cupy.cuda.Device().synchronize()
+
+
 def main(argv):
     family = argv[argv.index("--family") + 1] if "--family" in argv else None
     kvcache_only = "--kvcache-only" in argv
@@ -247,6 +266,8 @@ def main(argv):
     if family in (None, "mods") and not kvcache_only:
         run_user_functions()
         print("ok score_mod, mask_mod and mod_args", flush=True)
+        run_block_masks()
+        print("ok block masks", flush=True)
     for case, config in KVCACHE_CASES:
         if family is not None and config.family != family:
             continue

@@ -21,6 +21,7 @@ LAYERS = {
     "plans": 4,
     "signature": 4,
     "cache": 3,
+    "block_masks": 3,
     "config": 2,
     "device": 1,
     "arrays": 1,

@@ -218,8 +218,15 @@ def test_a_signature_holds_every_parameter_of_its_function_in_order(function, si
     assert names[len(names) - len(user) - 2 :][:2] == ["sinks", "alibi_slopes"]
 
 
-#: The parameters of a user's score_mod and mask_mod, by public function.
+#: The parameters of a user's score_mod and mask_mod (and their block mask), by public
+#: function.
 USER_FUNCTION_PARAMETERS = {
-    "attention": ["score_mod", "mask_mod", "mod_args"],
-    "attention_backward": ["score_mod", "mask_mod", "mod_args", "score_mod_derivative"],
+    "attention": ["score_mod", "mask_mod", "mod_args", "block_mask"],
+    "attention_backward": [
+        "score_mod",
+        "mask_mod",
+        "mod_args",
+        "score_mod_derivative",
+        "block_mask",
+    ],
 }

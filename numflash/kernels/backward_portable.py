@@ -169,7 +169,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
-    modded_and_factor = mod_functions(mods, int(alibi))[2]
+    modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
 
     @device_function
     def load_query_tile(
@@ -432,7 +432,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
-    modded_and_factor = mod_functions(mods, int(alibi))[2]
+    modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
 
     @device_function
     def dq_block(

@@ -22,6 +22,7 @@ import functools
 from numba import cuda, float32, int64
 
 from . import ptx
+from .block_mask import key_ranges
 from .jit import device_function, kernel
 from .mask import block_key_range, visible_keys
 from .mods import mod_functions
@@ -164,7 +165,10 @@ def row_attender(
     MODS = mods is not None
     _, with_sink = sink_functions(sinks)
     _, biased = alibi_functions(alibi)
-    modded = mod_functions(mods, int(sinks) + int(alibi))[0]
+    modded = mod_functions(mods, int(sinks) + int(alibi)).modded
+    BLOCK_MASK = MODS and mods.block_mask
+    MASK_INDEX = int(sinks) + int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
+    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
@@ -194,6 +198,10 @@ def row_attender(
         m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
             m_block, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
         )
+        if BLOCK_MASK:  # and the keys the block mask shows some row of the block
+            last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+            bm_lo, bm_hi, _, _ = key_ranges(variant[MASK_INDEX:MASK_END][0], b, head, m0, last_row)
+            n_lo, n_hi = max(n_lo, bm_lo), min(n_hi, bm_hi)
 
         q_at = q_base + row * q_ss
         for d in range(HEAD_DIM):

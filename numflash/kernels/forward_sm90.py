@@ -66,6 +66,7 @@ import functools
 from numba import cuda, float32, int32, int64, uint8, uint16, uint32, uint64
 
 from . import ptx, ptx_sm90, ptx_tma
+from .block_mask import key_ranges
 from .decode_portable import sequence_length
 from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index, accumulator_position
@@ -209,7 +210,11 @@ def build(
     slope_of, biased = alibi_functions(alibi, sinks)
     MODS = mods is not None
     SCORE_MOD = MODS and mods.score_mod is not None
-    natural_modded = mod_functions(mods, int(sinks) + int(alibi))[3]
+    user = mod_functions(mods, int(sinks) + int(alibi))
+    natural_modded, natural_scored = user.natural_modded, user.natural_scored
+    BLOCK_MASK = MODS and mods.block_mask
+    MASK_INDEX = int(sinks) + int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
+    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
     PERSISTENT = persistent(producer, cache)
     ORDERED = ordered(producer, varlen, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
@@ -420,15 +425,16 @@ def build(
                 s[index] = biased(s[index], at, slope)
         return float32(0.0), float32(0.0)
 
-    def mod_tile_function(checked):
-        """mod_scores' loop (``checked``: only for the rows and keys that exist), a column's
-        two rows after each other, so that what the functions work out from the key alone is
-        worked out once."""
+    def mod_tile_function(checked, masked):
+        """mod_scores' loop (``checked``: only for the rows and keys that exist; ``masked``:
+        with mask_mod, else score_mod alone), a column's two rows after each other, so that
+        what the functions work out from the key alone is worked out once."""
+        natural = natural_modded if masked else natural_scored
 
         @device_function
         def mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
-            b, head, variant = ctx
-            natural = scale_log2 * float32(LN2)  # softmax_scale
+            b, head, variant, _ = ctx
+            unit = scale_log2 * float32(LN2)  # softmax_scale
             row = row0 + (lane >> 2)
             first = n0 + (lane & 3) * 2
             for i in range(S_REGS // 2):
@@ -439,16 +445,20 @@ def build(
                     if not checked or (row + 8 * h < seqlen_q and key < seqlen_k):
                         i = column + 2 * h
                         if SCORE_MOD:  # left in natural units (mod_scores)
-                            s[i] = natural_modded(s[i] * natural, b, head, at, key, variant)
+                            s[i] = natural(s[i] * unit, b, head, at, key, variant)
                         else:  # a mask alone: the raw score or -inf
-                            s[i] = natural_modded(s[i], b, head, at, key, variant)
+                            s[i] = natural(s[i], b, head, at, key, variant)
 
         return mod_tile
 
-    mod_tile, checked_mod_tile = mod_tile_function(False), mod_tile_function(True)
+    mod_tile, checked_mod_tile = mod_tile_function(False, True), mod_tile_function(True, True)
+    scored_tile, checked_scored_tile = (
+        mod_tile_function(False, False),
+        mod_tile_function(True, False),
+    )
 
     @device_function
-    def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx):
+    def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx, full):
         """The user's score_mod and mask_mod (kernels/mods.py) on the tile of keys n0.. of
         this lane's rows (row0 + lane // 4 and 8 below; raw scores, scale_log2 their unit in
         the log2 domain), for the rows and keys that exist; ``ctx`` (b, head, the kernel's
@@ -456,8 +466,16 @@ def build(
         without a check per score. With a score_mod the scores are left in natural units
         (every tile's: its unit in the log2 domain is then LOG2E, absorb), the rows and keys
         that do not exist as they were (the mask hides those keys; those rows are not
-        written)."""
-        if row0 + 16 <= seqlen_q and n0 + BLOCK_N <= seqlen_k:
+        written). ``full``: the block mask shows every row every key of the tile, so
+        mask_mod is not called (a constant False without a block mask)."""
+        whole = row0 + 16 <= seqlen_q and n0 + BLOCK_N <= seqlen_k
+        if BLOCK_MASK and full:
+            if SCORE_MOD:
+                if whole:
+                    scored_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
+                else:
+                    checked_scored_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
+        elif whole:
             mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
         else:
             checked_mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
@@ -517,7 +535,9 @@ def build(
         if ALIBI:
             offsets = bias_scores(s, row0, n0, m0, lane, seqlen_q, seqlen_k, wl, wr, slope)
         if MODS:
-            mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
+            full_lo, full_hi = ctx[3]  # every row of the block sees every key of the tile
+            full = BLOCK_MASK and full_lo <= n0 and n0 + BLOCK_N <= full_hi
+            mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx, full)
         if SCORE_MOD:  # mod_scores left natural units: the softmax's multiply converts them
             scale_log2 = float32(LOG2E)
         needs = tile_needs_mask(m0, m0 + BLOCK_M - 1, n0, n0 + BLOCK_N, seqlen_q, seqlen_k, wl, wr)
@@ -977,7 +997,8 @@ def build(
         shared memory before (its earlier work tiles). The key tiles it took (0: its rows see
         no key). ``sink``: the head's sink logit, read only with sinks; ``slope``: its ALiBi
         slope in units of 1 / scale, read only with ALiBi; ``ctx``: (b, head, the kernel's
-        ``*variant`` arrays), read only with a user's functions (mod_scores)."""
+        ``*variant`` arrays, the keys of a block mask's FULL run: set here), read only with a
+        user's functions (mod_scores)."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         wl, wr = window
@@ -985,6 +1006,12 @@ def build(
         m0 = m_block * BLOCK_M
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, wl, wr)
+        if BLOCK_MASK:  # and the keys the block mask shows some row of the block
+            b, head, variant, _ = ctx
+            index = variant[MASK_INDEX:MASK_END][0]
+            lo, hi, full_lo, full_hi = key_ranges(index, b, head, m0, last_row)
+            n_lo, n_hi = max(n_lo, lo), min(n_hi, hi)
+            ctx = (b, head, variant, (full_lo, full_hi))
         if n_hi <= n_lo:
             if not producing:
                 write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink)
@@ -1172,7 +1199,8 @@ def build(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
             producing, sink_of(variant, head),
-            slope_of(variant, b, head, nheads, raw_unit(scale_log2)), (b, head, variant),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
+            (b, head, variant, (int32(0), int32(0))),
         )  # fmt: skip
 
     # setmaxnreg needs the register count at entry: a block per multiprocessor. A block works
@@ -1264,7 +1292,8 @@ def build(
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
             window, tid, lane, warp, maps, (head, kv_head, b, slot, int64(0), int64(0)), pages,
             g, job, producing, sink_of(variant, head),
-            slope_of(variant, b, head, nheads, raw_unit(scale_log2)), (b, head, variant),
+            slope_of(variant, b, head, nheads, raw_unit(scale_log2)),
+            (b, head, variant, (int32(0), int32(0))),
         )  # fmt: skip
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)

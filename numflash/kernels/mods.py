@@ -16,6 +16,7 @@ function as an inlined device function (a user's ``cuda.jit(device=True)`` is a 
 score otherwise), once per function.
 """
 
+import collections
 import functools
 
 from numba import float32, int32
@@ -46,20 +47,27 @@ def _unit(score, b, h, q_idx, kv_idx, *mod_args):
     return float32(1.0)
 
 
+#: What mod_functions makes of a kernel's user functions (each described there).
+ModFunctions = collections.namedtuple(
+    "ModFunctions", "modded gradient modded_and_factor natural_modded natural_scored"
+)
+
+
 @functools.lru_cache(maxsize=None)
 def mod_functions(mods, first):
-    """(``modded(x, b, h, q_idx, kv_idx, variant) -> x'``, ``gradient(x, b, h, q_idx, kv_idx,
-    variant) -> factor``, ``modded_and_factor(...) -> (x', factor)``, ``natural_modded``) for
-    a kernel compiled with ``mods`` (a validation.Mods, or None: the identity and 1), whose
-    ``*variant`` arrays from index ``first`` on are the mod_args.
+    """The ModFunctions of a kernel compiled with ``mods`` (a validation.Mods, or None: the
+    identity and 1), whose ``*variant`` arrays from index ``first`` on are the mod_args (and
+    after them, with a block mask, its index: kernels/block_mask.py).
 
-    ``modded``: a score ``x`` the causal / window mask lets a query see (log2 domain) as the
-    user's functions change it: -inf where mask_mod says the key is not seen, else
-    score_mod's score (log2 domain). ``gradient``: the factor by which dS of the modded score
-    becomes dS of ``x``, score_mod_derivative at ``x`` (1 without a score_mod; a key masked
-    by mask_mod has p = 0, so its factor is never used). ``natural_modded``: ``modded`` of a
-    score in natural units, returned in natural units (a kernel that scales its scores
-    anyway saves the conversions)."""
+    ``modded(x, b, h, q_idx, kv_idx, variant) -> x'``: a score ``x`` the causal / window
+    mask lets a query see (log2 domain) as the user's functions change it: -inf where
+    mask_mod says the key is not seen, else score_mod's score (log2 domain).
+    ``gradient(...)``: the factor by which dS of the modded score becomes dS of ``x``,
+    score_mod_derivative at ``x`` (1 without a score_mod; a key masked by mask_mod has p =
+    0, so its factor is never used); ``modded_and_factor(...)``: both.
+    ``natural_modded``: ``modded`` of a score in natural units, returned in natural units (a
+    kernel that scales its scores anyway saves the conversions); ``natural_scored``: the
+    same without mask_mod (for keys a block mask says every row sees)."""
     SCORE = mods is not None and mods.score_mod is not None
     MASK = mods is not None and mods.mask_mod is not None
     DERIVATIVE = mods is not None and mods.score_mod_derivative is not None
@@ -67,16 +75,22 @@ def mod_functions(mods, first):
     mask_mod = inlined(mods.mask_mod) if MASK else _seen
     derivative = inlined(mods.score_mod_derivative) if DERIVATIVE else _unit
     FIRST = first
+    END = first + (len(mods.kinds) if mods is not None else 0)  # the block mask's arrays after
 
-    @device_function
-    def natural_modded(score, b, h, q_idx, kv_idx, variant):
-        b, h, q_idx, kv_idx = int32(b), int32(h), int32(q_idx), int32(kv_idx)
-        if MASK:
-            if not mask_mod(b, h, q_idx, kv_idx, *variant[FIRST:]):
-                return NEG_INF
-        if SCORE:
-            return float32(score_mod(score, b, h, q_idx, kv_idx, *variant[FIRST:]))
-        return score
+    def natural_function(masked):
+        @device_function
+        def natural(score, b, h, q_idx, kv_idx, variant):
+            b, h, q_idx, kv_idx = int32(b), int32(h), int32(q_idx), int32(kv_idx)
+            if MASK and masked:
+                if not mask_mod(b, h, q_idx, kv_idx, *variant[FIRST:END]):
+                    return NEG_INF
+            if SCORE:
+                return float32(score_mod(score, b, h, q_idx, kv_idx, *variant[FIRST:END]))
+            return score
+
+        return natural
+
+    natural_modded, natural_scored = natural_function(True), natural_function(False)
 
     @device_function
     def modded(x, b, h, q_idx, kv_idx, variant):
@@ -89,7 +103,7 @@ def mod_functions(mods, first):
         if DERIVATIVE:
             b, h, q_idx, kv_idx = int32(b), int32(h), int32(q_idx), int32(kv_idx)
             natural = x * float32(LN2)
-            return float32(derivative(natural, b, h, q_idx, kv_idx, *variant[FIRST:]))
+            return float32(derivative(natural, b, h, q_idx, kv_idx, *variant[FIRST:END]))
         return float32(1.0)
 
     @device_function
@@ -102,4 +116,4 @@ def mod_functions(mods, first):
             factor = gradient(x, b, h, q_idx, kv_idx, variant)
         return y, factor
 
-    return modded, gradient, modded_and_factor, natural_modded
+    return ModFunctions(modded, gradient, modded_and_factor, natural_modded, natural_scored)
