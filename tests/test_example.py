@@ -4,7 +4,8 @@ jax_train.py trains inside jax.jit along jax.nn.dot_product_attention's loss cur
 jax_decode.py decodes over paged caches in a jitted loop as one causal pass computes;
 ring_train.py gives its loss and gradients with the sequence split over ranks; decode_graph.py
 generates the same tokens eagerly and from a CUDA graph; sinks_decode.py's decoding loop with
-sinks and a window agrees with one pass over the whole sequences."""
+sinks and a window agrees with one pass over the whole sequences; document_mask.py's block-masked
+calls agree with attention_varlen."""
 
 import math
 import sys
@@ -59,6 +60,17 @@ def test_sinks_decode_example_agrees_with_one_pass_over_the_whole_sequences():
 
     diff = sinks_decode.main(["--batch", "2", "--prompt", "21", "--steps", "2", "--window", "9"])
     assert diff < 4e-3
+
+
+def test_document_mask_example_agrees_with_attention_varlen():
+    """examples/document_mask.py at tiny sizes (one block: tests/test_block_masks.py skips
+    tiles): documents packed in one sequence through a mask_mod and its block mask; it exits
+    with an error if its outputs or gradients differ from attention_varlen's."""
+    import document_mask
+
+    sizes = ["--documents", "3", "--min-len", "5", "--max-len", "20", "--head-dim", "8"]
+    diff = document_mask.main(sizes)
+    assert diff < 2e-2
 
 
 @pytest.mark.gpu
