@@ -11,8 +11,8 @@ and the per-score mask inside them. The same rows also go through ``attention_va
 documents as a packed batch), the native route for this mask: outputs and gradients must agree
 within fp16 rounding. Prints the block mask's sparsity, both forwards' times (on a GPU; the
 first calls, which compile, untimed) and the largest differences. (The backward with a
-block mask runs the portable kernels over every tile of the causal triangle: keep the
-sequence short.)
+mask_mod runs the portable kernels, slow beside the tensor-core ones even with the tiles
+the block mask hides skipped: keep the sequence short.)
 """
 
 import argparse

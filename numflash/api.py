@@ -729,8 +729,9 @@ def attention_backward(
             ``score_mod_derivative(score, b, h, q_idx, kv_idx, *mod_args) -> float``, the
             derivative of score_mod with respect to score at these arguments (a score_mod
             without it is an error: the gradients need it).
-        block_mask: as given to the forward call (checked against the call; the backward's
-            kernels do not skip tiles by it yet).
+        block_mask: as given to the forward call (checked against the call): dQ skips the
+            key tiles it hides from a row block, dK and dV the query rows it hides from a key
+            block.
 
     Returns:
         dq with q's shape and dtype; dk and dv with k's shape and dtype; with ``sinks``, also

@@ -76,9 +76,10 @@ def make(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_args):
     xp = np if SIMULATOR else arrays.array_module(like) if like is not None else arrays._cupy()
     blocks_q, blocks_k = _blocks(seqlen_q), _blocks(seqlen_k)
     kinds = xp.empty(entries * blocks_q * blocks_k, dtype=np.uint8)
-    rows = entries * blocks_q
-    index = xp.zeros(kernel_side.HEADER + kernel_side.ROW_WORDS * rows, dtype=np.int32)
-    header = (batch or 1, nheads or 1, blocks_q, blocks_k, seqlen_q, seqlen_k)
+    rows, columns = entries * blocks_q, entries * blocks_k
+    first_column = kernel_side.HEADER + kernel_side.ROW_WORDS * rows
+    index = xp.zeros(first_column + kernel_side.ROW_WORDS * columns, dtype=np.int32)
+    header = (batch or 1, nheads or 1, blocks_q, blocks_k, seqlen_q, seqlen_k, first_column)
     index[: len(header)] = xp.asarray(header, dtype=np.int32)
     if mask_mod not in _evaluated:
         _evaluated.add(mask_mod)
@@ -89,23 +90,35 @@ def make(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_args):
     shape = (nheads or 1, blocks_q, blocks_k, seqlen_q, seqlen_k)
     with warnings.catch_warnings():  # Numba's launch warns of small grids; these are cheap
         warnings.simplefilter("ignore", NumbaPerformanceWarning)
-        _launch(evaluate, grid, shape, kinds, index, rows, blocks_k, mod_args)
+        _launch(evaluate, grid, shape, kinds, mod_args)
+        by_key = xp.ascontiguousarray(kinds.reshape(entries, blocks_q, blocks_k).transpose(0, 2, 1))
+        _ranges(kinds, index, kernel_side.HEADER, rows, blocks_k)
+        _ranges(by_key.reshape(-1), index, first_column, columns, blocks_q)
     return BlockMask(mask_mod, mod_args, batch, nheads, seqlen_q, seqlen_k, index, kinds)
 
 
-def _launch(evaluate, grid, shape, kinds, index, rows, blocks_k, mod_args):
-    """The evaluation, then the rows' ranges, on CuPy's current stream."""
-    threads = 128
-    rows_grid = (rows + threads - 1) // threads
+def _launch(evaluate, grid, shape, kinds, mod_args):
+    """The evaluation of the kinds, on CuPy's current stream."""
     if SIMULATOR:
         evaluate[grid, BLOCK_SIZE](kinds, *shape, tuple(mod_args))
-        kernel_side.row_ranges[rows_grid, threads](kinds, index, rows, blocks_k)
-    else:
-        from numba import cuda
+        return
+    from numba import cuda
 
-        # Numba types a tuple of its own device arrays (CuPy's are typed at the top level only)
-        views = tuple(cuda.as_cuda_array(x) for x in mod_args)
-        stream = cuda.external_stream(arrays.current_stream())
-        kinds_view, index_view = cuda.as_cuda_array(kinds), cuda.as_cuda_array(index)
-        evaluate[grid, BLOCK_SIZE, stream](kinds_view, *shape, views)
-        kernel_side.row_ranges[rows_grid, threads, stream](kinds_view, index_view, rows, blocks_k)
+    # Numba types a tuple of its own device arrays (CuPy's are typed at the top level only)
+    views = tuple(cuda.as_cuda_array(x) for x in mod_args)
+    stream = cuda.external_stream(arrays.current_stream())
+    evaluate[grid, BLOCK_SIZE, stream](cuda.as_cuda_array(kinds), *shape, views)
+
+
+def _ranges(kinds, index, first_word, rows, blocks):
+    """kernels/block_mask.row_ranges over ``rows`` rows of ``kinds``, on the current stream."""
+    threads = 128
+    grid = (rows + threads - 1) // threads
+    if SIMULATOR:
+        kernel_side.row_ranges[grid, threads](kinds, index, first_word, rows, blocks)
+        return
+    from numba import cuda
+
+    stream = cuda.external_stream(arrays.current_stream())
+    views = (cuda.as_cuda_array(kinds), cuda.as_cuda_array(index))
+    kernel_side.row_ranges[grid, threads, stream](*views, first_word, rows, blocks)

@@ -73,7 +73,8 @@ def _host_kinds(fn, batch, nheads, seqlen_q, seqlen_k, *args):
 
 def _assert_ranges(bm, expected):
     """``bm.index`` holds each query block's seen key blocks and its longest FULL run."""
-    ranges = to_numpy(bm.index)[kernel_side.HEADER :]
+    index = to_numpy(bm.index)
+    ranges = index[kernel_side.HEADER : index[6]]
     ranges = ranges.reshape(expected.shape[:3] + (kernel_side.ROW_WORDS,))
     for b, h, qb in np.ndindex(*expected.shape[:3]):
         seen = np.flatnonzero(expected[b, h, qb])
@@ -85,6 +86,16 @@ def _assert_ranges(bm, expected):
         assert full_hi - full_lo == max(len(run) for run in flags.split("."))
 
 
+def _assert_columns(bm, expected):
+    """``bm.index``'s columns: each key block's seen query blocks."""
+    index = to_numpy(bm.index)
+    columns = index[index[6] :].reshape(expected.shape[:2] + (expected.shape[3], -1))
+    for b, h, kb in np.ndindex(*columns.shape[:3]):
+        seen = np.flatnonzero(expected[b, h, :, kb])
+        want = (seen[0], seen[-1] + 1) if seen.size else (0, 0)
+        assert tuple(columns[b, h, kb, :2]) == want
+
+
 def test_the_kinds_and_ranges_match_the_mask_evaluated_on_the_host():
     document = _documents((100, 3, 150, 47))
     bm = numflash.block_mask(document_of_head, 2, 2, 300, 300, mod_args=(document,))
@@ -94,6 +105,7 @@ def test_the_kinds_and_ranges_match_the_mask_evaluated_on_the_host():
     np.testing.assert_array_equal(kinds, expected)
     assert tuple(to_numpy(bm.index)[:6]) == (2, 2, 3, 3, 300, 300)
     _assert_ranges(bm, expected)
+    _assert_columns(bm, expected)
     counts = bm.counts()
     assert sum(counts.values()) == expected.size
     assert counts["empty"] == int((expected == 0).sum()) > 0
@@ -106,6 +118,7 @@ def test_a_mask_the_same_for_every_batch_entry_and_head_is_made_once(fn, seqlen_
     expected = _host_kinds(fn, 1, 1, seqlen_q, seqlen_k)
     np.testing.assert_array_equal(to_numpy(bm.kinds).reshape(expected.shape), expected)
     _assert_ranges(bm, expected)
+    _assert_columns(bm, expected)
     assert fn.__name__ in repr(bm) and bm.batch is None and bm.nheads is None
     assert (bm.counts()["full"] > 0) == (fn is wide_window)
 
@@ -127,15 +140,19 @@ def test_the_portable_forward_with_a_block_mask_matches_the_reference(causal):
     assert np.isneginf(to_numpy(lse)[0, 1, -1])
 
 
-def test_the_backward_takes_the_block_mask_of_its_forward():
-    document = _documents((70, 60, 70))
-    q, k, v = random_qkv(1, 200, 200, 2, 2, 16, "float16")
-    bm = numflash.block_mask(same_document, None, None, 200, 200, mod_args=(document,))
+def test_the_backward_skips_what_the_block_mask_of_its_forward_hides():
+    """dQ over each row block's seen keys, dK and dV over each key block's seen rows, per
+    head of a GQA group (head 1's rows from 140 on see nothing), batch entries apart."""
+    document = _documents((100, 3, 150, 47, 20))
+    q, k, v = random_qkv(2, 290, 320, 2, 1, 16, "float16")
+    bm = numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
-    variants = Variants(mask_mod=same_document, mod_args=(document,))
+    variants = Variants(mask_mod=document_of_head, mod_args=(document,))
     assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
     dout = random_array(q.shape, "float16")
-    grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, block_mask=bm)
+    cfg = numflash.PortableBackwardConfig(block_m=32, block_n=64)
+    grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, config=cfg,
+                                        block_mask=bm)  # fmt: skip
     assert_gradients_match(dout, q, k, v, *grads, causal=True, variants=variants)
 
 

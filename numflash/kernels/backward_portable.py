@@ -27,6 +27,7 @@ import functools
 from numba import cuda, float32, int64
 
 from . import ptx
+from .block_mask import key_ranges, query_ranges
 from .forward_portable import (
     FROM_F32,
     TO_F32,
@@ -170,6 +171,9 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
     modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
+    BLOCK_MASK = MODS and mods.block_mask
+    MASK_INDEX = int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
+    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
 
     @device_function
     def load_query_tile(
@@ -255,7 +259,12 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             q_base = q_off + head * q_sh
             do_base = do_off + head * do_sh
             row_base = row_off + head * row_head_stride
-            for m0 in range(m_lo, m_hi, BLOCK_M):
+            rows_lo, rows_hi = m_lo, m_hi
+            if BLOCK_MASK:  # and the rows the block mask shows some key of the block
+                index = variant[MASK_INDEX:MASK_END][0]
+                bm_lo, bm_hi = query_ranges(index, b, head, n0, last_key)
+                rows_lo, rows_hi = max(m_lo, bm_lo), min(m_hi, bm_hi)
+            for m0 in range(rows_lo, rows_hi, BLOCK_M):
                 cuda.syncthreads()  # every thread is done with the previous tile
                 load_query_tile(
                     q,
@@ -433,6 +442,9 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
     modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
+    BLOCK_MASK = MODS and mods.block_mask
+    MASK_INDEX = int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
+    MASK_END = MASK_INDEX + 1
 
     @device_function
     def dq_block(
@@ -463,6 +475,11 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
         m0, row, active, n_lo, n_hi, lo, hi = query_row_position(
             m_block, tid, BLOCK_M, seqlen_q, seqlen_k, window_left, window_right
         )
+        if BLOCK_MASK:  # and the keys the block mask shows some row of the block
+            last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+            index = variant[MASK_INDEX:MASK_END][0]
+            bm_lo, bm_hi, _, _ = key_ranges(index, b, head, m0, last_row)
+            n_lo, n_hi = max(n_lo, bm_lo), min(n_hi, bm_hi)
         scale_log2 = scale * float32(LOG2E)
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:

@@ -6,18 +6,21 @@ query rows by BLOCK_SIZE keys, each one of three kinds: EMPTY (the mask_mod sees
 for any row), PARTIAL, FULL (every row sees every key that exists). The kinds stay with the
 BlockMask; the kernels read ``index`` (int32), the last of their ``*variant`` arrays: the
 header (HEADER words: the batch entries and heads it was made for, each 1 where the mask is
-the same for all, its query blocks, its key blocks, seqlen_q, seqlen_k), then for each
-(batch entry, head, query block) ROW_WORDS words, in key blocks: ``[lo, hi)`` outside which
-every block is EMPTY (lo = hi: none is seen), and ``[full_lo, full_hi)``, the longest run of
-FULL blocks (the first of the longest).
+the same for all, its query blocks, its key blocks, seqlen_q, seqlen_k, where the columns
+start), then for each (batch entry, head, query block) ROW_WORDS words, in key blocks: ``[lo,
+hi)`` outside which every block is EMPTY (lo = hi: none is seen), and ``[full_lo, full_hi)``,
+the longest run of FULL blocks (the first of the longest); then the columns, the same for
+each (batch entry, head, key block) in query blocks (the backward's dK and dV run over a key
+block's query rows).
 
 A kernel with a block mask runs only the key tiles of ``[lo, hi)`` (their union over the
 query blocks its rows span, intersected with the causal / window range) and skips mask_mod
 on tiles inside the FULL run (its intersection over those query blocks): a range test a tile,
-the ranges read once a row block. The blocks inside ``[lo, hi)`` that are EMPTY still run,
-masked per element, and FULL blocks outside the longest run take the per-element mask (masks
-with such holes or runs are rare: a document, prefix or window mask leaves one run of seen
-blocks, and one of FULL blocks, a query block).
+the ranges read once a row block; the portable backward runs dQ over the seen key range and
+dK, dV over a key block's seen query range. The blocks inside ``[lo, hi)`` that are EMPTY
+still run, masked per element, and FULL blocks outside the longest run take the per-element
+mask (masks with such holes or runs are rare: a document, prefix or window mask leaves one
+run of seen blocks, and one of FULL blocks, a query block).
 """
 
 import functools
@@ -65,17 +68,35 @@ def key_ranges(index, b, h, first_row, last_row):
     return lo, min(hi, int32(index[5])), full_lo, full_hi
 
 
+@device_function
+def query_ranges(index, b, h, first_key, last_key):
+    """The query rows ``[lo, hi)`` outside which no row of (b, h) sees keys
+    ``first_key..last_key`` by the block mask (``lo >= hi``: none)."""
+    batches, heads, blocks_k = index[0], index[1], index[3]
+    bb = b if batches > 1 else 0
+    hh = h if heads > 1 else 0
+    lo, hi = int32(index[4]), int32(0)
+    for block in range(first_key // BLOCK_SIZE, last_key // BLOCK_SIZE + 1):
+        entry = (int32(bb) * heads + int32(hh)) * blocks_k + int32(block)
+        at = index[6] + ROW_WORDS * entry
+        if index[at] < index[at + 1]:
+            lo = min(lo, int32(index[at] * BLOCK_SIZE))
+            hi = max(hi, int32(index[at + 1] * BLOCK_SIZE))
+    return lo, min(hi, int32(index[4]))
+
+
 @kernel
-def row_ranges(kinds, index, rows, blocks_k):
-    """``index``'s ROW_WORDS words of each of ``rows`` (batch entry, head, query block)
-    rows of ``kinds``, a thread a row."""
+def row_ranges(kinds, index, first_word, rows, blocks):
+    """``index``'s ROW_WORDS words, from ``first_word`` on, of each of ``rows`` rows of
+    ``kinds`` (``blocks`` each: a query block's key blocks, or a key block's query blocks),
+    a thread a row."""
     row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if row < rows:
-        first = row * blocks_k
+        first = row * blocks
         lo, hi = int32(0), int32(0)
         best_lo, best_len = int32(0), int32(0)
         run_lo, run_len = int32(0), int32(0)
-        for kb in range(blocks_k):
+        for kb in range(blocks):
             kind = kinds[first + kb]
             if kind != uint8(EMPTY):
                 if hi == 0:
@@ -89,7 +110,7 @@ def row_ranges(kinds, index, rows, blocks_k):
                     best_lo, best_len = run_lo, run_len
             else:
                 run_len = int32(0)
-        at = HEADER + ROW_WORDS * row
+        at = first_word + ROW_WORDS * row
         index[at] = lo
         index[at + 1] = hi
         index[at + 2] = best_lo
