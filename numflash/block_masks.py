@@ -86,39 +86,36 @@ def make(mask_mod, batch, nheads, seqlen_q, seqlen_k, mod_args):
         _log.info("compiling the block-mask evaluation of mask_mod=%s",
                   getattr(mask_mod, "__name__", mask_mod))  # fmt: skip
     evaluate = kernel_side.evaluator(mask_mod)
-    grid = (blocks_k, blocks_q, entries)
     shape = (nheads or 1, blocks_q, blocks_k, seqlen_q, seqlen_k)
     with warnings.catch_warnings():  # Numba's launch warns of small grids; these are cheap
         warnings.simplefilter("ignore", NumbaPerformanceWarning)
-        _launch(evaluate, grid, shape, kinds, mod_args)
+        _run(evaluate, (blocks_k, blocks_q, entries), BLOCK_SIZE, (kinds, *shape, tuple(mod_args)))
         by_key = xp.ascontiguousarray(kinds.reshape(entries, blocks_q, blocks_k).transpose(0, 2, 1))
-        _ranges(kinds, index, kernel_side.HEADER, rows, blocks_k)
-        _ranges(by_key.reshape(-1), index, first_column, columns, blocks_q)
+        ranges = ((kinds, kernel_side.HEADER, rows, blocks_k),
+                  (by_key.reshape(-1), first_column, columns, blocks_q))  # fmt: skip
+        for source, first_word, count, blocks in ranges:
+            grid = (count + _RANGE_THREADS - 1) // _RANGE_THREADS
+            _run(kernel_side.row_ranges, grid, _RANGE_THREADS,
+                 (source, index, first_word, count, blocks))  # fmt: skip
     return BlockMask(mask_mod, mod_args, batch, nheads, seqlen_q, seqlen_k, index, kinds)
 
 
-def _launch(evaluate, grid, shape, kinds, mod_args):
-    """The evaluation of the kinds, on CuPy's current stream."""
+#: Threads a block of kernels/block_mask.row_ranges (a row of kinds a thread).
+_RANGE_THREADS = 128
+
+
+def _run(kernel, grid, threads, args):
+    """Launch ``kernel`` on CuPy's current stream. Numba types a tuple only of its own device
+    arrays, so CuPy's go as Numba views (zero-copy)."""
     if SIMULATOR:
-        evaluate[grid, BLOCK_SIZE](kinds, *shape, tuple(mod_args))
+        kernel[grid, threads](*args)
         return
     from numba import cuda
 
-    # Numba types a tuple of its own device arrays (CuPy's are typed at the top level only)
-    views = tuple(cuda.as_cuda_array(x) for x in mod_args)
-    stream = cuda.external_stream(arrays.current_stream())
-    evaluate[grid, BLOCK_SIZE, stream](cuda.as_cuda_array(kinds), *shape, views)
-
-
-def _ranges(kinds, index, first_word, rows, blocks):
-    """kernels/block_mask.row_ranges over ``rows`` rows of ``kinds``, on the current stream."""
-    threads = 128
-    grid = (rows + threads - 1) // threads
-    if SIMULATOR:
-        kernel_side.row_ranges[grid, threads](kinds, index, first_word, rows, blocks)
-        return
-    from numba import cuda
+    def view(x):
+        if isinstance(x, tuple):
+            return tuple(view(y) for y in x)
+        return cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
 
     stream = cuda.external_stream(arrays.current_stream())
-    views = (cuda.as_cuda_array(kinds), cuda.as_cuda_array(index))
-    kernel_side.row_ranges[grid, threads, stream](*views, first_word, rows, blocks)
+    kernel[grid, threads, stream](*(view(x) for x in args))

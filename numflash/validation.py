@@ -257,8 +257,7 @@ def check_count(value, name, optional=False):
 def _same_arrays(a, b):
     """Whether two tuples of arrays hold the same arrays (the same memory, shape, dtype)."""
     return len(a) == len(b) and all(
-        x.shape == y.shape and x.dtype == y.dtype and arrays.same_elements(x, y)
-        for x, y in zip(a, b)
+        x.dtype == y.dtype and arrays.same_elements(x, y) for x, y in zip(a, b)
     )
 
 

@@ -42,9 +42,8 @@ def head_bias(score, b, h, q_idx, kv_idx, slopes):
     return score + slopes[h]
 
 
-@cuda.jit(device=True)
-def rel_split(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (float32(q_idx) - float32(kv_idx))
+#: benchmarks/bench_variants.py's relbias and relbias-f64.
+rel_split, rel_f64 = bench_variants.relative_bias, bench_variants.relative_bias_f64
 
 
 @cuda.jit(device=True)
@@ -61,11 +60,6 @@ def exponent_float(i):
 @cuda.jit(device=True)
 def rel_magic(score, b, h, q_idx, kv_idx, slopes):
     return score + slopes[h] * (exponent_float(q_idx) - exponent_float(kv_idx))
-
-
-@cuda.jit(device=True)
-def rel_f64(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (q_idx - kv_idx)
 
 
 FORMS = {

@@ -170,10 +170,10 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
-    modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
+    user = mod_functions(mods, int(alibi))
+    modded_and_factor = user.modded_and_factor
     BLOCK_MASK = MODS and mods.block_mask
-    MASK_INDEX = int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
-    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
+    MASK_AT, MASK_END = user.block_mask_at, user.block_mask_at + 1
 
     @device_function
     def load_query_tile(
@@ -261,7 +261,7 @@ def build_dkdv(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0
             row_base = row_off + head * row_head_stride
             rows_lo, rows_hi = m_lo, m_hi
             if BLOCK_MASK:  # and the rows the block mask shows some key of the block
-                index = variant[MASK_INDEX:MASK_END][0]
+                index = variant[MASK_AT:MASK_END][0]
                 bm_lo, bm_hi = query_ranges(index, b, head, n0, last_key)
                 rows_lo, rows_hi = max(m_lo, bm_lo), min(m_hi, bm_hi)
             for m0 in range(rows_lo, rows_hi, BLOCK_M):
@@ -441,10 +441,10 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
     cap_factors, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0)
     slope_of, biased = alibi_functions(alibi)
     MODS = mods is not None
-    modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
+    user = mod_functions(mods, int(alibi))
+    modded_and_factor = user.modded_and_factor
     BLOCK_MASK = MODS and mods.block_mask
-    MASK_INDEX = int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
-    MASK_END = MASK_INDEX + 1
+    MASK_AT, MASK_END = user.block_mask_at, user.block_mask_at + 1
 
     @device_function
     def dq_block(
@@ -477,7 +477,7 @@ def build_dq(head_dim, dtype_name, block_m, block_n, varlen=False, softcap=0.0, 
         )
         if BLOCK_MASK:  # and the keys the block mask shows some row of the block
             last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-            index = variant[MASK_INDEX:MASK_END][0]
+            index = variant[MASK_AT:MASK_END][0]
             bm_lo, bm_hi, _, _ = key_ranges(index, b, head, m0, last_row)
             n_lo, n_hi = max(n_lo, bm_lo), min(n_hi, bm_hi)
         scale_log2 = scale * float32(LOG2E)

@@ -30,7 +30,7 @@ from numba import cuda, int32, uint8
 from .jit import device_function, kernel
 from .mods import inlined
 
-#: Query rows and keys of a block (a kernel's row block must divide it: selection).
+#: Query rows and keys of a block (a kernel's tile may span several: key_ranges).
 BLOCK_SIZE = 128
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -43,12 +43,13 @@ ROW_WORDS = 4
 
 
 @device_function
-def _row_entry(index, b, h, query_block):
-    """The flat (batch entry, head, query block) entry of ``index``'s ranges."""
-    batches, heads, blocks = index[0], index[1], index[2]
+def _entry(index, b, h, block, blocks):
+    """The flat (batch entry, head, block) entry, ``blocks`` a (batch entry, head), of
+    ``index``'s rows (query blocks) or columns (key blocks)."""
+    batches, heads = index[0], index[1]
     bb = b if batches > 1 else 0
     hh = h if heads > 1 else 0
-    return (int32(bb) * heads + int32(hh)) * blocks + int32(query_block)
+    return (int32(bb) * heads + int32(hh)) * blocks + int32(block)
 
 
 @device_function
@@ -59,7 +60,7 @@ def key_ranges(index, b, h, first_row, last_row):
     lo, hi = int32(index[5]), int32(0)
     full_lo, full_hi = int32(0), int32(index[3] * BLOCK_SIZE)
     for block in range(first_row // BLOCK_SIZE, last_row // BLOCK_SIZE + 1):
-        at = HEADER + ROW_WORDS * _row_entry(index, b, h, block)
+        at = HEADER + ROW_WORDS * _entry(index, b, h, block, index[2])
         if index[at] < index[at + 1]:
             lo = min(lo, int32(index[at] * BLOCK_SIZE))
             hi = max(hi, int32(index[at + 1] * BLOCK_SIZE))
@@ -72,13 +73,9 @@ def key_ranges(index, b, h, first_row, last_row):
 def query_ranges(index, b, h, first_key, last_key):
     """The query rows ``[lo, hi)`` outside which no row of (b, h) sees keys
     ``first_key..last_key`` by the block mask (``lo >= hi``: none)."""
-    batches, heads, blocks_k = index[0], index[1], index[3]
-    bb = b if batches > 1 else 0
-    hh = h if heads > 1 else 0
     lo, hi = int32(index[4]), int32(0)
     for block in range(first_key // BLOCK_SIZE, last_key // BLOCK_SIZE + 1):
-        entry = (int32(bb) * heads + int32(hh)) * blocks_k + int32(block)
-        at = index[6] + ROW_WORDS * entry
+        at = index[6] + ROW_WORDS * _entry(index, b, h, block, index[3])
         if index[at] < index[at + 1]:
             lo = min(lo, int32(index[at] * BLOCK_SIZE))
             hi = max(hi, int32(index[at + 1] * BLOCK_SIZE))
@@ -120,9 +117,10 @@ def row_ranges(kinds, index, first_word, rows, blocks):
 @functools.lru_cache(maxsize=None)
 def evaluator(mask_mod):
     """The kernel ``evaluate(kinds, heads, blocks_q, blocks_k, seqlen_q, seqlen_k,
-    mod_args)`` (``mod_args`` a tuple of arrays) that writes each block's kind, grid (blocks_k, blocks_q, batch entries x
-    heads), BLOCK_SIZE threads a block, one key a thread over the block's rows; ``mask_mod``'s
-    b and h are the grid's (0 for a mask made the same for all)."""
+    mod_args)`` (``mod_args`` a tuple of arrays) that writes each block's kind, grid
+    (blocks_k, blocks_q, batch entries x heads), BLOCK_SIZE threads a block, one key a thread
+    over the block's rows; ``mask_mod``'s b and h are the grid's (0 for a mask made the same
+    for all)."""
     seen_by = inlined(mask_mod)
 
     @kernel

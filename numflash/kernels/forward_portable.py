@@ -165,10 +165,10 @@ def row_attender(
     MODS = mods is not None
     _, with_sink = sink_functions(sinks)
     _, biased = alibi_functions(alibi)
-    modded = mod_functions(mods, int(sinks) + int(alibi)).modded
+    user = mod_functions(mods, int(sinks) + int(alibi))
+    modded = user.modded
     BLOCK_MASK = MODS and mods.block_mask
-    MASK_INDEX = int(sinks) + int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
-    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
+    MASK_AT, MASK_END = user.block_mask_at, user.block_mask_at + 1
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
     HEAD_DIM = head_dim
     BLOCK_M = block_m
@@ -200,7 +200,7 @@ def row_attender(
         )
         if BLOCK_MASK:  # and the keys the block mask shows some row of the block
             last_row = min(m0 + BLOCK_M, seqlen_q) - 1
-            bm_lo, bm_hi, _, _ = key_ranges(variant[MASK_INDEX:MASK_END][0], b, head, m0, last_row)
+            bm_lo, bm_hi, _, _ = key_ranges(variant[MASK_AT:MASK_END][0], b, head, m0, last_row)
             n_lo, n_hi = max(n_lo, bm_lo), min(n_hi, bm_hi)
 
         q_at = q_base + row * q_ss

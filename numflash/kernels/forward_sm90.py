@@ -213,8 +213,7 @@ def build(
     user = mod_functions(mods, int(sinks) + int(alibi))
     natural_modded, natural_scored = user.natural_modded, user.natural_scored
     BLOCK_MASK = MODS and mods.block_mask
-    MASK_INDEX = int(sinks) + int(alibi) + (len(mods.kinds) if MODS else 0)  # in *variant
-    MASK_END = MASK_INDEX + 1  # a heterogeneous tuple takes constant slices, not indices
+    MASK_AT, MASK_END = user.block_mask_at, user.block_mask_at + 1
     PERSISTENT = persistent(producer, cache)
     ORDERED = ordered(producer, varlen, cache)
     BLOCK_M = WARPGROUP_ROWS * consumers
@@ -443,11 +442,11 @@ def build(
                 for h in range(2):
                     at = row + 8 * h + seqlen_k - seqlen_q
                     if not checked or (row + 8 * h < seqlen_q and key < seqlen_k):
-                        i = column + 2 * h
+                        r = column + 2 * h
                         if SCORE_MOD:  # left in natural units (mod_scores)
-                            s[i] = natural(s[i] * unit, b, head, at, key, variant)
+                            s[r] = natural(s[r] * unit, b, head, at, key, variant)
                         else:  # a mask alone: the raw score or -inf
-                            s[i] = natural(s[i], b, head, at, key, variant)
+                            s[r] = natural(s[r], b, head, at, key, variant)
 
         return mod_tile
 
@@ -1008,7 +1007,7 @@ def build(
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, wl, wr)
         if BLOCK_MASK:  # and the keys the block mask shows some row of the block
             b, head, variant, _ = ctx
-            index = variant[MASK_INDEX:MASK_END][0]
+            index = variant[MASK_AT:MASK_END][0]
             lo, hi, full_lo, full_hi = key_ranges(index, b, head, m0, last_row)
             n_lo, n_hi = max(n_lo, lo), min(n_hi, hi)
             ctx = (b, head, variant, (full_lo, full_hi))

@@ -49,7 +49,8 @@ def _unit(score, b, h, q_idx, kv_idx, *mod_args):
 
 #: What mod_functions makes of a kernel's user functions (each described there).
 ModFunctions = collections.namedtuple(
-    "ModFunctions", "modded gradient modded_and_factor natural_modded natural_scored"
+    "ModFunctions",
+    "modded gradient modded_and_factor natural_modded natural_scored block_mask_at",
 )
 
 
@@ -67,7 +68,11 @@ def mod_functions(mods, first):
     0, so its factor is never used); ``modded_and_factor(...)``: both.
     ``natural_modded``: ``modded`` of a score in natural units, returned in natural units (a
     kernel that scales its scores anyway saves the conversions); ``natural_scored``: the
-    same without mask_mod (for keys a block mask says every row sees)."""
+    same without mask_mod (for keys a block mask says every row sees).
+    ``block_mask_at``: where a block mask's index is among the ``*variant`` arrays, after
+    the mod_args (a kernel takes it as ``variant[at:at + 1][0]``: a heterogeneous tuple
+    takes constant slices, not indices, and a device function cannot return an array it
+    took from a tuple)."""
     SCORE = mods is not None and mods.score_mod is not None
     MASK = mods is not None and mods.mask_mod is not None
     DERIVATIVE = mods is not None and mods.score_mod_derivative is not None
@@ -75,7 +80,7 @@ def mod_functions(mods, first):
     mask_mod = inlined(mods.mask_mod) if MASK else _seen
     derivative = inlined(mods.score_mod_derivative) if DERIVATIVE else _unit
     FIRST = first
-    END = first + (len(mods.kinds) if mods is not None else 0)  # the block mask's arrays after
+    END = first + (len(mods.kinds) if mods is not None else 0)  # the block mask's index there
 
     def natural_function(masked):
         @device_function
@@ -116,4 +121,4 @@ def mod_functions(mods, first):
             factor = gradient(x, b, h, q_idx, kv_idx, variant)
         return y, factor
 
-    return ModFunctions(modded, gradient, modded_and_factor, natural_modded, natural_scored)
+    return ModFunctions(modded, gradient, modded_and_factor, natural_modded, natural_scored, END)
