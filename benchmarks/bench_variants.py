@@ -16,8 +16,8 @@ and each keeps its fastest round's median: the H200's speed drifts by several pe
 timings a minute apart, which a single plain-then-variant pass reads as the variant's cost. Each
 variant's output is first checked against the float64 reference on a small problem, so a fast
 wrong kernel cannot pass. The table gives each variant's time as a ratio of the plain call's
-(1.10 = 10% slower). The backward of a user's score_mod runs the portable kernels (the
-tensor-core backwards do not take user functions yet): relbias times the forward alone.
+(1.10 = 10% slower). relbias and relbias-f64 time the backward with the score_mod's
+derivative (1) as ``score_mod_derivative``.
 
 Then gpt-oss-style decoding: one query row a sequence, batch 64, 4096 cached tokens in pages of
 16, 64 query heads / 8 KV heads, head_dim 64, a 128-token window, the new key and value
@@ -45,9 +45,6 @@ NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 #: The variants timed ("plain" is the baseline).
 VARIANTS = ("plain", "softcap", "sinks", "alibi", "relbias", "relbias-f64")
 
-#: The variants whose backward is timed (a user's score_mod runs the portable backward).
-BACKWARD_VARIANTS = ("plain", "softcap", "sinks", "alibi")
-
 
 @cuda.jit(device=True)
 def relative_bias(score, b, h, q_idx, kv_idx, slopes):
@@ -60,6 +57,12 @@ def relative_bias(score, b, h, q_idx, kv_idx, slopes):
 def relative_bias_f64(score, b, h, q_idx, kv_idx, slopes):
     """relbias-f64's: float32 times Numba's int64 difference is float64 arithmetic."""
     return score + slopes[h] * (q_idx - kv_idx)
+
+
+@cuda.jit(device=True)
+def relative_bias_derivative(score, b, h, q_idx, kv_idx, slopes):
+    """Both relative biases' derivative with respect to the score."""
+    return float32(1.0)
 
 
 def _slopes():
@@ -78,7 +81,8 @@ def variant_kwargs(variant):
         return {"alibi_slopes": slopes}, {"alibi_slopes": slopes}
     if variant in ("relbias", "relbias-f64"):
         fn = relative_bias if variant == "relbias" else relative_bias_f64
-        return {"score_mod": fn, "mod_args": (_slopes(),)}, None
+        forward = {"score_mod": fn, "mod_args": (_slopes(),)}
+        return forward, {**forward, "score_mod_derivative": relative_bias_derivative}
     return {}, {}
 
 
@@ -116,14 +120,14 @@ def time_problem(dtype, causal, seqlen, batch, runs, variants, rounds):
         def backward(kwargs=backward_kwargs, out=out, lse=lse):
             numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, **kwargs)
 
-        calls[variant] = (forward, backward) if backward_kwargs is not None else (forward,)
+        calls[variant] = (forward, backward)
     best = {}
     for _ in range(rounds):
         for variant, fns in calls.items():
             found = tuple(time_gpu(fn, runs=runs) for fn in fns)
             kept = best.get(variant, found)
             best[variant] = tuple(min(a, b, key=lambda t: t.median_ms) for a, b in zip(kept, found))
-    return {variant: (*timings, None)[:2] for variant, timings in best.items()}
+    return best
 
 
 #: gpt-oss's decoding shape: (batch, cached tokens, heads, kv heads, head_dim, window, page)
@@ -189,8 +193,6 @@ def main():
                 for variant, (fwd, bwd) in timings.items():
                     fields = peers.problem(batch, NHEADS, seqlen, seqlen, HEAD_DIM, causal)
                     for mode, timing, scale in (("forward", fwd, 1.0), ("backward", bwd, 2.5)):
-                        if timing is None:  # a user's score_mod: its backward is portable
-                            continue
                         records.append(
                             peers.record(
                                 timing,
@@ -203,10 +205,8 @@ def main():
                                 **fields,
                             )
                         )
-                    backward = "| - | - |"
-                    if bwd is not None:
-                        backward = (f"| {bwd.median_ms:.3f} | "
-                                    f"{bwd.median_ms / plain_bwd.median_ms:.3f} |")  # fmt: skip
+                    backward = (f"| {bwd.median_ms:.3f} | "
+                                f"{bwd.median_ms / plain_bwd.median_ms:.3f} |")  # fmt: skip
                     lines.append(
                         f"| {dt} | {seqlen} | {causal} | {variant} | {fwd.median_ms:.3f} | "
                         f"{fwd.median_ms / plain_fwd.median_ms:.3f} {backward}"

@@ -401,10 +401,8 @@ def attention(
             window_size let it be. A row it leaves without keys gets output 0 and lse -inf.
         mod_args: arrays passed to score_mod and mask_mod after the indices: 1-D,
             C-contiguous, int32, int64 or float32, on q's device (bias tables, document ids).
-            Calls with score_mod or mask_mod run the families that take them: the Hopper
-            forward on compute capability 9.x, else the portable kernels (the mma.sync
-            forward and the tensor-core backwards do not take them yet); they compile their
-            kernels once per function and are not replayed from a plan.
+            Every kernel family of attention and attention_backward takes them; such calls
+            compile their kernels once per function and are not replayed from a plan.
         block_mask: optional numflash.BlockMask (``numflash.block_mask(mask_mod, ...)``) made
             for this call's shape: the key tiles its mask_mod hides from a whole row block
             are skipped, and mask_mod is not called on tiles it shows whole. The call's
@@ -713,9 +711,9 @@ def attention_backward(
             call (a softcap or slopes the forward had and the backward is not given give wrong
             gradients: the backward recomputes the scores from these arguments).
         deterministic: ask for bitwise reproducible gradients. Every kernel family is, except
-            an mma.sync configuration with ``dq_separate=False`` (dQ added up with atomics in
-            no fixed order): with the flag, a tuned configuration of that kind runs with
-            ``dq_separate=True`` instead, and a forced one is refused.
+            an mma.sync or Hopper configuration with ``dq_separate=False`` (dQ added up with
+            atomics in no fixed order): with the flag, a tuned configuration of that kind runs
+            with ``dq_separate=True`` instead, and a forced one is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, a
             :class:`numflash.TensorCoreBackwardConfig` (mma.sync, fp16/bf16, compute capability
             8.0+) or a :class:`numflash.WgmmaBackwardConfig` (Hopper). By default numflash

@@ -161,6 +161,7 @@ class TensorCoreConfig(_Config):
     q_in_registers: bool = knob(True, (True, False))
 
     family: ClassVar[str] = "tensor-core"
+    USER_MODS: ClassVar[bool] = True  # forward.mod_scores
     ROLE: ClassVar[str] = "forward"
     HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1
@@ -325,6 +326,7 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
     head_split: int = knob(1, (1, 2))
 
     family: ClassVar[str] = "tensor-core-backward"
+    USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "mma.sync"
     REVISION: ClassVar[int] = 1

@@ -832,7 +832,7 @@ def _tensor_core_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
     build = forward_kernels.build_varlen if varlen else forward_kernels.build
     _launch_forward(
-        lambda: build(head_dim, p.dtype, *tiles, p.softcap, p.sinks, p.alibi),
+        lambda: build(head_dim, p.dtype, *tiles, p.softcap, p.sinks, p.alibi, p.mods),
         key,
         cfg,
         p,
@@ -1178,6 +1178,7 @@ def _mma_backward(cfg, p, *tensors, offsets=None, variant=()):
                 cfg.head_split,
                 softcap=p.softcap,
                 alibi=p.alibi,
+                mods=p.mods,
             )
 
         return _tensor_core_launchers(

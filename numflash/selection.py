@@ -241,14 +241,14 @@ def forward_family(problem, device):
     sm_80) the first family whose rule takes the call (the Hopper forward's: compute
     capability 9.x at the head dims it is faster at), else the mma.sync one; the portable one
     otherwise (and in the simulator). A call with a user's score_mod or mask_mod runs only
-    families that take them (config.USER_MODS): the Hopper forward, else the portable one."""
+    families that take them (config.USER_MODS)."""
     if not on_tensor_cores(problem, device):
         return configs.PortableConfig.family
     mods = problem.mods is not None  # a user's score_mod, mask_mod: families with USER_MODS
     for config_type, rule in _FORWARD_RULES.items():
         if rule(problem, device) and (config_type.USER_MODS or not mods):
             return config_type.family
-    return configs.PortableConfig.family if mods else configs.TensorCoreConfig.family
+    return configs.TensorCoreConfig.family
 
 
 #: Query rows of a dense forward call at or below which it runs on the split-KV decode kernel
@@ -324,11 +324,12 @@ def backward(problem, device, deterministic):
     as padded) or of the mma.sync family, the faster where several are tuned; else the first
     of them by default. The simulator
     runs the tensor-core families only when tuned. Everything else takes the portable kernels.
-    With ``deterministic`` an mma.sync configuration that adds dQ up with atomics runs with
-    the separate dQ kernel instead (same tiles).
+    A user's score_mod and mask_mod run in every backward family (config.USER_MODS).
+    With ``deterministic`` a configuration that adds dQ up with atomics runs with the separate
+    dQ kernel instead (same tiles).
     """
     portable = configs.PortableBackwardConfig.family
-    if problem.dtype == "float32" or not device.runs("mma.sync") or problem.mods is not None:
+    if problem.dtype == "float32" or not device.runs("mma.sync"):
         return _tuned_or_default(portable, problem, device)[0]
     families = [c.family for c, rule in _BACKWARD_RULES.items() if rule(problem, device)]
     families.append(configs.TensorCoreBackwardConfig.family)

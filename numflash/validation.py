@@ -13,7 +13,7 @@ import numpy as np
 
 from . import arrays
 from .block_masks import BlockMask
-from .config import MAX_HEAD_DIM, TensorCoreBackwardConfig, families
+from .config import MAX_HEAD_DIM, families
 from .kernels.jit import SIMULATOR
 
 #: CUDA caps gridDim.y and gridDim.z at 65535; heads and batch are launched along them.
@@ -582,10 +582,10 @@ def check_backward_config(config, p, deterministic, device):
     if config is None:
         return None
     _check_family(config, "backward", p)
-    if isinstance(config, TensorCoreBackwardConfig) and deterministic and not config.dq_separate:
+    if deterministic and not getattr(config, "dq_separate", True):
         raise ValueError(
-            "config: the tensor-core backward adds dQ up with atomics, in no fixed order; "
-            "deterministic=True needs dq_separate=True (or the portable backward)"
+            f"config: {config.family} with dq_separate=False adds dQ up with atomics, in no "
+            "fixed order; deterministic=True needs dq_separate=True (or the portable backward)"
         )
     return _config_problems(config, p, device)
 

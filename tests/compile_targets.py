@@ -145,6 +145,19 @@ def tensor_core_forward(hd, dtype, varlen=False):
                    head_dim=hd, dtype=dtype, config=cfg.to_dict())  # fmt: skip
 
 
+def tensor_core_forward_mods(hd, dtype, mods):
+    """The default tiles' dense kernel with a user's functions (``mods``), ptxas' report for
+    sm_90a; its own family name, as tensor_core_forward's entries are checked for every
+    target."""
+    cfg = default_tensor_core_config(hd)
+    tiles = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.stages, cfg.q_in_registers)
+    kernel = forward.build(hd, dtype, *tiles, mods=mods)
+    spec = launch.FORWARD._replace(variant=_mod_arrays(mods))
+    return reports("tensor-core-mods", [("dense", kernel, spec)], [RESOURCE_TARGET],
+                   [RESOURCE_TARGET], head_dim=hd, dtype=dtype, config=cfg.to_dict(),
+                   block_mask=mods.block_mask)  # fmt: skip
+
+
 def portable_forward(hd, dtype):
     cfg = default_portable_config(hd)
     tiles = (cfg.block_m, cfg.block_n)
@@ -255,18 +268,50 @@ def wgmma_tiles(dtype):
     return out
 
 
-def wgmma_backward(hd, dtype, warps, stages, softcap=0.0, pack_first=False):
+def wgmma_backward(
+    hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None
+):  # fmt: skip
+    """The Hopper backward's kernels; ``mods``: a user's functions (BACKWARD_MODS, or with a
+    block mask: BLOCK_MASK_MODS), the dense kernels alone."""
     built = backward_sm90.build_kernels(
-        hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first
-    )
-    kernels = [
-        ("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV),
-        ("dq", built.dq, launch.DQ),
-        ("dkdv-varlen", built.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN),
-        ("dq-varlen", built.dq_varlen, launch.DQ_VARLEN),
-    ]
+        hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first,
+        dq_separate=dq_separate, mods=mods,
+    )  # fmt: skip
+    kernels = [("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV)]
+    if dq_separate:
+        kernels.append(("dq", built.dq, launch.DQ))
+    if mods is None:
+        kernels.append(("dkdv-varlen", built.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN))
+        if dq_separate:
+            kernels.append(("dq-varlen", built.dq_varlen, launch.DQ_VARLEN))
+    else:
+        kernels = [(name, k, spec._replace(variant=_mod_arrays(mods))) for name, k, spec in kernels]
     return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")], head_dim=hd,
-                   dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first)  # fmt: skip
+                   dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first,
+                   dq_separate=dq_separate, mods=mods is not None)  # fmt: skip
+
+
+def mma_backward_mods(hd, dtype, mods):
+    """The mma.sync backward's default kernels at ``hd`` with a user's functions (``mods``),
+    ptxas' report for sm_90a: its own family name, since they are not held to no spill."""
+    cfg = default_config("tensor-core-backward", hd, None)[1]
+    built = backward_mma.build_kernels(
+        hd, dtype, cfg.block_m, cfg.num_warps, cfg.stages, cfg.dq_separate, cfg.head_split,
+        mods=mods,
+    )  # fmt: skip
+    kernels = [
+        (name, kernel, spec._replace(variant=_mod_arrays(mods)))
+        for name, kernel, spec in (("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV),
+                                   ("dq", built.dq, launch.DQ))
+    ]  # fmt: skip
+    return reports("tensor-core-backward-mods", kernels, [RESOURCE_TARGET], [RESOURCE_TARGET],
+                   head_dim=hd, dtype=dtype, block_mask=mods.block_mask)  # fmt: skip
+
+
+def _mod_arrays(mods):
+    """The ``*variant`` arrays of a kernel with ``mods`` (launch.variant_arrays' order)."""
+    arrays = tuple((f"mod_args[{i}]", kind) for i, kind in enumerate(mods.kinds))
+    return arrays + ((("block_mask.index", "int32"),) if mods.block_mask else ())
 
 
 @cuda.jit(device=True)
@@ -280,8 +325,16 @@ def _same_document(b, h, q_idx, kv_idx, slopes, document):
     return document[q_idx] == document[kv_idx]
 
 
+@cuda.jit(device=True)
+def _relative_bias_derivative(score, b, h, q_idx, kv_idx, slopes, document):
+    return float32(1.0)
+
+
 #: A user's score_mod and mask_mod with their mod_args' element types.
 MODS = Mods(_relative_bias, _same_document, None, ("float32", "int32"))
+#: ... with score_mod's derivative, as the backward takes them; and with a block mask.
+BACKWARD_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative, MODS.kinds)
+BLOCK_MASK_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative, MODS.kinds, True)
 
 
 def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False):
@@ -356,6 +409,14 @@ def jobs(quick):
     # ... with Gemma 2's softcap (head_dim 128: at 64 the forward's 192-key tiles spill 16 bytes)
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 50.0)))
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, True)))  # A rounded before the fence
+    # dQ added up by the dK/dV kernel (dq_separate=False), both head dims
+    out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False)))
+    out.append((wgmma_backward, (64, "float16", 8, 2, 0.0, False, False)))
+    # a user's functions, with a block mask too; the mma.sync backward's with them
+    out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, False, True, BACKWARD_MODS)))
+    out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))
+    out.append((mma_backward_mods, (128, "float16", BLOCK_MASK_MODS)))
+    out.append((tensor_core_forward_mods, (128, "bfloat16", BLOCK_MASK_MODS)))
     # the Hopper forward: the defaults, packed, one consumer without a producer, TMA loads
     # with pingpong and without
     one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}

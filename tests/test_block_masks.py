@@ -14,6 +14,7 @@ from support import (
     random_array,
     random_qkv,
     to_numpy,
+    wgmma_or_skip,
     xp,
 )
 
@@ -140,6 +141,21 @@ def test_the_portable_forward_with_a_block_mask_matches_the_reference(causal):
     assert np.isneginf(to_numpy(lse)[0, 1, -1])
 
 
+def test_the_mma_forward_with_a_block_mask_matches_the_reference():
+    """The mma.sync forward (forward.mod_scores), causal: skipped tiles, and the wide
+    window's runs of tiles shown whole, where it calls no mask_mod (the simulator evaluates
+    a block mask a score at a time: 83k here)."""
+    q, k, v = random_qkv(1, 160, 520, 1, 1, 16, "float16")
+    bm = numflash.block_mask(wide_window, None, None, 160, 520)
+    out = poisoned_like(q)
+    cfg = numflash.TensorCoreConfig(64, 64, 4, 2)
+    res, lse = numflash.attention(q, k, v, causal=True, out=out, return_lse=True, config=cfg,
+                                  block_mask=bm)  # fmt: skip
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse, causal=True,
+                             variants=Variants(mask_mod=wide_window))  # fmt: skip
+
+
 def test_the_backward_skips_what_the_block_mask_of_its_forward_hides():
     """dQ over each row block's seen keys, dK and dV over each key block's seen rows, per
     head of a GQA group (head 1's rows from 140 on see nothing), batch entries apart."""
@@ -152,6 +168,58 @@ def test_the_backward_skips_what_the_block_mask_of_its_forward_hides():
     dout = random_array(q.shape, "float16")
     cfg = numflash.PortableBackwardConfig(block_m=32, block_n=64)
     grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, config=cfg,
+                                        block_mask=bm)  # fmt: skip
+    assert_gradients_match(dout, q, k, v, *grads, causal=True, variants=variants)
+
+
+#: Backward configurations through the tensor-core skeleton (its block-mask ranges serve both
+#: backends); in the simulator every score's user functions are Python calls: 35 minutes for
+#: the mma.sync case below, so it is a slow test there.
+TENSOR_CORE_BACKWARDS = [
+    pytest.param(
+        numflash.TensorCoreBackwardConfig(64, 4, 2, True),
+        16,
+        marks=pytest.mark.slow if SIMULATOR else (),
+        id="mma",
+    ),
+    pytest.param(
+        numflash.WgmmaBackwardConfig(num_warps=8, stages=2, dq_separate=False),
+        64,
+        marks=pytest.mark.slow if SIMULATOR else (),
+        id="wgmma-fused",
+    ),
+]
+
+
+def test_the_tensor_core_backward_skips_blocks_of_other_documents():
+    """The mma.sync backward's kernels (the tensor-core skeleton's ranges) on two documents
+    of 128 and 8 tokens, causal: the key blocks of the first skip the last rows, the last
+    row block skips the first document's keys (GQA: the slow test below)."""
+    document = _documents((128, 8))
+    q, k, v = random_qkv(1, 136, 136, 1, 1, 16, "bfloat16")
+    bm = numflash.block_mask(same_document, None, None, 136, 136, mod_args=(document,))
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
+    variants = Variants(mask_mod=same_document, mod_args=(document,))
+    dout = random_array(q.shape, "bfloat16")
+    cfg = numflash.TensorCoreBackwardConfig(16, 1, 2, True)
+    grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, config=cfg,
+                                        block_mask=bm)  # fmt: skip
+    assert_gradients_match(dout, q, k, v, *grads, causal=True, variants=variants)
+
+
+@pytest.mark.parametrize("config, head_dim", TENSOR_CORE_BACKWARDS)
+def test_the_tensor_core_backwards_skip_what_the_block_mask_hides(config, head_dim):
+    """As the portable backward's test through the tensor-core backwards' skeleton: a key
+    block runs over the rows the block mask shows it to some head of its GQA group (head 1's
+    rows from 140 on see nothing), a row block over its seen keys."""
+    config = wgmma_or_skip(config)
+    document = _documents((100, 3, 150, 47, 20))
+    q, k, v = random_qkv(2, 290, 320, 2, 1, head_dim, "bfloat16")
+    bm = numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
+    out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
+    variants = Variants(mask_mod=document_of_head, mod_args=(document,))
+    dout = random_array(q.shape, "bfloat16")
+    grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, config=config,
                                         block_mask=bm)  # fmt: skip
     assert_gradients_match(dout, q, k, v, *grads, causal=True, variants=variants)
 

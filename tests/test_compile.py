@@ -209,7 +209,8 @@ def test_wgmma_tiles_assemble_for_sm90a(compiled):
 def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     """The Hopper backward kernels (numflash/kernels/backward_sm90.py) through ptxas for sm_90a:
     their products on wgmma (S^T and dP^T, or S and dP: head_dim / 16 steps each; dV and dK,
-    or dQ: 4 steps each), nothing spilled, and no remark that ptxas serialised the wgmma
+    or dQ: 4 steps each; with dQ added up in the dK/dV kernel, dQ's: one step per 16 of the
+    block's 128 keys), nothing spilled, and no remark that ptxas serialised the wgmma
     pipeline or waited inside it (a 64-bit division by a run-time value did that once: a call
     to a helper routine, remark C7509)."""
     entries = _entries(compiled, "wgmma-backward")
@@ -219,14 +220,43 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     }
     assert {e["kernel"] for e in entries if e["softcap"]} == set(kernels)  # Gemma 2's cap too
     assert {e["kernel"] for e in entries if e["pack_first"]} == set(kernels)
+    fused = {(e["head_dim"], e["kernel"]) for e in entries if not e["dq_separate"]}
+    assert fused == {(hd, k) for hd in (64, 128) for k in ("dkdv", "dkdv-varlen")}
+    # a user's functions (backward.user_element_function), a block mask with them: no spill
+    assert {(e["kernel"], e["dq_separate"]) for e in entries if e["mods"]} == {
+        ("dkdv", True),
+        ("dq", True),
+        ("dkdv", False),
+    }
     for e in entries:
         assert e["target"] == "sm_90a"
         products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}
-        assert e["counts"]["wgmma.mma_async"] == products[e["kernel"].split("-")[0]], e
+        expected = products[e["kernel"].split("-")[0]] + (0 if e["dq_separate"] else 8)
+        assert e["counts"]["wgmma.mma_async"] == expected, e
         assert e["counts"]["fence.proxy.async"] >= 1, e
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
         remarks = e["resources"]["remarks"]
         assert not [r for r in remarks if "wgmma" in r], remarks
+
+
+def test_tensor_core_forward_with_user_functions_assembles(compiled):
+    """The mma.sync forward's default tiles at head_dim 128 with a user's functions and a
+    block mask (forward.mod_scores), for sm_90a: it assembles; two 16-row tiles a warp spill
+    12-16 bytes with them (docs/performance.md), which is recorded, not held to zero."""
+    (e,) = _entries(compiled, "tensor-core-mods")
+    assert e["counts"]["mma.sync.aligned.m16n8k16"] > 0 and e["block_mask"]
+    assert e["resources"]["registers"] > 0, e
+
+
+def test_tensor_core_backward_with_user_functions_assembles(compiled):
+    """The mma.sync backward with a user's functions and a block mask, for sm_90a: it
+    assembles; its dK/dV kernel spills (48 bytes, ptxas 13.0: docs/performance.md), which is
+    recorded, not held to zero."""
+    entries = _entries(compiled, "tensor-core-backward-mods")
+    assert {e["kernel"] for e in entries} == {"dkdv", "dq"}
+    for e in entries:
+        assert e["counts"]["mma.sync.aligned.m16n8k16"] > 0 and e["counts"]["ex2.approx"] > 0
+        assert e["resources"]["registers"] > 0, e
 
 
 def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):

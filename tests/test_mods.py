@@ -3,8 +3,8 @@ kernels through ``attention(..., score_mod=, mask_mod=, mod_args=)`` and
 ``attention_backward(..., score_mod_derivative=)``, against numflash.reference's float64
 reference with the same functions (their Python functions run there); the built-in variants
 beside them; rows a mask_mod leaves empty; bad functions and mod_args refused by name. Calls
-with them run the families that take them (config.USER_MODS): the portable kernels and the
-Hopper forward."""
+with them run the families that take them (config.USER_MODS): the portable kernels, the
+Hopper forward and the tensor-core backwards."""
 
 import logging
 import math
@@ -19,6 +19,7 @@ from support import (
     random_array,
     random_qkv,
     to_numpy,
+    wgmma_or_skip,
     xp,
 )
 
@@ -70,9 +71,10 @@ def _documents(seqlen, lengths):
     return xp.asarray(np.pad(ids, (0, seqlen - len(ids)), mode="edge").astype(np.int32))
 
 
-def _run(q, k, v, dtype, mask, mods, variants, forward_extra=None, derivative=None):
-    """Forward and backward with ``mods`` (score_mod, mask_mod, mod_args), each against the
-    reference with ``variants``."""
+def _run(q, k, v, dtype, mask, mods, variants, forward_extra=None, derivative=None,
+         backward_config=None):  # fmt: skip
+    """Forward and backward (``backward_config``: forced) with ``mods`` (score_mod, mask_mod,
+    mod_args), each against the reference with ``variants``."""
     extra = forward_extra or {}
     score_mod, mask_mod, mod_args = mods
     out = poisoned_like(q)
@@ -84,7 +86,7 @@ def _run(q, k, v, dtype, mask, mods, variants, forward_extra=None, derivative=No
     extra = {k: v for k, v in extra.items() if k != "sinks"}
     grads = numflash.attention_backward(
         dout, q, k, v, out, lse, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args,
-        score_mod_derivative=derivative, **mask, **extra,
+        score_mod_derivative=derivative, config=backward_config, **mask, **extra,
     )  # fmt: skip
     assert_gradients_match(dout, q, k, v, *grads, variants=variants, **mask)
     return out, lse
@@ -181,8 +183,6 @@ BAD = [
      TypeError, r"mod_args\[0\] must have dtype int32, int64 or float32"),
     (lambda: dict(mask_mod=even_keys_of_odd_heads, mod_args=_ints(3)), TypeError,
      "mod_args must be a tuple"),
-    (lambda: dict(mask_mod=even_keys_of_odd_heads, config=numflash.TensorCoreConfig()),
-     ValueError, "TensorCoreConfig does not take a score_mod or mask_mod yet"),
 ]  # fmt: skip
 
 
@@ -248,6 +248,44 @@ def test_the_hopper_forward_takes_user_functions_after_the_built_in_variants(con
     assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [numflash.TensorCoreConfig(16, 32, 1, 2), numflash.TensorCoreConfig(32, 16, 1, 3, False)],
+    ids=["one-row-tile", "two-row-tiles"],
+)
+def test_the_mma_forward_takes_user_functions_after_the_built_in_variants(config):
+    """The mma.sync forward's tiles (forward.mod_scores): as the Hopper's test, with one and
+    two 16-row tiles a warp (each row its own call), several key tiles, the last past the
+    end."""
+    q, k, v = random_qkv(1, 40, 80, 2, 1, 24, "float16")
+    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
+    alibi = xp.asarray(np.array([0.1, 0.3], dtype=np.float32))
+    mod_args = (slopes, _documents(80, (30, 31, 19)))
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, causal=True, out=out, return_lse=True, config=config, softcap=5.0,
+        alibi_slopes=alibi, score_mod=relative_bias, mask_mod=same_document, mod_args=mod_args,
+    )  # fmt: skip
+    assert res is out
+    variants = Variants(softcap=5.0, alibi_slopes=alibi, score_mod=relative_bias,
+                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+
+
+def test_the_mma_forward_takes_a_mask_alone_with_sinks():
+    """mask_mod alone (the raw scores kept, no unit change), sinks in the row sums, rows it
+    leaves without keys: output 0, lse the sink."""
+    q, k, v = random_qkv(1, 30, 30, 2, 2, 16, "bfloat16")
+    sinks = xp.asarray(np.array([0.5, -1.0], dtype=np.float32))
+    out = poisoned_like(q)
+    res, lse = numflash.attention(q, k, v, causal=True, out=out, return_lse=True, sinks=sinks,
+                                  config=numflash.TensorCoreConfig(16, 16, 1, 2),
+                                  mask_mod=even_keys_of_odd_heads)  # fmt: skip
+    assert res is out
+    variants = Variants(sinks=sinks, mask_mod=even_keys_of_odd_heads)
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+
+
 @pytest.mark.skipif(SIMULATOR, reason="minutes a case in the simulator")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("which", ["score_mod", "mask_mod"])
@@ -271,9 +309,51 @@ def test_the_hopper_forward_runs_user_functions_alone_on_whole_tiles(which, caus
     assert_matches_reference(q, k, v, out, lse, causal=causal, variants=variants)
 
 
+TC = numflash.TensorCoreBackwardConfig
+WG = numflash.WgmmaBackwardConfig
+#: The tensor-core backwards (backward.user_element_function in their shared skeleton): mma.sync
+#: with dQ from its own kernel and by atomics, the Hopper kernels alike (head_dim 64 or 128).
+TENSOR_CORE_BACKWARDS = [
+    (TC(16, 2, 2, True), 24),
+    (TC(16, 1, 2, False), 24),
+    (WG(num_warps=4, stages=2), 64),
+    (WG(num_warps=8, stages=2, dq_separate=False), 64),
+]
+
+
+@pytest.mark.parametrize(
+    "config, head_dim", TENSOR_CORE_BACKWARDS, ids=["mma", "mma-atomic", "wgmma", "wgmma-fused"]
+)
+def test_the_tensor_core_backwards_take_a_document_mask_and_a_relative_bias(config, head_dim):
+    """As the first test, through each tensor-core backward: the user's functions called
+    only for pairs the causal mask lets through (the document ids end at the last key)."""
+    config = wgmma_or_skip(config)
+    q, k, v = random_qkv(2, 19, 30, 2, 1, head_dim, "bfloat16")
+    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
+    mod_args = (slopes, _documents(30, (12, 11, 7)))
+    variants = Variants(score_mod=relative_bias, score_mod_derivative=relative_bias_derivative,
+                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+    _run(q, k, v, "bfloat16", dict(causal=True), (relative_bias, same_document, mod_args),
+         variants, derivative=relative_bias_derivative, backward_config=config)  # fmt: skip
+
+
+@pytest.mark.parametrize("config, head_dim", TENSOR_CORE_BACKWARDS[::3], ids=["mma", "wgmma-fused"])
+def test_the_tensor_core_backwards_take_a_nonlinear_score_mod_after_the_built_ins(config, head_dim):
+    """As the second test (softcap and ALiBi first, the score_mod's derivative and the cap's
+    in the gradients, a window), through a tensor-core backward."""
+    config = wgmma_or_skip(config)
+    q, k, v = random_qkv(1, 45, 45, 2, 1, head_dim, "float16")
+    alibi = xp.asarray(np.array([0.3, 0.05], dtype=np.float32))
+    extra = dict(softcap=4.0, alibi_slopes=alibi)
+    variants = Variants(softcap=4.0, alibi_slopes=alibi, score_mod=squashed,
+                        score_mod_derivative=squashed_derivative)  # fmt: skip
+    _run(q, k, v, "float16", dict(window_size=(20, 5)), (squashed, None, ()), variants, extra,
+         derivative=squashed_derivative, backward_config=config)  # fmt: skip
+
+
 def test_calls_with_user_functions_run_the_families_that_take_them():
-    """On an H200 the Hopper forward (it takes them), the portable backward (the tensor-core
-    backwards do not yet); where no tensor-core family takes them, the portable forward."""
+    """Every forward and backward family takes them: on an H200 the Hopper forward and
+    backward, on an A100 the mma.sync ones, as for a plain call."""
     from numflash import selection
     from numflash.device import DeviceInfo
 
@@ -286,5 +366,6 @@ def test_calls_with_user_functions_run_the_families_that_take_them():
     assert selection.forward_family(p, h200) == "wgmma-forward"
     assert selection.forward_family(p_mods, h200) == "wgmma-forward"
     assert selection.forward_family(p, a100) == "tensor-core"
-    assert selection.forward_family(p_mods, a100) == "portable"
-    assert selection.backward(p_mods, h200, False).config.family == "portable-backward"
+    assert selection.forward_family(p_mods, a100) == "tensor-core"
+    assert selection.backward(p_mods, h200, False).config.family == "wgmma-backward"
+    assert selection.backward(p_mods, a100, False).config.family == "tensor-core-backward"

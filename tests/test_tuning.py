@@ -393,6 +393,15 @@ def test_backward_families_have_defaults_and_spaces():
     assert {
         (c.num_warps, c.stages) for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
     } == {(4, 1), (4, 2), (8, 1), (8, 2)}
+    # dQ added up in the dK/dV kernel: one warpgroup cannot hold its 128 columns at head_dim
+    # 128 beside dK and dV (ptxas spills), two can; at 64 either
+    fused = {
+        (hd, c.num_warps)
+        for hd in (64, 128)
+        for c in space.feasible_points(WgmmaBackwardConfig, hd, H200)
+        if not c.dq_separate
+    }
+    assert fused == {(64, 4), (64, 8), (128, 8)}
     for hd in (64, 128):
         assert default_config("tensor-core-backward", hd, A100) == (
             hd,

@@ -187,12 +187,21 @@ def cases():
             launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
-    for hd, dt, warps, stages, pack in [(128, "float16", 8, 2, False), (64, "bfloat16", 4, 1, False),
-                                        (128, "float16", 8, 2, True)]:  # fmt: skip
-        kernels = backward_sm90.build_kernels(hd, dt, warps, stages, pack_first=pack)
-        name = f"{hd}-{dt}-{warps}-{stages}" + ("-pack" if pack else "")
+    for hd, dt, warps, stages, pack, fused in [
+        (128, "float16", 8, 2, False, False),
+        (64, "bfloat16", 4, 1, False, False),
+        (128, "float16", 8, 2, True, False),
+        (128, "float16", 8, 2, False, True),  # dQ added up in the dK/dV kernel
+    ]:
+        kernels = backward_sm90.build_kernels(
+            hd, dt, warps, stages, pack_first=pack, dq_separate=not fused
+        )
+        name = (
+            f"{hd}-{dt}-{warps}-{stages}" + ("-pack" if pack else "") + ("-fused" if fused else "")
+        )
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
-        yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
+        if not fused:
+            yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
     family = config.WgmmaForwardConfig.family
     pingpong = config.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)
     for hd, dt, c, varlen in [

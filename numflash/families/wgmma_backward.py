@@ -30,26 +30,34 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
       C7519); off by default: 2.4-5.7% slower on the H200 (docs/performance.md).
+    - ``dq_separate``: dQ from its own kernel, S and dP computed again, each element summed
+      in a fixed order (deterministic; seven products per tile pair); False: the dK/dV
+      kernel adds dQ += dS K up on wgmma into an fp32 buffer by atomics, in no fixed order
+      (five products). True by default until the fused kernel is timed on the H200.
 
-    Fixed by the design: 64-row query (key) tiles, dQ from its own kernel (deterministic), the
-    whole head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
+    Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
+    capability 9.x; head_dim 64 or 128 (as padded).
     """
 
     num_warps: int = config.knob(8, backward_sm90.NUM_WARPS)
     stages: int = config.knob(2, (1, 2))
     pack_first: bool = config.knob(False, (False, True))
+    dq_separate: bool = config.knob(True, (True, False))
 
     family: ClassVar[str] = "wgmma-backward"
+    USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
     REVISION: ClassVar[int] = 1
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
-    dq_separate: ClassVar[bool] = True
     head_split: ClassVar[int] = 1
 
     def shared_memory_bytes(self, head_dim):
-        """The swizzled K, V and stage tiles (kernels/backward_sm90.py), alignment included."""
-        return backward_sm90.shared_memory_layout(head_dim, self.num_warps, self.stages)[-1]
+        """The swizzled K, V, stage (and dS) tiles (kernels/backward_sm90.py), alignment
+        included."""
+        return backward_sm90.shared_memory_layout(
+            head_dim, self.num_warps, self.stages, self.dq_separate
+        )[-1]
 
     def problems(self, head_dim, device):
         out = config._out_of_choices(self)
@@ -62,6 +70,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         if head_dim not in backward_sm90.HEAD_DIMS:
             dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
             out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
+        if head_dim == 128 and self.num_warps == 4 and not self.dq_separate:
+            # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
+            out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")
         if not out:
             smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
             out += config._dynamic_shared_problems(smem, device)
@@ -104,7 +115,7 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
         def build():
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
-                pack_first=cfg.pack_first,
+                pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)

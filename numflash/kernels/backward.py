@@ -22,6 +22,11 @@ compile-time constants and device functions: kernels/backward_mma.py (mma.sync a
 any GPU from Ampere on) and kernels/backward_sm90.py (Hopper's wgmma). :func:`build_kernels`
 closes the skeletons over one backend, so every call inlines and the loops unroll.
 
+A user's score_mod and mask_mod (kernels/mods.py) change each score the causal / window mask
+lets through, after the softcap and ALiBi, and dS is multiplied by score_mod's derivative
+there; a block mask (kernels/block_mask.py) narrows the query rows a key block runs over (the
+union over its GQA group's heads) and the keys a row block runs over.
+
 Supports: float16 and bfloat16; GQA; causal and window masks bottom-right; any seqlen_q and
 seqlen_k; the head dims each backend names.
 """
@@ -32,10 +37,12 @@ from typing import NamedTuple
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
+from .block_mask import key_ranges, query_ranges
 from .forward_portable import packed_sequence
 from .fragments import PACK, acc_index, accumulator_position, tile_base
 from .jit import device_function, kernel
 from .mask import block_key_range, block_query_range, visible_keys
+from .mods import mod_functions
 from .softmax import LOG2E, alibi_functions, row_log2_lse, softcap_gradient_functions
 
 #: Global indices are ANDed with this before use. Numba wraps negative indices around as Python
@@ -108,37 +115,75 @@ def element_function(softcap=0.0, alibi=False):
 
 
 @functools.lru_cache(maxsize=None)
-def probabilities_function(q_tiles, softcap=0.0, alibi=False):
+def user_element_function(softcap=0.0, alibi=False, mods=None):
+    """``user_p_and_ds(seen, s, dp, neg_lse, d, scale_log2, a, b, distance, slope, user,
+    q_idx, kv_idx)``: element_function's (P, dS) where the user's functions (``mods``, a
+    validation.Mods) change the score after the softcap and ALiBi: mask_mod may hide the
+    pair, score_mod change the score, its derivative multiplies dS. Called only where the
+    causal / window mask lets the pair through (``seen``), so a user's function never sees
+    a row or key that does not exist; (0, 0) elsewhere. ``user``: (the batch entry or
+    sequence, the query head, the kernel's ``*variant`` arrays)."""
+    SOFTCAP = softcap > 0
+    _, capped_and_slope = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
+    _, biased = alibi_functions(alibi)
+    modded_and_factor = mod_functions(mods, int(alibi)).modded_and_factor
+
+    @device_function
+    def user_p_and_ds(seen, s, dp, neg_lse, d, scale_log2, a, b, distance, slope, user, q, kv):
+        p, ds = float32(0.0), float32(0.0)
+        if seen:
+            factor = float32(1.0)
+            if SOFTCAP:
+                s, factor = capped_and_slope(s, a, b)
+            x = biased(s * scale_log2, distance, slope)  # log2 domain, as the forward's
+            batch, head, variant = user
+            x, mod_factor = modded_and_factor(x, batch, head, q, kv, variant)
+            p = ptx.exp2(x + neg_lse)
+            ds = p * (dp - d) * (factor * mod_factor)
+        return p, ds
+
+    return user_p_and_ds
+
+
+@functools.lru_cache(maxsize=None)
+def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
     the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share;
     ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
-    (element_function)."""
+    (element_function); ``mods``: and by a user's functions (user_element_function)."""
     Q_TILES = q_tiles
     SOFTCAP = softcap > 0
+    MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
     p_and_ds_of = element_function(softcap, alibi)
+    user_p_and_ds = user_element_function(softcap, alibi, mods)
 
     @device_function
     def probabilities_and_ds(
         st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-        slope,
+        score_args,
     ):  # fmt: skip
         """st <- P^T and dpt <- dS^T = P^T (dP^T - D) for this lane's key rows key0 and
         key0 + 8 (elements 0-1 and 2-3 of every query tile); 0 where the pair is masked.
-        ``slope``: the head's ALiBi slope (log2 domain), read only with ALiBi.
+        ``score_args``: (the head's ALiBi slope in the log2 domain, read only with ALiBi; the
+        user_element_function's ``user``, read only with ``mods``).
 
         No branch per element: every element is computed and masked ones are selected away,
         and each query's LSE and D are read once for both key rows (``stats`` is the block's
         offset in the shared tiles). Per element branches cost a reconvergence barrier and a
-        serial shared-load -> ex2 chain each."""
+        serial shared-load -> ex2 chain each (a user's functions take one: they may read
+        memory a row or key past the end would not have)."""
+        slope, user = score_args
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
         lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
         lo1, hi1 = visible_queries(key0 + 8, m0, lane, seqlen_q, seqlen_k, wl, wr)
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
-        # q_idx - kv_idx of the lane's first query and key row key0 (ALiBi)
-        distance = float32(m0 + (lane & 3) * 2 + seqlen_k - seqlen_q - key0)
+        # q_idx - kv_idx of the lane's first query and key row key0 (ALiBi); q_idx of that
+        # query (a user's functions)
+        q_first = m0 + (lane & 3) * 2 + seqlen_k - seqlen_q
+        distance = float32(q_first - key0)
         for qt in range(Q_TILES):
             for e in range(2):
                 i = tile_base(qt) + e  # key row key0
@@ -146,16 +191,34 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False):
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
                 at = distance + float32(col)
-                p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
-                seen = (lo0 <= int32(col)) & (int32(col) < hi0)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
+                if MODS:
+                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
+                    st[i], dpt[i] = user_p_and_ds(
+                        seen, st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
+                        user, q_first + col, key0,
+                    )  # fmt: skip
+                else:
+                    p, ds = p_and_ds_of(
+                        st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope
+                    )
+                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
+                    st[i] = p if seen else float32(0.0)
+                    dpt[i] = ds if seen else float32(0.0)
                 i += 2  # key row key0 + 8
                 at = at - float32(8)
-                p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
-                seen = (lo1 <= int32(col)) & (int32(col) < hi1)
-                st[i] = p if seen else float32(0.0)
-                dpt[i] = ds if seen else float32(0.0)
+                if MODS:
+                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
+                    st[i], dpt[i] = user_p_and_ds(
+                        seen, st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
+                        user, q_first + col, key0 + 8,
+                    )  # fmt: skip
+                else:
+                    p, ds = p_and_ds_of(
+                        st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope
+                    )
+                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
+                    st[i] = p if seen else float32(0.0)
+                    dpt[i] = ds if seen else float32(0.0)
 
     return probabilities_and_ds
 
@@ -296,15 +359,17 @@ def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_
 
 
 @functools.lru_cache(maxsize=None)
-def row_ds_function(key_tiles, softcap=0.0, alibi=False):
+def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
     """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
     accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share);
     ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
-    (element_function)."""
+    (element_function); ``mods``: and by a user's functions (user_element_function)."""
     Q_TILES = key_tiles
     SOFTCAP = softcap > 0
+    MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
     p_and_ds_of = element_function(softcap, alibi)
+    user_p_and_ds = user_element_function(softcap, alibi, mods)
 
     @device_function
     def row_ds(dp, s, stats, shift, scale_log2, bias):
@@ -313,7 +378,10 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False):
         visible keys are moved ``shift`` columns left (the tile's offset from the first). No
         branch per element (see probabilities_and_ds). ``bias``: (q_idx - kv_idx of the first
         row and the lane's first column of the first tile, the head's ALiBi slope in the log2
-        domain), read only with ALiBi."""
+        domain), read only with ALiBi; then user_element_function's ``user``, q_idx of the
+        lane's first row and kv_idx of its first column of the first tile, read only with
+        ``mods``."""
+        distance0, slope, user, q0, kv0 = bias
         lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = stats
         lo_0 = int32(lo_0 - shift)
         hi_0 = int32(hi_0 - shift)
@@ -322,7 +390,6 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False):
         cap_a, cap_b = float32(0.0), float32(0.0)
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
-        distance0, slope = bias
         distance0 = distance0 - float32(shift)
         for qt in range(Q_TILES):
             for e in range(4):
@@ -332,6 +399,15 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False):
                 neg_lse = -(lse_1 if second else lse_0)
                 d = d_1 if second else d_0
                 at = distance0 + float32(8 if second else 0) - float32(col)
+                if MODS:
+                    lo = lo_1 if second else lo_0
+                    hi = hi_1 if second else hi_0
+                    seen = (lo <= int32(col)) & (int32(col) < hi)
+                    _, dp[i] = user_p_and_ds(
+                        seen, s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope, user,
+                        q0 + (8 if second else 0), kv0 + shift + col,
+                    )  # fmt: skip
+                    continue
                 _, ds = p_and_ds_of(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
                 lo = lo_1 if second else lo_0
                 hi = hi_1 if second else hi_0
@@ -425,12 +501,15 @@ class Backend(NamedTuple):
     - ``landed()``: wait for this thread's copies, make them visible to the products, then
       for every thread.
     - ``query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, lse_tile, d_tile,
-      stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr)``: dK/dV += one query
-      block.
-    - ``key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2)``:
-      dQ += one key tile.
+      stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, score_args)``: dK/dV +=
+      one query block (``score_args`` goes to probabilities_function's function as it is),
+      dS^T left in ``dpt``; with ``dq_atomic`` its products may still be in flight
+      (``atomic_dq`` then waits for them).
+    - ``key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2, bias)``:
+      dQ += one key tile (``bias`` goes to row_ds_function's function as it is).
     - ``atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane,
-      seqlen_q)``: dQ += dS K by fp32 atomics (``dq_atomic``), else never called.
+      seqlen_q, dk_acc, dv_acc)``: dQ += dS K by fp32 atomics (``dq_atomic``), else never
+      called; on return dK/dV's products of the block have landed in their accumulators.
     - ``divide(a, b)``: the integer quotient the block index math uses.
     """
 
@@ -456,12 +535,14 @@ class Backend(NamedTuple):
     write_rows: object
 
 
-def build_kernels(backend, alibi=False):
+def build_kernels(backend, alibi=False, mods=None):
     """The dK/dV kernel and (unless the backend adds dQ up by atomics) the dQ kernel, closed
     over ``backend``, each dense and over a packed batch; Numba compiles each on its first
     launch. With ``alibi`` the ALiBi slopes are the kernels' ``*variant`` array, and each
     head's slope goes to the backend's steps (its probabilities_function and row_ds_function
-    built with ``alibi`` too).
+    built with ``alibi`` too). With ``mods`` (a validation.Mods, the backend's element
+    functions built with it too) the mod_args follow, then a block mask's index where
+    ``mods.block_mask``, and the steps get (batch entry, head, ``*variant``) besides.
 
     One block body per kernel (``dkdv_block``, ``dq_block``) takes where its sequence starts in
     every array and its lengths; the dense kernels give it batch ``blockIdx.z``'s, the packed
@@ -491,6 +572,35 @@ def build_kernels(backend, alibi=False):
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     load_query_block = query_block_loader(load_pair, fetch_row_stats)
     slope_of, _ = alibi_functions(alibi)
+    BLOCK_MASK = mods is not None and mods.block_mask
+    # the index among *variant: constant slice bounds (a tuple of arrays takes no run-time
+    # index, and an expression there is one)
+    MASK_AT = mod_functions(mods, int(alibi)).block_mask_at
+    MASK_END = MASK_AT + 1
+
+    @device_function
+    def masked_query_range(variant, b, kv_head, heads_per_kv, n0, last_key, m_lo, m_hi):
+        """[m_lo, m_hi) narrowed to the rows a block mask shows keys n0..last_key to, for
+        some head of kv head ``kv_head``'s group (the union over the group)."""
+        if BLOCK_MASK:
+            index = variant[MASK_AT:MASK_END][0]
+            lo, hi = m_hi, m_lo
+            for head in range(kv_head * heads_per_kv, (kv_head + 1) * heads_per_kv):
+                h_lo, h_hi = query_ranges(index, b, head, n0, last_key)
+                if h_lo < h_hi:
+                    lo, hi = min(lo, h_lo), max(hi, h_hi)
+            return max(m_lo, lo), min(m_hi, hi)
+        return m_lo, m_hi
+
+    @device_function
+    def masked_key_range(variant, b, head, m0, last_row, n_lo, n_hi):
+        """[n_lo, n_hi) narrowed to the keys a block mask shows rows m0..last_row of
+        ``head``."""
+        if BLOCK_MASK:
+            index = variant[MASK_AT:MASK_END][0]
+            lo, hi, _, _ = key_ranges(index, b, head, m0, last_row)
+            return max(n_lo, lo), min(n_hi, hi)
+        return n_lo, n_hi
 
     @device_function
     def dkdv_block(
@@ -546,6 +656,7 @@ def build_kernels(backend, alibi=False):
 
         last_key = min(n0 + BLOCK_N, seqlen_k) - 1
         m_lo, m_hi = block_query_range(n0, last_key, seqlen_q, seqlen_k, window_left, window_right)
+        m_lo, m_hi = masked_query_range(variant, b, kv_head, heads_per_kv, n0, last_key, m_lo, m_hi)
         scale_log2 = scale * float32(LOG2E)
         # The query blocks this key block sees, for every query head of the GQA group in turn.
         blocks_per_head = (m_hi - m_lo + BLOCK_M - 1) // BLOCK_M if m_hi > m_lo else 0
@@ -624,7 +735,7 @@ def build_kernels(backend, alibi=False):
                 scale_log2,
                 window_left,
                 window_right,
-                slope_of(variant, b, head, nheads, float32(LOG2E)),
+                (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant)),
             )
             if DQ_ATOMIC:  # -- dQ += dS K through shared memory, by atomics
                 atomic_dq(
@@ -640,6 +751,8 @@ def build_kernels(backend, alibi=False):
                     warp,
                     lane,
                     seqlen_q,
+                    dk_acc,
+                    dv_acc,
                 )
             if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
@@ -683,11 +796,13 @@ def build_kernels(backend, alibi=False):
         window_left,
         window_right,
         position,
-        slope,
+        variant,
+        b,
     ):
         """dQ = scale * sum over keys of dS K for BLOCK_N query rows, each element summed by
-        one thread in key order: deterministic. ``slope``: the head's ALiBi slope (log2
-        domain), read only with ALiBi. The dK/dV block with the roles swapped: Q and
+        one thread in key order: deterministic. ``variant``, ``b``: the kernel's variant
+        arrays and the sequence (ALiBi's slopes, a user's functions, a block mask). The
+        dK/dV block with the roles swapped: Q and
         dO stay in the slots that hold K and V there, and tiles of BLOCK_M keys and values
         stream through the stages that hold Q and dO there. ``firsts``: where the sequence
         starts in q, k, v, do and dq; ``lse_base``: where this head's row 0 is in lse and
@@ -707,6 +822,8 @@ def build_kernels(backend, alibi=False):
         kv_head = divide(head, heads_per_kv)
         last_row = min(m0 + BLOCK_N, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        n_lo, n_hi = masked_key_range(variant, b, head, m0, last_row, n_lo, n_hi)
+        slope = slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E))
         n_tiles = (n_hi - n_lo + BLOCK_M - 1) // BLOCK_M if n_hi > n_lo else 0
         scale_log2 = scale * float32(LOG2E)
 
@@ -743,7 +860,10 @@ def build_kernels(backend, alibi=False):
         )
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
-        # ALiBi: q_idx - kv_idx of the lane's first row and first column of the first tile
+        # ALiBi: q_idx - kv_idx of the lane's first row and first column of the first tile;
+        # a user's functions: those q_idx and kv_idx
+        q0 = warp_row + (lane >> 2) + seqlen_k - seqlen_q
+        kv0 = n_lo + (lane & 3) * 2
         distance = float32(warp_row + (lane >> 2) + seqlen_k - seqlen_q - n_lo - (lane & 3) * 2)
 
         k_at = k_first + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
@@ -782,7 +902,7 @@ def build_kernels(backend, alibi=False):
                 row_stats,
                 int32(it * BLOCK_M),
                 scale_log2,
-                (distance, slope),
+                (distance, slope, (b, head, variant), q0, kv0),
             )
             k_at += int64(BLOCK_M) * k_ss  # key tile it + 1
             v_at += int64(BLOCK_M) * v_ss
@@ -915,8 +1035,7 @@ def build_kernels(backend, alibi=False):
              batch * dq_st[0]),
             (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, m0, col_base, head),
-            slope_of(variant, batch, head, cuda.gridDim.y, float32(LOG2E)),
+            (tid, lane, warp, m0, col_base, head), variant, batch,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -959,8 +1078,7 @@ def build_kernels(backend, alibi=False):
              q_start * dq_st[1]),
             int64(head) * total_q + q_start,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, m0, col_base, head),
-            slope_of(variant, b, head, cuda.gridDim.y, float32(LOG2E)),
+            (tid, lane, warp, m0, col_base, head), variant, b,
         )  # fmt: skip
 
     if DQ_ATOMIC:

@@ -69,11 +69,12 @@ def dq_split(head_dim, block_m, num_warps):
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, block_m, num_warps, stages, dq_separate, head_split=1, *, heavy_group=None,
-    softcap=0.0, alibi=False,
+    softcap=0.0, alibi=False, mods=None,
 ):  # fmt: skip
     """Both kernels of one configuration (backward.Kernels; no dQ kernel without
     ``dq_separate``); all sizes are compile-time. ``softcap``, ``alibi``: of scores changed as
-    the forward changed them (backward.element_function).
+    the forward changed them (backward.element_function); ``mods``: and by a user's functions
+    (backward.user_element_function), with a block mask where ``mods.block_mask``.
 
     ``heavy_group``: under a mask bounded on one side only, where the blocks' work differs
     (causal: the dK/dV kernel's first keys and the dQ kernel's last query rows see the most),
@@ -106,8 +107,8 @@ def build_kernels(
     DQ_REGS = DQ_TILES * 4
     mma = MMA[dtype_name]
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap, alibi)
-    row_ds = backward.row_ds_function(Q_TILES, softcap, alibi)
+    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap, alibi, mods)
+    row_ds = backward.row_ds_function(Q_TILES, softcap, alibi, mods)
     load_rows = row_loader(ROW, HEAD_DIM // 8, THREADS)
 
     @device_function
@@ -204,7 +205,7 @@ def build_kernels(
         scale_log2,
         wl,
         wr,
-        slope,
+        score_args,
     ):
         """One warp's work on one query block in the dK/dV kernel. Straight-line code, so
         that the compiler overlaps the P/dS arithmetic with the mma on either side (copies
@@ -219,7 +220,7 @@ def build_kernels(
         # -- P^T and dS^T, masked pairs 0
         probabilities_and_ds(
             st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-            slope,
+            score_args,
         )  # fmt: skip
         # -- dV += P^T dO, dK += dS^T Q
         mma_accumulate(dv_acc, st, do_stage + out_lane)
@@ -277,7 +278,10 @@ def build_kernels(
                     cuda.atomic.add(dq_acc, at, dqa[acc_index(dt, h) + 1])
 
     @device_function
-    def atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q):
+    def atomic_dq(
+        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q, dk_acc,
+        dv_acc,
+    ):  # fmt: skip
         """dQ += dS K for the block's query rows: dS through shared memory, the warps sharing
         the 16-row tiles (DQ_UNITS each, split by columns), fp32 atomics."""
         store_ds(smem, dpt, warp, lane)
@@ -317,4 +321,5 @@ def build_kernels(
             write_rows=backward.row_writer(PART, dtype_name),
         ),
         alibi,
+        mods,
     )

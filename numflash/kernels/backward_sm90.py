@@ -14,6 +14,20 @@ every query head of the GQA group in turn. Per query block and warpgroup:
                                       16 bits in registers (mma.sync's A layout), B = dO or Q
                                       read MN-major from the same shared tiles
 
+With ``dq_separate=False`` (order-free: FlashAttention-3's five products instead of seven) the
+dK/dV kernel adds dQ up as well, and there is no dQ kernel:
+
+    dS                                dS^T rounded to 16 bits into a shared tile as dS (query
+                                      rows x the block's keys, 64 keys an atom, swizzled)
+    dQ  += dS K                       m64n{head_dim / warpgroups}k16 x BLOCK_N / 16: warpgroup
+                                      w takes its share of dQ's columns, A = dS and B = the
+                                      resident K tile (MN-major) by descriptor
+                                      into fp32 registers, then added to a (b, s, h, d) fp32
+                                      buffer two columns at a time (red.global.add.v2.f32);
+                                      the call scales and rounds it into dq afterwards
+
+The dS stores, the barrier and dQ's products are issued while dV's and dK's are in flight.
+
 The dQ kernel is backward.py's with the roles swapped: one block per 64 * GROUPS
 query rows, warpgroup w's 64 rows of Q and dO resident in the slots that hold K and V above,
 tiles of BLOCK_M keys and values streaming through the stages; S = Q K^T and dP = dO V^T
@@ -40,10 +54,10 @@ step; the two warpgroups of a block overlap each other): docs/performance.md.
 
 import functools
 
-from numba import cuda, float32, uint32, uint64
+from numba import cuda, float32, int64, uint16, uint32, uint64
 
 from . import backward, ptx, ptx_sm90
-from .fragments import PACK
+from .fragments import PACK, acc_index
 from .jit import device_function
 from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_row_loader
 
@@ -55,25 +69,32 @@ HEAD_DIMS = (64, 128)
 NUM_WARPS = (4, 8)
 
 
-def shared_memory_layout(head_dim, num_warps, stages):
-    """(K, V, the first stage, one stage, dO within a stage, total) in bytes from the block's
-    1024-byte aligned base; the total includes 1024 bytes to align that base."""
+def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True):
+    """(K, V, the first stage, one stage, dO within a stage, dS, total) in bytes from the
+    block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x the block's keys) only
+    without ``dq_separate``; the total includes 1024 bytes to align that base."""
     atoms = head_dim // 64
     block_n = 16 * num_warps
     kv = block_n * ROW_BYTES * atoms
     tile = BLOCK_M * ROW_BYTES * atoms
     stage = 2 * tile  # Q, then dO
-    return 0, kv, 2 * kv, stage, tile, 2 * kv + stages * stage + GROUP_BYTES
+    ds = 2 * kv + stages * stage
+    ds_bytes = 0 if dq_separate else BLOCK_M * ROW_BYTES * (block_n // 64)
+    return 0, kv, 2 * kv, stage, tile, ds, ds + ds_bytes + GROUP_BYTES
 
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
-    pack_first=False,
+    pack_first=False, dq_separate=True, mods=None,
 ):  # fmt: skip
-    """Both kernels of one configuration (backward.Kernels). ``heavy_group``: as
-    backward_mma.build_kernels (8 there with the dQ kernel); ``softcap`` > 0, ``alibi``: of
-    scores changed as the forward changed them (backward.element_function). ``pack_first``:
+    """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
+    ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
+    ``heavy_group``: as backward_mma.build_kernels (8 there with the dQ kernel); ``softcap``
+    > 0, ``alibi``: of scores changed as the forward changed them
+    (backward.element_function); ``mods``: and by a user's functions
+    (backward.user_element_function), with a block mask where ``mods.block_mask``.
+    ``pack_first``:
     the products that take their A from registers (dV, dK; dQ) get it rounded to 16 bits
     before the wgmma fence, behind an operand fence of its own; else each k16 step's A is
     rounded as it is issued, after the fence, and ptxas waits for the warpgroup before every
@@ -84,13 +105,15 @@ def build_kernels(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)"
         )
-    HEAD_DIM, STAGES, PACK_FIRST = head_dim, stages, pack_first
+    HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
     THREADS = 32 * num_warps
     KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
-    TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO
-    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, _ = shared_memory_layout(head_dim, num_warps, stages)
+    TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO, and of dS (64 keys)
+    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, _ = shared_memory_layout(
+        head_dim, num_warps, stages, dq_separate
+    )
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
@@ -100,8 +123,15 @@ def build_kernels(
     scores = ptx_sm90.wgmma_update(ab, BLOCK_M)
     update = ptx_sm90.wgmma_update(ab, HEAD_DIM, a_in_registers=True, b_transposed=True)
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap, alibi)
-    row_ds = backward.row_ds_function(BLOCK_M // 8, softcap, alibi)
+    # dQ += dS K (without dq_separate): each warpgroup's share of dQ's columns
+    DQ_COLS = HEAD_DIM * 4 // num_warps
+    DQ_REGS = DQ_COLS // 2
+    N_STEPS = BLOCK_N // 16  # k16 steps over the block's keys
+    Q_TILES = BLOCK_M // 8
+    dq_first = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True, accumulate=False)
+    dq_update = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True)
+    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap, alibi, mods)
+    row_ds = backward.row_ds_function(BLOCK_M // 8, softcap, alibi, mods)
 
     load_rows = swizzled_row_loader(CHUNKS, THREADS)
     descriptor = swizzled_descriptor
@@ -183,7 +213,7 @@ def build_kernels(
         scale_log2,
         wl,
         wr,
-        slope,
+        score_args,
     ):
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
         k_desc, v_desc = resident
@@ -193,8 +223,10 @@ def build_kernels(
         # -- P^T and dS^T, masked pairs 0
         probabilities_and_ds(
             st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-            slope,
+            score_args,
         )  # fmt: skip
+        if FUSED_DQ:  # dS for dQ += dS K (atomic_dq), before dV's and dK's products go out
+            store_ds(dpt, lane)
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
         if PACK_FIRST:
             pt = cuda.local.array(WORDS, uint32)
@@ -211,10 +243,11 @@ def build_kernels(
             accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
             accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
-        # the stage and the A fragments are read until the products land
-        ptx_sm90.wgmma_wait(0)
-        ptx_sm90.fence_operands(dv_acc, ACC_REGS)
-        ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+        if not FUSED_DQ:  # (else atomic_dq waits, after issuing dQ's products)
+            # the stage and the A fragments are read until the products land
+            ptx_sm90.wgmma_wait(0)
+            ptx_sm90.fence_operands(dv_acc, ACC_REGS)
+            ptx_sm90.fence_operands(dk_acc, ACC_REGS)
 
     @device_function
     def load_pair(stage_addr, a, b, a_first, a_ss, b_first, b_ss, rows_left, tid):
@@ -278,10 +311,71 @@ def build_kernels(
         return ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
 
     @device_function
-    def no_atomic_dq(
-        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q
-    ):
-        pass
+    def store_ds(dpt, lane):
+        """dS^T of this warp's 16 key rows (``dpt``, the accumulator layout: key rows g and
+        g + 8, queries 8 qt + 2t and + 1), rounded to 16 bits, into the dS tile as dS: row =
+        query, 64 keys (this warpgroup's) an atom, 16-byte chunk c of row r at c ^ (r & 7).
+        The rows of one store are 2t + e: the four lanes t write four chunks, no conflict."""
+        smem = cuda.shared.array(0, uint16)
+        # unsigned throughout: a signed index costs Numba's negative-index code at every store
+        warp = uint32(cuda.threadIdx.x) >> uint32(5)
+        first = ptx_sm90.aligned_index(smem, GROUP_BYTES) + uint32(DS_OFF >> 1)
+        first = uint32(first + (warp >> uint32(2)) * uint32(TILE_ATOM >> 1))
+        g, t = uint32(lane >> 2), uint32(lane & 3)
+        for h in range(2):  # key rows g and g + 8: 16-byte chunks 2 (warp & 3) + h
+            chunk = uint32((warp & uint32(3)) * uint32(2) + uint32(h))
+            for e in range(2):  # queries 2t + e (+ 8 qt), a row each
+                row = uint32(t * uint32(2) + uint32(e))
+                at = uint32(first + row * uint32(ROW_BYTES // 2) + ((chunk ^ row) << uint32(3)) + g)
+                for qt in range(Q_TILES):
+                    pair = pack(dpt[acc_index(qt, h)], dpt[acc_index(qt, h) + 1])
+                    half = uint16((pair >> uint32(16 * e)) & uint32(0xFFFF))
+                    smem[at + uint32(qt * 8 * ROW_BYTES // 2)] = half
+
+    @device_function
+    def dq_products(dqa, ds_desc, k_desc):
+        """dqa = dS (64 query rows x the block's keys) K (those keys x this warpgroup's
+        columns, MN-major): k16 step kk is A's atom kk // 4, 32 bytes in a step, and B's rows
+        16 kk.. (2048 bytes a step). dqa's old values are not read."""
+        for kk in range(N_STEPS):
+            a_step = (kk >> 2) * TILE_ATOM + (kk & 3) * 32
+            b_step = kk * 16 * ROW_BYTES
+            a_desc, b_desc = ds_desc + uint64(a_step >> 4), k_desc + uint64(b_step >> 4)
+            if kk == 0:
+                dq_first(dqa, a_desc, b_desc)
+            else:
+                dq_update(dqa, a_desc, b_desc)
+
+    @device_function
+    def atomic_dq(
+        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q, dk_acc,
+        dv_acc,
+    ):  # fmt: skip
+        """dQ rows m0.. += dS K over the block's keys, this warpgroup's DQ_COLS columns, added
+        to dq_acc (fp32) by atomics; dS was stored by query_block_step, whose dV and dK
+        products are waited for here too."""
+        ptx_sm90.fence_proxy_async()  # the dS stores, visible to wgmma
+        cuda.syncthreads()  # ... every warpgroup's
+        col0 = (warp >> 2) * DQ_COLS  # this warpgroup's first column
+        ds_desc = descriptor(base + uint32(DS_OFF), 16)
+        k_desc = descriptor(
+            base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
+        )
+        ptx_sm90.wgmma_fence()
+        dq_products(dqa, ds_desc, k_desc)
+        ptx_sm90.wgmma_commit()
+        ptx_sm90.wgmma_wait(0)  # dV's, dK's and dQ's products; dS is read until then
+        ptx_sm90.fence_operands(dv_acc, ACC_REGS)
+        ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+        ptx_sm90.fence_operands(dqa, DQ_REGS)
+        for h in range(2):
+            row = m0 + (warp & 3) * 16 + (lane >> 2) + 8 * h
+            if row < seqlen_q:
+                # (reduce_add_pair takes the index as it is: no wraparound code to mask away)
+                at = dq_head + int64(row) * dq_ss + col_base + col0 + (lane & 3) * 2
+                for dt in range(DQ_COLS // 8):
+                    i = acc_index(dt, h)
+                    ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
 
     return backward.build_kernels(
         backward.Backend(
@@ -291,10 +385,10 @@ def build_kernels(
             stages=STAGES,
             s_regs=S_REGS,
             acc_regs=ACC_REGS,
-            dq_regs=1,
+            dq_regs=DQ_REGS if FUSED_DQ else 1,
             stage0=STAGE0,
             stage_bytes=STAGE,
-            dq_atomic=False,
+            dq_atomic=FUSED_DQ,
             block_position=backward.block_position_function(
                 BLOCK_N, 1, HEAD_DIM, heavy_group, ptx_sm90.quotient32
             ),
@@ -304,9 +398,10 @@ def build_kernels(
             landed=landed,
             query_block_step=query_block_step,
             key_tile_step=key_tile_step,
-            atomic_dq=no_atomic_dq,
+            atomic_dq=atomic_dq,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
         ),
         alibi,
+        mods,
     )

@@ -16,8 +16,9 @@ block's query rows).
 A kernel with a block mask runs only the key tiles of ``[lo, hi)`` (their union over the
 query blocks its rows span, intersected with the causal / window range) and skips mask_mod
 on tiles inside the FULL run (its intersection over those query blocks): a range test a tile,
-the ranges read once a row block; the portable backward runs dQ over the seen key range and
-dK, dV over a key block's seen query range. The blocks inside ``[lo, hi)`` that are EMPTY
+the ranges read once a row block; the backwards run dQ over the seen key range and dK, dV
+over a key block's seen query range (the tensor-core dK/dV kernel: the union over its GQA
+group's heads). The blocks inside ``[lo, hi)`` that are EMPTY
 still run, masked per element, and FULL blocks outside the longest run take the per-element
 mask (masks with such holes or runs are rare: a document, prefix or window mask leaves one
 run of seen blocks, and one of FULL blocks, a query block).

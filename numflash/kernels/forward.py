@@ -25,8 +25,11 @@ fma before ex2 (numflash.attention rewrites a scale <= 0 exactly). Packed batche
 variable-length sequences run the same block body (:func:`build_varlen`); a softcap of the
 scores is a compile-time constant of the build, and so is whether sink logits (one a head, the
 kernel's ``*variant`` array) join each row's sum in the epilogue, and so are ALiBi slopes (the
-next ``*variant`` array) biasing every tile's scores. Does not: dropout, KV
-cache (numflash.kernels.decode).
+next ``*variant`` array) biasing every tile's scores, and so are a user's score_mod and mask_mod
+(kernels/mods.py, after the softcap and ALiBi; their mod_args the next arrays) with a block
+mask's index last (kernels/block_mask.py: a block runs the keys it shows its rows, and calls
+no mask_mod on its run of tiles it shows whole). Does not: dropout, KV cache
+(numflash.kernels.decode).
 """
 
 import functools
@@ -34,12 +37,16 @@ import functools
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import ptx
+from .block_mask import key_ranges
 from .forward_portable import dense_bases, packed_bases, packed_sequence
 from .fragments import PACK, acc_index, accumulator_position
 from .jit import device_function, kernel
 from .loads import row_loader
 from .mask import block_key_range, tile_needs_mask, visible_keys
+from .mods import mod_functions
 from .softmax import (
+    LN2,
+    LOG2E,
     NEG_INF,
     alibi_functions,
     final_lse,
@@ -63,13 +70,14 @@ def shared_memory_layout(head_dim, block_m, block_n, stages):
 @functools.lru_cache(maxsize=None)
 def _block_attender(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False, alibi=False,
+    sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The device function that attends one block of query rows (all sizes compile-time),
     shared by the dense and the packed (varlen) kernels; ``softcap`` > 0 caps the scores
     (softmax.softcap_function); with ``sinks`` the head's sink joins each row's sum
     (softmax.sink_functions); with ``alibi`` the scores less the head's slope times the
-    distance (softmax.alibi_functions, bias_scores)."""
+    distance (softmax.alibi_functions, bias_scores); with ``mods`` (a validation.Mods) a
+    user's functions change them (mod_scores) and a block mask narrows the keys."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16  # the mma reduction runs over 16 columns at a time
     BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = block_m, block_n, num_warps, stages
@@ -100,6 +108,11 @@ def _block_attender(
     load_q_fragments, mma_qk, online_softmax, mma_pv = warp_step(
         dtype_name, M_TILES, N_TILES, HD_PAD, ROW, Q_IN_REGS, offsets=alibi
     )
+    MODS = mods is not None
+    SCORE_MOD = MODS and mods.score_mod is not None
+    BLOCK_MASK = MODS and mods.block_mask
+    user = mod_functions(mods, int(sinks) + int(alibi))
+    MASK_AT, MASK_END = user.block_mask_at, user.block_mask_at + 1
 
     # -- tile loads (global -> shared, asynchronous) ----------------------------------------------
 
@@ -147,7 +160,7 @@ def _block_attender(
         linear, step = linear_alibi_step(
             slope, n0, n0 + BLOCK_N - 1, m0 + offset, m0 + BLOCK_M - 1 + offset, wl, wr
         )
-        if linear:
+        if linear and not MODS:  # a user's score_mod is handed each whole biased score
             for mt in range(M_TILES):
                 for j in range(4 * N_TILES):
                     _, col = accumulator_position(j, 0)
@@ -177,6 +190,55 @@ def _block_attender(
         if M_TILES == 2:
             mask_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, wl, wr)
             mask_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, wl, wr)
+
+    def mod_row_function(masked):
+        """``mod_row``: the user's functions on one row's scores (``masked``: mask_mod and
+        score_mod, else score_mod alone)."""
+        natural = user.natural_modded if masked else user.natural_scored
+
+        @device_function
+        def mod_row(s, first, row, first_col, seqlen_q, seqlen_k, unit, ctx):
+            """The user's functions on this lane's scores ``s[first + 4 nt + e]`` of ``row``
+            (columns ``first_col + 8 nt + e``) where the row and the key exist: with a
+            score_mod in natural units (``unit``: softmax_scale a raw score) and left so, a
+            mask alone on the raw scores (each one itself or -inf)."""
+            b, head, variant = ctx
+            if row < seqlen_q:
+                at = row + seqlen_k - seqlen_q  # the row's position among the keys
+                for nt in range(N_TILES):
+                    for e in range(2):
+                        _, col = accumulator_position(4 * nt + e, 0)
+                        key = first_col + col
+                        i = first + 4 * nt + e
+                        if key < seqlen_k:
+                            x = s[i] * unit if SCORE_MOD else s[i]
+                            s[i] = natural(x, b, head, at, key, variant)
+
+        return mod_row
+
+    mod_row, scored_row = mod_row_function(True), mod_row_function(False)
+
+    @device_function
+    def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx, full):
+        """The user's functions (kernels/mods.py) on the tile of keys n0.. of this lane's
+        rows, as mod_row; ``full``: the block mask shows every row of the block every key of
+        the tile (mask_mod not called; a constant False without a block mask). One call per
+        row this lane holds, as mask_scores."""
+        col = n0 + (lane & 3) * 2
+        row = row0 + (lane >> 2)
+        if BLOCK_MASK and full:
+            if SCORE_MOD:
+                scored_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
+                scored_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
+                if M_TILES == 2:
+                    scored_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
+                    scored_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
+            return
+        mod_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
+        mod_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
+        if M_TILES == 2:
+            mod_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
+            mod_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
 
     @device_function
     def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink):
@@ -221,14 +283,15 @@ def _block_attender(
     @device_function
     def attend_block(
         q, k, v, o, lse, bases, row_strides, m_block, seqlen_q, seqlen_k, scale_log2, window,
-        tid, lane, warp, sink, slope,
+        tid, lane, warp, sink, slope, ctx,
     ):  # fmt: skip
         """Rows m_block * BLOCK_M .. + BLOCK_M - 1 of one (sequence, head), by thread ``tid``
         (``lane`` of ``warp``) of the block: ``bases`` (q, k, v, o, lse) is where the
         sequence's row 0 of this head (its kv head for k, v) starts in each array, rows
         ``row_strides`` (q, k, v, o) elements apart; ``window`` is (left, right); ``sink``
         the head's sink logit (log2 domain), read only with sinks; ``slope`` its ALiBi slope
-        in units of 1 / scale, read only with ALiBi."""
+        in units of 1 / scale, read only with ALiBi; ``ctx`` (the sequence, the head, the
+        kernel's ``*variant`` arrays), read only with a user's functions."""
         q_base, k_base, v_base, o_base, lse_base = bases
         q_ss, k_ss, v_ss, o_ss = row_strides
         window_left, window_right = window
@@ -247,6 +310,12 @@ def _block_attender(
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
 
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window_left, window_right)
+        full_lo, full_hi = int32(0), int32(0)  # the keys the block mask shows every row of
+        if BLOCK_MASK:  # and the keys the block mask shows some row of the block
+            b, head, variant = ctx
+            index = variant[MASK_AT:MASK_END][0]
+            lo, hi, full_lo, full_hi = key_ranges(index, b, head, m0, last_row)
+            n_lo, n_hi = max(n_lo, lo), min(n_hi, hi)
         if n_hi <= n_lo:
             write_empty_block(o, lse, o_base, o_ss, lse_base, m0, seqlen_q, tid, sink)
             return
@@ -319,6 +388,13 @@ def _block_attender(
             if ALIBI:
                 bias_scores(s, t, row0, n0, m0, lane, seqlen_q, seqlen_k, window_left,
                             window_right, slope)  # fmt: skip
+            unit_log2 = scale_log2  # of the scores in s, for the softmax
+            if MODS:
+                full = BLOCK_MASK and full_lo <= n0 and n0 + BLOCK_N <= full_hi
+                unit = scale_log2 * float32(LN2)  # softmax_scale
+                mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx, full)
+                if SCORE_MOD:  # natural units now: the softmax's multiply converts them
+                    unit_log2 = float32(LOG2E)
             if tile_needs_mask(
                 m0,
                 m0 + BLOCK_M - 1,
@@ -331,7 +407,7 @@ def _block_attender(
             ):
                 mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, window_left, window_right)
             # -- update m_i and l_i, rescale acc, P = exp2(S * scale - m_i)
-            online_softmax(s, m_i, l_i, acc, scale_log2, t)
+            online_softmax(s, m_i, l_i, acc, unit_log2, t)
             # -- acc += P V_j
             mma_pv(s, pf, acc, stage_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
@@ -345,12 +421,12 @@ def _block_attender(
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False, alibi=False,
+    sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The tensor-core forward kernel specialised for one key; all sizes are compile-time."""
     attend_block = _block_attender(
         head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks,
-        alibi,
+        alibi, mods,
     )  # fmt: skip
     sink_of, _ = sink_functions(sinks)
     slope_of, _ = alibi_functions(alibi, sinks)
@@ -389,6 +465,7 @@ def build(
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
             sink_of(variant, head),
             slope_of(variant, batch, head, cuda.gridDim.y, raw_unit(scale_log2)),
+            (batch, head, variant),
         )  # fmt: skip
 
     return forward
@@ -397,7 +474,7 @@ def build(
 @functools.lru_cache(maxsize=None)
 def build_varlen(
     head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap=0.0,
-    sinks=False, alibi=False,
+    sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The tensor-core forward over a packed batch: q (total_q, nheads, head_dim), k and v
     (total_k, nheads_k, head_dim), sequence b at rows cu_q[b] .. cu_q[b + 1] - 1 (keys alike);
@@ -406,7 +483,7 @@ def build_varlen(
     lse. The same block body as the dense kernel (:func:`build`)."""
     attend_block = _block_attender(
         head_dim, dtype_name, block_m, block_n, num_warps, stages, q_in_registers, softcap, sinks,
-        alibi,
+        alibi, mods,
     )  # fmt: skip
     sink_of, _ = sink_functions(sinks)
     slope_of, _ = alibi_functions(alibi, sinks)
@@ -453,6 +530,7 @@ def build_varlen(
             seqlen_k, scale_log2, (window_left, window_right), tid, lane, warp,
             sink_of(variant, head),
             slope_of(variant, b, head, cuda.gridDim.y, raw_unit(scale_log2)),
+            (b, head, variant),
         )  # fmt: skip
 
     return forward_varlen

@@ -42,6 +42,10 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
   ``wgmma.fence`` orders the accumulator registers before the first wgmma of a group;
   ``commit_group`` / ``wait_group N`` wait for the products to land in the registers.
 
+``red.global.add.v2.f32`` (PTX ISA 8.1, sm_90) adds two adjacent fp32 values to global memory
+in one instruction, 8-byte aligned, with no result: the Hopper backward adds dQ up with it
+where the dK/dV kernel computes dQ too (``reduce_add_pair``).
+
 Barriers for warp-specialised kernels (PTX ISA, "mbarrier", "bar"):
 
 - An mbarrier is 8 bytes of shared memory (8-byte aligned) initialised with an expected
@@ -103,6 +107,7 @@ __all__ = [
     "named_barrier_sync",
     "named_barrier_arrive",
     "set_max_registers",
+    "reduce_add_pair",
 ]
 
 #: swizzle field values of the descriptor
@@ -335,6 +340,11 @@ if SIMULATOR:
 
     def set_max_registers(count, increase):
         pass
+
+    def reduce_add_pair(array, index, a, b):
+        with _lock:  # other blocks' threads add to the same elements
+            array[index] += np.float32(a)
+            array[index + 1] += np.float32(b)
 
 
 else:
@@ -594,6 +604,27 @@ else:
 
         def codegen(context, builder, sig, args):
             _void_asm(builder, f"setmaxnreg.{op}.sync.aligned.u32 {n};", "~{memory}", [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def reduce_add_pair(typingctx, array, index, a, b):
+        """array[index] += a and array[index + 1] += b, one ``red.global.add.v2.f32``
+        (sm_90): a float32 ``array`` in global memory, ``index`` even from an 8-byte aligned
+        start, no value returned and no order among the adds of different threads."""
+        if not (isinstance(array, types.Array) and array.dtype == types.float32):
+            return None
+        if not isinstance(index, types.Integer):
+            return None
+        sig = types.void(array, index, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
+            glob = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1))
+            address = builder.ptrtoint(glob, ir.IntType(64))
+            asm = "red.global.add.v2.f32 [$0], {$1, $2};"
+            _void_asm(builder, asm, "l,f,f,~{memory}", [address, args[2], args[3]])
             return context.get_dummy_value()
 
         return sig, codegen
