@@ -92,32 +92,40 @@ def _run(q, k, v, dtype, mask, mods, variants, forward_extra=None, derivative=No
     return out, lse
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_a_document_mask_and_a_relative_bias_match_the_reference(dtype):
+def _document_mask_and_relative_bias(dtype, head_dim, backward_config=None):
     """Causal GQA over three documents of a sequence; queries fewer than keys (the last rows
     of the sequence, as a chunk of prefill)."""
     sq, sk = 19, 30
-    q, k, v = random_qkv(2, sq, sk, 2, 1, 24, dtype)
+    q, k, v = random_qkv(2, sq, sk, 2, 1, head_dim, dtype)
     slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
     document = _documents(sk, (12, 11, 7))
     mod_args = (slopes, document)
     variants = Variants(score_mod=relative_bias, score_mod_derivative=relative_bias_derivative,
                         mask_mod=same_document, mod_args=mod_args)  # fmt: skip
     _run(q, k, v, dtype, dict(causal=True), (relative_bias, same_document, mod_args), variants,
-         derivative=relative_bias_derivative)  # fmt: skip
+         derivative=relative_bias_derivative, backward_config=backward_config)  # fmt: skip
+
+
+def _nonlinear_score_mod_after_the_built_ins(head_dim, sinks=True, backward_config=None):
+    """softcap and ALiBi change the score first, then the score_mod; the gradients go through
+    the score_mod's derivative and the softcap's; sinks join the forward's sums."""
+    q, k, v = random_qkv(1, 45, 45, 2, 1, head_dim, "float16")
+    alibi = xp.asarray(np.array([0.3, 0.05], dtype=np.float32))
+    extra = dict(softcap=4.0, alibi_slopes=alibi)
+    if sinks:
+        extra["sinks"] = xp.asarray(np.array([0.5, -1.0], dtype=np.float32))
+    variants = Variants(score_mod=squashed, score_mod_derivative=squashed_derivative, **extra)
+    _run(q, k, v, "float16", dict(window_size=(20, 5)), (squashed, None, ()), variants, extra,
+         derivative=squashed_derivative, backward_config=backward_config)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_document_mask_and_a_relative_bias_match_the_reference(dtype):
+    _document_mask_and_relative_bias(dtype, 24)
 
 
 def test_a_nonlinear_score_mod_after_the_built_in_variants():
-    """softcap and ALiBi change the score first, then the score_mod; the gradients go through
-    the score_mod's derivative and the softcap's; sinks join the forward's sums."""
-    q, k, v = random_qkv(1, 45, 45, 2, 1, 32, "float16")
-    alibi = xp.asarray(np.array([0.3, 0.05], dtype=np.float32))
-    sinks = xp.asarray(np.array([0.5, -1.0], dtype=np.float32))
-    extra = dict(softcap=4.0, alibi_slopes=alibi, sinks=sinks)
-    variants = Variants(softcap=4.0, alibi_slopes=alibi, sinks=sinks, score_mod=squashed,
-                        score_mod_derivative=squashed_derivative)  # fmt: skip
-    _run(q, k, v, "float16", dict(window_size=(20, 5)), (squashed, None, ()), variants, extra,
-         derivative=squashed_derivative)  # fmt: skip
+    _nonlinear_score_mod_after_the_built_ins(32)
 
 
 def test_rows_a_mask_mod_leaves_without_keys_give_zero_and_minus_infinity():
@@ -216,6 +224,24 @@ def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
     numflash.attention_backward(q, q, k, v, out, lse, mask_mod=even_keys_of_odd_heads)
 
 
+def _forward_with_variants_and_user_functions(config, head_dim, dtype):
+    """A relative bias and a document mask after a softcap and ALiBi, GQA, causal, fewer
+    queries than keys, the last key tile past the end, through ``config``'s forward."""
+    q, k, v = random_qkv(1, 40, 80, 2, 1, head_dim, dtype)
+    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
+    alibi = xp.asarray(np.array([0.1, 0.3], dtype=np.float32))
+    mod_args = (slopes, _documents(80, (30, 31, 19)))
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, causal=True, out=out, return_lse=True, config=config, softcap=5.0,
+        alibi_slopes=alibi, score_mod=relative_bias, mask_mod=same_document, mod_args=mod_args,
+    )  # fmt: skip
+    assert res is out
+    variants = Variants(softcap=5.0, alibi_slopes=alibi, score_mod=relative_bias,
+                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+
+
 #: The Hopper forward's schedules with a user's functions: one in the simulator (a score's
 #: user functions are Python calls there, minutes a case), both on a GPU.
 HOPPER = [numflash.WgmmaForwardConfig(1, 64, 2, pingpong=False)]
@@ -233,19 +259,7 @@ def test_the_hopper_forward_takes_user_functions_after_the_built_in_variants(con
 
     if not current_device().has_wgmma:
         pytest.skip("the Hopper forward needs compute capability 9.x")
-    q, k, v = random_qkv(1, 40, 80, 2, 1, 64, "bfloat16")
-    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
-    alibi = xp.asarray(np.array([0.1, 0.3], dtype=np.float32))
-    mod_args = (slopes, _documents(80, (30, 31, 19)))
-    out = poisoned_like(q)
-    res, lse = numflash.attention(
-        q, k, v, causal=True, out=out, return_lse=True, config=config, softcap=5.0,
-        alibi_slopes=alibi, score_mod=relative_bias, mask_mod=same_document, mod_args=mod_args,
-    )  # fmt: skip
-    assert res is out
-    variants = Variants(softcap=5.0, alibi_slopes=alibi, score_mod=relative_bias,
-                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
-    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+    _forward_with_variants_and_user_functions(config, 64, "bfloat16")
 
 
 @pytest.mark.parametrize(
@@ -257,19 +271,7 @@ def test_the_mma_forward_takes_user_functions_after_the_built_in_variants(config
     """The mma.sync forward's tiles (forward.mod_scores): as the Hopper's test, with one and
     two 16-row tiles a warp (each row its own call), several key tiles, the last past the
     end."""
-    q, k, v = random_qkv(1, 40, 80, 2, 1, 24, "float16")
-    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
-    alibi = xp.asarray(np.array([0.1, 0.3], dtype=np.float32))
-    mod_args = (slopes, _documents(80, (30, 31, 19)))
-    out = poisoned_like(q)
-    res, lse = numflash.attention(
-        q, k, v, causal=True, out=out, return_lse=True, config=config, softcap=5.0,
-        alibi_slopes=alibi, score_mod=relative_bias, mask_mod=same_document, mod_args=mod_args,
-    )  # fmt: skip
-    assert res is out
-    variants = Variants(softcap=5.0, alibi_slopes=alibi, score_mod=relative_bias,
-                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
-    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
+    _forward_with_variants_and_user_functions(config, 24, "float16")
 
 
 def test_the_mma_forward_takes_a_mask_alone_with_sinks():
@@ -327,28 +329,14 @@ TENSOR_CORE_BACKWARDS = [
 def test_the_tensor_core_backwards_take_a_document_mask_and_a_relative_bias(config, head_dim):
     """As the first test, through each tensor-core backward: the user's functions called
     only for pairs the causal mask lets through (the document ids end at the last key)."""
-    config = wgmma_or_skip(config)
-    q, k, v = random_qkv(2, 19, 30, 2, 1, head_dim, "bfloat16")
-    slopes = xp.asarray(np.array([0.05, -0.2], dtype=np.float32))
-    mod_args = (slopes, _documents(30, (12, 11, 7)))
-    variants = Variants(score_mod=relative_bias, score_mod_derivative=relative_bias_derivative,
-                        mask_mod=same_document, mod_args=mod_args)  # fmt: skip
-    _run(q, k, v, "bfloat16", dict(causal=True), (relative_bias, same_document, mod_args),
-         variants, derivative=relative_bias_derivative, backward_config=config)  # fmt: skip
+    _document_mask_and_relative_bias("bfloat16", head_dim, wgmma_or_skip(config))
 
 
 @pytest.mark.parametrize("config, head_dim", TENSOR_CORE_BACKWARDS[::3], ids=["mma", "wgmma-fused"])
 def test_the_tensor_core_backwards_take_a_nonlinear_score_mod_after_the_built_ins(config, head_dim):
     """As the second test (softcap and ALiBi first, the score_mod's derivative and the cap's
     in the gradients, a window), through a tensor-core backward."""
-    config = wgmma_or_skip(config)
-    q, k, v = random_qkv(1, 45, 45, 2, 1, head_dim, "float16")
-    alibi = xp.asarray(np.array([0.3, 0.05], dtype=np.float32))
-    extra = dict(softcap=4.0, alibi_slopes=alibi)
-    variants = Variants(softcap=4.0, alibi_slopes=alibi, score_mod=squashed,
-                        score_mod_derivative=squashed_derivative)  # fmt: skip
-    _run(q, k, v, "float16", dict(window_size=(20, 5)), (squashed, None, ()), variants, extra,
-         derivative=squashed_derivative, backward_config=config)  # fmt: skip
+    _nonlinear_score_mod_after_the_built_ins(head_dim, False, wgmma_or_skip(config))
 
 
 def test_calls_with_user_functions_run_the_families_that_take_them():

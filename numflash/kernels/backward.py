@@ -159,6 +159,23 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
     user_p_and_ds = user_element_function(softcap, alibi, mods)
 
     @device_function
+    def element_into(
+        st, dpt, i, col, lo, hi, neg_lse, d, scale_log2, a, b, at, slope, user, q, kv
+    ):  # fmt: skip
+        """st[i] <- P and dpt[i] <- dS of one element, query ``col`` columns from the lane's
+        first: 0 unless lo <= col < hi (the causal / window mask's range)."""
+        if MODS:
+            seen = (lo <= int32(col)) & (int32(col) < hi)
+            st[i], dpt[i] = user_p_and_ds(
+                seen, st[i], dpt[i], neg_lse, d, scale_log2, a, b, at, slope, user, q, kv
+            )
+        else:
+            p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, a, b, at, slope)
+            seen = (lo <= int32(col)) & (int32(col) < hi)
+            st[i] = p if seen else float32(0.0)
+            dpt[i] = ds if seen else float32(0.0)
+
+    @device_function
     def probabilities_and_ds(
         st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
         score_args,
@@ -191,34 +208,14 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
                 neg_lse = -lse_tile[first + uint32(col)]
                 d = d_tile[first + uint32(col)]
                 at = distance + float32(col)
-                if MODS:
-                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
-                    st[i], dpt[i] = user_p_and_ds(
-                        seen, st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
-                        user, q_first + col, key0,
-                    )  # fmt: skip
-                else:
-                    p, ds = p_and_ds_of(
-                        st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope
-                    )
-                    seen = (lo0 <= int32(col)) & (int32(col) < hi0)
-                    st[i] = p if seen else float32(0.0)
-                    dpt[i] = ds if seen else float32(0.0)
-                i += 2  # key row key0 + 8
-                at = at - float32(8)
-                if MODS:
-                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
-                    st[i], dpt[i] = user_p_and_ds(
-                        seen, st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
-                        user, q_first + col, key0 + 8,
-                    )  # fmt: skip
-                else:
-                    p, ds = p_and_ds_of(
-                        st[i], dpt[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope
-                    )
-                    seen = (lo1 <= int32(col)) & (int32(col) < hi1)
-                    st[i] = p if seen else float32(0.0)
-                    dpt[i] = ds if seen else float32(0.0)
+                element_into(
+                    st, dpt, i, col, lo0, hi0, neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
+                    user, q_first + col, key0,
+                )  # fmt: skip
+                element_into(  # key row key0 + 8
+                    st, dpt, i + 2, col, lo1, hi1, neg_lse, d, scale_log2, cap_a, cap_b,
+                    at - float32(8), slope, user, q_first + col, key0 + 8,
+                )  # fmt: skip
 
     return probabilities_and_ds
 
