@@ -163,7 +163,9 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
         st, dpt, i, col, lo, hi, neg_lse, d, scale_log2, a, b, at, slope, user, q, kv
     ):  # fmt: skip
         """st[i] <- P and dpt[i] <- dS of one element, query ``col`` columns from the lane's
-        first: 0 unless lo <= col < hi (the causal / window mask's range)."""
+        first: 0 unless lo <= col < hi (the causal / window mask's range). The plain path
+        tests the range after its arithmetic, as it always did: testing it first changes the
+        plain kernels' PTX (tests/test_fingerprints.py)."""
         if MODS:
             seen = (lo <= int32(col)) & (int32(col) < hi)
             st[i], dpt[i] = user_p_and_ds(
@@ -405,6 +407,7 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
                         q0 + (8 if second else 0), kv0 + shift + col,
                     )  # fmt: skip
                     continue
+                # the plain path's order, as element_into's
                 _, ds = p_and_ds_of(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
                 lo = lo_1 if second else lo_0
                 hi = hi_1 if second else hi_0

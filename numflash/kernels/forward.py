@@ -191,8 +191,8 @@ def _block_attender(
             mask_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, wl, wr)
             mask_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, wl, wr)
 
-    def mod_row_function(masked):
-        """``mod_row``: the user's functions on one row's scores (``masked``: mask_mod and
+    def mod_rows_function(masked):
+        """``mod_rows``: the user's functions on this lane's rows (``masked``: mask_mod and
         score_mod, else score_mod alone)."""
         natural = user.natural_modded if masked else user.natural_scored
 
@@ -214,31 +214,32 @@ def _block_attender(
                             x = s[i] * unit if SCORE_MOD else s[i]
                             s[i] = natural(x, b, head, at, key, variant)
 
-        return mod_row
+        @device_function
+        def mod_rows(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx):
+            """mod_row on the tile of keys n0.. of every row this lane holds, one call each
+            (as mask_scores)."""
+            col = n0 + (lane & 3) * 2
+            row = row0 + (lane >> 2)
+            mod_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
+            mod_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
+            if M_TILES == 2:
+                mod_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
+                mod_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
 
-    mod_row, scored_row = mod_row_function(True), mod_row_function(False)
+        return mod_rows
+
+    mod_rows, scored_rows = mod_rows_function(True), mod_rows_function(False)
 
     @device_function
     def mod_scores(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx, full):
         """The user's functions (kernels/mods.py) on the tile of keys n0.. of this lane's
-        rows, as mod_row; ``full``: the block mask shows every row of the block every key of
-        the tile (mask_mod not called; a constant False without a block mask). One call per
-        row this lane holds, as mask_scores."""
-        col = n0 + (lane & 3) * 2
-        row = row0 + (lane >> 2)
+        rows (mod_rows); ``full``: the block mask shows every row of the block every key of
+        the tile, so mask_mod is not called (a constant False without a block mask)."""
         if BLOCK_MASK and full:
             if SCORE_MOD:
-                scored_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
-                scored_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
-                if M_TILES == 2:
-                    scored_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
-                    scored_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
-            return
-        mod_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
-        mod_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
-        if M_TILES == 2:
-            mod_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
-            mod_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
+                scored_rows(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx)
+        else:
+            mod_rows(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx)
 
     @device_function
     def write_output(o, lse, acc, m_i, l_i, o_base, o_ss, lse_base, row0, lane, seqlen_q, sink):
