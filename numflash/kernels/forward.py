@@ -178,18 +178,27 @@ def _block_attender(
         for r in range(ROWS):
             t[r] = float32(0.0)
 
-    @device_function
-    def mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr):
-        """Hidden keys -> -inf, in a tile the mask cuts through."""
-        # One call per row this lane holds, each with constant offsets: a loop over the row
-        # tiles is not unrolled by NVVM at M_TILES = 2 and would move s to local memory.
-        col = n0 + (lane & 3) * 2
-        row = row0 + (lane >> 2)
-        mask_row(s, 0, row, col, seqlen_q, seqlen_k, wl, wr)
-        mask_row(s, 2, row + 8, col, seqlen_q, seqlen_k, wl, wr)
-        if M_TILES == 2:
-            mask_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, wl, wr)
-            mask_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, wl, wr)
+    def each_row(row_step):
+        """``rows(s, row0, n0, lane, seqlen_q, seqlen_k, x, y)``: ``row_step(s, first, row,
+        first_col, seqlen_q, seqlen_k, x, y)`` on the tile of keys n0.. of every row this lane
+        holds. One call per row, each with constant offsets: a loop over the row tiles is
+        not unrolled by NVVM at M_TILES = 2 and would move s to local memory."""
+
+        @device_function
+        def rows(s, row0, n0, lane, seqlen_q, seqlen_k, x, y):
+            col = n0 + (lane & 3) * 2
+            row = row0 + (lane >> 2)
+            row_step(s, 0, row, col, seqlen_q, seqlen_k, x, y)
+            row_step(s, 2, row + 8, col, seqlen_q, seqlen_k, x, y)
+            if M_TILES == 2:
+                row_step(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, x, y)
+                row_step(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, x, y)
+
+        return rows
+
+    #: mask_scores(s, row0, n0, lane, seqlen_q, seqlen_k, wl, wr): hidden keys -> -inf, in a
+    #: tile the mask cuts through.
+    mask_scores = each_row(mask_row)
 
     def mod_rows_function(masked):
         """``mod_rows``: the user's functions on this lane's rows (``masked``: mask_mod and
@@ -214,19 +223,7 @@ def _block_attender(
                             x = s[i] * unit if SCORE_MOD else s[i]
                             s[i] = natural(x, b, head, at, key, variant)
 
-        @device_function
-        def mod_rows(s, row0, n0, lane, seqlen_q, seqlen_k, unit, ctx):
-            """mod_row on the tile of keys n0.. of every row this lane holds, one call each
-            (as mask_scores)."""
-            col = n0 + (lane & 3) * 2
-            row = row0 + (lane >> 2)
-            mod_row(s, 0, row, col, seqlen_q, seqlen_k, unit, ctx)
-            mod_row(s, 2, row + 8, col, seqlen_q, seqlen_k, unit, ctx)
-            if M_TILES == 2:
-                mod_row(s, 4 * N_TILES, row + 16, col, seqlen_q, seqlen_k, unit, ctx)
-                mod_row(s, 4 * N_TILES + 2, row + 24, col, seqlen_q, seqlen_k, unit, ctx)
-
-        return mod_rows
+        return each_row(mod_row)
 
     mod_rows, scored_rows = mod_rows_function(True), mod_rows_function(False)
 
