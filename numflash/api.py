@@ -537,6 +537,9 @@ def attention_varlen(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_args=(),
 ):
     """Attention over a packed batch of sequences of different lengths, without padding, in
     flash-attn's vocabulary (``flash_attn_varlen_func``).
@@ -561,6 +564,10 @@ def attention_varlen(
         sinks: as :func:`attention` (a row that sees no key gets lse = its head's sink).
         alibi_slopes: as :func:`attention`, (nheads,) or (batch, nheads) with batch =
             len(cu_seqlens_q) - 1, positions within each sequence.
+        score_mod, mask_mod, mod_args: as :func:`attention`, with ``b`` the sequence and
+            ``q_idx``, ``kv_idx`` positions within it (q_idx aligned bottom-right against
+            the sequence's own lengths, as the causal mask). A packed batch takes no
+            block_mask: its sequences are its blocks already.
 
     Offsets on the device are trusted for their values but never followed outside the arrays:
     they are clamped to [0, total], and a sequence longer than its max_seqlen's bound is cut
@@ -574,6 +581,9 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks, alibi_slopes)
+    if score_mod is not None or mask_mod is not None or mod_args != ():
+        _refuse_under_capture("attention_varlen with a score_mod or mask_mod", planned=False)
+        return _attention_varlen(*args, (score_mod, mask_mod, mod_args, None, None))
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
@@ -595,16 +605,18 @@ def attention_varlen(
 
 def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, window_size, return_lse, out, config, softcap=0.0,
-                      sinks=None, alibi_slopes=None):  # fmt: skip
+                      sinks=None, alibi_slopes=None, mods=None):  # fmt: skip
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
         sinks is not None, alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
     alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
+    p, mod_args = _with_mods(p, q, mods)
     return_lse = validation.check_flag(return_lse, "return_lse")
     out = validation.check_out(out, q, k, v)
     if out is not None:
         inputs = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "sinks": sinks}
+        inputs.update((f"mod_args[{i}]", x) for i, x in enumerate(mod_args))
         validation.check_no_overlap(out, "out", dict(inputs, alibi_slopes=alibi_slopes))
     with _on_device(q):
         device = current_device()
@@ -618,7 +630,7 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
             if k.shape[0] == 0:  # nothing to attend to: every row is empty
                 _empty_rows(out, lse, sinks, (slice(None), None))
             else:
-                variant = _variant(sinks, alibi_slopes)
+                variant = _variant(sinks, alibi_slopes) + mod_args
                 launch.forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k, variant)
     return (out, lse) if return_lse else out
 
@@ -643,10 +655,16 @@ def attention_varlen_backward(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_args=(),
+    score_mod_derivative=None,
 ):
     """Gradients of :func:`attention_varlen`: ``(dq, dk, dv)`` of ``sum(out * dout)``, with
-    the forward's arguments (``softcap`` and ``alibi_slopes`` too) and its outputs out and lse
-    (nheads, total_q); with ``sinks`` also dsinks, as :func:`attention_backward` returns it.
+    the forward's arguments (``softcap``, ``alibi_slopes``, ``score_mod``, ``mask_mod`` and
+    ``mod_args`` too; a score_mod with its ``score_mod_derivative``, as
+    :func:`attention_backward` takes it) and its outputs out and lse (nheads, total_q); with
+    ``sinks`` also dsinks, as :func:`attention_backward` returns it.
     The kernels and ``deterministic`` as for :func:`attention_backward`, chosen as for a dense
     call of the max lengths; ``config`` forces a backward configuration as there. Rows of no
     sequence, or past a max_seqlen's bound (the forward's cut), get zero gradients.
@@ -659,8 +677,10 @@ def attention_varlen_backward(
     q, k, v, cu_q, cu_k, p = validation.varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_size, softcap,
         alibi=alibi_slopes is not None)  # fmt: skip
+    mods = (score_mod, mask_mod, mod_args, score_mod_derivative, None)
+    p, mod_args = _with_mods(p, q, mods, backward=True)
     return _gradients(p, dout, q, k, v, out, lse, (p.nheads, q.shape[0]), deterministic, config,
-                      (cu_q, cu_k), sinks, alibi_slopes)  # fmt: skip
+                      (cu_q, cu_k), sinks, alibi_slopes, mod_args)  # fmt: skip
 
 
 def selected_backward_config(
@@ -864,6 +884,9 @@ def attention_with_kvcache(
     softcap=0.0,
     sinks=None,
     alibi_slopes=None,
+    score_mod=None,
+    mask_mod=None,
+    mod_args=(),
 ):
     """Attention of new query rows over a KV cache, appending new keys and values in place
     (decoding, speculative decoding, chunked prefill), in flash-attn's vocabulary.
@@ -900,6 +923,11 @@ def attention_with_kvcache(
         alibi_slopes: as :func:`attention`, (nheads,) or (batch, nheads): a query's position
             is its place in the sequence after the append (a call with slopes is not replayed
             from a plan).
+        score_mod, mask_mod, mod_args: as :func:`attention`, with ``b`` q's batch row and
+            ``q_idx`` the query's position in the sequence after the append (as the causal
+            mask aligns it), ``kv_idx`` the key's; mod_args must not share memory with the
+            caches an append writes. Such a call is not replayed from a plan and takes no
+            block_mask.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -913,6 +941,9 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
+    if score_mod is not None or mask_mod is not None or mod_args != ():
+        _refuse_under_capture("attention_with_kvcache with a score_mod or mask_mod", planned=False)
+        return _attention_with_kvcache(*args, (score_mod, mask_mod, mod_args, None, None))
     result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result
@@ -958,24 +989,26 @@ def _rows(k):
 def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
                             block_table, causal, softmax_scale, window_size, num_splits,
                             return_lse, out, config, softcap=0.0, sinks=None,
-                            alibi_slopes=None):  # fmt: skip
+                            alibi_slopes=None, mods=None):  # fmt: skip
     q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, p = validation.kvcache_problem(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal,
         softmax_scale, window_size, num_splits, softcap, sinks is not None,
         alibi_slopes is not None)  # fmt: skip
     sinks = validation.check_sinks(sinks, q, p.nheads)
     alibi_slopes = validation.check_alibi_slopes(alibi_slopes, q, p.batch, p.nheads)
+    p, mod_args = _with_mods(p, q, mods)
     return_lse = validation.check_flag(return_lse, "return_lse")
     caches = dict(k_cache=k_cache, v_cache=v_cache) if k is not None else {}  # written
-    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+    variant = {"sinks": sinks, "alibi_slopes": alibi_slopes}
+    variant.update((f"mod_args[{i}]", x) for i, x in enumerate(mod_args))
+    for name, x in variant.items():
         if x is not None:
             validation.check_no_overlap(x, name, caches)
     if out is not None:
         out = validation.check_like(out, "out", q, "q")
         validation.check_writable(out, "out")
         inputs = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_seqlens=seqlens)
-        inputs.update(cache_batch_idx=batch_idx, block_table=block_table, sinks=sinks)
-        inputs.update(alibi_slopes=alibi_slopes)
+        inputs.update(cache_batch_idx=batch_idx, block_table=block_table, **variant)
         validation.check_no_overlap(out, "out", inputs)
     with _on_device(q):
         device = current_device()
@@ -988,5 +1021,5 @@ def _attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         lse = arrays.empty((p.batch, p.nheads, p.seqlen_q), np.float32, like=q)
         if out.size:
             launch.kvcache(cfg, splits, p, q, k_cache, v_cache, k, v, seqlens, batch_idx,
-                           block_table, out, lse, _variant(sinks, alibi_slopes))  # fmt: skip
+                           block_table, out, lse, _variant(sinks, alibi_slopes) + mod_args)  # fmt: skip
     return (out, lse) if return_lse else out

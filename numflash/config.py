@@ -381,6 +381,7 @@ class PortableDecodeConfig(_Config):
     block_n: int = knob(32, (8, 16, 32, 64))
 
     family: ClassVar[str] = "portable-decode"
+    USER_MODS: ClassVar[bool] = True
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
@@ -417,6 +418,7 @@ class TensorCoreDecodeConfig(_Config):
     stages: int = knob(2, (2, 3, 4, 5, 6))
 
     family: ClassVar[str] = "tensor-core-decode"
+    USER_MODS: ClassVar[bool] = True  # decode.mod_scores
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "mma.sync"
     #: 2: the append and the combine in the kernel; 3: the warps merged at once, masks only

@@ -1311,7 +1311,8 @@ def _kvcache(
     else:
         LAUNCHERS[type(cfg)](cfg, num_splits, p, q, views, geometry, stream)
     if portable:  # the combine takes the sinks alone
-        spec = COMBINE._replace(variant=variant_arrays(dataclasses.replace(p, alibi=False)))
+        alone = dataclasses.replace(p, alibi=False, mods=None)
+        spec = COMBINE._replace(variant=variant_arrays(alone))
         combine = launcher(
             (PORTABLE_DECODE_COMBINE, d, dtype) + (("sinks",) if p.sinks else ()),
             lambda: decode_portable.build_combine(d, dtype, p.sinks),
@@ -1339,7 +1340,7 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     split = launcher(
         (type(cfg), d, dtype, cfg, p.paged) + variant_key(p),
         lambda: decode_portable.build_split_attention(
-            d, dtype, cfg.block_m, cfg.block_n, p.paged, p.softcap, p.sinks, p.alibi
+            d, dtype, cfg.block_m, cfg.block_n, p.paged, p.softcap, p.sinks, p.alibi, p.mods
         ),
         spec,
         dtype,
@@ -1390,7 +1391,7 @@ def _tensor_core_kvcache(cfg, num_splits, p, q, views, geometry, stream):
     spec = DECODE.for_problem(p)
     launch = launcher(
         (configs.TensorCoreDecodeConfig, d, dtype, cfg, p.paged) + variant_key(p),
-        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap, p.sinks, p.alibi),
+        lambda: decode_kernels.build(d, dtype, *tiles, p.softcap, p.sinks, p.alibi, p.mods),
         spec,
         dtype,
     )

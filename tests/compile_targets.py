@@ -232,6 +232,21 @@ def tensor_core_decode(hd, dtype, paged):
                    head_dim=hd, dtype=dtype, paged=paged, config=cfg.to_dict())  # fmt: skip
 
 
+def decode_mods(hd, dtype, paged):
+    """The KV-cache kernels at ``hd`` with a user's functions (MODS): the tensor-core kernel
+    (its default tiles) and the portable split kernel, ptxas' report for sm_90a."""
+    arrays = _mod_arrays(MODS)
+    cfg = default_config("tensor-core-decode", hd, None)[1]
+    kernel = decode.build(hd, dtype, cfg.block_n, cfg.num_warps, cfg.stages, paged, mods=MODS)
+    portable = default_config("portable-decode", hd, None)[1]
+    split = decode_portable.build_split_attention(hd, dtype, portable.block_m, portable.block_n,
+                                                  paged, mods=MODS)  # fmt: skip
+    kernels = [("decode", kernel, launch.DECODE._replace(variant=arrays)),
+               ("split", split, launch.SPLIT_ATTENTION._replace(variant=arrays))]  # fmt: skip
+    return reports("decode-mods", kernels, [RESOURCE_TARGET], [RESOURCE_TARGET], head_dim=hd,
+                   dtype=dtype, paged=paged)  # fmt: skip
+
+
 def wgmma_tiles(dtype):
     """The tiles of tests/wgmma_gemm.py (sm_90a only), assembled by ptxas."""
     import wgmma_gemm
@@ -417,6 +432,7 @@ def jobs(quick):
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))
     out.append((mma_backward_mods, (128, "float16", BLOCK_MASK_MODS)))
     out.append((tensor_core_forward_mods, (128, "bfloat16", BLOCK_MASK_MODS)))
+    out.append((decode_mods, (128, "float16", True)))
     # the Hopper forward: the defaults, packed, one consumer without a producer, TMA loads
     # with pingpong and without
     one = {"family": "wgmma-forward", "consumers": 1, "block_n": 128, "stages": 3}

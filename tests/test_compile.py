@@ -304,6 +304,20 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
             assert e["counts"]["mbarrier.try_wait"] == 0 and e["counts"]["fence.proxy.async"] > 0
 
 
+def test_decode_kernels_with_user_functions_assemble(compiled):
+    """The KV-cache kernels with a user's score_mod and mask_mod (decode.mod_scores and the
+    portable split kernel's call), paged, head_dim 128, for sm_90a: the tensor-core kernel
+    spills nothing (222 registers against 208 without them, ptxas 13.0); the portable split
+    kernel keeps its rows in local memory with or without them."""
+    entries = {e["kernel"]: e for e in _entries(compiled, "decode-mods")}
+    assert set(entries) == {"decode", "split"}
+    tensor_core = entries["decode"]
+    assert tensor_core["counts"]["mma.sync.aligned.m16n8k16"] > 0
+    r = tensor_core["resources"]
+    assert r["spill_stores"] == 0 and r["stack"] == 0, r
+    assert entries["split"]["counts"]["ex2.approx"] > 0
+
+
 def test_portable_decode_kernels_compile_for_every_target(compiled):
     """The KV-cache kernels (append, split attention, combine; contiguous and paged) compile
     for the portable targets, without tensor-core instructions."""

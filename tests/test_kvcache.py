@@ -161,9 +161,11 @@ def test_kvcache_matches_reference_and_appends_in_place(case, kernel):
     run_and_check(case, _config(kernel, case))
 
 
-def run_and_check(case, config):
+def run_and_check(case, config, functions=None, variants_of=None):
     """One call of ``case`` with ``config``: the caches after the append, bitwise, and each
-    sequence's output and LSE against the reference (also used by tests/sanitizer_cases.py)."""
+    sequence's output and LSE against the reference (also used by tests/sanitizer_cases.py).
+    ``functions``: the call's score_mod, mask_mod and mod_args (a dict), with
+    ``variants_of(b)`` the reference's numflash.reference.Variants of sequence b."""
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
     q, (k_cache, v_cache), new, lengths, kw = _setup(case, rng)
     before = [to_numpy(c).copy() for c in (k_cache, v_cache)]
@@ -182,6 +184,7 @@ def run_and_check(case, config):
         config=config,
         **case.mask,
         **kw,
+        **(functions or {}),
     )
     after = [to_numpy(c) for c in (k_cache, v_cache)]
     # -- the caches: the old ones with the new rows written where they belong, nothing else
@@ -204,7 +207,9 @@ def run_and_check(case, config):
     for b, length in enumerate(case.lengths):
         n = length + case.seqlen_new
         ks, vs = (xp.asarray(_sequence(c, b, n, kw)) for c in after)
-        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1], **case.mask)
+        variants = variants_of(b) if variants_of else None
+        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1], **case.mask,
+                       variants=variants)  # fmt: skip
         assert result.nan == 0, f"sequence {b}: {result.nan} NaN outputs"
         assert result.err <= result.bar, f"sequence {b}: err {result.err:.3e} > {result.bar:.3e}"
         assert result.lse_err <= result.lse_bar, f"sequence {b}: lse err {result.lse_err:.3e}"

@@ -222,6 +222,13 @@ def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
     q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
     out, lse = numflash.attention(q, k, v, return_lse=True, mask_mod=even_keys_of_odd_heads)
     numflash.attention_backward(q, q, k, v, out, lse, mask_mod=even_keys_of_odd_heads)
+    cu = xp.asarray(np.array([0, 3, 8], dtype=np.int32))
+    packed = (q[0], k[0], v[0], cu, cu, 5, 5)
+    out, lse = numflash.attention_varlen(*packed, return_lse=True, mask_mod=even_keys_of_odd_heads)
+    numflash.attention_varlen_backward(q[0], *packed[:3], out, lse, *packed[3:],
+                                       mask_mod=even_keys_of_odd_heads)  # fmt: skip
+    numflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=8,
+                                    mask_mod=even_keys_of_odd_heads)  # fmt: skip
 
 
 def _forward_with_variants_and_user_functions(config, head_dim, dtype):
@@ -357,3 +364,142 @@ def test_calls_with_user_functions_run_the_families_that_take_them():
     assert selection.forward_family(p_mods, a100) == "tensor-core"
     assert selection.backward(p_mods, h200, False).config.family == "wgmma-backward"
     assert selection.backward(p_mods, a100, False).config.family == "tensor-core-backward"
+
+
+# -- packed batches: b is the sequence, q_idx and kv_idx positions within it --------------------
+
+
+@cuda.jit(device=True)
+def sequence_bias(score, b, h, q_idx, kv_idx, per_sequence):
+    """A nonlinear score_mod that depends on the sequence (b) and on the positions."""
+    return 0.5 * score + math.tanh(score) + per_sequence[b] * (float(q_idx) - float(kv_idx))
+
+
+@cuda.jit(device=True)
+def sequence_bias_derivative(score, b, h, q_idx, kv_idx, per_sequence):
+    t = math.tanh(score)
+    return 0.5 + (1.0 - t * t)
+
+
+@cuda.jit(device=True)
+def thinned_by_sequence(b, h, q_idx, kv_idx, per_sequence):
+    """A mask_mod that hides every third key, shifted by the sequence, for head 1 only."""
+    return h == 0 or (kv_idx + b) % 3 != 0
+
+
+def _at_sequence(fn, s, scored):
+    """``fn``'s Python function with b shifted by ``s``: the reference runs one sequence of a
+    packed batch as a batch of one."""
+    py = fn.py_func
+    if scored:
+        return lambda score, b, *rest: py(score, b + s, *rest)
+    return lambda b, *rest: py(b + s, *rest)
+
+
+def _sequence_variants(s, per_sequence):
+    return Variants(score_mod=_at_sequence(sequence_bias, s, True),
+                    score_mod_derivative=_at_sequence(sequence_bias_derivative, s, True),
+                    mask_mod=_at_sequence(thinned_by_sequence, s, False),
+                    mod_args=(per_sequence,))  # fmt: skip
+
+
+#: (forward config, backward config, head_dim) of the packed-batch cases: numflash's choice
+#: (the portable kernels in the simulator), the mma.sync kernels, the Hopper backward.
+PACKED = [
+    (None, None, 16),
+    (numflash.TensorCoreConfig(16, 16, 1, 2), TC(16, 1, 2, False), 16),
+    (None, WG(num_warps=4, stages=2), 64),
+]
+
+
+@pytest.mark.parametrize("forward, backward, head_dim", PACKED, ids=["chosen", "mma", "wgmma"])
+def test_a_packed_batch_calls_the_user_functions_per_sequence(forward, backward, head_dim):
+    """attention_varlen and its backward with a score_mod and a mask_mod that read b (the
+    sequence) and positions within it, causal, GQA, an empty sequence and one without keys,
+    against the reference run sequence by sequence."""
+    backward = wgmma_or_skip(backward)
+    lengths_q, lengths_k = (7, 0, 19, 4), (12, 5, 23, 0)
+    rng = np.random.default_rng(32)
+    q = random_array((sum(lengths_q), 2, head_dim), "bfloat16", rng)
+    k, v = (random_array((sum(lengths_k), 1, head_dim), "bfloat16", rng) for _ in range(2))
+    oq, ok = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    per_sequence = xp.asarray(np.array([0.05, -0.3, 0.1, 0.2], dtype=np.float32))
+    functions = dict(score_mod=sequence_bias, mask_mod=thinned_by_sequence,
+                     mod_args=(per_sequence,))  # fmt: skip
+    packed = (xp.asarray(oq), xp.asarray(ok), max(lengths_q), max(lengths_k))
+    out = poisoned_like(q)
+    res, lse = numflash.attention_varlen(q, k, v, *packed, causal=True, out=out, return_lse=True,
+                                         config=forward, **functions)  # fmt: skip
+    assert res is out
+    dout = random_array(q.shape, "bfloat16", rng)
+    grads = numflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, *packed, causal=True, config=backward,
+        score_mod_derivative=sequence_bias_derivative, **functions,
+    )  # fmt: skip
+    for s in range(len(lengths_q)):
+        rows, keys = slice(oq[s], oq[s + 1]), slice(ok[s], ok[s + 1])
+        if rows.start == rows.stop or keys.start == keys.stop:
+            assert (to_numpy(out[rows]).astype(np.float32) == 0).all()
+            assert (to_numpy(grads[0][rows]).astype(np.float32) == 0).all()
+            continue
+        variants = _sequence_variants(s, per_sequence)
+        q_s, k_s, v_s = q[None, rows], k[None, keys], v[None, keys]
+        assert_matches_reference(q_s, k_s, v_s, out[None, rows], lse[:, rows][None], causal=True,
+                                 variants=variants)  # fmt: skip
+        assert_gradients_match(dout[None, rows], q_s, k_s, v_s, grads[0][None, rows],
+                               grads[1][None, keys], grads[2][None, keys], causal=True,
+                               variants=variants)  # fmt: skip
+
+
+def test_a_packed_batch_refuses_a_score_mod_without_its_derivative_in_the_backward():
+    q = random_array((10, 1, 16), "float16")
+    cu = xp.asarray(np.array([0, 4, 10], dtype=np.int32))
+    out, lse = numflash.attention_varlen(q, q, q, cu, cu, 6, 6, return_lse=True,
+                                         score_mod=squashed)  # fmt: skip
+    with pytest.raises(ValueError, match="score_mod_derivative"):
+        numflash.attention_varlen_backward(q, q, q, q, out, lse, cu, cu, 6, 6, score_mod=squashed)
+
+
+# -- KV-cache calls: b is q's batch row, q_idx the query's position after the append ----------
+
+#: Decode cases of tests/test_kvcache.py (paged, split, GQA, causal and window, two row groups
+#: of the tensor-core kernel) and a chunked prefill over pages for the Hopper forward.
+KV_CASES = [3, 5, 6, 11]
+
+
+@pytest.mark.parametrize("kernel", ["default", "tensor-core", "tensor-core-deep", "hopper"])
+@pytest.mark.parametrize("index", KV_CASES)
+def test_a_kv_cache_call_calls_the_user_functions_per_sequence(index, kernel):
+    """attention_with_kvcache with a score_mod and a mask_mod that read b and the positions
+    after the append, through each KV-cache kernel, against the reference sequence by
+    sequence (and the caches appended to, bitwise: test_kvcache.run_and_check)."""
+    import test_kvcache
+
+    case = test_kvcache.CASES[index]
+    hopper = kernel == "hopper"
+    if hopper != (case.seqlen_q > test_kvcache.SIMULATED_ROWS):
+        pytest.skip("the decode kernels take the decoding cases, the Hopper forward the prefill")
+    config = test_kvcache._config(kernel, case)
+    if hopper:
+        from numflash.device import current_device
+
+        if not current_device().has_wgmma:
+            pytest.skip("the Hopper forward needs compute capability 9.x")
+    per_sequence = xp.asarray(np.array([0.05, -0.3], dtype=np.float32))
+    functions = dict(score_mod=sequence_bias, mask_mod=thinned_by_sequence,
+                     mod_args=(per_sequence,))  # fmt: skip
+    test_kvcache.run_and_check(case, config, functions,
+                               lambda b: _sequence_variants(b, per_sequence))  # fmt: skip
+
+
+def test_a_kv_cache_call_refuses_mod_args_in_the_caches_it_writes():
+    """An append writes the caches: mod_args read from them would see old or new rows by
+    the order of the blocks, so they are refused by name (as the slopes and sinks are)."""
+    q = random_array((1, 1, 2, 16), "float16")
+    cache = random_array((1, 8, 2, 16), "float16")
+    new = random_array((1, 1, 2, 16), "float16")
+    table = numflash.arrays.bits(cache).reshape(-1)[:4].view(np.int32)
+    v_cache = random_array((1, 8, 2, 16), "float16")
+    with pytest.raises(ValueError, match=r"mod_args\[0\]"):
+        numflash.attention_with_kvcache(q, cache, v_cache, new, new, cache_seqlens=3,
+                                        mask_mod=thinned_by_sequence, mod_args=(table,))  # fmt: skip

@@ -229,4 +229,6 @@ USER_FUNCTION_PARAMETERS = {
         "score_mod_derivative",
         "block_mask",
     ],
+    "attention_varlen": ["score_mod", "mask_mod", "mod_args"],
+    "attention_with_kvcache": ["score_mod", "mask_mod", "mod_args"],
 }

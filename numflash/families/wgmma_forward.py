@@ -487,7 +487,7 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     kernel = launch.launcher(
         (WgmmaForwardConfig, d, dtype, cfg, cache, tma) + launch.variant_key(p),
         lambda: forward_sm90.build(
-            d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi
+            d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods
         ),
         spec,
         dtype,

@@ -45,6 +45,7 @@ from .forward_portable import FROM_F32
 from .fragments import acc_index, accumulator_position
 from .jit import SIMULATOR, device_function, kernel
 from .mask import block_key_range, visible_keys
+from .mods import mod_functions
 from .softmax import (
     LN2,
     LOG2E,
@@ -102,8 +103,9 @@ def merge_floats(head_dim, num_warps):
 
 @functools.lru_cache(maxsize=None)
 def build(
-    head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, sinks=False, alibi=False
-):
+    head_dim, dtype_name, block_n, num_warps, stages, paged, softcap=0.0, sinks=False, alibi=False,
+    mods=None,
+):  # fmt: skip
     """The tensor-core decode kernel: grid (num_splits * ceil(group * seqlen_q / 16), nheads_k,
     batch), 32 * num_warps threads, ``shared_memory_layout(...)[3] * 2`` bytes of dynamic
     shared memory; with several splits, ``counters`` holds one zero int32 per row group
@@ -111,7 +113,9 @@ def build(
     row's head's sink logit (the ``*variant`` array) joins its sum where the output is made:
     the one split's merge, or the combine of several (their partials hold no sink). With
     ``alibi`` each row's head's slope (the next array) times the distance is taken from its
-    scores (bias_scores)."""
+    scores (bias_scores). ``mods`` (a validation.Mods): the user's score_mod and mask_mod on
+    the scores each row sees, after the built-ins (mod_scores; the mod_args the ``*variant``
+    arrays after them)."""
     HEAD_DIM = head_dim
     HD_PAD = (head_dim + 15) // 16 * 16
     BLOCK_N, NUM_WARPS, STAGES = block_n, num_warps, stages
@@ -138,6 +142,9 @@ def build(
     sink_of, with_sink = sink_functions(sinks)
     ALIBI = alibi
     slope_of, biased = alibi_functions(alibi, sinks)
+    MODS = mods is not None
+    SCORE_MOD = MODS and mods.score_mod is not None
+    natural_modded = mod_functions(mods, int(sinks) + int(alibi)).natural_modded
     FLAGS = STAGES * KEYS
     ABSENT = FLAGS + STAGES  # shared-array sizes must be plain constants
     ADDRESSES = 4 * KEYS  # two tiles' (k_at, v_at) pairs
@@ -341,6 +348,34 @@ def build(
                     i = acc_index(nt, h) + e
                     _, col = accumulator_position(i, 0)
                     s[i] = biased(s[i], distance - float32(col), slope)
+
+    @device_function
+    def row_user(b, kv_head, rr, rows, seqlen_q, seqlen_k, heads_per_kv):
+        """(whether block row ``rr`` is a query's, its head, q_idx) as the user's functions
+        take them (kernels/mods.py): q_idx its position in the sequence after the append."""
+        if rr >= rows:
+            return False, int32(0), int32(0)
+        i, head, _ = output_row(b, kv_head, rr, seqlen_q, heads_per_kv)
+        return True, int32(head), int32(i + seqlen_k - seqlen_q)
+
+    @device_function
+    def mod_scores(s, lane, k0, b, user0, user1, lo0, hi0, lo1, hi1, unit, variant):
+        """The user's score_mod and mask_mod on this lane's scores of the warp's keys k0.. for
+        its two rows (``user0``, ``user1``: their row_user), where the row sees the key
+        ([lo_h, hi_h): causal, window, the split): raw scores in, in natural units out with a
+        score_mod (``unit``: softmax_scale; the softmax then takes LOG2E as its unit), the raw
+        score or -inf with a mask alone. Padding rows and keys a row does not see are left."""
+        for h in range(2):
+            real, head, q_idx = user0 if h == 0 else user1
+            lo, hi = (lo0, hi0) if h == 0 else (lo1, hi1)
+            if real:
+                for nt in range(N_TILES):
+                    for e in range(2):
+                        i = acc_index(nt, h) + e
+                        key = k0 + accumulator_position(i, lane)[1]
+                        if lo <= key and key < hi:
+                            x = s[i] * unit if SCORE_MOD else s[i]
+                            s[i] = natural_modded(x, b, head, q_idx, key, variant)
 
     @device_function
     def row_keys(rr, rows, seqlen_q, seqlen_k, wl, wr, n_end):
@@ -699,6 +734,15 @@ def build(
                              heads_per_kv, scale_log2)  # fmt: skip
             bias1 = row_bias(variant, b, kv_head, rr0 + (lane >> 2) + 8, rows, seqlen_q,
                              seqlen_k, heads_per_kv, scale_log2)  # fmt: skip
+        user0 = user1 = (False, int32(0), int32(0))
+        unit = scale_log2 * float32(LN2)  # softmax_scale
+        softmax_unit = scale_log2
+        if MODS:
+            user0 = row_user(b, kv_head, rr0 + (lane >> 2), rows, seqlen_q, seqlen_k, heads_per_kv)
+            user1 = row_user(b, kv_head, rr0 + (lane >> 2) + 8, rows, seqlen_q, seqlen_k,
+                             heads_per_kv)  # fmt: skip
+        if SCORE_MOD:  # mod_scores leaves natural units
+            softmax_unit = float32(LOG2E)
         lo_both = max(lo0, lo1)  # the keys both of this lane's rows see
         hi_both = min(hi0, hi1)
         for h in range(2):
@@ -731,12 +775,14 @@ def build(
             k0 = n0 + warp * BLOCK_N  # this warp's first key of the slot
             if ALIBI:
                 bias_scores(s, lane, k0, bias0, bias1)
+            if MODS:
+                mod_scores(s, lane, k0, b, user0, user1, lo0, hi0, lo1, hi1, unit, variant)
             seen = lo_both <= k0 and k0 + BLOCK_N <= hi_both  # by both rows: nothing to mask ...
             if PAGED:
                 seen = seen and absent[FLAGS + stage] != it  # ... unless a page was bad
             if not seen:
                 mask_scores(s, absent, stage, it, warp, lane, n0, lo0, hi0, lo1, hi1)
-            online_softmax(s, m_i, l_i, acc, scale_log2, m_i)  # (no row offsets: not read)
+            online_softmax(s, m_i, l_i, acc, softmax_unit, m_i)  # (no row offsets: not read)
             mma_pv(s, pf, acc, slot_addr + uint32(V_BASE * 2) + v_lane)
             stage = int32(stage + 1) if stage + 1 < STAGES else int32(0)
 

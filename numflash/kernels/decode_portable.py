@@ -35,6 +35,7 @@ from . import ptx
 from .forward_portable import FROM_F32, TO_F32, tile_absorber
 from .jit import device_function, kernel
 from .mask import visible_keys
+from .mods import mod_functions
 from .softmax import LN2, LOG2E, NEG_INF, alibi_functions, final_lse, inverse_sum, softcap_functions
 
 
@@ -114,13 +115,16 @@ def build_append(head_dim, dtype_name, paged):
 
 @functools.lru_cache(maxsize=None)
 def build_split_attention(
-    head_dim, dtype_name, block_m, block_n, paged, softcap=0.0, sinks=False, alibi=False
-):
+    head_dim, dtype_name, block_m, block_n, paged, softcap=0.0, sinks=False, alibi=False,
+    mods=None,
+):  # fmt: skip
     """The split-KV kernel: grid (num_splits * ceil(group * seqlen_q / block_m), nheads_k,
     batch), block_m threads; ``softcap`` > 0 caps the scores (softmax.softcap_functions);
     with ``alibi`` each row's head's slope times the distance is taken from its scores (the
     slopes the ``*variant`` array after the sinks, which ``sinks`` says it is handed and the
-    combine reads)."""
+    combine reads); ``mods`` (a validation.Mods): the user's score_mod and mask_mod after
+    them on each score the row sees (kernels/mods.py; q_idx the query's position in the
+    sequence after the append, the mod_args the ``*variant`` arrays after the slopes)."""
     HEAD_DIM, BLOCK_M, BLOCK_N = head_dim, block_m, block_n
     SOFTCAP = softcap > 0
     cap_factors, capped = softcap_functions(softcap if SOFTCAP else 1.0)
@@ -129,6 +133,8 @@ def build_split_attention(
     to_f32 = TO_F32[dtype_name]
     key_row = address_function(paged)
     absorb_tile = tile_absorber(BLOCK_N, HEAD_DIM)
+    MODS = mods is not None
+    modded = mod_functions(mods, int(sinks) + int(alibi)).modded
 
     @device_function
     def load_tile(
@@ -264,6 +270,8 @@ def build_split_attention(
                     if SOFTCAP:
                         dot = capped(dot, cap_a, cap_b)
                     score = biased(dot * scale_log2, q_idx - float32(j), slope)
+                    if MODS:
+                        score = modded(score, b, head, int32(i + seqlen_k - seqlen_q), j, variant)
                 s[jj] = score
                 m_new = max(m_new, score)
             # -- update m_i and l_i; acc = alpha * acc + p V
