@@ -1,14 +1,17 @@
 """Attention-variant benchmark: what each built-in variant costs beside the plain call.
 
     python benchmarks/bench_variants.py [--dtypes float16 bfloat16] [--seqlens 4096 16384]
-        [--variants softcap sinks alibi relbias relbias-f64]
+        [--variants softcap sinks alibi relbias relbias-f64 softcap-e2 relbias-e1 ...]
 
 Shapes: 32 query heads, 8 KV heads, head_dim 128, batch x seqlen = 32768 tokens, causal and
 not. For every variant (``softcap=30``; ``sinks``, one random logit a head; ``alibi``,
 BLOOM's slopes 2^(-8 (h + 1) / 32); ``relbias``, a user's score_mod adding a per-head
 slope times q_idx - kv_idx in float32, the slopes in mod_args; ``relbias-f64``, the same
 written without the float32 conversion, so that Numba computes it in float64, to show what
-that costs) the forward (``attention`` with its lse) and the backward
+that costs; any of them, ``plain`` too, with ``-e1`` or ``-e2`` after its name: the same
+with 1 or 2 of every 4 probabilities by the FMA units' exp2, ``WgmmaForwardConfig.fma_exp2``,
+the Hopper forward's default configuration for the call so changed, asked for by name) the
+forward (``attention`` with its lse) and the backward
 (``attention_backward``; over the forward's lse, which holds the sinks) run on the same inputs
 as the plain call, in the same process; GPU time from CUDA events (numflash.timing.time_gpu,
 L2 flushed between runs). The plain call and the variants are timed in turn ``--rounds`` times
@@ -25,6 +28,7 @@ appended (the same slot every run): ``attention_with_kvcache`` with and without 
 Writes benchmarks/results/variants.json and variants.md.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -44,6 +48,8 @@ NHEADS, NHEADS_K, HEAD_DIM = 32, 8, 128
 
 #: The variants timed ("plain" is the baseline).
 VARIANTS = ("plain", "softcap", "sinks", "alibi", "relbias", "relbias-f64")
+#: ... each also with 1 or 2 of every 4 exponentials on the FMA units (the Hopper forward).
+FMA_EXP2 = tuple(f"{v}-e{k}" for v in VARIANTS for k in (1, 2))
 
 
 @cuda.jit(device=True)
@@ -69,8 +75,17 @@ def _slopes():
     return 2.0 ** (-8.0 * cupy.arange(1, NHEADS + 1, dtype=cupy.float32) / NHEADS)
 
 
-def variant_kwargs(variant):
-    """(the forward's keyword arguments that turn ``variant`` on, the backward's)."""
+def variant_kwargs(variant, q, k, v, causal):
+    """(the forward's keyword arguments that turn ``variant`` on for this call, the
+    backward's)."""
+    if variant in FMA_EXP2:  # the Hopper forward's default, exp2 partly on the FMA units
+        forward, backward = variant_kwargs(variant[:-3], q, k, v, causal)
+        softcap = forward.get("softcap", 0.0)
+        config = numflash.selected_config(q, k, v, causal=causal, softcap=softcap)[0]
+        if not isinstance(config, numflash.WgmmaForwardConfig):
+            raise SystemExit(f"{variant} times the Hopper forward; this call runs {config}")
+        config = dataclasses.replace(config, fma_exp2=int(variant[-1]))
+        return {**forward, "config": config}, backward
     if variant == "softcap":
         return {"softcap": 30.0}, {"softcap": 30.0}
     if variant == "sinks":
@@ -96,11 +111,10 @@ def gqa_arrays(batch, seqlen, dtype, seed=0):
 def check(dtype, causal, variant):
     """Raise unless the variant's forward matches the float64 reference on a small problem."""
     q, k, v, _ = gqa_arrays(1, 300, dtype, seed=7)
-    kwargs, _ = variant_kwargs(variant)
+    kwargs, _ = variant_kwargs(variant, q, k, v, causal)
     out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
-    result = reference.check(
-        q, k, v, out, lse, causal=causal, variants=reference.Variants(**kwargs)
-    )
+    named = {key: value for key, value in kwargs.items() if key != "config"}
+    result = reference.check(q, k, v, out, lse, causal=causal, variants=reference.Variants(**named))
     if not result.ok:
         raise SystemExit(f"{variant} forward wrong: error {result.err:.3g} > bar {result.bar:.3g}")
 
@@ -111,7 +125,7 @@ def time_problem(dtype, causal, seqlen, batch, runs, variants, rounds):
     q, k, v, dout = gqa_arrays(batch, seqlen, dtype)
     calls = {}
     for variant in ("plain", *variants):
-        kwargs, backward_kwargs = variant_kwargs(variant)
+        kwargs, backward_kwargs = variant_kwargs(variant, q, k, v, causal)
         out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, **kwargs)
 
         def forward(kwargs=kwargs):
@@ -168,7 +182,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=32768, help="batch * seqlen")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3, help="turns of timing every variant")
-    ap.add_argument("--variants", nargs="+", choices=VARIANTS[1:], default=list(VARIANTS[1:]))
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS[1:] + FMA_EXP2,
+                    default=list(VARIANTS[1:]))  # fmt: skip
     ap.add_argument("--no-decode", action="store_true", help="skip the decoding step")
     args = ap.parse_args()
     dev = current_device()

@@ -464,6 +464,9 @@ def jobs(quick):
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
+    # ... half its probabilities by the FMA units' exp2
+    fma_exp2 = dict(default_config("wgmma-forward", 128, None)[1].to_dict(), fma_exp2=2)
+    out.append((wgmma_forward, (128, "bfloat16", fma_exp2, False, None, 50.0)))
     out.append((wgmma_forward, (128, "float16", None, False, None, 0.0, True)))  # sinks, ALiBi
     out.append((wgmma_forward, (128, "float16", None, False, None, 0.0, False, True)))  # mods
     return out

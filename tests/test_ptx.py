@@ -153,3 +153,29 @@ def test_tanh_is_within_its_documented_error():
     _tanh[1, 32](x, out)
     got, want = to_numpy(out).astype(np.float64), np.tanh(values.astype(np.float64))
     np.testing.assert_allclose(got, want, rtol=2.0**-10, atol=1e-7)
+
+
+@cuda.jit
+def _exp2_fma(x, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = ptx.exp2_fma(x[i])
+
+
+def test_exp2_on_the_fma_units_is_within_its_error_and_keeps_nan_and_minus_infinity():
+    """ptx.exp2_fma (the cubic of ptx.EXP2_CUBIC scaled by 2**floor(x)): within 1e-4 of exp2
+    relative over the exponents a softmax makes (x <= 0) and a little above, exact at whole
+    numbers, +0 for -inf and from -127 down, NaN for NaN."""
+    grid = np.linspace(-30.0, 3.0, 3301)
+    special = [0.0, -1.0, -126.0, -126.5, -127.0, -200.0, -np.inf, np.nan]
+    values = np.concatenate([grid, special]).astype(np.float32)
+    x = xp.asarray(values)
+    out = xp.zeros(values.shape, np.float32)
+    _exp2_fma[(values.size + 127) // 128, 128](x, out)
+    got = to_numpy(out).astype(np.float64)
+    want = np.exp2(grid.astype(np.float32).astype(np.float64))
+    np.testing.assert_allclose(got[: grid.size], want, rtol=1e-4, atol=0)
+    tail = got[grid.size :]
+    assert tail[0] == 1.0 and tail[1] == 0.5 and tail[2] == 2.0**-126
+    assert 0 < tail[3] < 2.0**-126 or tail[3] == 0  # below the normal range: flushed or tiny
+    assert (tail[4:7] == 0).all() and np.isnan(tail[7])

@@ -87,6 +87,33 @@ def test_softcap_matches_the_reference(family, case):
     assert_matches_reference(q, k, v, out, lse, variants=variants, **MASKS[mask])
 
 
+#: The Hopper forward with 1 or 2 of every 4 exponentials on the FMA units (ptx.exp2_fma).
+FMA_EXP2 = [numflash.WgmmaForwardConfig(1, 64, 2, pingpong=False, fma_exp2=2)]
+if not SIMULATOR:
+    FMA_EXP2 += [numflash.WgmmaForwardConfig(fma_exp2=k) for k in (1, 2)]
+
+
+@pytest.mark.parametrize(
+    "config", FMA_EXP2, ids=lambda c: f"{c.consumers}x{c.block_n}-e{c.fma_exp2}"
+)
+@pytest.mark.parametrize("case", CASES[:1] if SIMULATOR else CASES, ids=_case_id)
+def test_softcap_with_exponentials_on_the_fma_units_matches_the_reference(config, case):
+    """WgmmaForwardConfig.fma_exp2 (exp2 by a cubic for part of the probabilities), under the
+    softcap it is made for: in the simulator one row block over two key tiles, causal."""
+    dtype, batch, sq, sk, h, hk, d, mask, softcap = case
+    _forced("hopper", dtype, d)  # skips where the Hopper forward cannot run
+    if SIMULATOR:
+        batch, sq, h, hk = 1, 20, 1, 1
+    q, k, v = random_qkv(batch, sq, sk, h, hk, d, dtype)
+    q = q * 4
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, out=out, return_lse=True, config=config, softcap=softcap, **MASKS[mask]
+    )
+    assert res is out
+    assert_matches_reference(q, k, v, out, lse, variants=Variants(softcap=softcap), **MASKS[mask])
+
+
 def test_softcap_in_float32_on_the_portable_kernel():
     q, k, v = random_qkv(1, 20, 45, 2, 1, 32, "float32")
     out, lse = numflash.attention(q * 3, k, v, return_lse=True, causal=True, softcap=1.0)

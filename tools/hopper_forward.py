@@ -94,14 +94,15 @@ def check_varlen(cfg, head_dim, dtype, seed):
 
 
 def parse_config(text):
-    """consumers,block_n,stages[,p (a producer)][,pp (pingpong)][,t (TMA loads)], e.g.
-    2,128,2,p,pp,t"""
+    """consumers,block_n,stages[,p (a producer)][,pp (pingpong)][,t (TMA loads)][,e1 or e2
+    (fma_exp2)], e.g. 2,128,2,p,pp,t,e2"""
     parts = text.split(",")
     consumers, block_n, stages = (int(x) for x in parts[:3])
     flags = parts[3:]
+    fma_exp2 = next((int(f[1:]) for f in flags if f in ("e1", "e2")), 0)
     return WgmmaForwardConfig(
         consumers, block_n, stages, producer="p" in flags, pingpong="pp" in flags,
-        tma="t" in flags,
+        tma="t" in flags, fma_exp2=fma_exp2,
     )  # fmt: skip
 
 
@@ -200,7 +201,8 @@ def main():
             cudnn = found.get("cudnn")
             print(
                 f"hd{hd} {dt} causal={int(causal)} s{seqlen} c{cfg.consumers} n{cfg.block_n} "
-                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)} t{int(cfg.tma)}: "
+                f"st{cfg.stages} p{int(cfg.producer)} pp{int(cfg.pingpong)} t{int(cfg.tma)} "
+                f"e{cfg.fma_exp2}: "
                 f"{tf:6.1f} TFLOP/s | "
                 f"FA2 {found.get('flash', float('nan')):6.1f} "
                 f"cuDNN {cudnn or float('nan'):6.1f} mma.sync {found['mma.sync']:6.1f} | "

@@ -213,7 +213,7 @@ def cases():
     ]:
         c = c or wgmma_forward.default_wgmma_forward_config(hd)
         schedule = forward_sm90.schedule(c, varlen)
-        tiles = "x".join(str(int(t)) for t in schedule[:-2])  # less varlen and cache
+        tiles = "x".join(str(int(t)) for t in schedule[:6])  # less varlen, cache, fma_exp2
         name = f"{hd}-{dt}-{tiles}{'-varlen' if varlen else ''}"
         yield (
             family,

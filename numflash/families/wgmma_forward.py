@@ -37,6 +37,11 @@ class WgmmaForwardConfig(config._Config):
     - ``tma``: the producer loads each tile with TMA copies through tensor maps (needs
       ``producer``); else with cp.async. A paged KV cache, and arrays whose strides a tensor
       map cannot describe (not multiples of 16 bytes), load with cp.async either way.
+    - ``fma_exp2``: of every 4 probabilities a consumer thread computes, how many are exp2 by
+      a cubic on the FMA units (kernels/ptx.exp2_fma, 9 instructions) rather than one ex2 on
+      the special-function unit: that unit takes a softcap's tanh too, two operations a
+      score, as long as the tensor cores take a score's products at head_dim 128 on sm_90
+      (docs/performance.md).
     """
 
     consumers: int = config.knob(2, (1, 2, 3))
@@ -45,6 +50,7 @@ class WgmmaForwardConfig(config._Config):
     producer: bool = config.knob(True, (True, False))
     pingpong: bool = config.knob(True, (True, False))
     tma: bool = config.knob(True, (True, False))
+    fma_exp2: int = config.knob(0, (0, 1, 2))
 
     family: ClassVar[str] = "wgmma-forward"
     ROLE: ClassVar[str] = "forward"

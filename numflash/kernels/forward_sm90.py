@@ -169,13 +169,13 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
     and ``cache``."""
     tma = cfg.tma and tma
     sizes = (cfg.consumers, cfg.block_n, cfg.stages)
-    return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache)
+    return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache, cfg.fma_exp2)
 
 
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None, softcap=0.0, sinks=False, alibi=False, mods=None,
+    cache=None, fma_exp2=0, softcap=0.0, sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -185,7 +185,10 @@ def build(
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
     families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
-    families.wgmma_forward.WGMMA_KVCACHE's parameters. ``softcap`` > 0 caps the scores
+    families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
+    a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
+    special-function unit, whose two operations a score with a softcap (tanh and ex2) made
+    the bound (0: none; docs/performance.md). ``softcap`` > 0 caps the scores
     (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
     ``*variant`` array, joins each row's sum (softmax.sink_functions); with ``alibi`` the
     scores less the head's slope (the next array) times the distance
@@ -200,6 +203,9 @@ def build(
         raise ValueError("a KV cache's call is not a packed batch")
     if cache == "paged" and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
+    if fma_exp2 not in (0, 1, 2, 3, 4):
+        raise ValueError(f"fma_exp2 is a count of 4 probabilities; got {fma_exp2}")
+    FMA_EXP2 = fma_exp2
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
@@ -479,6 +485,15 @@ def build(
         else:
             checked_mod_tile(s, row0, n0, lane, seqlen_q, seqlen_k, scale_log2, ctx)
 
+    @device_function
+    def probability(x, scale_log2, neg_shift, j):
+        """exp2(x * scale_log2 + neg_shift) of a row's ``j``-th score a thread holds: on the
+        FMA units for FMA_EXP2 of every 4 (j, a constant once the loops are unrolled), else by
+        the special-function unit."""
+        if j % 4 < FMA_EXP2:
+            return ptx.exp2_fma(ptx.fma(x, scale_log2, neg_shift))
+        return ptx.exp2(ptx.fma(x, scale_log2, neg_shift))
+
     def softmax_function(masked):
         """``softmax_rows`` for a tile the mask cuts through (``masked``: a row may have seen
         only hidden keys so far, its max still -inf) or for one it does not (every row sees a
@@ -509,8 +524,8 @@ def build(
                 row_sum = float32(0.0)
                 for nt in range(N_TILES):
                     i = acc_index(nt, h)
-                    s[i] = ptx.exp2(ptx.fma(s[i], scale_log2, neg_shift))
-                    s[i + 1] = ptx.exp2(ptx.fma(s[i + 1], scale_log2, neg_shift))
+                    s[i] = probability(s[i], scale_log2, neg_shift, 2 * nt)
+                    s[i + 1] = probability(s[i + 1], scale_log2, neg_shift, 2 * nt + 1)
                     row_sum += s[i] + s[i + 1]
                 l_i[h] = l_i[h] * alpha[h] + row_sum  # this lane's part; the 4 summed at the end
 
