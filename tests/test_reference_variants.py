@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from numba import cuda
+from test_mods import relative_bias, relative_bias_derivative, same_document
 
 from numflash import reference
 from numflash.reference import Variants
@@ -27,21 +27,6 @@ def _inputs(seed=0):
 MOD_ARGS = (np.array([0.1, -0.2, 0.3, 0.0]), np.array([0, 0, 1, 1, 1, 2, 2]))
 
 
-@cuda.jit(device=True)
-def _relative_bias(score, b, h, q_idx, kv_idx, bias, document):
-    return score + bias[h] * (q_idx - kv_idx)
-
-
-@cuda.jit(device=True)
-def _relative_bias_derivative(score, b, h, q_idx, kv_idx, bias, document):
-    return 1.0
-
-
-@cuda.jit(device=True)
-def _documents(b, h, q_idx, kv_idx, bias, document):
-    return document[q_idx] == document[kv_idx]
-
-
 def _all(rng=None):
     """Every variant at once, with values that move the result."""
     rng = rng or np.random.default_rng(1)
@@ -49,9 +34,9 @@ def _all(rng=None):
         softcap=2.5,
         alibi_slopes=rng.uniform(0.1, 0.6, (B, H)),
         sinks=rng.standard_normal(H),
-        score_mod=_relative_bias,
-        score_mod_derivative=_relative_bias_derivative,
-        mask_mod=_documents,
+        score_mod=relative_bias,
+        score_mod_derivative=relative_bias_derivative,
+        mask_mod=same_document,
         mod_args=(rng.uniform(-0.3, 0.3, H), np.array([0, 0, 0, 1, 1, 1, 2])),
     )
 
@@ -109,12 +94,12 @@ CASES = [
     (
         "score_mod",
         Variants(
-            score_mod=_relative_bias,
-            score_mod_derivative=_relative_bias_derivative,
+            score_mod=relative_bias,
+            score_mod_derivative=relative_bias_derivative,
             mod_args=MOD_ARGS,
         ),
     ),
-    ("mask_mod", Variants(mask_mod=_documents, mod_args=MOD_ARGS)),
+    ("mask_mod", Variants(mask_mod=same_document, mod_args=MOD_ARGS)),
     ("all", _all()),
 ]
 
@@ -193,7 +178,7 @@ def test_the_reference_gradients_are_the_forwards_derivatives(name, variants, ca
 
 def test_a_score_mod_without_its_derivative_has_no_gradient():
     q, k, v = _inputs()
-    variants = Variants(score_mod=_relative_bias, mod_args=MOD_ARGS)
+    variants = Variants(score_mod=relative_bias, mod_args=MOD_ARGS)
     with pytest.raises(ValueError, match="score_mod_derivative"):
         reference.attention_backward_reference(q, q, k, v, variants=variants)
 

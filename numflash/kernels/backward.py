@@ -500,11 +500,11 @@ class Backend(NamedTuple):
       BLOCK_M rows of two tensors into a stage, one commit group.
     - ``landed()``: wait for this thread's copies, make them visible to the products, then
       for every thread.
-    - ``query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, lse_tile, d_tile,
-      stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr, score_args)``: dK/dV +=
-      one query block (``score_args`` goes to probabilities_function's function as it is),
-      dS^T left in ``dpt``; with ``dq_atomic`` its products may still be in flight
-      (``atomic_dq`` then waits for them).
+    - ``query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores)``: dK/dV +=
+      one query block, dS^T left in ``dpt``; ``scores`` is what probabilities_function's
+      function takes after st and dpt (lse_tile, d_tile, stats, key0, m0, lane, seqlen_q,
+      seqlen_k, scale_log2, wl, wr, score_args), handed on as it is; with ``dq_atomic`` its
+      products may still be in flight (``atomic_dq`` then waits for them).
     - ``key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2, bias)``:
       dQ += one key tile (``bias`` goes to row_ds_function's function as it is).
     - ``atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane,
@@ -717,25 +717,11 @@ def build_kernels(backend, alibi=False, mods=None):
                         lse_r, d_r, rows, next_head, next_m0, q_st, do_st, seqlen_q, tid,
                     )  # fmt: skip
 
+            score_args = (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant))
+            scores = (lse_tile, d_tile, stage * BLOCK_M, key0, m0, lane, seqlen_q, seqlen_k,
+                      scale_log2, window_left, window_right, score_args)  # fmt: skip
             query_block_step(
-                st,
-                dpt,
-                dk_acc,
-                dv_acc,
-                resident,
-                first_stage + uint32(stage * STAGE_BYTES),
-                lse_tile,
-                d_tile,
-                stage * BLOCK_M,
-                key0,
-                m0,
-                lane,
-                seqlen_q,
-                seqlen_k,
-                scale_log2,
-                window_left,
-                window_right,
-                (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant)),
+                st, dpt, dk_acc, dv_acc, resident, first_stage + uint32(stage * STAGE_BYTES), scores
             )
             if DQ_ATOMIC:  # -- dQ += dS K through shared memory, by atomics
                 atomic_dq(

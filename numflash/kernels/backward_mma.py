@@ -187,26 +187,7 @@ def build_kernels(
                 mma_pair(acc, dp * 8, f0, f1, f2, f3, b0, b1, b2, b3)
 
     @device_function
-    def query_block_step(
-        st,
-        dpt,
-        dk_acc,
-        dv_acc,
-        resident,
-        stage_addr,
-        lse_tile,
-        d_tile,
-        stats,
-        key0,
-        m0,
-        lane,
-        seqlen_q,
-        seqlen_k,
-        scale_log2,
-        wl,
-        wr,
-        score_args,
-    ):
+    def query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores):
         """One warp's work on one query block in the dK/dV kernel. Straight-line code, so
         that the compiler overlaps the P/dS arithmetic with the mma on either side (copies
         without the mask tests for whole tiles, behind a branch, measured slower on the H200:
@@ -218,10 +199,7 @@ def build_kernels(
         mma_rows_by_queries(st, k_rows, q_stage + b_lane)
         mma_rows_by_queries(dpt, v_rows, do_stage + b_lane)
         # -- P^T and dS^T, masked pairs 0
-        probabilities_and_ds(
-            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-            score_args,
-        )  # fmt: skip
+        probabilities_and_ds(st, dpt, *scores)
         # -- dV += P^T dO, dK += dS^T Q
         mma_accumulate(dv_acc, st, do_stage + out_lane)
         mma_accumulate(dk_acc, dpt, q_stage + out_lane)

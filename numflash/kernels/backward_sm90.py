@@ -195,38 +195,16 @@ def build_kernels(
         ptx_sm90.fence_operands(acc1, S_REGS)
 
     @device_function
-    def query_block_step(
-        st,
-        dpt,
-        dk_acc,
-        dv_acc,
-        resident,
-        stage_addr,
-        lse_tile,
-        d_tile,
-        stats,
-        key0,
-        m0,
-        lane,
-        seqlen_q,
-        seqlen_k,
-        scale_log2,
-        wl,
-        wr,
-        score_args,
-    ):
+    def query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores):
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
         k_desc, v_desc = resident
         q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
         # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
         score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
         # -- P^T and dS^T, masked pairs 0
-        probabilities_and_ds(
-            st, dpt, lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2, wl, wr,
-            score_args,
-        )  # fmt: skip
+        probabilities_and_ds(st, dpt, *scores)
         if FUSED_DQ:  # dS for dQ += dS K (atomic_dq), before dV's and dK's products go out
-            store_ds(dpt, lane)
+            store_ds(dpt, scores[5])  # the lane
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
         if PACK_FIRST:
             pt = cuda.local.array(WORDS, uint32)

@@ -54,6 +54,7 @@ from .softmax import (
     final_lse,
     inverse_sum,
     raw_unit,
+    row_starter,
     shift_of,
     sink_functions,
     softcap_function,
@@ -138,6 +139,7 @@ def build(
     ACC_REGS = D_TILES * 4
     SOFTCAP = softcap > 0  # the scores capped (softmax.softcap_function)
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
+    start_rows = row_starter(2, ACC_REGS)
     SINKS = sinks
     sink_of, with_sink = sink_functions(sinks)
     ALIBI = alibi
@@ -745,11 +747,7 @@ def build(
             softmax_unit = float32(LOG2E)
         lo_both = max(lo0, lo1)  # the keys both of this lane's rows see
         hi_both = min(hi0, hi1)
-        for h in range(2):
-            m_i[h] = NEG_INF
-            l_i[h] = float32(0.0)
-        for i in range(ACC_REGS):
-            acc[i] = float32(0.0)
+        start_rows(m_i, l_i, acc)
 
         stage = int32(0)
         for it in range(n_tiles):

@@ -137,27 +137,14 @@ def build_split_attention(
     modded = mod_functions(mods, int(sinks) + int(alibi)).modded
 
     @device_function
-    def load_tile(
-        k_cache,
-        v_cache,
-        k_tile,
-        v_tile,
-        present,
-        b,
-        n0,
-        n_end,
-        kv_head,
-        kc_st,
-        vc_st,
-        batch_idx,
-        block_table,
-        page_size,
-        max_blocks,
-        slots,
-        tid,
-    ):
-        """Keys n0 .. n0 + BLOCK_N - 1 of sequence b (those below n_end) as fp32 tiles, and
-        which of them exist (a key behind an out-of-range slot or page does not)."""
+    def load_tile(tiles, cache, index, b, n0, n_end, kv_head, tid):
+        """Keys n0 .. n0 + BLOCK_N - 1 of sequence b (those below n_end) into ``tiles`` (the K
+        and V tiles, fp32, and which of their keys exist: a key behind an out-of-range slot
+        or page does not), from ``cache`` (k_cache, v_cache and their strides) through
+        ``index`` (batch_idx, block_table, page_size, max_blocks, slots: key_row's)."""
+        k_tile, v_tile, present = tiles
+        k_cache, v_cache, kc_st, vc_st = cache
+        batch_idx, block_table, page_size, max_blocks, slots = index
         kc_sb, kc_ss, kc_sh = kc_st
         vc_sb, vc_ss, vc_sh = vc_st
         for r in range(tid, BLOCK_N, BLOCK_M):
@@ -239,22 +226,13 @@ def build_split_attention(
         for n0 in range(n_start, n_end, BLOCK_N):
             cuda.syncthreads()  # every thread is done with the previous tile
             load_tile(
-                k_cache,
-                v_cache,
-                k_tile,
-                v_tile,
-                present,
+                (k_tile, v_tile, present),
+                (k_cache, v_cache, kc_st, vc_st),
+                (batch_idx, block_table, page_size, max_blocks, slots),
                 b,
                 n0,
                 n_end,
                 kv_head,
-                kc_st,
-                vc_st,
-                batch_idx,
-                block_table,
-                page_size,
-                max_blocks,
-                slots,
                 tid,
             )
             cuda.syncthreads()

@@ -53,6 +53,7 @@ from .softmax import (
     inverse_sum,
     linear_alibi_step,
     raw_unit,
+    row_starter,
     sink_functions,
     softcap_function,
 )
@@ -101,6 +102,7 @@ def _block_attender(
     pack = PACK[dtype_name]
     SOFTCAP = softcap > 0
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
+    start_rows = row_starter(ROWS, ACC_REGS)
     _, with_sink = sink_functions(sinks)
     ALIBI = alibi
     _, biased = alibi_functions(alibi)
@@ -357,11 +359,7 @@ def _block_attender(
                 for kk in range(K_STEPS):
                     load_q_fragments(qf, q_addr, mt, kk, (mt * K_STEPS + kk) * 4)
 
-        for r in range(ROWS):
-            m_i[r] = NEG_INF
-            l_i[r] = float32(0.0)
-        for i in range(ACC_REGS):
-            acc[i] = float32(0.0)
+        start_rows(m_i, l_i, acc)
 
         stage = int32(0)
         for it in range(n_tiles):

@@ -90,6 +90,7 @@ from .softmax import (
     final_lse,
     linear_alibi_step,
     raw_unit,
+    row_starter,
     shift_of,
     sink_functions,
     softcap_function,
@@ -533,6 +534,7 @@ def build(
 
     softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0)
+    start_rows = row_starter(2, ACC_REGS)
 
     @device_function
     def absorb(
@@ -1084,11 +1086,7 @@ def build(
         group = (warp >> 2) - FIRST_CONSUMER  # this warp's consumer warpgroup: its 64 rows of Q
         row0 = m0 + group * WARPGROUP_ROWS + (warp & 3) * 16  # this warp's first row
         q_desc = descriptor(base + uint32(group * WARPGROUP_ROWS * ROW_BYTES), 16)
-        for h in range(2):
-            m_i[h] = NEG_INF
-            l_i[h] = float32(0.0)
-        for i in range(ACC_REGS):
-            acc[i] = float32(0.0)
+        start_rows(m_i, l_i, acc)
         if PINGPONG and group == 1:  # the first warpgroup issues first
             ptx_sm90.named_barrier_arrive(1, 256)
 

@@ -52,6 +52,23 @@ def row_log2_lse(lse_value):
 
 
 @functools.lru_cache(maxsize=None)
+def row_starter(rows, acc_regs):
+    """``start_rows(m_i, l_i, acc)``: a thread's ``rows`` running maxima -inf and sums 0 and its
+    ``acc_regs`` accumulators 0, before a block's first key tile."""
+    ROWS, ACC_REGS = rows, acc_regs
+
+    @device_function
+    def start_rows(m_i, l_i, acc):
+        for r in range(ROWS):
+            m_i[r] = NEG_INF
+            l_i[r] = float32(0.0)
+        for i in range(ACC_REGS):
+            acc[i] = float32(0.0)
+
+    return start_rows
+
+
+@functools.lru_cache(maxsize=None)
 def sink_functions(sinks):
     """(``sink_of(variant, head) -> sink``, ``with_sink(m_i, l_i, sink) -> (m, l, factor)``)
     for a kernel compiled with sink logits (``sinks``, a compile-time flag) or without.
