@@ -220,9 +220,11 @@ def run(case):
 
 
 def run_user_functions():
-    """A document mask and a relative bias through the user functions' kernels (the forward
-    on the Hopper forward where the GPU has wgmma, the backward portable), GQA, causal, fewer
-    queries than keys; mod_args read at every visible (row, key)."""
+    """A document mask and a relative bias through the user functions' kernels (numflash's
+    choice), GQA, causal, fewer queries than keys; mod_args read at every visible (row, key);
+    then tests/test_mods.py's packed-batch and KV-cache calls with user functions, on each
+    kernel they name (the decode kernels, the Hopper prefill, the mma.sync and wgmma
+    backwards)."""
     import test_mods
 
     q, k, v = random_qkv(2, 70, 131, 4, 2, 64, "float16")
@@ -235,6 +237,19 @@ def run_user_functions():
     test_mods._run(q, k, v, "float16", dict(causal=True), mods, variants,
                    derivative=test_mods.relative_bias_derivative)  # fmt: skip
     cupy.cuda.Device().synchronize()
+    # packed batches and KV-cache calls with user functions, on each kernel that takes them
+    import pytest
+
+    calls = [(test_mods.test_a_packed_batch_calls_the_user_functions_per_sequence, case)
+             for case in test_mods.PACKED]  # fmt: skip
+    calls += [(test_mods.test_a_kv_cache_call_calls_the_user_functions_per_sequence, (c, kernel))
+              for c in test_mods.KV_CASES for kernel in test_mods.KV_KERNELS]  # fmt: skip
+    for test, arguments in calls:
+        try:
+            test(*arguments)
+        except pytest.skip.Exception:
+            continue
+        cupy.cuda.Device().synchronize()
 
 
 def run_block_masks():
