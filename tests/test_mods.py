@@ -467,18 +467,9 @@ def test_a_packed_batch_refuses_a_score_mod_without_its_derivative_in_the_backwa
 #: of the tensor-core kernel) and a chunked prefill over pages for the Hopper forward (on the
 #: GPU test_kvcache's 80 rows; in the simulator 20, a sixth of its time).
 KV_CASES = [test_kvcache.CASES[i] for i in (3, 5, 6)]
+_SMALL_PREFILL = dict(seqlen_q=20, seqlen_new=20, nheads=2, nheads_k=1, head_dim=64, page_size=16)
 KV_CASES.append(
-    test_kvcache.Case(
-        "bfloat16",
-        (30, 3),
-        seqlen_q=20,
-        seqlen_new=20,
-        nheads=2,
-        nheads_k=1,
-        head_dim=64,
-        page_size=16,
-        mask=dict(causal=True),
-    )  # fmt: skip
+    test_kvcache.Case("bfloat16", (30, 3), mask=dict(causal=True), **_SMALL_PREFILL)
     if SIMULATOR
     else test_kvcache.CASES[11]
 )
