@@ -38,10 +38,10 @@ class WgmmaForwardConfig(config._Config):
       ``producer``); else with cp.async. A paged KV cache, and arrays whose strides a tensor
       map cannot describe (not multiples of 16 bytes), load with cp.async either way.
     - ``fma_exp2``: of every 4 probabilities a consumer thread computes, how many are exp2 by
-      a cubic on the FMA units (kernels/ptx.exp2_fma, 9 instructions) rather than one ex2 on
-      the special-function unit: that unit takes a softcap's tanh too, two operations a
-      score, as long as the tensor cores take a score's products at head_dim 128 on sm_90
-      (docs/performance.md).
+      a cubic on the FMA units (kernels/ptx.exp2_fma, 9 SASS instructions) rather than one
+      ex2 on the special-function unit. With a softcap that unit does two operations a score
+      (tanh and ex2), which take as long as a score's products on the tensor cores at
+      head_dim 128 on sm_90 (docs/performance.md); 0 (the default) until timed.
     """
 
     consumers: int = config.knob(2, (1, 2, 3))

@@ -262,8 +262,8 @@ if not SIMULATOR:
     # exp2_fma: the exponent n = floor(x) read from the low bits of x + 1.5 * 2**23 rounded
     # down (exact for |n| <= 127), 2**(x - n) by the cubic, then times 2**n built as bits:
     # (n << 23) + the bits of 1.0. x is first clamped to -127 by max.NaN, which passes a NaN
-    # through (the cubic's result is then NaN, and stays so in the product); -127 and below
-    # give 2**-127's bits, 0, so -inf gives +0 as ex2 does.
+    # through (the cubic's result is then NaN, and stays so in the product); at -127 and
+    # below those bits are 0, so -inf gives +0 as ex2 does.
     _EXP2_FMA = (
         "{ .reg .f32 c, r, n, f, p; .reg .b32 e; "
         "max.NaN.ftz.f32 c, $1, 0fC2FE0000; "
@@ -281,8 +281,9 @@ if not SIMULATOR:
     def exp2_fma(typingctx, x):
         """2**x (x <= 127) on the FMA and integer units, not the special-function unit: a
         cubic on x's fraction (EXP2_CUBIC, relative error 8.6e-5) scaled by 2**floor(x);
-        -inf gives +0 and NaN NaN, as :func:`exp2`. Ten instructions against ex2's one, for
-        kernels whose special-function unit is their bound (sm_80+: max.NaN)."""
+        -inf gives +0 and NaN NaN, as :func:`exp2`. Nine SASS instructions on sm_90a (ptxas
+        fuses the shift and the add) against ex2's one, for kernels whose special-function
+        unit is their bound (sm_80+: max.NaN)."""
         if x != types.float32:
             return None
         sig = types.float32(types.float32)
