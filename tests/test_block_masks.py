@@ -4,6 +4,8 @@ row block and mask_mod on the tiles it shows whole. Its kinds against the mask e
 host; the calls against the float64 reference with the same mask_mod (a block mask changes
 what runs, never the result); a block mask for another shape, function or arrays refused."""
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -29,6 +31,15 @@ BLOCK = kernel_side.BLOCK_SIZE
 @cuda.jit(device=True)
 def same_document(b, h, q_idx, kv_idx, document):
     return document[q_idx] == document[kv_idx]
+
+
+@functools.lru_cache(maxsize=None)
+def _documents_of_heads():
+    """(document ids, their block mask) of document_of_head over 2 x 2 x 290 x 320, made once
+    for the tests that read them, as a model makes one for all its layers (in the simulator
+    its 371,200 mask_mod calls took most of each test's time)."""
+    document = _documents((100, 3, 150, 47, 20))
+    return document, numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
 
 
 @cuda.jit(device=True)
@@ -128,9 +139,8 @@ def test_a_mask_the_same_for_every_batch_entry_and_head_is_made_once(fn, seqlen_
 def test_the_portable_forward_with_a_block_mask_matches_the_reference(causal):
     """Row blocks past their documents' keys (skipped tiles), head 1's row blocks without
     keys (output 0, lse -inf), GQA, fewer queries than keys."""
-    document = _documents((100, 3, 150, 47, 20))
+    document, bm = _documents_of_heads()
     q, k, v = random_qkv(2, 290, 320, 2, 1, 16, "float16")
-    bm = numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
     out = poisoned_like(q)
     cfg = numflash.PortableConfig(block_m=64, block_n=32)
     res, lse = numflash.attention(q, k, v, causal=causal, out=out, return_lse=True, config=cfg,
@@ -159,9 +169,8 @@ def test_the_mma_forward_with_a_block_mask_matches_the_reference():
 def test_the_backward_skips_what_the_block_mask_of_its_forward_hides():
     """dQ over each row block's seen keys, dK and dV over each key block's seen rows, per
     head of a GQA group (head 1's rows from 140 on see nothing), batch entries apart."""
-    document = _documents((100, 3, 150, 47, 20))
+    document, bm = _documents_of_heads()
     q, k, v = random_qkv(2, 290, 320, 2, 1, 16, "float16")
-    bm = numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
     variants = Variants(mask_mod=document_of_head, mod_args=(document,))
     assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
@@ -213,9 +222,8 @@ def test_the_tensor_core_backwards_skip_what_the_block_mask_hides(config, head_d
     block runs over the rows the block mask shows it to some head of its GQA group (head 1's
     rows from 140 on see nothing), a row block over its seen keys."""
     config = wgmma_or_skip(config)
-    document = _documents((100, 3, 150, 47, 20))
+    document, bm = _documents_of_heads()
     q, k, v = random_qkv(2, 290, 320, 2, 1, head_dim, "bfloat16")
-    bm = numflash.block_mask(document_of_head, 2, 2, 290, 320, mod_args=(document,))
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
     variants = Variants(mask_mod=document_of_head, mod_args=(document,))
     dout = random_array(q.shape, "bfloat16")
