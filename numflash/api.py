@@ -123,6 +123,17 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
+def _user_functions(name, score_mod, mask_mod, mod_args, derivative=None, block_mask=None):
+    """A call's (score_mod, mask_mod, mod_args, score_mod_derivative, block_mask) when it has
+    any of them, else None. Such calls take no plan (the functions are part of the kernel),
+    so they are refused under stream capture."""
+    mods = (score_mod, mask_mod, mod_args, derivative, block_mask)
+    if mod_args == () and all(x is None for x in mods[:2] + mods[3:]):
+        return None
+    _refuse_under_capture(f"{name} with a score_mod, mask_mod or block_mask", planned=False)
+    return mods
+
+
 def _recent(sig, args):
     """The :class:`numflash.plans.Recent` plans a call of ``sig`` tries first: its function's,
     and for a packed batch its max lengths' bounds' (a training loop's steps cycle through more
@@ -419,9 +430,8 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    if score_mod is not None or mask_mod is not None or mod_args != () or block_mask is not None:
-        _refuse_under_capture("attention with a score_mod, mask_mod or block_mask", planned=False)
-        mods = (score_mod, mask_mod, mod_args, None, block_mask)
+    mods = _user_functions("attention", score_mod, mask_mod, mod_args, block_mask=block_mask)
+    if mods is not None:
         return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config,
                           softcap, sinks, alibi_slopes, mods)  # fmt: skip
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
@@ -581,9 +591,9 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks, alibi_slopes)
-    if score_mod is not None or mask_mod is not None or mod_args != ():
-        _refuse_under_capture("attention_varlen with a score_mod or mask_mod", planned=False)
-        return _attention_varlen(*args, (score_mod, mask_mod, mod_args, None, None))
+    mods = _user_functions("attention_varlen", score_mod, mask_mod, mod_args)
+    if mods is not None:
+        return _attention_varlen(*args, mods)
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
@@ -762,10 +772,9 @@ def attention_backward(
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     args += (softcap, sinks, alibi_slopes)
-    mods = (score_mod, mask_mod, mod_args, score_mod_derivative, block_mask)
-    if any(x is not None for x in mods[:2] + mods[3:]) or mod_args != ():
-        _refuse_under_capture("attention_backward with a score_mod, mask_mod or block_mask",
-                              planned=False)  # fmt: skip
+    mods = _user_functions("attention_backward", score_mod, mask_mod, mod_args,
+                           score_mod_derivative, block_mask)  # fmt: skip
+    if mods is not None:
         return _attention_backward(*args, mods)
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
@@ -941,9 +950,9 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
-    if score_mod is not None or mask_mod is not None or mod_args != ():
-        _refuse_under_capture("attention_with_kvcache with a score_mod or mask_mod", planned=False)
-        return _attention_with_kvcache(*args, (score_mod, mask_mod, mod_args, None, None))
+    mods = _user_functions("attention_with_kvcache", score_mod, mask_mod, mod_args)
+    if mods is not None:
+        return _attention_with_kvcache(*args, mods)
     result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
     if result is not None:
         return result

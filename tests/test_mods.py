@@ -232,6 +232,33 @@ def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
                                     mask_mod=even_keys_of_odd_heads)  # fmt: skip
 
 
+def test_calls_with_user_functions_are_refused_under_capture(monkeypatch):
+    """A call with user functions has no plan to replay, so it is refused (by name) under
+    stream capture, also with only mod_args or only a derivative; one without them is not
+    refused for being so (it has no plan yet either: the planned calls' own message)."""
+    from numflash import api
+
+    monkeypatch.setattr(api, "_capturing", lambda: True)
+    q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
+    cu = xp.asarray(np.array([0, 3, 8], dtype=np.int32))
+    packed = (q[0], k[0], v[0], cu, cu, 5, 5)
+    calls = {
+        "attention": lambda: numflash.attention(q, k, v, mask_mod=even_keys_of_odd_heads),
+        "attention_varlen": lambda: numflash.attention_varlen(*packed, mod_args=(cu,)),
+        "attention_backward": lambda: numflash.attention_backward(
+            q, q, k, v, q, q[..., 0], score_mod_derivative=squashed_derivative
+        ),
+        "attention_with_kvcache": lambda: numflash.attention_with_kvcache(
+            q[:, :1], k, v, cache_seqlens=8, score_mod=squashed
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=rf"numflash\.{name} with a score_mod.*yet"):
+            call()
+    with pytest.raises(RuntimeError, match="the first time it runs"):
+        numflash.attention(q, k, v)
+
+
 def _forward_with_variants_and_user_functions(config, head_dim, dtype):
     """A relative bias and a document mask after a softcap and ALiBi, GQA, causal, fewer
     queries than keys, the last key tile past the end, through ``config``'s forward."""
