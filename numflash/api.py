@@ -128,7 +128,7 @@ def _user_functions(name, score_mod, mask_mod, mod_args, derivative=None, block_
     any of them, else None. Such calls take no plan (the functions are part of the kernel),
     so they are refused under stream capture."""
     mods = (score_mod, mask_mod, mod_args, derivative, block_mask)
-    if mod_args == () and all(x is None for x in mods[:2] + mods[3:]):
+    if type(mod_args) is tuple and not mod_args and all(x is None for x in mods[:2] + mods[3:]):
         return None
     _refuse_under_capture(f"{name} with a score_mod, mask_mod or block_mask", planned=False)
     return mods

@@ -158,11 +158,11 @@ def test_new_mod_args_each_call_with_one_compiled_kernel(caplog):
                                           mask_mod=same_document, mod_args=mod_args)  # fmt: skip
             variants = Variants(score_mod=bias_once, mask_mod=same_document, mod_args=mod_args)
             assert_matches_reference(q, k, v, out, lse, variants=variants)
-    assert forward_portable.build.cache_info().misses - builds == 1
     compiled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling")]
-    assert compiled == [
-        "compiling forward_portable for float16, score_mod=bias_once, mask_mod=same_document"
-    ]
+    assert len(compiled) == 1, compiled  # the family's kernel: portable, or Hopper's on a GPU
+    assert compiled[0].endswith(" for float16, score_mod=bias_once, mask_mod=same_document")
+    if SIMULATOR:
+        assert forward_portable.build.cache_info().misses - builds == 1
 
 
 def test_calls_without_user_functions_compile_what_they_compiled_before():
