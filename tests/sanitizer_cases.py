@@ -34,6 +34,7 @@ import numflash  # noqa: E402
 from numflash import launch  # noqa: E402
 from numflash.device import current_device  # noqa: E402
 from numflash.families import wgmma_forward  # noqa: E402
+from numflash.reference import Variants  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import test_kvcache  # noqa: E402
@@ -56,6 +57,7 @@ class Case(NamedTuple):
     forward: object = None  # a forward configuration, or None
     backward: object = None  # a backward configuration, or None
     blocks: int = 0  # > 0: a persistent Hopper forward of this many blocks, over a listed order
+    softcap: float = 0.0
 
     @property
     def family(self):
@@ -140,7 +142,7 @@ CASES = [
     Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
          backward=numflash.WgmmaBackwardConfig(8, 2, dq_separate=False)),
     Case("bfloat16", (1, 150, 300, 4, 2, 128), dict(causal=True),
-         forward=numflash.WgmmaForwardConfig(fma_exp2=2)),
+         forward=numflash.WgmmaForwardConfig(fma_exp2=2), softcap=2.0),
 ]  # fmt: skip
 
 
@@ -197,12 +199,12 @@ def listed(p, block_m, block_n, section, blocks):
 def forward(case, q, k, v, out):
     if not case.blocks:
         return numflash.attention(q, k, v, out=out, return_lse=True, config=case.forward,
-                                  **case.mask)  # fmt: skip
+                                  softcap=case.softcap, **case.mask)  # fmt: skip
     saved = launch._multiprocessors, wgmma_forward.work_order
     launch._multiprocessors, wgmma_forward.work_order = (lambda: case.blocks), listed
     try:
         return numflash.attention(q, k, v, out=out, return_lse=True, config=case.forward,
-                                  **case.mask)  # fmt: skip
+                                  softcap=case.softcap, **case.mask)  # fmt: skip
     finally:
         launch._multiprocessors, wgmma_forward.work_order = saved
 
@@ -212,11 +214,13 @@ def run(case):
     out = poisoned_like(q)
     _, lse = forward(case, q, k, v, out)
     cupy.cuda.Device().synchronize()
-    assert_matches_reference(q, k, v, out, lse, **case.mask)
+    variants = Variants(softcap=case.softcap)
+    assert_matches_reference(q, k, v, out, lse, variants=variants, **case.mask)
     dout = random_array(q.shape, case.dtype)
-    grads = numflash.attention_backward(dout, q, k, v, out, lse, config=case.backward, **case.mask)
+    grads = numflash.attention_backward(dout, q, k, v, out, lse, config=case.backward,
+                                        softcap=case.softcap, **case.mask)  # fmt: skip
     cupy.cuda.Device().synchronize()
-    assert_gradients_match(dout, q, k, v, *grads, **case.mask)
+    assert_gradients_match(dout, q, k, v, *grads, variants=variants, **case.mask)
 
 
 def run_user_functions():
@@ -237,6 +241,7 @@ def run_user_functions():
     test_mods._run(q, k, v, "float16", dict(causal=True), mods, variants,
                    derivative=test_mods.relative_bias_derivative)  # fmt: skip
     cupy.cuda.Device().synchronize()
+    print("ok a dense call with a score_mod, mask_mod and mod_args", flush=True)
     # packed batches and KV-cache calls with user functions, on each kernel that takes them
     import pytest
 
@@ -250,6 +255,7 @@ def run_user_functions():
         except pytest.skip.Exception:
             continue
         cupy.cuda.Device().synchronize()
+        print(f"ok {test.__name__} {arguments}", flush=True)
 
 
 def run_block_masks():

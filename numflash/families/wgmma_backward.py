@@ -33,7 +33,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     - ``dq_separate``: dQ from its own kernel, S and dP computed again, each element summed
       in a fixed order (deterministic; seven products per tile pair); False: the dK/dV
       kernel adds dQ += dS K up on wgmma into an fp32 buffer by atomics, in no fixed order
-      (five products). True by default until the fused kernel is timed on the H200.
+      (five products). True by default: the fused mode ran 1.02-1.05x at head_dim 64 and
+      0.95-1.01x at 128 on the H200 (docs/performance.md), not worth a default that does
+      not repeat bit for bit.
 
     Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
     capability 9.x; head_dim 64 or 128 (as padded).

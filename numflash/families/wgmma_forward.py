@@ -41,7 +41,8 @@ class WgmmaForwardConfig(config._Config):
       a cubic on the FMA units (kernels/ptx.exp2_fma, 9 SASS instructions) rather than one
       ex2 on the special-function unit. With a softcap that unit does two operations a score
       (tanh and ex2), which take as long as a score's products on the tensor cores at
-      head_dim 128 on sm_90 (docs/performance.md); 0 (the default) until timed.
+      head_dim 128 on sm_90; 0 by default: on the H200 each k made the kernel slower, with
+      the softcap and without (the unit is not the bound there; docs/performance.md).
     """
 
     consumers: int = config.knob(2, (1, 2, 3))

@@ -188,8 +188,7 @@ def build(
     cache's (chunked prefill), each sequence's length read on the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
     a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
-    special-function unit, whose two operations a score with a softcap (tanh and ex2) made
-    the bound (0: none; docs/performance.md). ``softcap`` > 0 caps the scores
+    special-function unit (0: none; on the H200 every k was slower, docs/performance.md). ``softcap`` > 0 caps the scores
     (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
     ``*variant`` array, joins each row's sum (softmax.sink_functions); with ``alibi`` the
     scores less the head's slope (the next array) times the distance
