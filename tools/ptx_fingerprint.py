@@ -221,6 +221,15 @@ def cases():
             forward_sm90.build(hd, dt, *schedule),
             wgmma_forward.WGMMA_FORWARD.signature(dt),
         )
+    # the default at head_dim 128 with Gemma 2's softcap (its factor folded into the softmax)
+    schedule = forward_sm90.schedule(wgmma_forward.default_wgmma_forward_config(128), False)
+    tiles = "x".join(str(int(t)) for t in schedule[:6])
+    yield (
+        family,
+        f"forward-128-bfloat16-{tiles}-softcap",
+        forward_sm90.build(128, "bfloat16", *schedule, softcap=50.0),
+        wgmma_forward.WGMMA_FORWARD.signature("bfloat16"),
+    )
     # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs it)
     for cache in ("contiguous", "paged"):
         c = wgmma_forward.default_wgmma_forward_config(128)

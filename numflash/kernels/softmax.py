@@ -197,16 +197,27 @@ def softcap_functions(softcap, fast=False):
     return factors, capped
 
 
-def softcap_function(count, softcap):
-    """``softcap_scores(s, scale_log2)``: softcap_functions' transform of the first ``count``
-    raw scores of the register fragment ``s`` of a 16-bit kernel (fast tanh)."""
+def softcap_function(count, softcap, folded=False):
+    """``softcap_scores(s, scale_log2) -> unit``: softcap_functions' transform of the first
+    ``count`` raw scores of the register fragment ``s`` of a 16-bit kernel (fast tanh), and
+    the unit the softmax then multiplies them by into the log2 domain. ``folded``: the cap's
+    outer factor b is left to that unit, s holding tanh(a x) and the unit being b *
+    scale_log2 (softcap * log2(e)), one multiplication a score fewer (a kernel whose later
+    steps read the scores in raw units, ALiBi's bias or a score_mod, cannot take it); else
+    s holds b tanh(a x) and the unit is scale_log2."""
     factors, capped = softcap_functions(softcap, fast=True)
+    FOLDED = folded
 
     @device_function
     def softcap_scores(s, scale_log2):
         a, b = factors(scale_log2)
+        if FOLDED:
+            for i in range(count):
+                s[i] = ptx.tanh(a * s[i])
+            return b * scale_log2
         for i in range(count):
             s[i] = capped(s[i], a, b)
+        return scale_log2
 
     return softcap_scores
 
