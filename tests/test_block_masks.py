@@ -168,12 +168,13 @@ def test_the_mma_forward_with_a_block_mask_matches_the_reference():
 
 def test_the_backward_skips_what_the_block_mask_of_its_forward_hides():
     """dQ over each row block's seen keys, dK and dV over each key block's seen rows, per
-    head of a GQA group (head 1's rows from 140 on see nothing), batch entries apart."""
+    head of a GQA group (head 1's rows from 140 on see nothing), batch entries apart. (The
+    forward is checked on this mask by the forward tests; the gradients' reference is made
+    from q, k, v alone.)"""
     document, bm = _documents_of_heads()
     q, k, v = random_qkv(2, 290, 320, 2, 1, 16, "float16")
     out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, block_mask=bm)
     variants = Variants(mask_mod=document_of_head, mod_args=(document,))
-    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
     dout = random_array(q.shape, "float16")
     cfg = numflash.PortableBackwardConfig(block_m=32, block_n=64)
     grads = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, config=cfg,
