@@ -184,14 +184,16 @@ def build(
     producer's loads are TMA copies through the tensor maps the kernel is given (else
     cp.async). ``varlen``: over a packed batch (grid (blocks of max_seqlen_q, nheads, batch),
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
-    families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or "paged"): the keys are a KV
-    cache's (chunked prefill), each sequence's length read on the device; the kernel takes
+    families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or
+    "paged"): the keys are a KV cache's (chunked prefill), each sequence's length read on
+    the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
     a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
-    special-function unit (0: none; on the H200 every k was slower, docs/performance.md). ``softcap`` > 0 caps the scores
-    (softmax.softcap_function); with ``sinks`` the head's sink logit, the kernel's first
-    ``*variant`` array, joins each row's sum (softmax.sink_functions); with ``alibi`` the
-    scores less the head's slope (the next array) times the distance
+    special-function unit (0: none; on the H200 every k was slower, docs/performance.md).
+    ``softcap`` > 0 caps the scores (softmax.softcap_function); with ``sinks`` the head's
+    sink logit, the kernel's first ``*variant`` array, joins each row's sum
+    (softmax.sink_functions); with ``alibi`` the scores less the head's slope (the next
+    array) times the distance
     (softmax.alibi_functions); ``mods`` (a validation.Mods): the user's score_mod and mask_mod
     after them (kernels/mods.py; the mod_args the last ``*variant`` arrays), every tile then
     taking the masked softmax."""
