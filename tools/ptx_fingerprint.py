@@ -204,32 +204,25 @@ def cases():
             yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
     family = config.WgmmaForwardConfig.family
     pingpong = config.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)
-    for hd, dt, c, varlen in [
-        (64, "float16", None, False),
-        (128, "bfloat16", None, False),
-        (256, "float16", None, False),
-        (128, "bfloat16", None, True),
-        (128, "float16", pingpong, False),
+    # the Hopper forward: defaults, packed, pingpong, and head_dim 128 with Gemma 2's softcap
+    for hd, dt, c, varlen, softcap in [
+        (64, "float16", None, False, 0.0),
+        (128, "bfloat16", None, False, 0.0),
+        (256, "float16", None, False, 0.0),
+        (128, "bfloat16", None, True, 0.0),
+        (128, "float16", pingpong, False, 0.0),
+        (128, "bfloat16", None, False, 50.0),
     ]:
         c = c or wgmma_forward.default_wgmma_forward_config(hd)
         schedule = forward_sm90.schedule(c, varlen)
         tiles = "x".join(str(int(t)) for t in schedule[:6])  # less varlen, cache, fma_exp2
-        name = f"{hd}-{dt}-{tiles}{'-varlen' if varlen else ''}"
+        name = f"{hd}-{dt}-{tiles}{'-varlen' if varlen else ''}{'-softcap' if softcap else ''}"
         yield (
             family,
             f"forward-{name}",
-            forward_sm90.build(hd, dt, *schedule),
+            forward_sm90.build(hd, dt, *schedule, softcap=softcap),
             wgmma_forward.WGMMA_FORWARD.signature(dt),
         )
-    # the default at head_dim 128 with Gemma 2's softcap (its factor folded into the softmax)
-    schedule = forward_sm90.schedule(wgmma_forward.default_wgmma_forward_config(128), False)
-    tiles = "x".join(str(int(t)) for t in schedule[:6])
-    yield (
-        family,
-        f"forward-128-bfloat16-{tiles}-softcap",
-        forward_sm90.build(128, "bfloat16", *schedule, softcap=50.0),
-        wgmma_forward.WGMMA_FORWARD.signature("bfloat16"),
-    )
     # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs it)
     for cache in ("contiguous", "paged"):
         c = wgmma_forward.default_wgmma_forward_config(128)
