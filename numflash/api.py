@@ -741,9 +741,10 @@ def attention_backward(
             call (a softcap or slopes the forward had and the backward is not given give wrong
             gradients: the backward recomputes the scores from these arguments).
         deterministic: ask for bitwise reproducible gradients. Every kernel family is, except
-            an mma.sync or Hopper configuration with ``dq_separate=False`` (dQ added up with
-            atomics in no fixed order): with the flag, a tuned configuration of that kind runs
-            with ``dq_separate=True`` instead, and a forced one is refused.
+            an mma.sync or Hopper configuration with ``dq_separate=False`` (dQ added up by
+            atomics or bulk reductions, in no fixed order): with the flag, a tuned
+            configuration of that kind runs with ``dq_separate=True`` instead, and a forced
+            one is refused.
         config: force a :class:`numflash.PortableBackwardConfig`, a
             :class:`numflash.TensorCoreBackwardConfig` (mma.sync, fp16/bf16, compute capability
             8.0+) or a :class:`numflash.WgmmaBackwardConfig` (Hopper). By default numflash

@@ -584,8 +584,9 @@ def check_backward_config(config, p, deterministic, device):
     _check_family(config, "backward", p)
     if deterministic and not getattr(config, "dq_separate", True):
         raise ValueError(
-            f"config: {config.family} with dq_separate=False adds dQ up with atomics, in no "
-            "fixed order; deterministic=True needs dq_separate=True (or the portable backward)"
+            f"config: {config.family} with dq_separate=False adds dQ up in no fixed order "
+            "(atomics or bulk reductions); deterministic=True needs dq_separate=True (or the "
+            "portable backward)"
         )
     return _config_problems(config, p, device)
 

@@ -65,6 +65,8 @@ INSTRUCTIONS = [
     "tensormap.replace",
     "tensormap.cp_fenceproxy",
     "setmaxnreg",
+    "cp.reduce.async.bulk",
+    "red.global.add",
 ]
 
 
@@ -284,13 +286,15 @@ def wgmma_tiles(dtype):
 
 
 def wgmma_backward(
-    hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None
+    hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None,
+    dq_bulk=True,
 ):  # fmt: skip
     """The Hopper backward's kernels; ``mods``: a user's functions (BACKWARD_MODS, or with a
-    block mask: BLOCK_MASK_MODS), the dense kernels alone."""
+    block mask: BLOCK_MASK_MODS), the dense kernels alone; ``dq_bulk`` as the configuration's
+    (without dq_separate: dQ by bulk reductions, else by atomics)."""
     built = backward_sm90.build_kernels(
         hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first,
-        dq_separate=dq_separate, mods=mods,
+        dq_separate=dq_separate, mods=mods, dq_bulk=dq_bulk,
     )  # fmt: skip
     kernels = [("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV)]
     if dq_separate:
@@ -303,7 +307,8 @@ def wgmma_backward(
         kernels = [(name, k, spec._replace(variant=_mod_arrays(mods))) for name, k, spec in kernels]
     return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")], head_dim=hd,
                    dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first,
-                   dq_separate=dq_separate, mods=mods is not None)  # fmt: skip
+                   dq_separate=dq_separate, mods=mods is not None,
+                   dq_bulk=dq_bulk and not dq_separate)  # fmt: skip
 
 
 def mma_backward_mods(hd, dtype, mods):
@@ -424,9 +429,11 @@ def jobs(quick):
     # ... with Gemma 2's softcap (head_dim 128: at 64 the forward's 192-key tiles spill 16 bytes)
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 50.0)))
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, True)))  # A rounded before the fence
-    # dQ added up by the dK/dV kernel (dq_separate=False), both head dims
+    # dQ added up by the dK/dV kernel (dq_separate=False), both head dims: by bulk reductions
+    # (the default), at 64 by atomics too
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False)))
     out.append((wgmma_backward, (64, "float16", 8, 2, 0.0, False, False)))
+    out.append((wgmma_backward, (64, "bfloat16", 8, 2, 0.0, False, False, None, False)))
     # a user's functions, with a block mask too; the mma.sync backward's with them
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, False, True, BACKWARD_MODS)))
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))

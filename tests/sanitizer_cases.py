@@ -135,12 +135,15 @@ CASES = [
          forward=numflash.WgmmaForwardConfig(2, 64, 2, pingpong=False), blocks=5),
     Case("bfloat16", (2, 150, 201, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 2, pack_first=True)),
-    # dQ added up by the dK/dV kernel (red.global.add of dS K), both head dims; and the Hopper
-    # forward with half its exponentials on the FMA units under a softcap
+    # dQ added up by the dK/dV kernel (bulk reductions of dS K from shared memory, and
+    # red.global.add), both head dims; and the Hopper forward with half its exponentials on
+    # the FMA units under a softcap
     Case("float16", (2, 150, 201, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 2, dq_separate=False)),
     Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
          backward=numflash.WgmmaBackwardConfig(8, 2, dq_separate=False)),
+    Case("bfloat16", (1, 200, 130, 2, 1, 64), dict(window_size=(40, 7)),
+         backward=numflash.WgmmaBackwardConfig(8, 2, dq_separate=False, dq_bulk=False)),
     Case("bfloat16", (1, 150, 300, 4, 2, 128), dict(causal=True),
          forward=numflash.WgmmaForwardConfig(fma_exp2=2), softcap=2.0),
 ]  # fmt: skip

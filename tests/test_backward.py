@@ -155,9 +155,9 @@ TC_SIM_CASES = [
     ("bfloat16", 128, 65, 33, 1, "none", WG(num_warps=4, stages=2)),  # two head_dim atoms
     ("float16", 64, 50, 60, 2, "left", WG(num_warps=4, stages=2)),  # key blocks last first
     ("bfloat16", 64, 70, 80, 1, "causal", WG(num_warps=4, stages=2, pack_first=True)),
-    # dQ added up by the dK/dV kernel on wgmma (dq_separate=False), each warpgroup's share
-    # of its columns: 32 at a 64-byte offset into the atom, 64 an atom (one warpgroup's
-    # share: TC_GPU_CASES)
+    # dQ added up by the dK/dV kernel on wgmma (dq_separate=False; by bulk reductions, the
+    # atomics on the GPU: TC_GPU_CASES), each warpgroup's share of its columns: 32 at a
+    # 64-byte offset into the atom, 64 an atom (one warpgroup's share: TC_GPU_CASES)
     ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
     ("bfloat16", 128, 40, 75, 2, "left", WG(num_warps=8, stages=1, dq_separate=False)),
 ]
@@ -205,11 +205,13 @@ TC_GPU_CASES = [
         # the A fragments rounded before the wgmma fence
         ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, pack_first=True)),
         ("bfloat16", 64, (300, 451), 1, "window", WG(num_warps=8, stages=1, pack_first=True)),
-        # dQ added up by the dK/dV kernel (atomics)
+        # dQ added up by the dK/dV kernel: bulk reductions (dq_bulk), and atomics
         ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
         ("bfloat16", 120, (113, 203), 4, "window", WG(num_warps=8, stages=1, dq_separate=False)),
         ("bfloat16", 64, (517, 1023), 1, "left", WG(num_warps=4, stages=2, dq_separate=False)),
         ("float16", 64, (2048, 2048), 2, "none", WG(num_warps=8, stages=2, dq_separate=False)),
+        ("bfloat16", 128, (777, 777), 2, "causal", WG(8, 2, dq_separate=False, dq_bulk=False)),
+        ("float16", 64, (300, 451), 1, "window", WG(4, 1, dq_separate=False, dq_bulk=False)),
     ]
 ]
 

@@ -222,6 +222,19 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     assert {e["kernel"] for e in entries if e["pack_first"]} == set(kernels)
     fused = {(e["head_dim"], e["kernel"]) for e in entries if not e["dq_separate"]}
     assert fused == {(hd, k) for hd in (64, 128) for k in ("dkdv", "dkdv-varlen")}
+    # dQ by bulk reductions (one a warp and query block), or by atomics (16 a thread)
+    for e in entries:
+        bulk, atomics = e["counts"]["cp.reduce.async.bulk"], e["counts"]["red.global.add"]
+        if e["dq_separate"]:
+            assert bulk == atomics == 0, e
+        else:
+            assert (bulk, atomics) == (
+                (1, 0) if e["dq_bulk"] else (0, 16 * e["head_dim"] // 128)
+            ), e
+    assert {e["dq_bulk"] for e in entries if not e["dq_separate"] and not e["mods"]} == {
+        True,
+        False,
+    }
     # a user's functions (backward.user_element_function), a block mask with them: no spill
     assert {(e["kernel"], e["dq_separate"]) for e in entries if e["mods"]} == {
         ("dkdv", True),

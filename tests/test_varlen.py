@@ -46,9 +46,11 @@ CASES = [
          backward=TC(16, 1, 1, dq_separate=False)),
     Case("float16", (19, 0, 40), (40, 6, 21), nheads=2, nheads_k=1, head_dim=16,
          mask=dict(window_size=(9, 3)), backward=TC(16, 1, 2, dq_separate=False)),
-    # the Hopper backward (in the simulator ptx_sm90's Python wgmma)
+    # the Hopper backward (in the simulator ptx_sm90's Python wgmma), dQ added up by bulk
+    # reductions: sequences that start off the 8-row swizzle and end inside a 64-row tile
+    # (its rows past the end add zeros to the next sequence's)
     Case("bfloat16", (0, 70, 1, 20), (3, 80, 1, 25), nheads=2, nheads_k=1, head_dim=64,
-         mask=dict(causal=True), backward=WG(4, 2)),
+         mask=dict(causal=True), backward=WG(4, 2, dq_separate=False)),
 ]  # fmt: skip
 SMALL_CASES = list(CASES)  # also what compute-sanitizer runs (racecheck is slow)
 if not SIMULATOR:  # the issue's lengths, on the GPU
@@ -65,6 +67,10 @@ if not SIMULATOR:  # the issue's lengths, on the GPU
              mask=dict(causal=True), backward=TC(32, 8, 2, head_split=2)),
         Case("bfloat16", (113, 1023, 1), (200, 40, 1), nheads=4, nheads_k=4, head_dim=64,
              mask=dict(window_size=(50, 0)), backward=WG(4, 1)),
+        Case("float16", (0, 1, 7, 113, 1023), (5, 1, 7, 113, 1023), nheads=8, nheads_k=2,
+             head_dim=128, mask=dict(causal=True), backward=WG(8, 2, dq_separate=False)),
+        Case("bfloat16", (1023, 0, 113, 7), (517, 3, 113, 7), nheads=4, nheads_k=1,
+             head_dim=64, backward=WG(8, 1, dq_separate=False, dq_bulk=False)),
     ]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Hopper backward configurations timed against each other in one process, taking turns.
 
-    python tools/backward_ab.py --configs 8,2 8,2,fused [--head-dims 64 128] [--seqlens 4096]
+    python tools/backward_ab.py --configs 8,2 8,2,fused 8,2,fused,atomic [--head-dims 64 128]
+                                [--seqlens 4096]
                                 [--dtypes float16 bfloat16] [--causal both] [--runs 15]
                                 [--rounds 3] [--out PATH]
 
@@ -10,7 +11,8 @@ compared bit for bit with the first configuration's (the GPU tests check them ag
 float64 reference), then the configurations take turns --rounds times, each keeping
 its fastest round (the GPU's clock drifts over a minute); cuDNN's backward beside them where
 PyTorch is there. A knob that changes only when registers are rounded (pack_first) must give
-the same bits; dQ added up by atomics (fused) may differ in its last bits, and the line then
+the same bits; dQ added up in no fixed order (fused: by bulk reductions, or with atomic by
+atomics) may differ in its last bits, and the line then
 gives its largest difference from the first configuration's dQ relative to dQ's largest
 magnitude (dK and dV must still match bit for bit).
 """
@@ -32,14 +34,20 @@ from bench_backward import sdpa_runs  # noqa: E402
 
 
 def parse_config(text):
-    """num_warps,stages[,pack (pack_first)][,fused (dq_separate=False)], e.g. 8,2,fused"""
+    """num_warps,stages[,pack (pack_first)][,fused (dq_separate=False)][,atomic (dq_bulk=False)],
+    e.g. 8,2,fused"""
     parts = text.split(",")
     warps, stages = (int(x) for x in parts[:2])
-    unknown = set(parts[2:]) - {"pack", "fused"}
+    unknown = set(parts[2:]) - {"pack", "fused", "atomic"}
     if unknown:
         raise SystemExit(f"--configs {text}: unknown {', '.join(sorted(unknown))}")
+    flags = parts[2:]
     return WgmmaBackwardConfig(
-        warps, stages, pack_first="pack" in parts[2:], dq_separate="fused" not in parts[2:]
+        warps,
+        stages,
+        pack_first="pack" in flags,
+        dq_separate="fused" not in flags,
+        dq_bulk="atomic" not in flags,
     )
 
 

@@ -187,17 +187,21 @@ def cases():
             launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
-    for hd, dt, warps, stages, pack, fused in [
-        (128, "float16", 8, 2, False, False),
-        (64, "bfloat16", 4, 1, False, False),
-        (128, "float16", 8, 2, True, False),
-        (128, "float16", 8, 2, False, True),  # dQ added up in the dK/dV kernel
+    for hd, dt, warps, stages, pack, fused, bulk in [
+        (128, "float16", 8, 2, False, False, False),
+        (64, "bfloat16", 4, 1, False, False, False),
+        (128, "float16", 8, 2, True, False, False),
+        (128, "float16", 8, 2, False, True, False),  # dQ added up in the dK/dV kernel
+        (128, "float16", 8, 2, False, True, True),  # ... by bulk reductions
     ]:
         kernels = backward_sm90.build_kernels(
-            hd, dt, warps, stages, pack_first=pack, dq_separate=not fused
+            hd, dt, warps, stages, pack_first=pack, dq_separate=not fused, dq_bulk=bulk
         )
         name = (
-            f"{hd}-{dt}-{warps}-{stages}" + ("-pack" if pack else "") + ("-fused" if fused else "")
+            f"{hd}-{dt}-{warps}-{stages}"
+            + ("-pack" if pack else "")
+            + ("-fused" if fused else "")
+            + ("-bulk" if bulk else "")
         )
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if not fused:

@@ -36,6 +36,11 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       (five products). True by default: the fused mode ran 1.02-1.05x at head_dim 64 and
       0.95-1.01x at 128 on the H200 (docs/performance.md), not worth a default that does
       not repeat bit for bit.
+    - ``dq_bulk`` (with ``dq_separate=False``; ignored without): each warp stores its rows
+      of dQ into shared memory and one lane adds them to the fp32 buffer by an asynchronous
+      bulk reduction through the TMA unit (FlashAttention-3's route, 4 KB at a time at
+      head_dim 128), so the warps issue no atomics; False: 16 ``red.global.add.v2.f32`` a
+      thread per query block. Untimed on a GPU (docs/performance.md).
 
     Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
     capability 9.x; head_dim 64 or 128 (as padded).
@@ -45,12 +50,13 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     stages: int = config.knob(2, (1, 2))
     pack_first: bool = config.knob(False, (False, True))
     dq_separate: bool = config.knob(True, (True, False))
+    dq_bulk: bool = config.knob(True, (True, False))
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 1
+    REVISION: ClassVar[int] = 2  # 2: dq_separate=False adds dQ up by bulk reductions
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 
@@ -58,8 +64,12 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         """The swizzled K, V, stage (and dS) tiles (kernels/backward_sm90.py), alignment
         included."""
         return backward_sm90.shared_memory_layout(
-            head_dim, self.num_warps, self.stages, self.dq_separate
+            head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk
         )[-1]
+
+    def dq_planes(self):
+        """One plane of dQ's columns a warpgroup (kernels/backward_sm90.bulk_dq)."""
+        return self.num_warps // 4 if not self.dq_separate and self.dq_bulk else 0
 
     def problems(self, head_dim, device):
         out = config._out_of_choices(self)
@@ -118,6 +128,7 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
+                dq_bulk=cfg.dq_bulk,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)

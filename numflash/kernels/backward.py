@@ -472,6 +472,12 @@ def next_query_block(head, m0, m_lo, m_hi, block_m):
     return head, m0
 
 
+@device_function
+def drain_copies(lane):
+    """Wait for this thread's cp.async copies (a backend's ``drain``)."""
+    ptx.cp_async_wait(0)
+
+
 class Kernels(NamedTuple):
     dkdv: object  # dK and dV; with an atomic backend also dQ
     dq: object  # dQ alone, in a fixed order; None where the dK/dV kernel adds dQ up
@@ -507,9 +513,12 @@ class Backend(NamedTuple):
       products may still be in flight (``atomic_dq`` then waits for them).
     - ``key_tile_step(s, dp, acc, resident, stage_addr, row_stats, shift, scale_log2, bias)``:
       dQ += one key tile (``bias`` goes to row_ds_function's function as it is).
-    - ``atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane,
-      seqlen_q, dk_acc, dv_acc)``: dQ += dS K by fp32 atomics (``dq_atomic``), else never
-      called; on return dK/dV's products of the block have landed in their accumulators.
+    - ``atomic_dq(smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, col_base, warp,
+      lane, seqlen_q, dk_acc, dv_acc)``: dQ += dS K into the fp32 buffer (``dq_atomic``),
+      else never called; on return dK/dV's products of the block have landed in their
+      accumulators.
+    - ``drain(lane)``: wait for what the dK/dV kernel's block still has in flight before it
+      writes dK and dV and exits (drain_copies: its cp.async copies).
     - ``divide(a, b)``: the integer quotient the block index math uses.
     """
 
@@ -533,6 +542,7 @@ class Backend(NamedTuple):
     atomic_dq: object
     divide: object
     write_rows: object
+    drain: object = drain_copies
 
 
 def build_kernels(backend, alibi=False, mods=None):
@@ -569,6 +579,7 @@ def build_kernels(backend, alibi=False, mods=None):
     atomic_dq = backend.atomic_dq
     divide = backend.divide
     write_rows = backend.write_rows
+    drain = backend.drain
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
     load_query_block = query_block_loader(load_pair, fetch_row_stats)
     slope_of, _ = alibi_functions(alibi)
@@ -732,6 +743,7 @@ def build_kernels(backend, alibi=False, mods=None):
                     dq_acc,
                     dq_first + head * dq_sh,
                     dq_ss,
+                    dq_sh,
                     m0,
                     col_base,
                     warp,
@@ -743,7 +755,7 @@ def build_kernels(backend, alibi=False, mods=None):
             if STAGES > 1 and it + 1 < n_blocks:  # the next block's LSE and D, fetched above
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, 1 - stage, tid)
 
-        ptx.cp_async_wait(0)  # nothing may be in flight when the block exits (no query block)
+        drain(lane)  # nothing may be in flight when the block exits (no query block)
         row0 = n0 + warp * 16
         write_rows(
             dk, dk_acc, dk_first + kv_head * dk_sh + col_base, dk_ss, row0, lane, seqlen_k, scale

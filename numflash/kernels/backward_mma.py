@@ -257,8 +257,8 @@ def build_kernels(
 
     @device_function
     def atomic_dq(
-        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q, dk_acc,
-        dv_acc,
+        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, col_base, warp, lane, seqlen_q,
+        dk_acc, dv_acc,
     ):  # fmt: skip
         """dQ += dS K for the block's query rows: dS through shared memory, the warps sharing
         the 16-row tiles (DQ_UNITS each, split by columns), fp32 atomics."""

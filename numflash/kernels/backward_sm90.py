@@ -22,9 +22,12 @@ dK/dV kernel adds dQ up as well, and there is no dQ kernel:
     dQ  += dS K                       m64n{head_dim / warpgroups}k16 x BLOCK_N / 16: warpgroup
                                       w takes its share of dQ's columns, A = dS and B = the
                                       resident K tile (MN-major) by descriptor
-                                      into fp32 registers, then added to a (b, s, h, d) fp32
-                                      buffer two columns at a time (red.global.add.v2.f32);
-                                      the call scales and rounds it into dq afterwards
+                                      into fp32 registers, then (``dq_bulk``, as configured by default)
+                                      stored by each warp into shared memory and added to an
+                                      fp32 buffer by one asynchronous bulk reduction a warp
+                                      (bulk_dq), or added to a (b, s, h, d) fp32 buffer two
+                                      columns at a time (red.global.add.v2.f32); the call
+                                      scales and rounds it into dq afterwards
 
 The dS stores, the barrier and dQ's products are issued while dV's and dK's are in flight.
 
@@ -69,10 +72,11 @@ HEAD_DIMS = (64, 128)
 NUM_WARPS = (4, 8)
 
 
-def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True):
-    """(K, V, the first stage, one stage, dO within a stage, dS, total) in bytes from the
+def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=False):
+    """(K, V, the first stage, one stage, dO within a stage, dS, dQ, total) in bytes from the
     block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x the block's keys) only
-    without ``dq_separate``; the total includes 1024 bytes to align that base."""
+    without ``dq_separate``, dQ's (BLOCK_M rows x head_dim, fp32) only with ``dq_bulk`` too;
+    the total includes 1024 bytes to align that base."""
     atoms = head_dim // 64
     block_n = 16 * num_warps
     kv = block_n * ROW_BYTES * atoms
@@ -80,13 +84,15 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True):
     stage = 2 * tile  # Q, then dO
     ds = 2 * kv + stages * stage
     ds_bytes = 0 if dq_separate else BLOCK_M * ROW_BYTES * (block_n // 64)
-    return 0, kv, 2 * kv, stage, tile, ds, ds + ds_bytes + GROUP_BYTES
+    dq = ds + ds_bytes
+    dq_bytes = BLOCK_M * head_dim * 4 if dq_bulk and not dq_separate else 0
+    return 0, kv, 2 * kv, stage, tile, ds, dq, dq + dq_bytes + GROUP_BYTES
 
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
-    pack_first=False, dq_separate=True, mods=None,
+    pack_first=False, dq_separate=True, mods=None, dq_bulk=False,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -99,20 +105,22 @@ def build_kernels(
     before the wgmma fence, behind an operand fence of its own; else each k16 step's A is
     rounded as it is issued, after the fence, and ptxas waits for the warpgroup before every
     such product but the first (remark C7519: 7 in the dK/dV kernel, 3 in dQ's at head_dim
-    128)."""
+    128). ``dq_bulk`` (without ``dq_separate``): dQ goes to its fp32 buffer by bulk
+    reductions from shared memory, not by atomics from registers (``bulk_dq``)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)"
         )
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
+    DQ_BULK = FUSED_DQ and dq_bulk
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
     THREADS = 32 * num_warps
     KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
     TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO, and of dS (64 keys)
-    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, _ = shared_memory_layout(
-        head_dim, num_warps, stages, dq_separate
+    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, _ = shared_memory_layout(
+        head_dim, num_warps, stages, dq_separate, dq_bulk
     )
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
@@ -126,6 +134,9 @@ def build_kernels(
     # dQ += dS K (without dq_separate): each warpgroup's share of dQ's columns
     DQ_COLS = HEAD_DIM * 4 // num_warps
     DQ_REGS = DQ_COLS // 2
+    PLANES = num_warps // 4  # dQ's buffer with dq_bulk: a plane of DQ_COLS columns a warpgroup
+    DQ_SHIFT = DQ_COLS.bit_length() - 1
+    WARP_DQ_BYTES = 16 * DQ_COLS * 4  # a warp's 16 rows of its warpgroup's columns
     N_STEPS = BLOCK_N // 16  # k16 steps over the block's keys
     Q_TILES = BLOCK_M // 8
     dq_first = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True, accumulate=False)
@@ -325,13 +336,65 @@ def build_kernels(
                 dq_update(dqa, a_desc, b_desc)
 
     @device_function
+    def bulk_dq(smem, dqa, dq_acc, tile, warp, lane):
+        """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) added to dq_acc
+        (fp32) by one bulk reduction, ``tile`` the index of the warpgroup's BLOCK_M x DQ_COLS
+        tile there (rows DQ_COLS apart in its plane, planes starting at multiples of 8 rows).
+        The rows go through the warp's slot of the dQ tile in shared memory as dq_acc holds
+        them: 16-byte chunk c of plane row r at c ^ (r & 7), so that a store's eight rows and
+        four lanes meet every bank twice (launch's reader undoes it)."""
+        rows0 = (warp & 3) * 16
+        slot = uint32(
+            ptx_sm90.aligned_index(smem, GROUP_BYTES)
+            + uint32(DQ_OFF >> 1)
+            + uint32(((warp >> 2) * BLOCK_M + rows0) * DQ_COLS * 2)
+        )
+        first = tile + int64(rows0 * DQ_COLS)
+        key0 = uint32(first >> DQ_SHIFT)  # the plane row of the warp's first row, mod 8
+        if lane == 0:
+            ptx_sm90.bulk_wait_read()  # the last reduction from the slot has read it
+        ptx.sync_warp()
+        g, t = uint32(lane >> 2), uint32(lane & 3)
+        source = ptx.shared_address(smem, slot)
+        for h in range(2):  # rows g and g + 8
+            row = g + uint32(8 * h)
+            key = (key0 + row) & uint32(7)
+            # columns 8 dt + 2 t and + 1 are chunk 2 dt + t // 2, stored at (2 dt + t // 2) ^ key
+            # = 2 (dt ^ key // 2) + (t // 2 ^ key & 1): a byte offset of the lane and row, and
+            # (dt << 5) ^ (key // 2 << 5) for each dt
+            lane_bytes = (
+                row * uint32(DQ_COLS * 4)
+                + (((t >> uint32(1)) ^ (key & uint32(1))) << uint32(4))
+                + ((t & uint32(1)) << uint32(3))
+            )
+            pair_key = (key >> uint32(1)) << uint32(5)
+            for dt in range(DQ_COLS // 8):
+                i = acc_index(dt, h)
+                at = source + (lane_bytes + (uint32(dt << 5) ^ pair_key))
+                ptx_sm90.store_shared_pair(at, dqa[i], dqa[i + 1])
+        ptx_sm90.fence_proxy_async()  # the stores, visible to the bulk reduction
+        ptx.sync_warp()
+        if lane == 0:
+            ptx_sm90.bulk_reduce_add(dq_acc, first, source, uint32(WARP_DQ_BYTES))
+            ptx_sm90.bulk_commit()
+
+    @device_function
+    def drain(lane):
+        """Nothing in flight when the block exits: its cp.async copies, and with DQ_BULK the
+        bulk reductions its warps' first lanes issued (they read shared memory)."""
+        backward.drain_copies(lane)
+        if DQ_BULK and lane == 0:
+            ptx_sm90.bulk_wait()
+
+    @device_function
     def atomic_dq(
-        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, m0, col_base, warp, lane, seqlen_q, dk_acc,
-        dv_acc,
+        smem, base, dpt, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, col_base, warp, lane, seqlen_q,
+        dk_acc, dv_acc,
     ):  # fmt: skip
         """dQ rows m0.. += dS K over the block's keys, this warpgroup's DQ_COLS columns, added
-        to dq_acc (fp32) by atomics; dS was stored by query_block_step, whose dV and dK
-        products are waited for here too."""
+        to dq_acc (fp32) by atomics, or with DQ_BULK by bulk_dq into the warpgroup's plane
+        (dq_sh / PLANES apart); dS was stored by query_block_step, whose dV and dK products
+        are waited for here too."""
         ptx_sm90.fence_proxy_async()  # the dS stores, visible to wgmma
         cuda.syncthreads()  # ... every warpgroup's
         col0 = (warp >> 2) * DQ_COLS  # this warpgroup's first column
@@ -346,6 +409,10 @@ def build_kernels(
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
+        if DQ_BULK:
+            plane = (warp >> 2) * (dq_sh // PLANES)
+            bulk_dq(smem, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, warp, lane)
+            return
         for h in range(2):
             row = m0 + (warp & 3) * 16 + (lane >> 2) + 8 * h
             if row < seqlen_q:
@@ -377,6 +444,7 @@ def build_kernels(
             query_block_step=query_block_step,
             key_tile_step=key_tile_step,
             atomic_dq=atomic_dq,
+            drain=drain,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
         ),

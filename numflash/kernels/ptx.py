@@ -349,6 +349,12 @@ if not SIMULATOR:
         return cuda.shfl_sync(0xFFFFFFFF, x, source)
 
     @device_function
+    def sync_warp():
+        """__syncwarp over all 32 lanes: what each lane wrote to shared memory before is seen
+        by every lane after."""
+        cuda.syncwarp(0xFFFFFFFF)
+
+    @device_function
     def any_lane(predicate):
         """Whether ``predicate`` holds in any lane, all 32 lanes taking part: one answer for
         the warp, which ptxas knows, so a branch on it is uniform (no lane takes the other
@@ -608,6 +614,12 @@ else:
 
     def any_lane(predicate):
         return _warp_collective(_any_lane_collective, bool(predicate))
+
+    def _sync_collective(inputs):
+        return [None] * 32
+
+    def sync_warp():
+        _warp_collective(_sync_collective, None)
 
     def f16_to_f32(bits):
         return np.float32(np.uint16(bits).view(np.float16))

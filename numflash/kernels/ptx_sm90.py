@@ -46,6 +46,16 @@ Facts used (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"):
 in one instruction, 8-byte aligned, with no result: the Hopper backward adds dQ up with it
 where the dK/dV kernel computes dQ too (``reduce_add_pair``).
 
+``cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`` (PTX ISA 8.0, sm_90) adds a
+contiguous run of fp32 values from shared memory into global memory through the TMA unit,
+asynchronously: the issuing thread goes on at once, the shared source (16-byte aligned, a
+multiple of 16 bytes) may be written again once ``cp.async.bulk.wait_group.read`` has seen the
+thread's bulk groups read, and the block may exit once ``cp.async.bulk.wait_group`` has seen
+them complete. What ordinary stores wrote into the source must be fenced to the async proxy
+first (``fence_proxy_async``) by the threads that wrote it, before they synchronise with the
+issuing thread (``bulk_reduce_add``, ``bulk_commit``, ``bulk_wait_read``, ``bulk_wait``;
+``store_shared_pair`` writes two fp32 values into shared memory with one 8-byte store).
+
 Barriers for warp-specialised kernels (PTX ISA, "mbarrier", "bar"):
 
 - An mbarrier is 8 bytes of shared memory (8-byte aligned) initialised with an expected
@@ -108,6 +118,11 @@ __all__ = [
     "named_barrier_arrive",
     "set_max_registers",
     "reduce_add_pair",
+    "store_shared_pair",
+    "bulk_reduce_add",
+    "bulk_commit",
+    "bulk_wait_read",
+    "bulk_wait",
 ]
 
 #: swizzle field values of the descriptor
@@ -346,6 +361,26 @@ if SIMULATOR:
             array[index] += np.float32(a)
             array[index + 1] += np.float32(b)
 
+    def store_shared_pair(address, a, b):
+        pair = np.array([a, b], dtype=np.float32).view(address.array.dtype)
+        address.array[address.index : address.index + len(pair)] = pair
+
+    def bulk_reduce_add(array, index, address, nbytes):
+        words = int(nbytes) // address.array.itemsize
+        source = address.array[address.index : address.index + words].view(np.float32)
+        index = int(index)
+        with _lock:  # the simulator's copies are complete when issued
+            array[index : index + len(source)] += source
+
+    def bulk_commit():
+        pass
+
+    def bulk_wait_read():
+        pass
+
+    def bulk_wait():
+        pass
+
 
 else:
     from llvmlite import ir
@@ -393,6 +428,9 @@ else:
     wgmma_fence = _statement("wgmma.fence.sync.aligned;")
     wgmma_commit = _statement("wgmma.commit_group.sync.aligned;")
     fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+    bulk_commit = _statement("cp.async.bulk.commit_group;")
+    bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;")
+    bulk_wait = _statement("cp.async.bulk.wait_group 0;")
 
     @intrinsic
     def wgmma_wait(typingctx, pending):
@@ -625,6 +663,42 @@ else:
             address = builder.ptrtoint(glob, ir.IntType(64))
             asm = "red.global.add.v2.f32 [$0], {$1, $2};"
             _void_asm(builder, asm, "l,f,f,~{memory}", [address, args[2], args[3]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def store_shared_pair(typingctx, address, a, b):
+        """Two fp32 values into shared memory at byte ``address`` (uint32, 8-byte aligned)
+        with one st.shared.v2.f32."""
+        if not isinstance(address, types.Integer):
+            return None
+        sig = types.void(types.uint32, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm = "st.shared.v2.f32 [$0], {$1, $2};"
+            _void_asm(builder, asm, "r,f,f,~{memory}", list(args))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def bulk_reduce_add(typingctx, array, index, address, nbytes):
+        """array[index:index + nbytes / 4] += the fp32 values at shared byte ``address``, one
+        asynchronous bulk reduction (module docstring): a float32 ``array`` in global memory,
+        its element ``index`` 16-byte aligned, ``nbytes`` (uint32) a multiple of 16."""
+        if not (isinstance(array, types.Array) and array.dtype == types.float32):
+            return None
+        if not isinstance(index, types.Integer):
+            return None
+        sig = types.void(array, index, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
+            glob = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1))
+            target = builder.ptrtoint(glob, ir.IntType(64))
+            asm = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;"
+            _void_asm(builder, asm, "l,r,r,~{memory}", [target, args[2], args[3]])
             return context.get_dummy_value()
 
         return sig, codegen
