@@ -646,26 +646,46 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def reduce_add_pair(typingctx, array, index, a, b):
-        """array[index] += a and array[index + 1] += b, one ``red.global.add.v2.f32``
-        (sm_90): a float32 ``array`` in global memory, ``index`` even from an 8-byte aligned
-        start, no value returned and no order among the adds of different threads."""
-        if not (isinstance(array, types.Array) and array.dtype == types.float32):
-            return None
-        if not isinstance(index, types.Integer):
-            return None
-        sig = types.void(array, index, types.float32, types.float32)
+    def _global_f32_statement(asm, operand_types, doc):
+        """An intrinsic ``(array, index, a, b)`` that emits ``asm`` with the global address of
+        ``array[index]`` (a float32 array in global memory) as $0, then a and b (typed as
+        ``operand_types``: float32 or uint32 each), with a memory clobber."""
+        constraint = {types.float32: "f", types.uint32: "r"}
+        constraints = ",".join(["l"] + [constraint[t] for t in operand_types] + ["~{memory}"])
 
-        def codegen(context, builder, sig, args):
-            pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
-            glob = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1))
-            address = builder.ptrtoint(glob, ir.IntType(64))
-            asm = "red.global.add.v2.f32 [$0], {$1, $2};"
-            _void_asm(builder, asm, "l,f,f,~{memory}", [address, args[2], args[3]])
-            return context.get_dummy_value()
+        @intrinsic
+        def statement(typingctx, array, index, a, b):
+            if not (isinstance(array, types.Array) and array.dtype == types.float32):
+                return None
+            if not isinstance(index, types.Integer):
+                return None
+            sig = types.void(array, index, *operand_types)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
+                operands = [ptx._global_address(builder, pointer), args[2], args[3]]
+                _void_asm(builder, asm, constraints, operands)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        statement.__doc__ = doc
+        return statement
+
+    reduce_add_pair = _global_f32_statement(
+        "red.global.add.v2.f32 [$0], {$1, $2};",
+        (types.float32, types.float32),
+        "array[index] += a and array[index + 1] += b, one ``red.global.add.v2.f32`` (sm_90): a "
+        "float32 ``array`` in global memory, ``index`` even from an 8-byte aligned start, no "
+        "value returned and no order among the adds of different threads.",
+    )
+    bulk_reduce_add = _global_f32_statement(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+        (types.uint32, types.uint32),
+        "bulk_reduce_add(array, index, address, nbytes): array[index:index + nbytes / 4] += "
+        "the fp32 values at shared byte ``address``, one asynchronous bulk reduction (module "
+        "docstring): ``index`` 16-byte aligned, ``nbytes`` a multiple of 16.",
+    )
 
     @intrinsic
     def store_shared_pair(typingctx, address, a, b):
@@ -678,27 +698,6 @@ else:
         def codegen(context, builder, sig, args):
             asm = "st.shared.v2.f32 [$0], {$1, $2};"
             _void_asm(builder, asm, "r,f,f,~{memory}", list(args))
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    @intrinsic
-    def bulk_reduce_add(typingctx, array, index, address, nbytes):
-        """array[index:index + nbytes / 4] += the fp32 values at shared byte ``address``, one
-        asynchronous bulk reduction (module docstring): a float32 ``array`` in global memory,
-        its element ``index`` 16-byte aligned, ``nbytes`` (uint32) a multiple of 16."""
-        if not (isinstance(array, types.Array) and array.dtype == types.float32):
-            return None
-        if not isinstance(index, types.Integer):
-            return None
-        sig = types.void(array, index, types.uint32, types.uint32)
-
-        def codegen(context, builder, sig, args):
-            pointer = ptx.element_pointer(context, builder, sig.args[0], args[0], args[1])
-            glob = builder.addrspacecast(pointer, ir.PointerType(pointer.type.pointee, 1))
-            target = builder.ptrtoint(glob, ir.IntType(64))
-            asm = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;"
-            _void_asm(builder, asm, "l,r,r,~{memory}", [target, args[2], args[3]])
             return context.get_dummy_value()
 
         return sig, codegen
