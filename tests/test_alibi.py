@@ -7,7 +7,7 @@ name. The KV-cache call's slopes are tested with its other variants (test_varian
 import numpy as np
 import pytest
 import support
-from support import random_array, random_qkv, xp
+from support import packed_qkv, random_array, random_qkv, to_numpy, xp
 from test_variants import BACKWARD_CONFIGS, CONFIGS, MASKS, _forced
 from test_variants import CASES as VARIANT_CASES
 
@@ -103,14 +103,12 @@ def test_alibi_with_few_query_rows():
 def test_alibi_over_a_packed_batch():
     """Positions within each sequence, and sequence b's row of (batch, nheads) slopes."""
     lengths_q, lengths_k = [5, 0, 40, 17], [9, 3, 40, 30]
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
     h, hk, d = 4, 2, 64
-    q = random_array((int(cu_q[-1]), h, d), "float16")
-    k, v = (random_array((int(cu_k[-1]), hk, d), "float16") for _ in range(2))
+    q, k, v, cu_q, cu_k = packed_qkv(lengths_q, lengths_k, h, hk, d, "float16")
     slopes = _slopes(1, len(lengths_q), h)
     dout = random_array(q.shape, "float16")
-    args = (q, k, v, xp.asarray(cu_q), xp.asarray(cu_k), max(lengths_q), max(lengths_k))
+    args = (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
+    cu_q, cu_k = to_numpy(cu_q), to_numpy(cu_k)
     out, lse = numflash.attention_varlen(*args, causal=True, return_lse=True, alibi_slopes=slopes)
     dq, dk, dv = numflash.attention_varlen_backward(
         dout, q, k, v, out, lse, *args[3:], causal=True, alibi_slopes=slopes

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from support import (
     assert_matches_reference,
+    packed_qkv,
     poisoned_like,
-    random_array,
     random_qkv,
     to_numpy,
     xp,
@@ -88,11 +88,8 @@ def test_hopper_forward_over_a_packed_batch_matches_each_sequence():
     _wgmma_or_skip(cfg, 64)
     lengths = [37, 0, 70, 1] if SIMULATOR else [37, 0, 900, 1, 1023, 64]
     heads, kv_heads = (2, 1) if SIMULATOR else (4, 2)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu[-1])
-    q = random_array((total, heads, 64), "float16")
-    k, v = (random_array((total, kv_heads, 64), "float16") for _ in range(2))
-    offsets = xp.asarray(cu)
+    q, k, v, offsets, _ = packed_qkv(lengths, lengths, heads, kv_heads, 64, "float16")
+    cu = to_numpy(offsets)
     out, lse = numflash.attention_varlen(
         q, k, v, offsets, offsets, max(lengths), max(lengths), causal=True, return_lse=True,
         out=poisoned_like(q), config=cfg,
@@ -113,12 +110,10 @@ def test_a_packed_sequence_never_sees_the_next_one_s_rows(tma):
     cfg = W(1, 64, 2, pingpong=False, tma=tma)
     _wgmma_or_skip(cfg, 64)
     lengths = [37, 70]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    q, k, v = (random_array((int(cu[-1]), 2, 64), "bfloat16") for _ in range(3))
+    q, k, v, offsets, _ = packed_qkv(lengths, lengths, 2, 2, 64, "bfloat16")
     v_host = to_numpy(v)
     v_host[37:] = np.nan
     v = xp.asarray(v_host)
-    offsets = xp.asarray(cu)
     out, lse = numflash.attention_varlen(
         q, k, v, offsets, offsets, 70, 70, return_lse=True, out=poisoned_like(q), config=cfg
     )

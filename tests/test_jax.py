@@ -5,7 +5,14 @@ or its backend does not match (a CPU-only JAX on a GPU machine)."""
 
 import numpy as np
 import pytest
-from support import assert_gradients_match, assert_matches_reference, random_array, random_qkv
+from support import (
+    assert_gradients_match,
+    assert_matches_reference,
+    packed_qkv,
+    random_array,
+    random_qkv,
+    to_numpy,
+)
 
 from numflash.kernels.jit import SIMULATOR
 from numflash.reference import Variants
@@ -115,10 +122,8 @@ def test_attention_varlen_under_jit_and_grad_matches_each_sequence():
     """A packed batch with an empty sequence, GQA, causal: out, lse and gradients of every
     sequence against the reference (the offsets traced as int32 JAX arrays)."""
     lengths = [5, 0, 9, 3]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu[-1])
-    q = random_array((total, 2, 16), "float16")
-    k, v = (random_array((total, 1, 16), "float16") for _ in range(2))
+    q, k, v, cu, _ = packed_qkv(lengths, lengths, 2, 1, 16, "float16")
+    cu = to_numpy(cu)
     dout = random_array(q.shape, "float16")
     jq, jk, jv, jd = (jnp.asarray(np.asarray(x if SIMULATOR else x.get())) for x in (q, k, v, dout))
     offsets = jnp.asarray(cu)

@@ -16,6 +16,7 @@ from numba import cuda
 from support import (
     assert_gradients_match,
     assert_matches_reference,
+    packed_qkv,
     poisoned_like,
     random_array,
     random_qkv,
@@ -453,13 +454,12 @@ def test_a_packed_batch_calls_the_user_functions_per_sequence(forward, backward,
     backward = wgmma_or_skip(backward)
     lengths_q, lengths_k = (7, 0, 19, 4), (12, 5, 23, 0)
     rng = np.random.default_rng(32)
-    q = random_array((sum(lengths_q), 2, head_dim), "bfloat16", rng)
-    k, v = (random_array((sum(lengths_k), 1, head_dim), "bfloat16", rng) for _ in range(2))
-    oq, ok = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    q, k, v, cu_q, cu_k = packed_qkv(lengths_q, lengths_k, 2, 1, head_dim, "bfloat16", rng)
+    oq, ok = to_numpy(cu_q), to_numpy(cu_k)
     per_sequence = xp.asarray(np.array([0.05, -0.3, 0.1, 0.2], dtype=np.float32))
     functions = dict(score_mod=sequence_bias, mask_mod=thinned_by_sequence,
                      mod_args=(per_sequence,))  # fmt: skip
-    packed = (xp.asarray(oq), xp.asarray(ok), max(lengths_q), max(lengths_k))
+    packed = (cu_q, cu_k, max(lengths_q), max(lengths_k))
     out = poisoned_like(q)
     res, lse = numflash.attention_varlen(q, k, v, *packed, causal=True, out=out, return_lse=True,
                                          config=forward, **functions)  # fmt: skip

@@ -9,6 +9,7 @@ import pytest
 from support import (
     assert_gradients_match,
     assert_matches_reference,
+    packed_qkv,
     poisoned_like,
     random_array,
     random_qkv,
@@ -105,12 +106,8 @@ def test_sinks_with_few_query_rows():
 
 def test_sinks_over_a_packed_batch():
     lengths_q, lengths_k = [5, 0, 40, 17], [9, 3, 40, 30]
-    cu_q = xp.asarray(np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32))
-    cu_k = xp.asarray(np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32))
     h, hk, d = 4, 2, 64
-    q = random_array((sum(lengths_q), h, d), "float16")
-    k = random_array((sum(lengths_k), hk, d), "float16")
-    v = random_array((sum(lengths_k), hk, d), "float16")
+    q, k, v, cu_q, cu_k = packed_qkv(lengths_q, lengths_k, h, hk, d, "float16")
     sinks = _sinks(h)
     out, lse = numflash.attention_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k),
                                          causal=True, return_lse=True, sinks=sinks)  # fmt: skip
@@ -203,12 +200,9 @@ def test_gradients_with_sinks_match_the_reference(family, case):
 
 def test_sink_gradients_of_a_packed_batch():
     lengths = [12, 0, 20, 1]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu[-1])
-    q = random_array((total, 4, 64), "float16")
-    k, v = (random_array((total, 2, 64), "float16") for _ in range(2))
+    q, k, v, cu_d, _ = packed_qkv(lengths, lengths, 4, 2, 64, "float16")
+    cu = to_numpy(cu_d)
     dout = random_array(q.shape, "float16")
-    cu_d = xp.asarray(cu)
     sinks = _sinks(4)
     args = (q, k, v, cu_d, cu_d, max(lengths), max(lengths))
     out, lse = numflash.attention_varlen(*args, causal=True, return_lse=True, sinks=sinks)

@@ -12,6 +12,7 @@ import pytest
 from support import (
     assert_gradients_match,
     assert_matches_reference,
+    packed_qkv,
     poisoned_like,
     random_array,
     random_qkv,
@@ -297,11 +298,10 @@ def test_softcap_gradients_match_the_reference(family, case):
 
 def test_softcap_gradients_of_a_packed_batch_match_each_sequence():
     lengths = [30, 0, 45, 1]
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    total = int(cu[-1])
-    q = random_array((total, 2, 64), "float16") * 4
-    k, v, dout = (random_array((total, n, 64), "float16") for n in (1, 1, 2))
-    cu_d = xp.asarray(cu)
+    q, k, v, cu_d, _ = packed_qkv(lengths, lengths, 2, 1, 64, "float16")
+    cu = to_numpy(cu_d)
+    q = q * 4
+    dout = random_array(q.shape, "float16")
     args = (q, k, v, cu_d, cu_d, max(lengths), max(lengths))
     out, lse = numflash.attention_varlen(*args, causal=True, return_lse=True, softcap=3.0)
     dq, dk, dv = numflash.attention_varlen_backward(

@@ -7,7 +7,15 @@ from typing import NamedTuple
 
 import numpy as np
 import pytest
-from support import poisoned_like, random_array, to_numpy, wgmma_or_skip, xp
+from support import (
+    offsets,
+    packed_qkv,
+    poisoned_like,
+    random_array,
+    to_numpy,
+    wgmma_or_skip,
+    xp,
+)
 
 import numflash
 from numflash.device import current_device
@@ -88,17 +96,10 @@ def _repeats(cfg, deterministic):
     return REPEATS
 
 
-def _offsets(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
 def _packed(case, rng):
-    q = random_array((sum(case.lengths_q), case.nheads, case.head_dim), case.dtype, rng)
-    k, v = (
-        random_array((sum(case.lengths_k), case.nheads_k, case.head_dim), case.dtype, rng)
-        for _ in range(2)
+    return packed_qkv(
+        case.lengths_q, case.lengths_k, case.nheads, case.nheads_k, case.head_dim, case.dtype, rng
     )
-    return q, k, v, xp.asarray(_offsets(case.lengths_q)), xp.asarray(_offsets(case.lengths_k))
 
 
 @pytest.mark.parametrize(
@@ -124,7 +125,7 @@ def test_varlen_matches_the_reference_per_sequence(case):
         **case.mask,
     )
     assert lse.shape == (case.nheads, q.shape[0])
-    oq, ok = _offsets(case.lengths_q), _offsets(case.lengths_k)
+    oq, ok = offsets(case.lengths_q), offsets(case.lengths_k)
     for b in range(len(case.lengths_q)):
         rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
         if rows.start == rows.stop:
@@ -178,7 +179,7 @@ def test_varlen_gradients_match_the_reference_and_repeat_bitwise(case):
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert (to_numpy(a).view(np.uint8) == to_numpy(b).view(np.uint8)).all()
-    oq, ok = _offsets(case.lengths_q), _offsets(case.lengths_k)
+    oq, ok = offsets(case.lengths_q), offsets(case.lengths_k)
     for b in range(len(case.lengths_q)):
         rows, keys = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
         if rows.start == rows.stop or keys.start == keys.stop:  # nothing attends: zeros

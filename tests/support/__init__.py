@@ -52,6 +52,21 @@ def random_qkv(batch, seqlen_q, seqlen_k, nheads, nheads_k, head_dim, dtype):
     return q, k, v
 
 
+def offsets(lengths):
+    """The cumulative offsets of a packed batch's sequences of ``lengths``: int32 (n + 1,) on
+    the host."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def packed_qkv(lengths_q, lengths_k, nheads, nheads_k, head_dim, dtype, rng=None):
+    """A packed batch: random q (sum(lengths_q), nheads, head_dim), k and v (sum(lengths_k),
+    nheads_k, head_dim), and the offsets of both on the device (attention_varlen's cu_seqlens)."""
+    rng = rng or fresh_rng()
+    q = random_array((sum(lengths_q), nheads, head_dim), dtype, rng)
+    k, v = (random_array((sum(lengths_k), nheads_k, head_dim), dtype, rng) for _ in range(2))
+    return q, k, v, xp.asarray(offsets(lengths_q)), xp.asarray(offsets(lengths_k))
+
+
 def poisoned_like(q):
     """An output buffer full of NaN, so an element the kernel forgets to write fails the test."""
     out = xp.empty(q.shape, dtype=q.dtype)
