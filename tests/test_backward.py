@@ -155,8 +155,6 @@ TC_SIM_CASES = [
     ("bfloat16", 128, 65, 33, 1, "none", WG(num_warps=4, stages=2)),  # two head_dim atoms
     ("float16", 64, 50, 60, 2, "left", WG(num_warps=4, stages=2)),  # key blocks last first
     ("bfloat16", 64, 70, 80, 1, "causal", WG(num_warps=4, stages=2, pack_first=True)),
-    # P^T computed while dP^T's product is in flight
-    ("float16", 64, 70, 80, 2, "causal", WG(num_warps=4, stages=2, dp_overlap=True)),
     # dQ added up by the dK/dV kernel on wgmma (dq_separate=False; by bulk reductions, the
     # atomics on the GPU: TC_GPU_CASES), each warpgroup's share of its columns: 32 at a
     # 64-byte offset into the atom, 64 an atom (one warpgroup's share: TC_GPU_CASES)
@@ -207,9 +205,6 @@ TC_GPU_CASES = [
         # the A fragments rounded before the wgmma fence
         ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, pack_first=True)),
         ("bfloat16", 64, (300, 451), 1, "window", WG(num_warps=8, stages=1, pack_first=True)),
-        # P^T computed while dP^T's product is in flight
-        ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, dp_overlap=True)),
-        ("bfloat16", 64, (300, 451), 1, "window", WG(num_warps=8, stages=1, dp_overlap=True)),
         # dQ added up by the dK/dV kernel: bulk reductions (dq_bulk), and atomics
         ("float16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
         ("bfloat16", 120, (113, 203), 4, "window", WG(num_warps=8, stages=1, dq_separate=False)),

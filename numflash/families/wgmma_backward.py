@@ -41,10 +41,6 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       bulk reduction through the TMA unit (FlashAttention-3's route, 4 KB at a time at
       head_dim 128), so the warps issue no atomics; False: 16 ``red.global.add.v2.f32`` a
       thread per query block. Untimed on a GPU (docs/performance.md).
-    - ``dp_overlap``: the dK/dV kernel computes P^T while dP^T's product is still in flight
-      (two commit groups, a wait for the first), then waits for dP^T; without a softcap or
-      user functions (dS^T needs S^T itself there: ignored). Off by default: untimed on a GPU
-      (docs/performance.md).
 
     Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
     capability 9.x; head_dim 64 or 128 (as padded).
@@ -55,7 +51,6 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     pack_first: bool = config.knob(False, (False, True))
     dq_separate: bool = config.knob(True, (True, False))
     dq_bulk: bool = config.knob(True, (True, False))
-    dp_overlap: bool = config.knob(False, (False, True))
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
@@ -133,7 +128,7 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
-                dq_bulk=cfg.dq_bulk, dp_overlap=cfg.dp_overlap,
+                dq_bulk=cfg.dq_bulk,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)

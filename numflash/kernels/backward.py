@@ -146,26 +146,14 @@ def user_element_function(softcap=0.0, alibi=False, mods=None):
 
 
 @functools.lru_cache(maxsize=None)
-def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, landed_dp=None):
+def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
     the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share;
     ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
-    (element_function); ``mods``: and by a user's functions (user_element_function).
-
-    ``landed_dp(st, dpt)``: a device function that waits for dP^T's product (in flight when
-    probabilities_and_ds starts): every P is computed first, then it is called, then every
-    dS. Only where dS needs nothing of S but P (no softcap, no user functions: the caller
-    checks ``splits(softcap, mods)``); None: each element's P and dS together. With it,
-    probabilities_and_ds takes in ``lse_tile``'s place the lane's -LSE values as
-    neg_lse_loader's function loaded them before the products were issued (ptxas waits for
-    every product in flight before a shared-memory load)."""
+    (element_function); ``mods``: and by a user's functions (user_element_function)."""
     Q_TILES = q_tiles
     SOFTCAP = softcap > 0
     MODS = mods is not None
-    SPLIT = landed_dp is not None
-    if SPLIT and not splits(softcap, mods):
-        raise ValueError("landed_dp: dS of a softcap or a user's functions needs S itself")
-    _, biased = alibi_functions(alibi)
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
     p_and_ds_of = element_function(softcap, alibi)
     user_p_and_ds = user_element_function(softcap, alibi, mods)
@@ -215,11 +203,6 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, landed_
         # query (a user's functions)
         q_first = m0 + (lane & 3) * 2 + seqlen_k - seqlen_q
         distance = float32(q_first - key0)
-        if SPLIT:
-            split_probabilities_and_ds(
-                st, dpt, lse_tile, d_tile, first, lo0, hi0, lo1, hi1, scale_log2, distance, slope
-            )
-            return
         for qt in range(Q_TILES):
             for e in range(2):
                 i = tile_base(qt) + e  # key row key0
@@ -236,58 +219,7 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, landed_
                     at - float32(8), slope, user, q_first + col, key0 + 8,
                 )  # fmt: skip
 
-    @device_function
-    def split_probabilities_and_ds(
-        st, dpt, lse_tile, d_tile, first, lo0, hi0, lo1, hi1, scale_log2, distance, slope
-    ):  # fmt: skip
-        """probabilities_and_ds with landed_dp between every P and every dS (the masks as
-        element_into's: masked pairs 0)."""
-        for qt in range(Q_TILES):
-            for e in range(2):
-                i = tile_base(qt) + e
-                _, col = accumulator_position(i, 0)
-                neg_lse = lse_tile[2 * qt + e]  # (loaded by neg_lse_loader's function)
-                at = distance + float32(col)
-                p0 = ptx.exp2(biased(ptx.fma(st[i], scale_log2, neg_lse), at, slope))
-                p1 = ptx.exp2(
-                    biased(ptx.fma(st[i + 2], scale_log2, neg_lse), at - float32(8), slope)
-                )
-                st[i] = p0 if (lo0 <= int32(col)) & (int32(col) < hi0) else float32(0.0)
-                st[i + 2] = p1 if (lo1 <= int32(col)) & (int32(col) < hi1) else float32(0.0)
-        landed_dp(st, dpt)
-        for qt in range(Q_TILES):
-            for e in range(2):
-                i = tile_base(qt) + e
-                _, col = accumulator_position(i, 0)
-                d = d_tile[first + uint32(col)]
-                ds0, ds1 = st[i] * (dpt[i] - d), st[i + 2] * (dpt[i + 2] - d)
-                dpt[i] = ds0 if (lo0 <= int32(col)) & (int32(col) < hi0) else float32(0.0)
-                dpt[i + 2] = ds1 if (lo1 <= int32(col)) & (int32(col) < hi1) else float32(0.0)
-
     return probabilities_and_ds
-
-
-@functools.lru_cache(maxsize=None)
-def neg_lse_loader(q_tiles):
-    """``load_neg_lse(lse_tile, stats, lane, out)``: out[2 qt + e] = -LSE of the lane's query
-    2 t + e of 8-query tile qt (probabilities_function's ``landed_dp`` mode reads them)."""
-    Q_TILES = q_tiles
-
-    @device_function
-    def load_neg_lse(lse_tile, stats, lane, out):
-        first = uint32(stats + (lane & 3) * 2)
-        for qt in range(Q_TILES):
-            for e in range(2):
-                _, col = accumulator_position(tile_base(qt) + e, 0)
-                out[2 * qt + e] = -lse_tile[first + uint32(col)]
-
-    return load_neg_lse
-
-
-def splits(softcap, mods):
-    """Whether probabilities_function can split P from dS (``landed_dp``) for these
-    variants: dS = P (dP - D) times a factor of S itself under a softcap or a score_mod."""
-    return not softcap > 0 and mods is None
 
 
 @device_function

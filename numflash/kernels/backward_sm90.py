@@ -92,7 +92,7 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
-    pack_first=False, dq_separate=True, mods=None, dq_bulk=False, dp_overlap=False,
+    pack_first=False, dq_separate=True, mods=None, dq_bulk=False,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -106,10 +106,7 @@ def build_kernels(
     rounded as it is issued, after the fence, and ptxas waits for the warpgroup before every
     such product but the first (remark C7519: 7 in the dK/dV kernel, 3 in dQ's at head_dim
     128). ``dq_bulk`` (without ``dq_separate``): dQ goes to its fp32 buffer by bulk
-    reductions from shared memory, not by atomics from registers (``bulk_dq``).
-    ``dp_overlap``: the dK/dV kernel waits for S^T alone before computing P^T, and for dP^T
-    after (scores_then_dp), where dS^T needs nothing of S^T but P^T (backward.splits);
-    else it waits for both products first."""
+    reductions from shared memory, not by atomics from registers (``bulk_dq``)."""
     if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
@@ -117,7 +114,6 @@ def build_kernels(
         )
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
-    DP_OVERLAP = dp_overlap and backward.splits(softcap, mods)
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
     THREADS = 32 * num_warps
@@ -145,6 +141,7 @@ def build_kernels(
     Q_TILES = BLOCK_M // 8
     dq_first = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True, accumulate=False)
     dq_update = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True)
+    probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap, alibi, mods)
     row_ds = backward.row_ds_function(BLOCK_M // 8, softcap, alibi, mods)
 
     load_rows = swizzled_row_loader(CHUNKS, THREADS)
@@ -209,54 +206,14 @@ def build_kernels(
         ptx_sm90.fence_operands(acc1, S_REGS)
 
     @device_function
-    def scores_then_dp(acc0, acc1, a0_desc, b0_desc, a1_desc, b1_desc):
-        """score_pair's products as two groups, waiting for the first alone: acc0 landed,
-        acc1 still in flight (landed_dp waits for it)."""
-        for i in range(S_REGS):
-            acc0[i] = float32(0.0)
-            acc1[i] = float32(0.0)
-        ptx_sm90.fence_operands(acc0, S_REGS)
-        ptx_sm90.fence_operands(acc1, S_REGS)
-        ptx_sm90.wgmma_fence()
-        rows_by_queries(acc0, a0_desc, b0_desc)
-        ptx_sm90.wgmma_commit()
-        rows_by_queries(acc1, a1_desc, b1_desc)
-        ptx_sm90.wgmma_commit()
-        ptx_sm90.wgmma_wait(1)
-        ptx_sm90.fence_operands(acc0, S_REGS)
-
-    @device_function
-    def landed_dp(st, dpt):
-        """Wait for scores_then_dp's second product, once P^T is in ``st`` (the fence keeps
-        the compiler from sinking P^T's arithmetic past the wait)."""
-        ptx_sm90.fence_operands(st, S_REGS)
-        ptx_sm90.wgmma_wait(0)
-        ptx_sm90.fence_operands(dpt, S_REGS)
-
-    probabilities_and_ds = backward.probabilities_function(
-        BLOCK_M // 8, softcap, alibi, mods, landed_dp if DP_OVERLAP else None
-    )
-    load_neg_lse = backward.neg_lse_loader(BLOCK_M // 8)
-    LSE_LOADS = BLOCK_M // 4  # -LSE of the lane's 2 queries of each 8-query tile
-
-    @device_function
     def query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores):
         """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
         k_desc, v_desc = resident
         q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
-        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (with DP_OVERLAP
-        # dP^T lands while P^T is computed)
-        q_desc, do_desc = descriptor(q_addr, 16), descriptor(do_addr, 16)
-        if DP_OVERLAP:  # -LSE into registers first: ptxas waits for the products before loads
-            neg_lse = cuda.local.array(LSE_LOADS, float32)
-            load_neg_lse(scores[0], scores[2], scores[5], neg_lse)
-            scores_then_dp(st, dpt, k_desc, q_desc, v_desc, do_desc)
-            # -- P^T, then (dP^T landed) dS^T, masked pairs 0
-            probabilities_and_ds(st, dpt, neg_lse, *scores[1:])
-        else:
-            score_pair(st, dpt, k_desc, q_desc, v_desc, do_desc)
-            # -- P^T and dS^T, masked pairs 0
-            probabilities_and_ds(st, dpt, *scores)
+        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+        score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
+        # -- P^T and dS^T, masked pairs 0
+        probabilities_and_ds(st, dpt, *scores)
         if FUSED_DQ:  # dS for dQ += dS K (atomic_dq), before dV's and dK's products go out
             store_ds(dpt, scores[5])  # the lane
         # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
