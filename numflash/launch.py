@@ -1114,7 +1114,7 @@ def tensor_core_backward(
     # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
     planes = cfg.dq_planes()
     if planes:
-        dq_acc, dq_acc_view = bulk_dq_buffer(q, head_dim, planes, varlen)
+        dq_acc, dq_acc_view = bulk_dq_buffer(q, head_dim, planes, cfg.block_m, varlen)
     else:
         acc_shape = (1,) * q.ndim if cfg.dq_separate else q.shape[:-1] + (head_dim,)
         dq_acc = xp.zeros(acc_shape, dtype=xp.float32)
@@ -1142,7 +1142,7 @@ def tensor_core_backward(
         grid = (blocks, p.nheads, p.batch)
         dq_kernel(grid, cfg.threads, stream, smem, specs[1].args(views, scalars))
     elif planes:
-        arrays.round_scaled_into(dq, bulk_dq_values(dq_acc, dq.shape), p.scale)
+        arrays.round_scaled_into(dq, bulk_dq_values(dq_acc, planes, dq.shape), p.scale)
     else:
         arrays.round_scaled_into(dq, dq_acc[..., : p.head_dim], p.scale)
     if not direct:
@@ -1152,31 +1152,31 @@ def tensor_core_backward(
         _copy_back(dv, dv_t, p)
 
 
-def bulk_dq_buffer(q, head_dim, planes, varlen):
+def bulk_dq_buffer(q, head_dim, planes, block_m, varlen):
     """(buffer, kernel view) of dQ's fp32 sums where warpgroups add their columns up by bulk
     reductions (kernels/backward_sm90.bulk_dq), zeroed. The buffer is (batch, nheads, planes
     x rows, head_dim / planes): warpgroup w's columns in plane w, rows in order (a packed
-    batch: batch 1, its rows), so a warpgroup's 64-row tile is one contiguous run; rows past
-    the last reach up to 63 rows on (a tile's rows past its sequence add zeros), and a
-    plane's rows are a multiple of 8 (bulk_dq swizzles by the row mod 8). The kernels see it
-    as (batch, planes x rows, nheads, columns): dQ's row, head and batch strides, the plane
-    stride the head stride / planes."""
+    batch: batch 1, its rows), so a warpgroup's tile of ``block_m`` rows is one contiguous
+    run; rows past the last reach a tile on (a tile's rows past its sequence add zeros), and
+    a plane's rows are a multiple of 8 (bulk_dq swizzles by the row mod 8). The kernels see
+    it as (batch, planes x rows, nheads, columns): dQ's row, head and batch strides, the
+    plane stride the head stride / planes."""
     xp = arrays.array_module(q)
     batch, rows = (1, q.shape[0]) if varlen else q.shape[:2]
-    rows = _ceil_div(rows + 63, 8) * 8
+    rows = _ceil_div(rows + block_m - 1, 8) * 8
     nheads = q.shape[-2]
     buffer = xp.zeros((batch, nheads, planes * rows, head_dim // planes), dtype=xp.float32)
     return buffer, buffer.transpose(0, 2, 1, 3)
 
 
-def bulk_dq_values(buffer, shape):
+def bulk_dq_values(buffer, planes, shape):
     """dQ's sums in dQ's ``shape`` ((batch, seqlen, nheads, head_dim), or a packed batch's
-    (rows, nheads, head_dim)) from a bulk_dq_buffer: the swizzle undone (16-byte chunk c of
-    plane row r was stored at c ^ (r & 7)) and the planes side by side again."""
+    (rows, nheads, head_dim)) from a bulk_dq_buffer of ``planes`` planes: the swizzle undone
+    (16-byte chunk c of plane row r was stored at c ^ (r & 7)) and the planes side by side
+    again."""
     xp = arrays.array_module(buffer)
     batch, nheads, rows, cols = buffer.shape
     seqlen, head_dim = shape[-3], shape[-1]
-    planes = rows // (_ceil_div(seqlen + 63, 8) * 8)
     chunks = cols // 4
     tiles = buffer.reshape(batch, nheads, planes, rows // planes, chunks, 4)
     row = xp.arange(seqlen)
