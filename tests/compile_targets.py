@@ -471,6 +471,8 @@ def jobs(quick):
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
+    # ... a softcap of at most BOUNDED_SOFTCAP: the max fixed at the cap
+    out.append((wgmma_forward, (128, "bfloat16", None, False, None, 30.0)))
     # ... half its probabilities by the FMA units' exp2
     fma_exp2 = dict(default_config("wgmma-forward", 128, None)[1].to_dict(), fma_exp2=2)
     out.append((wgmma_forward, (128, "bfloat16", fma_exp2, False, None, 50.0)))

@@ -292,8 +292,14 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
     }
     assert any(e["softcap"] for e in entries)  # the scores capped (attention's softcap)
     # half the probabilities by ptx.exp2_fma: about half the capped kernel's ex2 left
-    capped = {e["config"]["fma_exp2"]: e for e in entries if e["softcap"] and e["head_dim"] == 128}
+    capped = {
+        e["config"]["fma_exp2"]: e for e in entries if e["softcap"] == 50.0 and e["head_dim"] == 128
+    }
     assert capped[2]["counts"]["ex2.approx"] < capped[0]["counts"]["ex2.approx"]
+    # a bfloat16 cap of at most BOUNDED_SOFTCAP: no row max shared among a row's lanes
+    (bounded,) = [e for e in entries if e["softcap"] == 30.0]
+    shuffles = capped[0]["counts"]["shfl.sync.bfly"]
+    assert bounded["counts"]["shfl.sync.bfly"] < shuffles, (bounded["counts"], shuffles)
     assert any(e["variants"] for e in entries)  # sinks and ALiBi
     assert any(e["mods"] for e in entries)  # a user's score_mod and mask_mod
     for e in entries:

@@ -22,6 +22,7 @@ from support import (
 )
 
 import numflash
+from numflash.kernels import forward_sm90
 from numflash.kernels.jit import SIMULATOR
 from numflash.reference import Variants, check
 
@@ -71,6 +72,32 @@ def _pairs(families):
     if not SIMULATOR:
         return [(family, case) for family in families for case in CASES]
     return [(family, CASES[i % len(CASES)]) for i, family in enumerate(families)]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_bfloat16_softcap_fixes_the_hopper_forwards_max_at_the_cap(sinks):
+    """bfloat16 with a softcap of at most forward_sm90.BOUNDED_SOFTCAP: the Hopper forward
+    takes the cap for every row's max (bounded_rows). Rows that see no key (causal, more rows
+    than keys), scores capped at both ends (q scaled up), a row whose every score sits near
+    -softcap (probabilities near exp(-2 softcap)), and a sink logit above the cap."""
+    config = _forced("hopper", "bfloat16", 64)
+    softcap = 30.0
+    assert softcap <= forward_sm90.BOUNDED_SOFTCAP
+    q, k, v = random_qkv(1, 50, 40, 2, 1, 64, "bfloat16")
+    q = q * 8
+    k_host = to_numpy(k).copy()
+    q_host = to_numpy(q).copy()
+    k_host[0, :, 0, :] = k_host[0, 0, 0, :]  # every key the same, and row 45 against it
+    q_host[0, 45, :, :] = -k_host[0, 0, 0, :] * 8
+    q, k = xp.asarray(q_host), xp.asarray(k_host)
+    extra = {"sinks": xp.asarray(np.array([40.0, -3.0], dtype=np.float32))} if sinks else {}
+    out = poisoned_like(q)
+    res, lse = numflash.attention(
+        q, k, v, out=out, return_lse=True, config=config, softcap=softcap, causal=True, **extra
+    )
+    assert res is out
+    variants = Variants(softcap=softcap, **extra)
+    assert_matches_reference(q, k, v, out, lse, causal=True, variants=variants)
 
 
 @pytest.mark.parametrize("family, case", _pairs(list(CONFIGS)), ids=_case_id)

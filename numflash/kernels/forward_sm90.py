@@ -173,6 +173,12 @@ def schedule(cfg, varlen=False, tma=True, cache=None):
     return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache, cfg.fma_exp2)
 
 
+#: The largest softcap whose bfloat16 kernels fix the softmax's max at the cap (bounded_rows):
+#: probabilities down to exp(-2 softcap) = 2^-115 stay normal floats (ex2.approx.ftz flushes
+#: below 2^-126) and bfloat16s. float16 (normal down to 2^-14) keeps the running max.
+BOUNDED_SOFTCAP = 40.0
+
+
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
@@ -190,7 +196,9 @@ def build(
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
     a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
     special-function unit (0: none; on the H200 every k was slower, docs/performance.md).
-    ``softcap`` > 0 caps the scores (softmax.softcap_function); with ``sinks`` the head's
+    ``softcap`` > 0 caps the scores (softmax.softcap_function; in bfloat16, up to
+    BOUNDED_SOFTCAP and without ALiBi or user functions, the softmax's max fixed at the cap:
+    bounded_rows); with ``sinks`` the head's
     sink logit, the kernel's first ``*variant`` array, joins each row's sum
     (softmax.sink_functions); with ``alibi`` the scores less the head's slope (the next
     array) times the distance
@@ -213,6 +221,11 @@ def build(
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
     CACHE, PAGED = cache is not None, cache == "paged"
     SOFTCAP = softcap > 0
+    # the cap's outer factor in the softmax's unit where nothing after the cap reads raw scores
+    # (with FMA_EXP2, no default, the fold made ptxas spill 40 bytes at head_dim 128)
+    folded = not (alibi or mods is not None or FMA_EXP2)
+    # ... and then, in bfloat16, the softmax's max fixed at the cap (bounded_rows)
+    BOUNDED = SOFTCAP and folded and dtype_name == "bfloat16" and softcap <= BOUNDED_SOFTCAP
     sink_of, with_sink = sink_functions(sinks)
     ALIBI = alibi
     slope_of, biased = alibi_functions(alibi, sinks)
@@ -506,7 +519,11 @@ def build(
             """P = exp2(S * scale_log2 - m) left in s; m_i, l_i updated, alpha the factor that
             rescales acc (applied once acc has landed). The row max is taken on the raw scores
             (scale_log2 > 0 keeps their order), so each probability costs an fma and an ex2.
-            With ALiBi, s holds each score less its row's ``offsets`` (bias_scores)."""
+            With ALiBi, s holds each score less its row's ``offsets`` (bias_scores). BOUNDED:
+            m is the bound every capped score keeps to, no max taken and nothing rescaled."""
+            if BOUNDED:
+                bounded_rows(s, m_i, l_i, alpha, scale_log2)
+                return
             for h in range(2):
                 m_raw = s[acc_index(0, h)]
                 for nt in range(N_TILES):
@@ -533,10 +550,26 @@ def build(
 
         return softmax_rows
 
+    @device_function
+    def bounded_rows(s, m_i, l_i, alpha, scale_log2):
+        """softmax_rows where the scores are tanh values (a folded softcap): every score is
+        at most 1, its log2-domain value at most scale_log2 (softcap log2(e)), so the rows'
+        max is that bound from the first tile on: no max to take or share among the lanes,
+        alpha 1 and acc never rescaled (rescale_and_pack). A probability is then at least
+        exp(-2 softcap), a normal float and bfloat16 while softcap <= BOUNDED_SOFTCAP."""
+        for h in range(2):
+            m_i[h] = scale_log2
+            alpha[h] = float32(1.0)
+            neg_shift = -scale_log2
+            row_sum = float32(0.0)
+            for nt in range(N_TILES):
+                i = acc_index(nt, h)
+                s[i] = probability(s[i], scale_log2, neg_shift, 2 * nt)
+                s[i + 1] = probability(s[i + 1], scale_log2, neg_shift, 2 * nt + 1)
+                row_sum += s[i] + s[i + 1]
+            l_i[h] += row_sum
+
     softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
-    # the cap's outer factor in the softmax's unit where nothing after the cap reads raw scores
-    # (with FMA_EXP2, no default, the fold made ptxas spill 40 bytes at head_dim 128)
-    folded = not (ALIBI or MODS or FMA_EXP2)
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0, folded=folded)
     start_rows = row_starter(2, ACC_REGS)
 
@@ -574,12 +607,14 @@ def build(
 
     @device_function
     def rescale_and_pack(acc, s, pf, alpha):
-        """acc *= alpha (per row), and P rounded to 16 bits in the A layout of acc += P V."""
-        for dt in range(D_TILES):
-            for h in range(2):
-                i = acc_index(dt, h)
-                acc[i] *= alpha[h]
-                acc[i + 1] *= alpha[h]
+        """acc *= alpha (per row; not BOUNDED, where alpha is 1), and P rounded to 16 bits in
+        the A layout of acc += P V."""
+        if not BOUNDED:
+            for dt in range(D_TILES):
+                for h in range(2):
+                    i = acc_index(dt, h)
+                    acc[i] *= alpha[h]
+                    acc[i + 1] *= alpha[h]
         for j in range(PV_STEPS):
             c = 8 * j  # score tiles 2j and 2j + 1: the A fragment of k16 step j
             pf[4 * j] = pack(s[c], s[c + 1])
