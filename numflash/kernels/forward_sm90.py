@@ -540,15 +540,21 @@ def build(
                 neg_shift = -shift
                 if ALIBI:
                     neg_shift = ptx.fma(offsets[h], scale_log2, neg_shift)
-                row_sum = float32(0.0)
-                for nt in range(N_TILES):
-                    i = acc_index(nt, h)
-                    s[i] = probability(s[i], scale_log2, neg_shift, 2 * nt)
-                    s[i + 1] = probability(s[i + 1], scale_log2, neg_shift, 2 * nt + 1)
-                    row_sum += s[i] + s[i + 1]
+                row_sum = row_probabilities(s, h, scale_log2, neg_shift)
                 l_i[h] = l_i[h] * alpha[h] + row_sum  # this lane's part; the 4 summed at the end
 
         return softmax_rows
+
+    @device_function
+    def row_probabilities(s, h, scale_log2, neg_shift):
+        """The probabilities of this lane's row half ``h`` left in s; their sum."""
+        row_sum = float32(0.0)
+        for nt in range(N_TILES):
+            i = acc_index(nt, h)
+            s[i] = probability(s[i], scale_log2, neg_shift, 2 * nt)
+            s[i + 1] = probability(s[i + 1], scale_log2, neg_shift, 2 * nt + 1)
+            row_sum += s[i] + s[i + 1]
+        return row_sum
 
     @device_function
     def bounded_rows(s, m_i, l_i, alpha, scale_log2):
@@ -560,14 +566,7 @@ def build(
         for h in range(2):
             m_i[h] = scale_log2
             alpha[h] = float32(1.0)
-            neg_shift = -scale_log2
-            row_sum = float32(0.0)
-            for nt in range(N_TILES):
-                i = acc_index(nt, h)
-                s[i] = probability(s[i], scale_log2, neg_shift, 2 * nt)
-                s[i + 1] = probability(s[i + 1], scale_log2, neg_shift, 2 * nt + 1)
-                row_sum += s[i] + s[i + 1]
-            l_i[h] += row_sum
+            l_i[h] += row_probabilities(s, h, scale_log2, -scale_log2)
 
     softmax_rows, masked_softmax_rows = softmax_function(False), softmax_function(True)
     cap_scores = softcap_function(S_REGS, softcap if SOFTCAP else 1.0, folded=folded)
