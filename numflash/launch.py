@@ -1178,12 +1178,13 @@ def bulk_dq_values(buffer, planes, shape):
     batch, nheads, rows, cols = buffer.shape
     seqlen, head_dim = shape[-3], shape[-1]
     chunks = cols // 4
+    # (batch, seqlen, nheads, planes, chunks, 4) as a view, then one gather in that order
     tiles = buffer.reshape(batch, nheads, planes, rows // planes, chunks, 4)
+    tiles = tiles.transpose(0, 3, 1, 2, 4, 5)[:, :seqlen]
     row = xp.arange(seqlen)
     stored = xp.arange(chunks)[None, :] ^ (row[:, None] & 7)  # where chunk c of each row is
-    values = tiles[:, :, :, row[:, None], stored, :]  # (batch, nheads, planes, seqlen, ...)
-    values = values.transpose(0, 3, 1, 2, 4, 5).reshape(batch, seqlen, nheads, planes * cols)
-    values = values[..., :head_dim]
+    values = xp.take_along_axis(tiles, stored.reshape(1, seqlen, 1, 1, chunks, 1), axis=4)
+    values = values.reshape(batch, seqlen, nheads, planes * cols)[..., :head_dim]
     return values[0] if len(shape) == 3 else values
 
 
