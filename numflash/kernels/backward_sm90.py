@@ -336,7 +336,7 @@ def build_kernels(
                 dq_update(dqa, a_desc, b_desc)
 
     @device_function
-    def bulk_dq(smem, dqa, dq_acc, tile, warp, lane):
+    def bulk_dq(base, dqa, dq_acc, tile, warp, lane):
         """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) added to dq_acc
         (fp32) by one bulk reduction, ``tile`` the index of the warpgroup's BLOCK_M x DQ_COLS
         tile there (rows DQ_COLS apart in its plane, planes starting at multiples of 8 rows).
@@ -344,18 +344,13 @@ def build_kernels(
         them: 16-byte chunk c of plane row r at c ^ (r & 7), so that a store's eight rows and
         four lanes meet every bank twice (launch's reader undoes it)."""
         rows0 = (warp & 3) * 16
-        slot = uint32(
-            ptx_sm90.aligned_index(smem, GROUP_BYTES)
-            + uint32(DQ_OFF >> 1)
-            + uint32(((warp >> 2) * BLOCK_M + rows0) * DQ_COLS * 2)
-        )
+        source = base + uint32(DQ_OFF) + uint32(((warp >> 2) * BLOCK_M + rows0) * DQ_COLS * 4)
         first = tile + int64(rows0 * DQ_COLS)
         key0 = uint32(first >> DQ_SHIFT)  # the plane row of the warp's first row, mod 8
         if lane == 0:
             ptx_sm90.bulk_wait_read()  # the last reduction from the slot has read it
         ptx.sync_warp()
         g, t = uint32(lane >> 2), uint32(lane & 3)
-        source = ptx.shared_address(smem, slot)
         for h in range(2):  # rows g and g + 8
             row = g + uint32(8 * h)
             key = (key0 + row) & uint32(7)
@@ -411,7 +406,7 @@ def build_kernels(
         ptx_sm90.fence_operands(dqa, DQ_REGS)
         if DQ_BULK:
             plane = (warp >> 2) * (dq_sh // PLANES)
-            bulk_dq(smem, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, warp, lane)
+            bulk_dq(base, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, warp, lane)
             return
         for h in range(2):
             row = m0 + (warp & 3) * 16 + (lane >> 2) + 8 * h
