@@ -4,6 +4,10 @@
         python tools/profile_kernel.py --head-dim 128 --config 64,64,4,2,1
     ncu --clock-control none --section WarpStateStats -k regex:dkdv -s 2 -c 1 \\
         python tools/profile_kernel.py --backward --config 64,8,2
+    ncu --clock-control none --section WarpStateStats -k regex:dkdv -s 2 -c 1 \\
+        python tools/profile_kernel.py --backward --wgmma 8,2,fused
+
+``--wgmma`` takes the Hopper backward's configuration as tools/backward_ab.py spells it.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import numflash
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import peers  # noqa: E402
+from backward_ab import parse_config  # noqa: E402  (tools/ is this script's directory)
 
 
 def main():
@@ -30,9 +35,15 @@ def main():
         help="profile attention_backward (--config block_m,num_warps,stages)",
     )
     ap.add_argument("--config", default=None, help="block_m,block_n,num_warps,stages,q_in_regs")
+    ap.add_argument("--wgmma", default=None, help="with --backward: " + parse_config.__doc__)
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     args = ap.parse_args()
     cfg = None
-    if args.config:
+    if args.wgmma:
+        if not args.backward or args.config:
+            ap.error("--wgmma is a backward configuration: give --backward and no --config")
+        cfg = parse_config(args.wgmma)
+    elif args.config:
         values = [int(x) for x in args.config.split(",")]
         if args.backward:
             cfg = numflash.TensorCoreBackwardConfig(*values)
@@ -40,7 +51,7 @@ def main():
             bm, bn, nw, st, qr = values
             cfg = numflash.TensorCoreConfig(bm, bn, nw, st, bool(qr))
     q, k, v = peers.random_qkv(
-        args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim, cupy.float16
+        args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim, getattr(cupy, args.dtype)
     )
     if args.backward:
         out, lse = numflash.attention(q, k, v, causal=args.causal, return_lse=True)
