@@ -7,11 +7,15 @@ runs exactly its backward kernels.
 
     python benchmarks/bench_backward.py [--seqlens 4096 16384] [--head-dims 128]
                                         [--numflash-kernel default|portable|tensor-core|wgmma]
+                                        [--deterministic]
 
 ``--numflash-kernel`` forces numflash's backward kernels (default: what attention_backward
-chooses); each record names the configuration that ran.
+chooses); each record names the configuration that ran. ``--deterministic`` times numflash's
+backward with ``deterministic=True`` (bitwise reproducible gradients) and says so in each
+record.
 
-Writes benchmarks/results/backward.json and backward.md.
+Writes benchmarks/results/backward.json and backward.md (backward-deterministic.json and .md
+with ``--deterministic``).
 """
 
 import itertools
@@ -39,7 +43,7 @@ KERNELS = {
 }
 
 
-def numflash_runs(q, k, v, causal, kernel):
+def numflash_runs(q, k, v, causal, kernel, deterministic=False):
     """(backward only, forward + backward, the backward's configuration) for numflash."""
     out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
     dout = peers.random_qkv(*q.shape[:2], q.shape[2], q.shape[3], q.dtype, seed=5)[0]
@@ -48,14 +52,17 @@ def numflash_runs(q, k, v, causal, kernel):
         from numflash.selection import default_config
 
         config = default_config(config.family, q.shape[-1], current_device())[1]
-    chosen = numflash.selected_backward_config(q, k, v, causal=causal, config=config).config
+    chosen = numflash.selected_backward_config(
+        q, k, v, causal=causal, config=config, deterministic=deterministic
+    ).config
+    options = dict(causal=causal, config=config, deterministic=deterministic)
 
     def bwd():
-        return numflash.attention_backward(dout, q, k, v, out, lse, causal=causal, config=config)
+        return numflash.attention_backward(dout, q, k, v, out, lse, **options)
 
     def fwd_bwd():
         o, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
-        return numflash.attention_backward(dout, q, k, v, o, lse, causal=causal, config=config)
+        return numflash.attention_backward(dout, q, k, v, o, lse, **options)
 
     return bwd, fwd_bwd, chosen.to_dict()
 
@@ -94,7 +101,9 @@ def bench(args):
         for provider in providers:
             config = None
             if provider == "numflash":
-                *runs, config = numflash_runs(q, k, v, causal, args.numflash_kernel)
+                *runs, config = numflash_runs(
+                    q, k, v, causal, args.numflash_kernel, args.deterministic
+                )
             else:
                 runs = sdpa_runs(q, k, v, causal, provider.split("-")[1])
             for mode, run in zip(("bwd", "fwd+bwd"), runs):
@@ -105,6 +114,8 @@ def bench(args):
                 flops = attention_flops(batch, nheads, seqlen, seqlen, hd, causal, mode)
                 shape = peers.problem(batch, nheads, seqlen, seqlen, hd, causal)
                 rec = peers.record(t, flops, provider, mode, dtype, **shape, config=config)
+                if provider == "numflash":
+                    rec["deterministic"] = args.deterministic
                 records.append(rec)
                 print(
                     f"{provider:11s} {mode:8s} {dtype:8s} hd{hd:<4d} causal={int(causal)} "
@@ -117,32 +128,32 @@ def bench(args):
     return records
 
 
-def markdown(records, device):
+def markdown(records, device, deterministic=False):
     rows = {}
     for r in records:
         key = (r["mode"], r["dtype"], r["head_dim"], r["causal"], r["seqlen_q"])
         rows.setdefault(key, {})[r["provider"]] = r["tflops"]
     lines = [
         f"Backward TFLOP/s on {device} (2.5 forwards of FLOPs; fwd+bwd: 3.5), batch x seqlen = "
-        "32k tokens, nheads x head_dim = 2048; ratios are numflash / peer.",
+        "32k tokens, nheads x head_dim = 2048; ratios are numflash / peer"
+        + ("; numflash with deterministic=True." if deterministic else "."),
         "",
-        "| mode | dtype | head_dim | causal | seqlen | numflash | SDPA FA2 | SDPA cuDNN | vs FA2 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | dtype | head_dim | causal | seqlen | numflash | SDPA FA2 | SDPA cuDNN | vs FA2 "
+        "| vs cuDNN |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (mode, dtype, hd, causal, seqlen), row in sorted(rows.items()):
 
         def cell(p):
             return f"{row[p]:.1f}" if p in row else "-"
 
-        ratio = (
-            f"{row['numflash'] / row['sdpa-flash']:.3f}x"
-            if "numflash" in row and "sdpa-flash" in row
-            else "-"
-        )
+        def ratio(p):
+            return f"{row['numflash'] / row[p]:.3f}x" if "numflash" in row and p in row else "-"
+
         lines.append(
             f"| {mode} | {dtype} | {hd} | {'yes' if causal else 'no'} | {seqlen} | "
             f"{cell('numflash')} | {cell('sdpa-flash')} | {cell('sdpa-cudnn')} | "
-            f"{ratio} |"
+            f"{ratio('sdpa-flash')} | {ratio('sdpa-cudnn')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -159,11 +170,15 @@ def main():
         help="GPU time a timing may spend before it stops early (at least 3 runs)",
     )
     ap.add_argument("--numflash-kernel", choices=list(KERNELS), default="default")
+    ap.add_argument(
+        "--deterministic", action="store_true", help="numflash's backward with deterministic=True"
+    )
     args = ap.parse_args()
     dev = current_device()
     records = bench(args)
-    table = markdown(records, dev.name)
-    peers.save_results(args.out_dir, "backward", dev, records, table)
+    table = markdown(records, dev.name, args.deterministic)
+    name = "backward-deterministic" if args.deterministic else "backward"
+    peers.save_results(args.out_dir, name, dev, records, table)
 
 
 if __name__ == "__main__":
