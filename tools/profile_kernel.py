@@ -21,6 +21,7 @@ import numflash
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import peers  # noqa: E402
 from backward_ab import parse_config  # noqa: E402  (tools/ is this script's directory)
+from bench_forward import DTYPES  # noqa: E402
 
 
 def main():
@@ -51,7 +52,7 @@ def main():
             bm, bn, nw, st, qr = values
             cfg = numflash.TensorCoreConfig(bm, bn, nw, st, bool(qr))
     q, k, v = peers.random_qkv(
-        args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim, getattr(cupy, args.dtype)
+        args.batch, args.seqlen, 2048 // args.head_dim, args.head_dim, DTYPES[args.dtype]
     )
     if args.backward:
         out, lse = numflash.attention(q, k, v, causal=args.causal, return_lse=True)
