@@ -236,7 +236,7 @@ def from_float(x, dtype):
     return x.astype(dtype)
 
 
-_ROUND_SCALED = {}  # dtype name -> the CuPy kernel of round_scaled_into
+_ROUNDING_KERNELS = {}  # (dtype name, kernel name) -> a CuPy kernel of rounding_kernel
 
 #: dst = round(src * scale) in one pass: fp16 through CuPy's float16 (to nearest even), bf16
 #: by the same integer rounding as from_float (to nearest even, NaN kept quiet).
@@ -256,17 +256,31 @@ def round_scaled_into(dst, src, scale):
     the same shape, bitwise as ``from_float(src * float32(scale), dst.dtype)``: on the GPU in
     one elementwise kernel (CuPy's multiply, then from_float's passes, read and wrote the array
     five to ten times)."""
-    name = dtype_name(dst.dtype)
     if array_module(src) is np:
         bits(dst)[...] = bits(from_float(src * np.float32(scale), dst.dtype))
         return
-    kernel = _ROUND_SCALED.get(name)
+    kernel = rounding_kernel(dst.dtype, "float32 x, float32 s", "", "numflash_round_scaled")
+    kernel(src, np.float32(scale), rounding_output(dst))
+
+
+def rounding_kernel(dtype, params, read, name):
+    """A CuPy ElementwiseKernel (made once per ``dtype`` and ``name``) taking ``params`` and
+    writing ``y = round(x * s)`` to its ``dtype`` output as round_scaled_into does, where the
+    C code ``read`` defines ``float x`` (empty when x is a parameter) and a parameter is ``s``;
+    its output is ``rounding_output(dst)``."""
+    key = (dtype_name(dtype), name)
+    kernel = _ROUNDING_KERNELS.get(key)
     if kernel is None:
-        out = "float16 y" if name == "float16" else "uint16 y"
-        kernel = _ROUND_SCALED[name] = _cupy().ElementwiseKernel(
-            "float32 x, float32 s", out, _ROUND_SCALED_CODE[name], f"numflash_round_scaled_{name}"
-        )
-    kernel(src, np.float32(scale), dst if name == "float16" else dst.view(np.uint16))
+        out = "float16 y" if key[0] == "float16" else "uint16 y"
+        code = read + _ROUND_SCALED_CODE[key[0]]
+        kernel = _cupy().ElementwiseKernel(params, out, code, f"{name}_{key[0]}")
+        _ROUNDING_KERNELS[key] = kernel
+    return kernel
+
+
+def rounding_output(dst):
+    """What a rounding_kernel writes ``dst`` (float16, or bfloat16 as its bits) through."""
+    return dst if dtype_name(dst.dtype) == "float16" else dst.view(np.uint16)
 
 
 def current_stream():

@@ -1142,7 +1142,7 @@ def tensor_core_backward(
         grid = (blocks, p.nheads, p.batch)
         dq_kernel(grid, cfg.threads, stream, smem, specs[1].args(views, scalars))
     elif planes:
-        arrays.round_scaled_into(dq, bulk_dq_values(dq_acc, planes, dq.shape), p.scale)
+        round_bulk_dq_into(dq, dq_acc, planes, p.scale)
     else:
         arrays.round_scaled_into(dq, dq_acc[..., : p.head_dim], p.scale)
     if not direct:
@@ -1186,6 +1186,44 @@ def bulk_dq_values(buffer, planes, shape):
     values = xp.take_along_axis(tiles, stored.reshape(1, seqlen, 1, 1, chunks, 1), axis=4)
     values = values.reshape(batch, seqlen, nheads, planes * cols)[..., :head_dim]
     return values[0] if len(shape) == 3 else values
+
+
+#: C code of round_bulk_dq_into: x = dQ's sum at logical index i of dq (batch, seqlen,
+#: nheads, head_dim; a packed batch's (rows, nheads, head_dim) as batch 1), read where
+#: bulk_dq stored it (bulk_dq_values' arithmetic, element by element).
+_BULK_DQ_READ = """
+    long long t = i;
+    const int c = (int)(t % head_dim); t /= head_dim;
+    const int h = (int)(t % nheads); t /= nheads;
+    const int r = (int)(t % seqlen);
+    const long long b = t / seqlen;
+    const int plane = c / cols, cc = c - plane * cols;
+    const int chunk = (cc >> 2) ^ (r & 7);
+    const long long at = (((b * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4
+        + (cc & 3);
+    float x = acc[at];
+"""
+
+
+def round_bulk_dq_into(dq, buffer, planes, scale):
+    """``dq[...] = round(scale * dQ's sums)`` from a bulk_dq_buffer of ``planes`` planes: on
+    the GPU one elementwise pass that reads each sum where bulk_dq stored it (the buffer is
+    read once; a gather that undoes the swizzle first cost about 2.6 ms at 32k tokens x 2048
+    on the H200, docs/performance.md); elsewhere bulk_dq_values, then round_scaled_into."""
+    if arrays.array_module(buffer) is np:
+        arrays.round_scaled_into(dq, bulk_dq_values(buffer, planes, dq.shape), scale)
+        return
+    batch, nheads, plane_rows, cols = buffer.shape
+    params = (
+        "raw float32 acc, float32 s, int32 seqlen, int32 nheads, int32 head_dim, int32 planes, "
+        "int32 rows, int32 cols"
+    )
+    kernel = arrays.rounding_kernel(dq.dtype, params, _BULK_DQ_READ, "numflash_bulk_dq")
+    seqlen, head_dim = dq.shape[-3], dq.shape[-1]
+    kernel(
+        buffer, np.float32(scale), np.int32(seqlen), np.int32(nheads), np.int32(head_dim),
+        np.int32(planes), np.int32(plane_rows // planes), np.int32(cols), arrays.rounding_output(dq),
+    )  # fmt: skip
 
 
 def _tensor_core_backward_specs(p, varlen):
