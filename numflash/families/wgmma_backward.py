@@ -40,7 +40,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       of dQ into shared memory and one lane adds them to the fp32 buffer by an asynchronous
       bulk reduction through the TMA unit (FlashAttention-3's route, 4 KB at a time at
       head_dim 128), so the warps issue no atomics; False: 16 ``red.global.add.v2.f32`` a
-      thread per query block. Untimed on a GPU (docs/performance.md).
+      thread per query block. Timed on the H200 with the call's first un-swizzle (a gather
+      costing about 2.6 ms a call), whose removal should leave it level with the atomics
+      (docs/performance.md "dQ by bulk reductions").
 
     Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
     capability 9.x; head_dim 64 or 128 (as padded).
