@@ -146,6 +146,12 @@ CASES = [
          backward=numflash.WgmmaBackwardConfig(8, 2, dq_separate=False, dq_bulk=False)),
     Case("bfloat16", (1, 150, 300, 4, 2, 128), dict(causal=True),
          forward=numflash.WgmmaForwardConfig(fma_exp2=2), softcap=2.0),
+    # the Hopper backward's tiles through an mbarrier ring: seven query blocks and six key
+    # tiles go round three slots, the warpgroups unsynchronised (racecheck's case)
+    Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True)),
+    Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, dq_separate=False)),
 ]  # fmt: skip
 
 

@@ -160,6 +160,10 @@ TC_SIM_CASES = [
     # 64-byte offset into the atom, 64 an atom (one warpgroup's share: TC_GPU_CASES)
     ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
     ("bfloat16", 128, 40, 75, 2, "left", WG(num_warps=8, stages=1, dq_separate=False)),
+    # the tiles through an mbarrier ring of three slots: five query blocks (dK/dV kernel), and
+    # five key tiles (dQ kernel), so each wraps around the ring
+    ("float16", 64, 300, 90, 2, "none", WG(num_warps=8, stages=3, ring=True)),
+    ("bfloat16", 64, 90, 300, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
 ]
 
 
@@ -212,6 +216,11 @@ TC_GPU_CASES = [
         ("float16", 64, (2048, 2048), 2, "none", WG(num_warps=8, stages=2, dq_separate=False)),
         ("bfloat16", 128, (777, 777), 2, "causal", WG(8, 2, dq_separate=False, dq_bulk=False)),
         ("float16", 64, (300, 451), 1, "window", WG(4, 1, dq_separate=False, dq_bulk=False)),
+        # the tiles through an mbarrier ring (the warpgroups unsynchronised)
+        ("bfloat16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=3, ring=True)),
+        ("float16", 64, (517, 1023), 1, "window", WG(num_warps=8, stages=3, ring=True)),
+        ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, dq_separate=False)),
+        ("bfloat16", 64, (300, 451), 1, "left", WG(num_warps=4, stages=3, ring=True)),
     ]
 ]
 

@@ -187,21 +187,24 @@ def cases():
             launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
-    for hd, dt, warps, stages, pack, fused, bulk in [
-        (128, "float16", 8, 2, False, False, False),
-        (64, "bfloat16", 4, 1, False, False, False),
-        (128, "float16", 8, 2, True, False, False),
-        (128, "float16", 8, 2, False, True, False),  # dQ added up in the dK/dV kernel
-        (128, "float16", 8, 2, False, True, True),  # ... by bulk reductions
+    for hd, dt, warps, stages, pack, fused, bulk, ring in [
+        (128, "float16", 8, 2, False, False, False, False),
+        (64, "bfloat16", 4, 1, False, False, False, False),
+        (128, "float16", 8, 2, True, False, False, False),
+        (128, "float16", 8, 2, False, True, False, False),  # dQ added up in the dK/dV kernel
+        (128, "float16", 8, 2, False, True, True, False),  # ... by bulk reductions
+        (128, "bfloat16", 8, 3, False, False, False, True),  # tiles through an mbarrier ring
     ]:
         kernels = backward_sm90.build_kernels(
-            hd, dt, warps, stages, pack_first=pack, dq_separate=not fused, dq_bulk=bulk
-        )
+            hd, dt, warps, stages, pack_first=pack, dq_separate=not fused, dq_bulk=bulk,
+            ring=ring,
+        )  # fmt: skip
         name = (
             f"{hd}-{dt}-{warps}-{stages}"
             + ("-pack" if pack else "")
             + ("-fused" if fused else "")
             + ("-bulk" if bulk else "")
+            + ("-ring" if ring else "")
         )
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if not fused:

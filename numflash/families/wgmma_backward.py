@@ -25,7 +25,13 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
 
     - ``num_warps``: 4 or 8, one or two warpgroups of 64 keys (dK/dV kernel) or 64 query rows
       (dQ kernel) a block.
-    - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2).
+    - ``stages``: shared-memory buffers for the streaming 64-row tiles (1 or 2; 3 with
+      ``ring``).
+    - ``ring``: the streaming tiles go through a ring of three slots handed over by mbarriers
+      (each thread's copies arrive when they land, each thread releases a slot when its
+      products have read it) instead of a block barrier a tile, so that the two warpgroups
+      may drift apart and one's softmax step run beside the other's products; each
+      warpgroup keeps its own LSE and D. Untimed on a GPU (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -49,10 +55,11 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     """
 
     num_warps: int = config.knob(8, backward_sm90.NUM_WARPS)
-    stages: int = config.knob(2, (1, 2))
+    stages: int = config.knob(2, (1, 2, 3))
     pack_first: bool = config.knob(False, (False, True))
     dq_separate: bool = config.knob(True, (True, False))
     dq_bulk: bool = config.knob(True, (True, False))
+    ring: bool = config.knob(False, (False, True))
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
@@ -84,11 +91,16 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         if head_dim not in backward_sm90.HEAD_DIMS:
             dims = " or ".join(map(str, backward_sm90.HEAD_DIMS))
             out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
+        if self.ring != (self.stages == 3):
+            out.append("ring=True takes stages=3, and stages=3 needs ring=True")
         if head_dim == 128 and self.num_warps == 4 and not self.dq_separate:
             # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
             out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")
         if not out:
-            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m
+            # the static LSE and D tiles (a copy a warpgroup with ring) and ring's mbarriers
+            copies = self.num_warps // 4 if self.ring else 1
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m * copies
+            smem += 16 * self.stages if self.ring else 0
             out += config._dynamic_shared_problems(smem, device)
         return out
 
@@ -130,7 +142,7 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
-                dq_bulk=cfg.dq_bulk,
+                dq_bulk=cfg.dq_bulk, ring=cfg.ring,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)

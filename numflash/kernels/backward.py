@@ -34,7 +34,7 @@ seqlen_k; the head dims each backend names.
 import functools
 from typing import NamedTuple
 
-from numba import cuda, float32, int32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
 from . import ptx
 from .block_mask import key_ranges, query_ranges
@@ -416,10 +416,13 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
     return row_ds
 
 
-def query_block_loader(load_pair, fetch_row_stats):
+def query_block_loader(load_pair, fetch_row_stats, group_threads=None):
     """The dK/dV kernels' device function ``load_query_block``, from their own ``load_pair``
     (cp.async of BLOCK_M rows of two arrays into a stage, one commit group) and
-    ``fetch_row_stats``."""
+    ``fetch_row_stats``; with ``group_threads`` (a power of 2) the threads fetch by groups of
+    that many, each group its own copy."""
+    GROUPED = group_threads is not None
+    GROUP_MASK = (group_threads or 1) - 1
 
     @device_function
     def load_query_block(
@@ -457,6 +460,8 @@ def query_block_loader(load_pair, fetch_row_stats):
             tid,
         )
         lse_base = (lse_a + head) * lse_stride + lse_b
+        if GROUPED:
+            tid = tid & GROUP_MASK
         fetch_row_stats(lse_r, d_r, lse, delta, lse_base, m0, seqlen_q, tid)
 
     return load_query_block
@@ -483,6 +488,31 @@ class Kernels(NamedTuple):
     dq: object  # dQ alone, in a fixed order; None where the dK/dV kernel adds dQ up
     dkdv_varlen: object  # the same two over a packed batch
     dq_varlen: object
+
+
+class Ring(NamedTuple):
+    """A backend's mbarrier ring (``Backend.ring``): the streaming tiles go through STAGES
+    slots, each with a full barrier (every thread's copies into it landed: cp.async arrivals)
+    and an empty one (every thread done reading it), so that no block barrier per tile keeps
+    the warpgroups in step. Device functions, ``bars`` the block's 2 x STAGES mbarriers
+    (``cuda.shared.array(2 * STAGES, uint64)``) and ``t`` a tile's index in the block's
+    stream:
+
+    - ``start(bars, tid)``: initialise the barriers, then a block barrier;
+    - ``wait_full(bars, t)``: tile t has landed in its slot (t % STAGES);
+    - ``release(bars, t)``: this thread is done reading tile t's slot;
+    - ``claim(bars, t)``: before tile t is loaded: every thread has released the slot's last
+      tile (t - STAGES);
+    - ``filled(bars, t)``: this thread's copies of tile t arrive when they land;
+    - ``group_sync(warp)``: a barrier of this warp's warpgroup alone.
+    """
+
+    start: object
+    wait_full: object
+    release: object
+    claim: object
+    filled: object
+    group_sync: object
 
 
 class Backend(NamedTuple):
@@ -520,6 +550,12 @@ class Backend(NamedTuple):
     - ``drain(lane)``: wait for what the dK/dV kernel's block still has in flight before it
       writes dK and dV and exits (drain_copies: its cp.async copies).
     - ``divide(a, b)``: the integer quotient the block index math uses.
+
+    ``ring``: None (the tiles handed over by a block barrier each: ``landed``) or a
+    :class:`Ring` (needs ``stages`` >= 3: the tile STAGES - 1 ahead is loaded after a tile's
+    step, into the slot of the tile before it). With a ring each warpgroup keeps its own copy
+    of a query block's LSE and D (its threads fetch and store them, then ``group_sync``), so
+    nothing makes one warpgroup wait for the other but a slot still being read.
     """
 
     block_m: int
@@ -543,6 +579,7 @@ class Backend(NamedTuple):
     divide: object
     write_rows: object
     drain: object = drain_copies
+    ring: object = None
 
 
 def build_kernels(backend, alibi=False, mods=None):
@@ -567,8 +604,16 @@ def build_kernels(backend, alibi=False, mods=None):
     )
     S_REGS, ACC_REGS, DQ_REGS = backend.s_regs, backend.acc_regs, backend.dq_regs
     STAGE0, STAGE_BYTES, DQ_ATOMIC = backend.stage0, backend.stage_bytes, backend.dq_atomic
-    STAT_LOADS = stat_loads(BLOCK_M, THREADS)  # LSE and D values per thread per block
-    STAT_TILE = STAGES * BLOCK_M  # LSE and D of every stage
+    RING = backend.ring is not None
+    # LSE and D values a thread fetches per block: with a ring, a warpgroup's threads fetch
+    # their group's copy
+    STAT_THREADS = 128 if RING else THREADS
+    STAT_LOADS = stat_loads(BLOCK_M, STAT_THREADS)
+    GROUPS = THREADS // STAT_THREADS  # copies of the LSE and D tiles
+    STAT_TILE = GROUPS * STAGES * BLOCK_M  # LSE and D of every stage (and copy)
+    RING_BARRIERS = 2 * STAGES  # a ring's full and empty mbarriers
+    if RING and STAGES < 3:
+        raise ValueError(f"a ring of tiles needs stages >= 3, not {STAGES}")
     block_position = backend.block_position
     shared_base = backend.shared_base
     load_resident = backend.load_resident
@@ -580,8 +625,11 @@ def build_kernels(backend, alibi=False, mods=None):
     divide = backend.divide
     write_rows = backend.write_rows
     drain = backend.drain
-    fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, THREADS)
-    load_query_block = query_block_loader(load_pair, fetch_row_stats)
+    fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, STAT_THREADS)
+    load_query_block = query_block_loader(
+        load_pair, fetch_row_stats, STAT_THREADS if RING else None
+    )
+    ring = backend.ring if RING else Ring(*(None,) * 6)
     slope_of, _ = alibi_functions(alibi)
     BLOCK_MASK = mods is not None and mods.block_mask
     # the index among *variant: constant slice bounds (a tuple of arrays takes no run-time
@@ -612,6 +660,100 @@ def build_kernels(backend, alibi=False, mods=None):
             lo, hi, _, _ = key_ranges(index, b, head, m0, last_row)
             return max(n_lo, lo), min(n_hi, hi)
         return n_lo, n_hi
+
+    @device_function
+    def ring_query_blocks(
+        q, k, v, do, lse, delta, dq_acc, q_st, do_st, dq_st, dq_first, rows, seqlen_q, seqlen_k,
+        window_left, window_right, variant, b, resident, st, dpt, dk_acc, dv_acc, dqa, lse_r,
+        d_r, lse_tile, d_tile, smem, base, head, m_lo, m_hi, n_blocks, key0, scale_log2, nheads,
+        col_base, warp, lane, tid,
+    ):  # fmt: skip
+        """dkdv_block's query blocks through the backend's ring: block t in slot t % STAGES,
+        loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released by every
+        thread; LSE and D in this warpgroup's copy of the tiles, stored for block it + 1 once
+        block it's step is done (the values fetched one block earlier), then a warpgroup
+        barrier. The resident K and V (and the first block's LSE and D) are waited for once,
+        behind a block barrier."""
+        _, dq_ss, dq_sh = dq_st
+        bars = cuda.shared.array(RING_BARRIERS, uint64)
+        group = (warp >> 2) * STAGES  # this warpgroup's tiles of LSE and D
+        gtid = tid & (STAT_THREADS - 1)  # this thread within its warpgroup
+        first_stage = base + uint32(STAGE0)
+        ring.start(bars, tid)
+        m0 = m_lo
+        load_head, load_m0 = head, m_lo  # the next block to load
+        for j in range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2
+            if j < n_blocks:
+                load_query_block(
+                    first_stage + uint32(j * STAGE_BYTES), q, do, lse, delta, lse_r, d_r, rows,
+                    load_head, load_m0, q_st, do_st, seqlen_q, tid,
+                )  # fmt: skip
+                ring.filled(bars, j)
+                if j == 0:
+                    store_row_stats(lse_tile, d_tile, lse_r, d_r, group, gtid)
+                load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
+        landed()  # K and V (every thread's copies, and block 0's), block 0's LSE and D
+        for it in range(n_blocks):
+            stage = it % STAGES
+            ring.wait_full(bars, it)
+            score_args = (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant))
+            scores = (lse_tile, d_tile, (group + stage) * BLOCK_M, key0, m0, lane, seqlen_q,
+                      seqlen_k, scale_log2, window_left, window_right, score_args)  # fmt: skip
+            query_block_step(
+                st, dpt, dk_acc, dv_acc, resident, first_stage + uint32(stage * STAGE_BYTES), scores
+            )
+            if DQ_ATOMIC:
+                atomic_dq(
+                    smem, base, dpt, dqa, dq_acc, dq_first + head * dq_sh, dq_ss, dq_sh, m0,
+                    col_base, warp, lane, seqlen_q, dk_acc, dv_acc,
+                )  # fmt: skip
+            ring.release(bars, it)  # (the step's products have landed)
+            if it + 1 < n_blocks:
+                nxt = (it + 1) % STAGES
+                store_row_stats(lse_tile, d_tile, lse_r, d_r, group + nxt, gtid)
+                t = it + STAGES - 1
+                if t < n_blocks:
+                    ring.claim(bars, t)
+                    load_query_block(
+                        first_stage + uint32((t % STAGES) * STAGE_BYTES), q, do, lse, delta,
+                        lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, tid,
+                    )  # fmt: skip
+                    ring.filled(bars, t)
+                    load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
+                ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
+            head, m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
+
+    @device_function
+    def ring_key_tiles(
+        k, v, k_at, v_at, k_ss, v_ss, keys_left, n_tiles, s, dp, acc, resident, first_stage,
+        row_stats, scale_log2, bias, tid,
+    ):  # fmt: skip
+        """dq_block's key tiles through the backend's ring: tile t in slot t % STAGES, loaded
+        STAGES - 1 tiles ahead, after tile t - STAGES's slot is released by every thread. The
+        resident Q and dO are waited for once, behind a block barrier."""
+        bars = cuda.shared.array(RING_BARRIERS, uint64)
+        ring.start(bars, tid)
+        for j in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2
+            if j < n_tiles:
+                rows = int64(j * BLOCK_M)
+                load_pair(first_stage + uint32(j * STAGE_BYTES), k, v, k_at + rows * k_ss, k_ss,
+                          v_at + rows * v_ss, v_ss, keys_left - j * BLOCK_M, tid)  # fmt: skip
+                ring.filled(bars, j)
+        landed()  # Q and dO (every thread's copies, and tile 0's)
+        for it in range(n_tiles):
+            stage = it % STAGES
+            ring.wait_full(bars, it)
+            key_tile_step(s, dp, acc, resident, first_stage + uint32(stage * STAGE_BYTES),
+                          row_stats, int32(it * BLOCK_M), scale_log2, bias)  # fmt: skip
+            ring.release(bars, it)  # (the step's products have landed)
+            t = it + STAGES - 1
+            if t < n_tiles:
+                ring.claim(bars, t)
+                rows = int64(t * BLOCK_M)
+                load_pair(first_stage + uint32((t % STAGES) * STAGE_BYTES), k, v,
+                          k_at + rows * k_ss, k_ss, v_at + rows * v_ss, v_ss,
+                          keys_left - t * BLOCK_M, tid)  # fmt: skip
+                ring.filled(bars, t)
 
     @device_function
     def dkdv_block(
@@ -699,6 +841,15 @@ def build_kernels(backend, alibi=False, mods=None):
         next_head = kv_head * heads_per_kv
         next_m0 = m_lo
         first_stage = base + uint32(STAGE0)
+        nheads = cuda.gridDim.y * heads_per_kv
+        if RING:
+            ring_query_blocks(
+                q, k, v, do, lse, delta, dq_acc, q_st, do_st, dq_st, dq_first, rows, seqlen_q,
+                seqlen_k, window_left, window_right, variant, b, resident, st, dpt, dk_acc,
+                dv_acc, dqa, lse_r, d_r, lse_tile, d_tile, smem, base, next_head, m_lo, m_hi,
+                n_blocks, key0, scale_log2, nheads, col_base, warp, lane, tid,
+            )  # fmt: skip
+            n_blocks = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
             load_query_block(
                 first_stage, q, do, lse, delta, lse_r, d_r, rows, next_head, m_lo, q_st, do_st,
@@ -706,7 +857,6 @@ def build_kernels(backend, alibi=False, mods=None):
             )  # fmt: skip
             store_row_stats(lse_tile, d_tile, lse_r, d_r, 0, tid)
 
-        nheads = cuda.gridDim.y * heads_per_kv
         for it in range(n_blocks):
             head = next_head
             m0 = next_m0
@@ -867,6 +1017,13 @@ def build_kernels(backend, alibi=False, mods=None):
         k_at = k_first + kv_head * k_sh + int64(n_lo) * k_ss  # key tile `it` below
         v_at = v_first + kv_head * v_sh + int64(n_lo) * v_ss
         first_stage = base + uint32(STAGE0)
+        if RING:
+            ring_key_tiles(
+                k, v, k_at, v_at, k_ss, v_ss, seqlen_k - n_lo, n_tiles, s, dp, acc, resident,
+                first_stage, row_stats, scale_log2, (distance, slope, (b, head, variant), q0, kv0),
+                tid,
+            )  # fmt: skip
+            n_tiles = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
             load_pair(first_stage, k, v, k_at, k_ss, v_at, v_ss, seqlen_k - n_lo, tid)
         for it in range(n_tiles):

@@ -90,9 +90,56 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=
 
 
 @functools.lru_cache(maxsize=None)
+def ring_functions(stages, threads):
+    """The mbarrier ring (backward.Ring) of ``stages`` slots handed between ``threads``
+    threads: a full barrier a slot that every thread's cp.async copies arrive at when they
+    land (``cp.async.mbarrier.arrive.noinc``; wgmma reads the tile after a wait on it, with no
+    proxy fence: ptx_sm90's docstring), and an empty one that every thread arrives at once its
+    products have read the slot. Barrier i of the block's ``bars``: full i < STAGES, then
+    empty. Named barriers 1 and 2 are the warpgroups' own."""
+    STAGES, THREADS = stages, threads
+
+    @device_function
+    def start(bars, tid):
+        if tid == 0:
+            for i in range(2 * STAGES):
+                ptx_sm90.mbarrier_init(ptx.shared_address(bars, i), uint32(THREADS))
+        cuda.syncthreads()
+
+    @device_function
+    def wait_full(bars, t):
+        t = uint32(t)
+        ptx_sm90.mbarrier_wait(ptx.shared_address(bars, t % STAGES), (t // STAGES) & uint32(1))
+
+    @device_function
+    def release(bars, t):
+        ptx_sm90.mbarrier_arrive(ptx.shared_address(bars, STAGES + uint32(t) % STAGES))
+
+    @device_function
+    def claim(bars, t):
+        t = uint32(t)
+        if t >= STAGES:  # the slot's last tile, t - STAGES, is phase t // STAGES - 1 there
+            phase = (t // STAGES - uint32(1)) & uint32(1)
+            ptx_sm90.mbarrier_wait(ptx.shared_address(bars, STAGES + t % STAGES), phase)
+
+    @device_function
+    def filled(bars, t):
+        ptx_sm90.cp_async_arrive(ptx.shared_address(bars, uint32(t) % STAGES))
+
+    @device_function
+    def group_sync(warp):
+        if warp < 4:
+            ptx_sm90.named_barrier_sync(1, 128)
+        else:
+            ptx_sm90.named_barrier_sync(2, 128)
+
+    return backward.Ring(start, wait_full, release, claim, filled, group_sync)
+
+
+@functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
-    pack_first=False, dq_separate=True, mods=None, dq_bulk=False,
+    pack_first=False, dq_separate=True, mods=None, dq_bulk=False, ring=False,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -106,11 +153,18 @@ def build_kernels(
     rounded as it is issued, after the fence, and ptxas waits for the warpgroup before every
     such product but the first (remark C7519: 7 in the dK/dV kernel, 3 in dQ's at head_dim
     128). ``dq_bulk`` (without ``dq_separate``): dQ goes to its fp32 buffer by bulk
-    reductions from shared memory, not by atomics from registers (``bulk_dq``)."""
-    if head_dim not in HEAD_DIMS or num_warps not in NUM_WARPS or stages not in (1, 2):
+    reductions from shared memory, not by atomics from registers (``bulk_dq``). ``ring``:
+    the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
+    (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
+    apart and one's softmax step run beside the other's products."""
+    if (
+        head_dim not in HEAD_DIMS
+        or num_warps not in NUM_WARPS
+        or stages not in ((3,) if ring else (1, 2))
+    ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
-            f"{num_warps} in {NUM_WARPS}, stages {stages} in (1, 2)"
+            f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
         )
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
@@ -440,6 +494,7 @@ def build_kernels(
             key_tile_step=key_tile_step,
             atomic_dq=atomic_dq,
             drain=drain,
+            ring=ring_functions(stages, THREADS) if ring else None,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
         ),
