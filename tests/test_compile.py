@@ -235,6 +235,19 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
         True,
         False,
     }
+    # the ring: each streaming tile waited for and released on mbarriers, every thread's
+    # copies arriving there; one wait for the resident tiles (the block barrier schedule's
+    # kernels wait for their copies every tile, and use no mbarrier). A packed batch's
+    # kernels keep the block barriers.
+    ring = {e["kernel"] for e in entries if e["ring"]}
+    assert ring == set(kernels)
+    for e in entries:
+        counts = e["counts"]
+        if e["ring"] and "varlen" not in e["kernel"]:
+            assert counts["mbarrier.try_wait"] >= 2 and counts["cp.async.mbarrier.arrive"] >= 1, e
+            assert counts["cp.async.wait_group"] == 2, e  # the resident tiles; the drain
+        else:
+            assert counts["mbarrier.try_wait"] == counts["cp.async.mbarrier.arrive"] == 0, e
     # a user's functions (backward.user_element_function), a block mask with them: no spill
     assert {(e["kernel"], e["dq_separate"]) for e in entries if e["mods"]} == {
         ("dkdv", True),

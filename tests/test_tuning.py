@@ -390,9 +390,11 @@ def test_backward_families_have_defaults_and_spaces():
     assert not wgmma.problems(128, H200) and not wgmma.problems(64, H200)
     assert any("compute capability 9.x" in r for r in wgmma.problems(128, A100))
     assert any("head_dim 64 or 128" in r for r in wgmma.problems(96, H200))
+    # three stages exactly with the mbarrier ring
     assert {
-        (c.num_warps, c.stages) for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
-    } == {(4, 1), (4, 2), (8, 1), (8, 2)}
+        (c.num_warps, c.stages, c.ring)
+        for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
+    } == {(4, 1, False), (4, 2, False), (8, 1, False), (8, 2, False), (4, 3, True), (8, 3, True)}
     # dQ added up in the dK/dV kernel: one warpgroup cannot hold its 128 columns at head_dim
     # 128 beside dK and dV (ptxas spills), two can; at 64 either
     fused = {

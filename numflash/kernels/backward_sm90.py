@@ -156,7 +156,8 @@ def build_kernels(
     reductions from shared memory, not by atomics from registers (``bulk_dq``). ``ring``:
     the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
-    apart and one's softmax step run beside the other's products."""
+    apart and one's softmax step run beside the other's products (the dense kernels; a
+    packed batch's keep the block barriers)."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
@@ -471,7 +472,7 @@ def build_kernels(
                     i = acc_index(dt, h)
                     ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
 
-    return backward.build_kernels(
+    kernels = backward.build_kernels(
         backward.Backend(
             block_m=BLOCK_M,
             block_n=BLOCK_N,
@@ -501,3 +502,14 @@ def build_kernels(
         alibi,
         mods,
     )
+    if ring:
+        # A packed batch's kernels keep the block barriers (two stages, within the ring's
+        # shared memory): with the ring, ptxas 13.0 serialises their wgmma (remark C7519, a
+        # warpgroup arrive it adds on a path it cannot prove uniform: the sequence lengths
+        # come from memory).
+        plain = build_kernels(
+            head_dim, dtype_name, num_warps, 2, heavy_group, softcap, alibi, pack_first,
+            dq_separate, mods, dq_bulk,
+        )  # fmt: skip
+        kernels = kernels._replace(dkdv_varlen=plain.dkdv_varlen, dq_varlen=plain.dq_varlen)
+    return kernels
