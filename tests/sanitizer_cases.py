@@ -151,7 +151,7 @@ CASES = [
     Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 3, ring=True)),
     Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
-         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, dq_separate=False)),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True)),
 ]  # fmt: skip
 
 

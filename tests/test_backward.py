@@ -219,7 +219,7 @@ TC_GPU_CASES = [
         # the tiles through an mbarrier ring (the warpgroups unsynchronised)
         ("bfloat16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=3, ring=True)),
         ("float16", 64, (517, 1023), 1, "window", WG(num_warps=8, stages=3, ring=True)),
-        ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, dq_separate=False)),
+        ("float16", 128, (777, 777), 2, "none", WG(num_warps=8, stages=3, ring=True)),
         ("bfloat16", 64, (300, 451), 1, "left", WG(num_warps=4, stages=3, ring=True)),
     ]
 ]

@@ -31,7 +31,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       (each thread's copies arrive when they land, each thread releases a slot when its
       products have read it) instead of a block barrier a tile, so that the two warpgroups
       may drift apart and one's softmax step run beside the other's products; each
-      warpgroup keeps its own LSE and D. Untimed on a GPU (docs/performance.md).
+      warpgroup keeps its own LSE and D. With ``dq_separate`` only. Untimed on a GPU
+      (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -93,6 +94,10 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
         if self.ring != (self.stages == 3):
             out.append("ring=True takes stages=3, and stages=3 needs ring=True")
+        if self.ring and not self.dq_separate:
+            # the dS tile both warpgroups' dQ products read is rewritten each query block:
+            # only a block barrier orders that
+            out.append("ring=True needs dq_separate=True")
         if head_dim == 128 and self.num_warps == 4 and not self.dq_separate:
             # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
             out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")

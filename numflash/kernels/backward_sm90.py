@@ -157,15 +157,19 @@ def build_kernels(
     the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
     apart and one's softmax step run beside the other's products (the dense kernels; a
-    packed batch's keep the block barriers)."""
+    packed batch's keep the block barriers). Not with dQ added up here: its dS tile is one
+    for both warpgroups, rewritten each query block, and only a block barrier keeps a
+    warpgroup from rewriting it while the other's dQ products read it."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
         or stages not in ((3,) if ring else (1, 2))
+        or (ring and not dq_separate)
     ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
+            + (", and the ring only with dq_separate" if ring else "")
         )
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
