@@ -495,14 +495,14 @@ class Ring(NamedTuple):
     slots, each with a full barrier (every thread's copies into it landed: cp.async arrivals)
     and an empty one (every thread done reading it), so that no block barrier per tile keeps
     the warpgroups in step. Device functions, ``bars`` the block's 2 x STAGES mbarriers
-    (``cuda.shared.array(2 * STAGES, uint64)``) and ``t`` a tile's index in the block's
-    stream:
+    (``cuda.shared.array(2 * STAGES, uint64)``) and ``t`` a tile's index in the block's stream
+    (its slot t % STAGES):
 
     - ``start(bars, tid)``: initialise the barriers, then a block barrier;
-    - ``wait_full(bars, t)``: tile t has landed in its slot (t % STAGES);
+    - ``wait_full(bars, t)``: tile t has landed in its slot;
     - ``release(bars, t)``: this thread is done reading tile t's slot;
     - ``claim(bars, t)``: before tile t is loaded: every thread has released the slot's last
-      tile (t - STAGES);
+      tile (t - STAGES; nothing to wait for while t < STAGES);
     - ``filled(bars, t)``: this thread's copies of tile t arrive when they land;
     - ``group_sync(warp)``: a barrier of this warp's warpgroup alone.
     """
@@ -612,8 +612,11 @@ def build_kernels(backend, alibi=False, mods=None):
     GROUPS = THREADS // STAT_THREADS  # copies of the LSE and D tiles
     STAT_TILE = GROUPS * STAGES * BLOCK_M  # LSE and D of every stage (and copy)
     RING_BARRIERS = 2 * STAGES  # a ring's full and empty mbarriers
-    if RING and STAGES < 3:
-        raise ValueError(f"a ring of tiles needs stages >= 3, not {STAGES}")
+    if RING and (STAGES < 3 or DQ_ATOMIC):
+        raise ValueError(
+            f"a ring of tiles needs stages >= 3 (not {STAGES}) and no atomic dQ (its dS tile "
+            "is rewritten each query block behind a block barrier)"
+        )
     block_position = backend.block_position
     shared_base = backend.shared_base
     load_resident = backend.load_resident
@@ -663,18 +666,16 @@ def build_kernels(backend, alibi=False, mods=None):
 
     @device_function
     def ring_query_blocks(
-        q, k, v, do, lse, delta, dq_acc, q_st, do_st, dq_st, dq_first, rows, seqlen_q, seqlen_k,
-        window_left, window_right, variant, b, resident, st, dpt, dk_acc, dv_acc, dqa, lse_r,
-        d_r, lse_tile, d_tile, smem, base, head, m_lo, m_hi, n_blocks, key0, scale_log2, nheads,
-        col_base, warp, lane, tid,
+        q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left, window_right,
+        variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r, lse_tile, d_tile, base, head,
+        m_lo, m_hi, n_blocks, key0, scale_log2, nheads, warp, lane, tid,
     ):  # fmt: skip
-        """dkdv_block's query blocks through the backend's ring: block t in slot t % STAGES,
-        loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released by every
-        thread; LSE and D in this warpgroup's copy of the tiles, stored for block it + 1 once
-        block it's step is done (the values fetched one block earlier), then a warpgroup
-        barrier. The resident K and V (and the first block's LSE and D) are waited for once,
-        behind a block barrier."""
-        _, dq_ss, dq_sh = dq_st
+        """dkdv_block's query blocks (no atomic dQ) through the backend's ring: block t in slot
+        t % STAGES, loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released
+        by every thread; LSE and D in this warpgroup's copy of the tiles, stored for block it
+        + 1 once block it's step is done (the values fetched one block earlier), then a
+        warpgroup barrier. The resident K and V (and the first block's LSE and D) are waited
+        for once, behind a block barrier."""
         bars = cuda.shared.array(RING_BARRIERS, uint64)
         group = (warp >> 2) * STAGES  # this warpgroup's tiles of LSE and D
         gtid = tid & (STAT_THREADS - 1)  # this thread within its warpgroup
@@ -688,37 +689,33 @@ def build_kernels(backend, alibi=False, mods=None):
                     first_stage + uint32(j * STAGE_BYTES), q, do, lse, delta, lse_r, d_r, rows,
                     load_head, load_m0, q_st, do_st, seqlen_q, tid,
                 )  # fmt: skip
-                ring.filled(bars, j)
+                ring.filled(bars, uint32(j))
                 if j == 0:
                     store_row_stats(lse_tile, d_tile, lse_r, d_r, group, gtid)
                 load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
         landed()  # K and V (every thread's copies, and block 0's), block 0's LSE and D
         for it in range(n_blocks):
-            stage = it % STAGES
+            slot = uint32(it) % uint32(STAGES)  # (32-bit: the division is a multiply)
             ring.wait_full(bars, it)
             score_args = (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant))
-            scores = (lse_tile, d_tile, (group + stage) * BLOCK_M, key0, m0, lane, seqlen_q,
+            scores = (lse_tile, d_tile, (group + slot) * BLOCK_M, key0, m0, lane, seqlen_q,
                       seqlen_k, scale_log2, window_left, window_right, score_args)  # fmt: skip
             query_block_step(
-                st, dpt, dk_acc, dv_acc, resident, first_stage + uint32(stage * STAGE_BYTES), scores
+                st, dpt, dk_acc, dv_acc, resident, first_stage + slot * uint32(STAGE_BYTES), scores
             )
-            if DQ_ATOMIC:
-                atomic_dq(
-                    smem, base, dpt, dqa, dq_acc, dq_first + head * dq_sh, dq_ss, dq_sh, m0,
-                    col_base, warp, lane, seqlen_q, dk_acc, dv_acc,
-                )  # fmt: skip
             ring.release(bars, it)  # (the step's products have landed)
             if it + 1 < n_blocks:
-                nxt = (it + 1) % STAGES
+                nxt = (uint32(it) + uint32(1)) % uint32(STAGES)
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, group + nxt, gtid)
-                t = it + STAGES - 1
-                if t < n_blocks:
-                    ring.claim(bars, t)
+                ahead = it + STAGES - 1
+                if ahead < n_blocks:
+                    ring.claim(bars, ahead)
+                    into = uint32(ahead) % uint32(STAGES)
                     load_query_block(
-                        first_stage + uint32((t % STAGES) * STAGE_BYTES), q, do, lse, delta,
-                        lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, tid,
+                        first_stage + into * uint32(STAGE_BYTES), q, do, lse, delta, lse_r, d_r,
+                        rows, load_head, load_m0, q_st, do_st, seqlen_q, tid,
                     )  # fmt: skip
-                    ring.filled(bars, t)
+                    ring.filled(bars, ahead)
                     load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
                 ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
             head, m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
@@ -738,22 +735,23 @@ def build_kernels(backend, alibi=False, mods=None):
                 rows = int64(j * BLOCK_M)
                 load_pair(first_stage + uint32(j * STAGE_BYTES), k, v, k_at + rows * k_ss, k_ss,
                           v_at + rows * v_ss, v_ss, keys_left - j * BLOCK_M, tid)  # fmt: skip
-                ring.filled(bars, j)
+                ring.filled(bars, uint32(j))
         landed()  # Q and dO (every thread's copies, and tile 0's)
         for it in range(n_tiles):
-            stage = it % STAGES
-            ring.wait_full(bars, it)
-            key_tile_step(s, dp, acc, resident, first_stage + uint32(stage * STAGE_BYTES),
-                          row_stats, int32(it * BLOCK_M), scale_log2, bias)  # fmt: skip
-            ring.release(bars, it)  # (the step's products have landed)
-            t = it + STAGES - 1
-            if t < n_tiles:
-                ring.claim(bars, t)
-                rows = int64(t * BLOCK_M)
-                load_pair(first_stage + uint32((t % STAGES) * STAGE_BYTES), k, v,
+            t = uint32(it)  # (32-bit: the slot's division by STAGES is a multiply)
+            ring.wait_full(bars, t)
+            key_tile_step(s, dp, acc, resident,
+                          first_stage + (t % uint32(STAGES)) * uint32(STAGE_BYTES), row_stats,
+                          int32(it * BLOCK_M), scale_log2, bias)  # fmt: skip
+            ring.release(bars, t)  # (the step's products have landed)
+            ahead = t + uint32(STAGES - 1)
+            if ahead < n_tiles:
+                ring.claim(bars, ahead)
+                rows = int64(ahead * uint32(BLOCK_M))
+                load_pair(first_stage + (ahead % uint32(STAGES)) * uint32(STAGE_BYTES), k, v,
                           k_at + rows * k_ss, k_ss, v_at + rows * v_ss, v_ss,
-                          keys_left - t * BLOCK_M, tid)  # fmt: skip
-                ring.filled(bars, t)
+                          keys_left - int32(ahead * uint32(BLOCK_M)), tid)  # fmt: skip
+                ring.filled(bars, ahead)
 
     @device_function
     def dkdv_block(
@@ -844,10 +842,10 @@ def build_kernels(backend, alibi=False, mods=None):
         nheads = cuda.gridDim.y * heads_per_kv
         if RING:
             ring_query_blocks(
-                q, k, v, do, lse, delta, dq_acc, q_st, do_st, dq_st, dq_first, rows, seqlen_q,
-                seqlen_k, window_left, window_right, variant, b, resident, st, dpt, dk_acc,
-                dv_acc, dqa, lse_r, d_r, lse_tile, d_tile, smem, base, next_head, m_lo, m_hi,
-                n_blocks, key0, scale_log2, nheads, col_base, warp, lane, tid,
+                q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left,
+                window_right, variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r,
+                lse_tile, d_tile, base, next_head, m_lo, m_hi, n_blocks, key0, scale_log2,
+                nheads, warp, lane, tid,
             )  # fmt: skip
             n_blocks = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads

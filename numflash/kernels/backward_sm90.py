@@ -97,12 +97,12 @@ def ring_functions(stages, threads):
     proxy fence: ptx_sm90's docstring), and an empty one that every thread arrives at once its
     products have read the slot. Barrier i of the block's ``bars``: full i < STAGES, then
     empty. Named barriers 1 and 2 are the warpgroups' own."""
-    STAGES, THREADS = stages, threads
+    STAGES, THREADS, BARRIERS = uint32(stages), threads, 2 * stages  # (32-bit slot math)
 
     @device_function
     def start(bars, tid):
         if tid == 0:
-            for i in range(2 * STAGES):
+            for i in range(BARRIERS):
                 ptx_sm90.mbarrier_init(ptx.shared_address(bars, i), uint32(THREADS))
         cuda.syncthreads()
 
@@ -113,7 +113,8 @@ def ring_functions(stages, threads):
 
     @device_function
     def release(bars, t):
-        ptx_sm90.mbarrier_arrive(ptx.shared_address(bars, STAGES + uint32(t) % STAGES))
+        t = uint32(t)
+        ptx_sm90.mbarrier_arrive(ptx.shared_address(bars, STAGES + t % STAGES))
 
     @device_function
     def claim(bars, t):
@@ -124,7 +125,8 @@ def ring_functions(stages, threads):
 
     @device_function
     def filled(bars, t):
-        ptx_sm90.cp_async_arrive(ptx.shared_address(bars, uint32(t) % STAGES))
+        t = uint32(t)
+        ptx_sm90.cp_async_arrive(ptx.shared_address(bars, t % STAGES))
 
     @device_function
     def group_sync(warp):
