@@ -237,13 +237,12 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     }
     # the ring: each streaming tile waited for and released on mbarriers, every thread's
     # copies arriving there; one wait for the resident tiles (the block barrier schedule's
-    # kernels wait for their copies every tile, and use no mbarrier). A packed batch's
-    # kernels keep the block barriers.
+    # kernels wait for their copies every tile, and use no mbarrier); a packed batch's too
     ring = {e["kernel"] for e in entries if e["ring"]}
     assert ring == set(kernels)
     for e in entries:
         counts = e["counts"]
-        if e["ring"] and "varlen" not in e["kernel"]:
+        if e["ring"]:
             assert counts["mbarrier.try_wait"] >= 2 and counts["cp.async.mbarrier.arrive"] >= 1, e
             assert counts["cp.async.wait_group"] == 2, e  # the resident tiles; the drain
         else:

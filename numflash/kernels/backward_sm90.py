@@ -96,7 +96,7 @@ def ring_functions(stages, threads):
     land (``cp.async.mbarrier.arrive.noinc``; wgmma reads the tile after a wait on it, with no
     proxy fence: ptx_sm90's docstring), and an empty one that every thread arrives at once its
     products have read the slot. Barrier i of the block's ``bars``: full i < STAGES, then
-    empty. Named barriers 1 and 2 are the warpgroups' own."""
+    empty. Named barriers 1 and 2 are the warpgroups' own (warpgroup_barrier: no branch)."""
     STAGES, THREADS, BARRIERS = uint32(stages), threads, 2 * stages  # (32-bit slot math)
 
     @device_function
@@ -130,10 +130,7 @@ def ring_functions(stages, threads):
 
     @device_function
     def group_sync(warp):
-        if warp < 4:
-            ptx_sm90.named_barrier_sync(1, 128)
-        else:
-            ptx_sm90.named_barrier_sync(2, 128)
+        ptx_sm90.warpgroup_barrier(uint32(1) + (uint32(warp) >> uint32(2)))
 
     return backward.Ring(start, wait_full, release, claim, filled, group_sync)
 
@@ -158,8 +155,7 @@ def build_kernels(
     reductions from shared memory, not by atomics from registers (``bulk_dq``). ``ring``:
     the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
-    apart and one's softmax step run beside the other's products (the dense kernels; a
-    packed batch's keep the block barriers). Not with dQ added up here: its dS tile is one
+    apart and one's softmax step run beside the other's products. Not with dQ added up here: its dS tile is one
     for both warpgroups, rewritten each query block, and only a block barrier keeps a
     warpgroup from rewriting it while the other's dQ products read it."""
     if (
@@ -478,7 +474,7 @@ def build_kernels(
                     i = acc_index(dt, h)
                     ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
 
-    kernels = backward.build_kernels(
+    return backward.build_kernels(
         backward.Backend(
             block_m=BLOCK_M,
             block_n=BLOCK_N,
@@ -508,14 +504,3 @@ def build_kernels(
         alibi,
         mods,
     )
-    if ring:
-        # A packed batch's kernels keep the block barriers (two stages, within the ring's
-        # shared memory): with the ring, ptxas 13.0 serialises their wgmma (remark C7519, a
-        # warpgroup arrive it adds on a path it cannot prove uniform: the sequence lengths
-        # come from memory).
-        plain = build_kernels(
-            head_dim, dtype_name, num_warps, 2, heavy_group, softcap, alibi, pack_first,
-            dq_separate, mods, dq_bulk,
-        )  # fmt: skip
-        kernels = kernels._replace(dkdv_varlen=plain.dkdv_varlen, dq_varlen=plain.dq_varlen)
-    return kernels

@@ -116,6 +116,7 @@ __all__ = [
     "cp_async_arrive",
     "named_barrier_sync",
     "named_barrier_arrive",
+    "warpgroup_barrier",
     "set_max_registers",
     "reduce_add_pair",
     "store_shared_pair",
@@ -353,6 +354,9 @@ if SIMULATOR:
     def named_barrier_arrive(index, count):
         _block_barrier("bar", int(index)).arrive(int(count))
 
+    def warpgroup_barrier(index):
+        named_barrier_sync(index, 128)
+
     def set_max_registers(count, increase):
         pass
 
@@ -559,6 +563,14 @@ else:
         statement.__doc__ = doc
         return statement
 
+    warpgroup_barrier = _operands_statement(
+        "bar.sync $0, 128;",
+        1,
+        "bar.sync on named barrier ``index`` (uint32, a run-time value) for 128 threads: one "
+        "warpgroup's barrier, its number worked out from the warp (no branch between "
+        "barriers: a branch ptxas cannot prove the warpgroup takes together made it serialise "
+        "the kernel's wgmma, remark C7519).",
+    )
     mbarrier_init = _operands_statement(
         "mbarrier.init.shared::cta.b64 [$0], $1;",
         2,
