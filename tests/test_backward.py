@@ -160,10 +160,10 @@ TC_SIM_CASES = [
     # 64-byte offset into the atom, 64 an atom (one warpgroup's share: TC_GPU_CASES)
     ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
     ("bfloat16", 128, 40, 75, 2, "left", WG(num_warps=8, stages=1, dq_separate=False)),
-    # the tiles through an mbarrier ring of three slots: five query blocks (dK/dV kernel), and
-    # five key tiles (dQ kernel), so each wraps around the ring
-    ("float16", 64, 300, 90, 2, "none", WG(num_warps=8, stages=3, ring=True)),
-    ("bfloat16", 64, 90, 300, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
+    # the tiles through an mbarrier ring of three slots: four query blocks (dK/dV kernel, two
+    # warpgroups), and five key tiles (dQ kernel), so each wraps around the ring
+    ("float16", 64, 200, 40, 1, "none", WG(num_warps=8, stages=3, ring=True)),
+    ("bfloat16", 64, 40, 260, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
 ]
 
 
