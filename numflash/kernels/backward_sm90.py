@@ -155,9 +155,9 @@ def build_kernels(
     reductions from shared memory, not by atomics from registers (``bulk_dq``). ``ring``:
     the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
-    apart and one's softmax step run beside the other's products. Not with dQ added up here: its dS tile is one
-    for both warpgroups, rewritten each query block, and only a block barrier keeps a
-    warpgroup from rewriting it while the other's dQ products read it."""
+    apart and one's softmax step run beside the other's products. Not with dQ added up here:
+    its dS tile is one for both warpgroups, rewritten each query block, and only a block
+    barrier keeps a warpgroup from rewriting it while the other's dQ products read it."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
