@@ -1173,24 +1173,29 @@ def bulk_dq_values(buffer, planes, shape):
     """dQ's sums in dQ's ``shape`` ((batch, seqlen, nheads, head_dim), or a packed batch's
     (rows, nheads, head_dim)) from a bulk_dq_buffer of ``planes`` planes: the swizzle undone
     (16-byte chunk c of plane row r was stored at c ^ (r & 7)) and the planes side by side
-    again."""
+    again. Each element is read where _BULK_DQ_READ reads it on the GPU, by the same
+    arithmetic, so the simulator's tests check the formula that kernel runs."""
     xp = arrays.array_module(buffer)
-    batch, nheads, rows, cols = buffer.shape
+    _, nheads, plane_rows, cols = buffer.shape
     seqlen, head_dim = shape[-3], shape[-1]
-    chunks = cols // 4
-    # (batch, seqlen, nheads, planes, chunks, 4) as a view, then one gather in that order
-    tiles = buffer.reshape(batch, nheads, planes, rows // planes, chunks, 4)
-    tiles = tiles.transpose(0, 3, 1, 2, 4, 5)[:, :seqlen]
-    row = xp.arange(seqlen)
-    stored = xp.arange(chunks)[None, :] ^ (row[:, None] & 7)  # where chunk c of each row is
-    values = xp.take_along_axis(tiles, stored.reshape(1, seqlen, 1, 1, chunks, 1), axis=4)
-    values = values.reshape(batch, seqlen, nheads, planes * cols)[..., :head_dim]
-    return values[0] if len(shape) == 3 else values
+    rows = plane_rows // planes
+    t = xp.arange(int(np.prod(shape)), dtype=xp.int64)  # dq's logical index i
+    c = t % head_dim
+    t //= head_dim
+    h = t % nheads
+    t //= nheads
+    r = t % seqlen
+    b = t // seqlen
+    plane = c // cols
+    cc = c - plane * cols
+    chunk = (cc >> 2) ^ (r & 7)
+    at = (((b * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4 + (cc & 3)
+    return buffer.reshape(-1)[at].reshape(shape)
 
 
 #: C code of round_bulk_dq_into: x = dQ's sum at logical index i of dq (batch, seqlen,
 #: nheads, head_dim; a packed batch's (rows, nheads, head_dim) as batch 1), read where
-#: bulk_dq stored it (bulk_dq_values' arithmetic, element by element).
+#: bulk_dq stored it (bulk_dq_values' arithmetic, line by line).
 _BULK_DQ_READ = """
     long long t = i;
     const int c = (int)(t % head_dim); t /= head_dim;
@@ -1213,7 +1218,7 @@ def round_bulk_dq_into(dq, buffer, planes, scale):
     if arrays.array_module(buffer) is np:
         arrays.round_scaled_into(dq, bulk_dq_values(buffer, planes, dq.shape), scale)
         return
-    batch, nheads, plane_rows, cols = buffer.shape
+    _, nheads, plane_rows, cols = buffer.shape
     params = (
         "raw float32 acc, float32 s, int32 seqlen, int32 nheads, int32 head_dim, int32 planes, "
         "int32 rows, int32 cols"
