@@ -271,11 +271,18 @@ def rounding_kernel(dtype, params, read, name):
     key = (dtype_name(dtype), name)
     kernel = _ROUNDING_KERNELS.get(key)
     if kernel is None:
-        out = "float16 y" if key[0] == "float16" else "uint16 y"
-        code = read + _ROUND_SCALED_CODE[key[0]]
+        out, code = rounding_source(dtype, read)
         kernel = _cupy().ElementwiseKernel(params, out, code, f"{name}_{key[0]}")
         _ROUNDING_KERNELS[key] = kernel
     return kernel
+
+
+def rounding_source(dtype, read):
+    """The (output parameter, C body) of a rounding_kernel for ``dtype`` and ``read``: the
+    rounding in a scope of its own, so that ``read`` may use any name."""
+    name = dtype_name(dtype)
+    out = "float16 y" if name == "float16" else "uint16 y"
+    return out, read + "{" + _ROUND_SCALED_CODE[name] + "}"
 
 
 def rounding_output(dst):

@@ -1185,26 +1185,30 @@ def bulk_dq_values(buffer, planes, shape):
     h = t % nheads
     t //= nheads
     r = t % seqlen
-    b = t // seqlen
+    batch = t // seqlen
     plane = c // cols
     cc = c - plane * cols
     chunk = (cc >> 2) ^ (r & 7)
-    at = (((b * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4 + (cc & 3)
+    at = (((batch * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4 + (cc & 3)
     return buffer.reshape(-1)[at].reshape(shape)
 
 
 #: C code of round_bulk_dq_into: x = dQ's sum at logical index i of dq (batch, seqlen,
 #: nheads, head_dim; a packed batch's (rows, nheads, head_dim) as batch 1), read where
 #: bulk_dq stored it (bulk_dq_values' arithmetic, line by line).
+_BULK_DQ_PARAMS = (
+    "raw float32 acc, float32 s, int32 seqlen, int32 nheads, int32 head_dim, int32 planes, "
+    "int32 rows, int32 cols"
+)
 _BULK_DQ_READ = """
     long long t = i;
     const int c = (int)(t % head_dim); t /= head_dim;
     const int h = (int)(t % nheads); t /= nheads;
     const int r = (int)(t % seqlen);
-    const long long b = t / seqlen;
+    const long long batch = t / seqlen;
     const int plane = c / cols, cc = c - plane * cols;
     const int chunk = (cc >> 2) ^ (r & 7);
-    const long long at = (((b * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4
+    const long long at = (((batch * nheads + h) * planes + plane) * rows + r) * cols + chunk * 4
         + (cc & 3);
     float x = acc[at];
 """
@@ -1219,11 +1223,7 @@ def round_bulk_dq_into(dq, buffer, planes, scale):
         arrays.round_scaled_into(dq, bulk_dq_values(buffer, planes, dq.shape), scale)
         return
     _, nheads, plane_rows, cols = buffer.shape
-    params = (
-        "raw float32 acc, float32 s, int32 seqlen, int32 nheads, int32 head_dim, int32 planes, "
-        "int32 rows, int32 cols"
-    )
-    kernel = arrays.rounding_kernel(dq.dtype, params, _BULK_DQ_READ, "numflash_bulk_dq")
+    kernel = arrays.rounding_kernel(dq.dtype, _BULK_DQ_PARAMS, _BULK_DQ_READ, "numflash_bulk_dq")
     seqlen, head_dim = dq.shape[-3], dq.shape[-1]
     kernel(
         buffer, np.float32(scale), np.int32(seqlen), np.int32(nheads), np.int32(head_dim),

@@ -523,3 +523,59 @@ def test_round_scaled_into_matches_from_float_bitwise(dtype):
     arrays.round_scaled_into(dst, padded, 0.125)
     expected = arrays.from_float(xp.asarray(src) * np.float32(0.125), dst.dtype)
     np.testing.assert_array_equal(to_numpy(arrays.bits(dst)), to_numpy(arrays.bits(expected)))
+
+
+_C_TYPES = {"float32": "float", "int32": "int", "uint16": "unsigned short", "float16": "float16"}
+
+
+def _elementwise_source(params, out, body):
+    """C source for ``body`` the way a CuPy ElementwiseKernel wraps it: raw parameters as
+    pointers, the others (scalars, or an array's element at ``i``) as values, the output a
+    reference to its element ``i``."""
+    args = []
+    for param in params.split(","):
+        *raw, ctype, name = param.split()
+        ctype = _C_TYPES[ctype]
+        if raw:
+            args.append(f"const {ctype}* {name}")
+        else:
+            args.append(f"{ctype} {name}")
+    out_type, out_name = out.split()
+    args.append(f"{_C_TYPES[out_type]}* _{out_name}")
+    return (
+        "struct float16 { unsigned short bits; __device__ float16(float) : bits(0) {} };\n"
+        f'extern "C" __global__ void rounding({", ".join(args)}, long long n) {{\n'
+        "  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;"
+        " i += gridDim.x * blockDim.x) {\n"
+        f"    {_C_TYPES[out_type]}& {out_name} = _{out_name}[i];\n"
+        f"{body}\n  }}\n}}\n"
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kernel", ["round_scaled", "bulk_dq"])
+def test_rounding_kernels_compile(dtype, kernel):
+    """The C code of the CuPy kernels that round dQ (arrays.rounding_kernel) compiles with NVRTC
+    for sm_90: CuPy compiles it only on a GPU, so a name clash or a typo would otherwise first
+    show there."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    from numflash import arrays, launch
+
+    params, read = {
+        "round_scaled": ("float32 x, float32 s", ""),
+        "bulk_dq": (launch._BULK_DQ_PARAMS, launch._BULK_DQ_READ),
+    }[kernel]
+    out, body = arrays.rounding_source(
+        np.dtype(np.float16) if dtype == "float16" else arrays.BFLOAT16, read
+    )
+    source = _elementwise_source(params, out, body).encode()
+    err, program = nvrtc.nvrtcCreateProgram(source, b"rounding.cu", 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(program, 1, [b"--gpu-architecture=compute_90"])
+        _, size = nvrtc.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(program, log)
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
