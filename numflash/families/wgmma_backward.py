@@ -31,8 +31,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       (each thread's copies arrive when they land, each thread releases a slot when its
       products have read it) instead of a block barrier a tile, so that the two warpgroups
       may drift apart and one's softmax step run beside the other's products; each
-      warpgroup keeps its own LSE and D. With ``dq_separate`` only. Untimed on a GPU
-      (docs/performance.md).
+      warpgroup keeps its own LSE and D. With ``dq_separate`` only. Off by default: on an
+      H100 1-2% faster at head_dim 128, 6-8% slower at 64 (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
