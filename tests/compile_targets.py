@@ -67,6 +67,7 @@ INSTRUCTIONS = [
     "setmaxnreg",
     "cp.reduce.async.bulk",
     "red.global.add",
+    "bar.arrive",
 ]
 
 
@@ -287,15 +288,15 @@ def wgmma_tiles(dtype):
 
 def wgmma_backward(
     hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None,
-    dq_bulk=True, ring=False,
+    dq_bulk=True, ring=False, pingpong=False,
 ):  # fmt: skip
     """The Hopper backward's kernels; ``mods``: a user's functions (BACKWARD_MODS, or with a
     block mask: BLOCK_MASK_MODS), the dense kernels alone; ``dq_bulk`` as the configuration's
     (without dq_separate: dQ by bulk reductions, else by atomics); ``ring``: the tiles
-    through an mbarrier ring."""
+    through an mbarrier ring; ``pingpong``: the warpgroups taking turns with their products."""
     built = backward_sm90.build_kernels(
         hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first,
-        dq_separate=dq_separate, mods=mods, dq_bulk=dq_bulk, ring=ring,
+        dq_separate=dq_separate, mods=mods, dq_bulk=dq_bulk, ring=ring, pingpong=pingpong,
     )  # fmt: skip
     kernels = [("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV)]
     if dq_separate:
@@ -309,7 +310,7 @@ def wgmma_backward(
     return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")], head_dim=hd,
                    dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first,
                    dq_separate=dq_separate, mods=mods is not None,
-                   dq_bulk=dq_bulk and not dq_separate, ring=ring)  # fmt: skip
+                   dq_bulk=dq_bulk and not dq_separate, ring=ring, pingpong=pingpong)  # fmt: skip
 
 
 def mma_backward_mods(hd, dtype, mods):
@@ -435,8 +436,9 @@ def jobs(quick):
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False)))
     out.append((wgmma_backward, (64, "float16", 8, 2, 0.0, False, False)))
     out.append((wgmma_backward, (64, "bfloat16", 8, 2, 0.0, False, False, None, False)))
-    # the tiles through an mbarrier ring (three stages; 255 registers at head_dim 128)
-    out.append((wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True)))
+    # the tiles through an mbarrier ring (three stages; 255 registers at head_dim 128), the
+    # warpgroups taking turns with their products (the plain ring: tests/ptx_fingerprints.json)
+    out.append((wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True)))
     # a user's functions, with a block mask too; the mma.sync backward's with them
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, False, True, BACKWARD_MODS)))
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))

@@ -152,6 +152,9 @@ CASES = [
          backward=numflash.WgmmaBackwardConfig(8, 3, ring=True)),
     Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
          backward=numflash.WgmmaBackwardConfig(8, 3, ring=True)),
+    # ... the warpgroups taking turns with their products (pingpong)
+    Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True)),
 ]  # fmt: skip
 
 

@@ -160,9 +160,10 @@ TC_SIM_CASES = [
     # 64-byte offset into the atom, 64 an atom (one warpgroup's share: TC_GPU_CASES)
     ("float16", 64, 70, 80, 2, "causal", WG(num_warps=8, stages=2, dq_separate=False)),
     ("bfloat16", 128, 40, 75, 2, "left", WG(num_warps=8, stages=1, dq_separate=False)),
-    # the tiles through an mbarrier ring of three slots: four query blocks (dK/dV kernel, two
-    # warpgroups), and five key tiles (dQ kernel), so each wraps around the ring
-    ("float16", 64, 200, 40, 1, "none", WG(num_warps=8, stages=3, ring=True)),
+    # the tiles through an mbarrier ring of three slots: four query blocks (dK/dV kernel), and
+    # five key tiles (dQ kernel), so each wraps around the ring; the two warpgroups taking
+    # turns with their products (pingpong) in the first
+    ("float16", 64, 200, 40, 1, "none", WG(num_warps=8, stages=3, ring=True, pingpong=True)),
     ("bfloat16", 64, 40, 260, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
 ]
 
@@ -221,6 +222,10 @@ TC_GPU_CASES = [
         ("float16", 64, (517, 1023), 1, "window", WG(num_warps=8, stages=3, ring=True)),
         ("float16", 128, (777, 777), 2, "none", WG(num_warps=8, stages=3, ring=True)),
         ("bfloat16", 64, (300, 451), 1, "left", WG(num_warps=4, stages=3, ring=True)),
+        # ... the warpgroups taking turns with their products (pingpong)
+        ("bfloat16", 128, (1023, 517), 2, "causal", WG(8, 3, ring=True, pingpong=True)),
+        ("float16", 64, (517, 1023), 1, "window", WG(8, 3, ring=True, pingpong=True)),
+        ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, pingpong=True)),
     ]
 ]
 

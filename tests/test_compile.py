@@ -247,6 +247,12 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
             assert counts["cp.async.wait_group"] == 2, e  # the resident tiles; the drain
         else:
             assert counts["mbarrier.try_wait"] == counts["cp.async.mbarrier.arrive"] == 0, e
+    # pingpong: a turn passed after each issue of products (two a tile), and the first one
+    # (the plain kernels arrive at no named barrier)
+    assert {e["kernel"] for e in entries if e["pingpong"]} == set(kernels)
+    for e in entries:
+        arrivals = e["counts"]["bar.arrive"]
+        assert arrivals >= 3 if e["pingpong"] else arrivals == 0, e
     # a user's functions (backward.user_element_function), a block mask with them: no spill
     assert {(e["kernel"], e["dq_separate"]) for e in entries if e["mods"]} == {
         ("dkdv", True),

@@ -390,11 +390,19 @@ def test_backward_families_have_defaults_and_spaces():
     assert not wgmma.problems(128, H200) and not wgmma.problems(64, H200)
     assert any("compute capability 9.x" in r for r in wgmma.problems(128, A100))
     assert any("head_dim 64 or 128" in r for r in wgmma.problems(96, H200))
-    # three stages exactly with the mbarrier ring
+    # three stages exactly with the mbarrier ring; pingpong with the ring's two warpgroups
     assert {
-        (c.num_warps, c.stages, c.ring)
+        (c.num_warps, c.stages, c.ring, c.pingpong)
         for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
-    } == {(4, 1, False), (4, 2, False), (8, 1, False), (8, 2, False), (4, 3, True), (8, 3, True)}
+    } == {
+        (4, 1, False, False),
+        (4, 2, False, False),
+        (8, 1, False, False),
+        (8, 2, False, False),
+        (4, 3, True, False),
+        (8, 3, True, False),
+        (8, 3, True, True),
+    }
     # dQ added up in the dK/dV kernel: one warpgroup cannot hold its 128 columns at head_dim
     # 128 beside dK and dV (ptxas spills), two can; at 64 either
     fused = {

@@ -1,6 +1,6 @@
 """Hopper backward configurations timed against each other in one process, taking turns.
 
-    python tools/backward_ab.py --configs 8,2 8,3,ring 8,2,fused [--head-dims 64 128]
+    python tools/backward_ab.py --configs 8,2 8,3,ring 8,3,ring,pingpong [--head-dims 64 128]
                                 [--seqlens 4096]
                                 [--dtypes float16 bfloat16] [--causal both] [--runs 15]
                                 [--rounds 3] [--out PATH]
@@ -35,10 +35,11 @@ from bench_backward import sdpa_runs  # noqa: E402
 
 def parse_config(text):
     """num_warps,stages[,pack (pack_first)][,fused (dq_separate=False)][,atomic (dq_bulk=False)]
-    [,ring (ring=True, stages 3)], e.g. 8,2,fused or 8,3,ring"""
+    [,ring (ring=True, stages 3)][,pingpong (pingpong=True, with ring)], e.g. 8,2,fused or
+    8,3,ring,pingpong"""
     parts = text.split(",")
     warps, stages = (int(x) for x in parts[:2])
-    unknown = set(parts[2:]) - {"pack", "fused", "atomic", "ring"}
+    unknown = set(parts[2:]) - {"pack", "fused", "atomic", "ring", "pingpong"}
     if unknown:
         raise SystemExit(f"--configs {text}: unknown {', '.join(sorted(unknown))}")
     flags = parts[2:]
@@ -49,6 +50,7 @@ def parse_config(text):
         dq_separate="fused" not in flags,
         dq_bulk="atomic" not in flags,
         ring="ring" in flags,
+        pingpong="pingpong" in flags,
     )
 
 

@@ -33,6 +33,10 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       may drift apart and one's softmax step run beside the other's products; each
       warpgroup keeps its own LSE and D. With ``dq_separate`` only. Off by default: on an
       H100 1-2% faster at head_dim 128, 6-8% slower at 64 (docs/performance.md).
+    - ``pingpong`` (with ``ring`` and ``num_warps=8``): the two warpgroups take turns issuing
+      their products (named barriers, as the Hopper forward's pingpong), so that the tensor
+      cores run one's products while the other's softmax step runs, where without it both
+      issue at once and both wait. Off by default: not timed yet (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -61,6 +65,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     dq_separate: bool = config.knob(True, (True, False))
     dq_bulk: bool = config.knob(True, (True, False))
     ring: bool = config.knob(False, (False, True))
+    pingpong: bool = config.knob(False, (False, True))
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
@@ -94,6 +99,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             out.append(f"the wgmma backward takes head_dim {dims} (as padded), not {head_dim}")
         if self.ring != (self.stages == 3):
             out.append("ring=True takes stages=3, and stages=3 needs ring=True")
+        if self.pingpong and not (self.ring and self.num_warps == 8):
+            out.append("pingpong=True needs ring=True and num_warps=8 (two warpgroups)")
         if self.ring and not self.dq_separate:
             # the dS tile both warpgroups' dQ products read is rewritten each query block:
             # only a block barrier orders that
@@ -147,7 +154,7 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
-                dq_bulk=cfg.dq_bulk, ring=cfg.ring,
+                dq_bulk=cfg.dq_bulk, ring=cfg.ring, pingpong=cfg.pingpong,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)

@@ -504,7 +504,12 @@ class Ring(NamedTuple):
     - ``claim(bars, t)``: before tile t is loaded: every thread has released the slot's last
       tile (t - STAGES; nothing to wait for while t < STAGES);
     - ``filled(bars, t)``: this thread's copies of tile t arrive when they land;
-    - ``group_sync(warp)``: a barrier of this warp's warpgroup alone.
+    - ``group_sync(warp)``: a barrier of this warp's warpgroup alone;
+    - ``take_turn(warp)``, ``pass_turn(warp)``: around the issue of a warpgroup's products,
+      where the warpgroups take turns (pingpong; else nothing): wait for this warpgroup's
+      turn, then hand the turn to the other;
+    - ``first_turn(warp)``, ``last_turn(warp)``: once before the stream and once after it (the
+      first turn given to the first warpgroup; the last pass taken up).
     """
 
     start: object
@@ -513,6 +518,10 @@ class Ring(NamedTuple):
     claim: object
     filled: object
     group_sync: object
+    take_turn: object
+    pass_turn: object
+    first_turn: object
+    last_turn: object
 
 
 class Backend(NamedTuple):
@@ -632,7 +641,7 @@ def build_kernels(backend, alibi=False, mods=None):
     load_query_block = query_block_loader(
         load_pair, fetch_row_stats, STAT_THREADS if RING else None
     )
-    ring = backend.ring if RING else Ring(*(None,) * 6)
+    ring = backend.ring if RING else Ring(*(None,) * len(Ring._fields))
     slope_of, _ = alibi_functions(alibi)
     BLOCK_MASK = mods is not None and mods.block_mask
     # the index among *variant: constant slice bounds (a tuple of arrays takes no run-time
@@ -681,6 +690,7 @@ def build_kernels(backend, alibi=False, mods=None):
         gtid = tid & (STAT_THREADS - 1)  # this thread within its warpgroup
         first_stage = base + uint32(STAGE0)
         ring.start(bars, tid)
+        ring.first_turn(warp)
         m0 = m_lo
         load_head, load_m0 = head, m_lo  # the next block to load
         for j in range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2
@@ -719,6 +729,7 @@ def build_kernels(backend, alibi=False, mods=None):
                     load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
                 ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
             head, m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
+        ring.last_turn(warp)
 
     @device_function
     def ring_key_tiles(
@@ -730,6 +741,7 @@ def build_kernels(backend, alibi=False, mods=None):
         resident Q and dO are waited for once, behind a block barrier."""
         bars = cuda.shared.array(RING_BARRIERS, uint64)
         ring.start(bars, tid)
+        ring.first_turn(tid >> 5)
         for j in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2
             if j < n_tiles:
                 rows = int64(j * BLOCK_M)
@@ -752,6 +764,7 @@ def build_kernels(backend, alibi=False, mods=None):
                           k_at + rows * k_ss, k_ss, v_at + rows * v_ss, v_ss,
                           keys_left - int32(ahead * uint32(BLOCK_M)), tid)  # fmt: skip
                 ring.filled(bars, ahead)
+        ring.last_turn(tid >> 5)
 
     @device_function
     def dkdv_block(

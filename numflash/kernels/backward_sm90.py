@@ -90,14 +90,18 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=
 
 
 @functools.lru_cache(maxsize=None)
-def ring_functions(stages, threads):
+def ring_functions(stages, threads, pingpong=False):
     """The mbarrier ring (backward.Ring) of ``stages`` slots handed between ``threads``
     threads: a full barrier a slot that every thread's cp.async copies arrive at when they
     land (``cp.async.mbarrier.arrive.noinc``; wgmma reads the tile after a wait on it, with no
     proxy fence: ptx_sm90's docstring), and an empty one that every thread arrives at once its
     products have read the slot. Barrier i of the block's ``bars``: full i < STAGES, then
-    empty. Named barriers 1 and 2 are the warpgroups' own (warpgroup_barrier: no branch)."""
+    empty. Named barriers 1 and 2 are the warpgroups' own (warpgroup_barrier: no branch).
+    ``pingpong`` (two warpgroups): the warpgroups take turns issuing their products, the
+    first first; named barrier 3 + g is warpgroup g's turn, which the other's 128 threads
+    pass to it by arriving there (pair_barrier_*: numbered at run time, no branch)."""
     STAGES, THREADS, BARRIERS = uint32(stages), threads, 2 * stages  # (32-bit slot math)
+    PINGPONG = pingpong
 
     @device_function
     def start(bars, tid):
@@ -132,13 +136,36 @@ def ring_functions(stages, threads):
     def group_sync(warp):
         ptx_sm90.warpgroup_barrier(uint32(1) + (uint32(warp) >> uint32(2)))
 
-    return backward.Ring(start, wait_full, release, claim, filled, group_sync)
+    @device_function
+    def take_turn(warp):
+        if PINGPONG:
+            ptx_sm90.pair_barrier_sync(uint32(3) + (uint32(warp) >> uint32(2)))
+
+    @device_function
+    def pass_turn(warp):
+        if PINGPONG:
+            ptx_sm90.pair_barrier_arrive(uint32(4) - (uint32(warp) >> uint32(2)))
+
+    @device_function
+    def first_turn(warp):
+        if PINGPONG and (uint32(warp) >> uint32(2)) == uint32(1):
+            ptx_sm90.pair_barrier_arrive(uint32(3))  # the first warpgroup's turn comes first
+
+    @device_function
+    def last_turn(warp):
+        if PINGPONG and (uint32(warp) >> uint32(2)) == uint32(0):
+            ptx_sm90.pair_barrier_sync(uint32(3))  # the second's last pass, taken up
+
+    return backward.Ring(
+        start, wait_full, release, claim, filled, group_sync, take_turn, pass_turn, first_turn,
+        last_turn,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
-    pack_first=False, dq_separate=True, mods=None, dq_bulk=False, ring=False,
+    pack_first=False, dq_separate=True, mods=None, dq_bulk=False, ring=False, pingpong=False,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -157,18 +184,24 @@ def build_kernels(
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
     apart and one's softmax step run beside the other's products. Not with dQ added up here:
     its dS tile is one for both warpgroups, rewritten each query block, and only a block
-    barrier keeps a warpgroup from rewriting it while the other's dQ products read it."""
+    barrier keeps a warpgroup from rewriting it while the other's dQ products read it.
+    ``pingpong`` (with ``ring`` and two warpgroups): the warpgroups take turns issuing their
+    products (ring_functions), so that one's products run while the other's softmax step
+    does instead of both waiting for the tensor cores at once."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
         or stages not in ((3,) if ring else (1, 2))
         or (ring and not dq_separate)
+        or (pingpong and (not ring or num_warps != 8))
     ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
             + (", and the ring only with dq_separate" if ring else "")
+            + (", and pingpong only with the ring and num_warps 8" if pingpong else "")
         )
+    PINGPONG, RING = pingpong, ring_functions(stages, 32 * num_warps, pingpong)
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
@@ -254,10 +287,14 @@ def build_kernels(
             acc1[i] = float32(0.0)
         ptx_sm90.fence_operands(acc0, S_REGS)
         ptx_sm90.fence_operands(acc1, S_REGS)
+        if PINGPONG:
+            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         ptx_sm90.wgmma_fence()
         rows_by_queries(acc0, a0_desc, b0_desc)
         rows_by_queries(acc1, a1_desc, b1_desc)
         ptx_sm90.wgmma_commit()
+        if PINGPONG:
+            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc0, S_REGS)
         ptx_sm90.fence_operands(acc1, S_REGS)
@@ -281,6 +318,8 @@ def build_kernels(
             pack_into(dst, dpt)
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+        if PINGPONG:
+            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         ptx_sm90.wgmma_fence()
         if PACK_FIRST:
             accumulate_packed(dv_acc, pt, descriptor(do_addr, TILE_ATOM))
@@ -289,6 +328,8 @@ def build_kernels(
             accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
             accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
+        if PINGPONG:
+            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         if not FUSED_DQ:  # (else atomic_dq waits, after issuing dQ's products)
             # the stage and the A fragments are read until the products land
             ptx_sm90.wgmma_wait(0)
@@ -342,12 +383,16 @@ def build_kernels(
             ds = cuda.local.array(WORDS, uint32)
             pack_into(ds, dp)
         ptx_sm90.fence_operands(acc, ACC_REGS)
+        if PINGPONG:
+            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         ptx_sm90.wgmma_fence()
         if PACK_FIRST:
             accumulate_packed(acc, ds, descriptor(k_addr, TILE_ATOM))
         else:
             accumulate(acc, dp, descriptor(k_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
+        if PINGPONG:
+            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc, ACC_REGS)
 
@@ -497,7 +542,7 @@ def build_kernels(
             key_tile_step=key_tile_step,
             atomic_dq=atomic_dq,
             drain=drain,
-            ring=ring_functions(stages, THREADS) if ring else None,
+            ring=RING if ring else None,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
         ),

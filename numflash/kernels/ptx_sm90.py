@@ -117,6 +117,8 @@ __all__ = [
     "named_barrier_sync",
     "named_barrier_arrive",
     "warpgroup_barrier",
+    "pair_barrier_sync",
+    "pair_barrier_arrive",
     "set_max_registers",
     "reduce_add_pair",
     "store_shared_pair",
@@ -357,6 +359,12 @@ if SIMULATOR:
     def warpgroup_barrier(index):
         named_barrier_sync(index, 128)
 
+    def pair_barrier_sync(index):
+        named_barrier_sync(index, 256)
+
+    def pair_barrier_arrive(index):
+        named_barrier_arrive(index, 256)
+
     def set_max_registers(count, increase):
         pass
 
@@ -570,6 +578,18 @@ else:
         "warpgroup's barrier, its number worked out from the warp (no branch between "
         "barriers: a branch ptxas cannot prove the warpgroup takes together made it serialise "
         "the kernel's wgmma, remark C7519).",
+    )
+    pair_barrier_sync = _operands_statement(
+        "bar.sync $0, 256;",
+        1,
+        "bar.sync on named barrier ``index`` (uint32, a run-time value) for 256 threads: two "
+        "warpgroups' barrier (warpgroup_barrier's reason for a run-time number).",
+    )
+    pair_barrier_arrive = _operands_statement(
+        "bar.arrive $0, 256;",
+        1,
+        "bar.arrive on named barrier ``index`` (uint32, a run-time value) for 256 threads: "
+        "counts this thread toward pair_barrier_sync's 256 without waiting.",
     )
     mbarrier_init = _operands_statement(
         "mbarrier.init.shared::cta.b64 [$0], $1;",
