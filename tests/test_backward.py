@@ -10,6 +10,7 @@ from support import (
     wgmma_or_skip,
     xp,
 )
+from support.nvrtc import assert_compiles
 
 import numflash
 from numflash.arrays import to_float64
@@ -563,24 +564,12 @@ def test_rounding_kernels_compile(dtype, kernel):
     """The C code of the CuPy kernels that round dQ (arrays.rounding_kernel) compiles with NVRTC
     for sm_90: CuPy compiles it only on a GPU, so a name clash or a typo would otherwise first
     show there."""
-    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     from numflash import arrays, launch
 
     params, read = {
         "round_scaled": ("float32 x, float32 s", ""),
         "bulk_dq": (launch._BULK_DQ_PARAMS, launch._BULK_DQ_READ),
     }[kernel]
-    out, body = arrays.rounding_source(
-        np.dtype(np.float16) if dtype == "float16" else arrays.BFLOAT16, read
-    )
-    source = _elementwise_source(params, out, body).encode()
-    err, program = nvrtc.nvrtcCreateProgram(source, b"rounding.cu", 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    try:
-        (err,) = nvrtc.nvrtcCompileProgram(program, 1, [b"--gpu-architecture=compute_90"])
-        _, size = nvrtc.nvrtcGetProgramLogSize(program)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(program, log)
-        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
+    dt = np.dtype(np.float16) if dtype == "float16" else arrays.BFLOAT16
+    out, body = arrays.rounding_source(dt, read)
+    assert_compiles(_elementwise_source(params, out, body))

@@ -3,8 +3,15 @@
 import time
 
 import pytest
+from support.nvrtc import assert_compiles
 
+from numflash import timing
 from numflash.timing import time_gpu
+
+
+def test_flush_and_hold_kernels_compile():
+    """The L2 flush's and the hold's C code (CuPy compiles it on a GPU's first timing)."""
+    assert_compiles(timing._SOURCE)
 
 
 @pytest.mark.gpu
