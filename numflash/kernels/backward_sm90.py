@@ -201,7 +201,7 @@ def build_kernels(
             + (", and the ring only with dq_separate" if ring else "")
             + (", and pingpong only with the ring and num_warps 8" if pingpong else "")
         )
-    PINGPONG, RING = pingpong, ring_functions(stages, 32 * num_warps, pingpong)
+    RING = ring_functions(stages, 32 * num_warps, pingpong)  # its turns: nothing without
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
@@ -279,6 +279,16 @@ def build_kernels(
             update(acc, a, b_desc + uint64((j * 16 * ROW_BYTES) >> 4))
 
     @device_function
+    def take_turn():
+        """Before a warpgroup issues its products: its turn (pingpong; else nothing)."""
+        RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+
+    @device_function
+    def pass_turn():
+        """After it committed them: the other warpgroup's turn (pingpong; else nothing)."""
+        RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+
+    @device_function
     def score_pair(acc0, acc1, a0_desc, b0_desc, a1_desc, b1_desc):
         """acc0 = A0 B0^T and acc1 = A1 B1^T (rows_by_queries, from zero), landed in the
         registers: S^T and dP^T (dK/dV kernel) or S and dP (dQ kernel)."""
@@ -287,14 +297,12 @@ def build_kernels(
             acc1[i] = float32(0.0)
         ptx_sm90.fence_operands(acc0, S_REGS)
         ptx_sm90.fence_operands(acc1, S_REGS)
-        if PINGPONG:
-            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        take_turn()
         ptx_sm90.wgmma_fence()
         rows_by_queries(acc0, a0_desc, b0_desc)
         rows_by_queries(acc1, a1_desc, b1_desc)
         ptx_sm90.wgmma_commit()
-        if PINGPONG:
-            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        pass_turn()
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc0, S_REGS)
         ptx_sm90.fence_operands(acc1, S_REGS)
@@ -318,8 +326,7 @@ def build_kernels(
             pack_into(dst, dpt)
         ptx_sm90.fence_operands(dv_acc, ACC_REGS)
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
-        if PINGPONG:
-            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        take_turn()
         ptx_sm90.wgmma_fence()
         if PACK_FIRST:
             accumulate_packed(dv_acc, pt, descriptor(do_addr, TILE_ATOM))
@@ -328,8 +335,7 @@ def build_kernels(
             accumulate(dv_acc, st, descriptor(do_addr, TILE_ATOM))
             accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
-        if PINGPONG:
-            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        pass_turn()
         if not FUSED_DQ:  # (else atomic_dq waits, after issuing dQ's products)
             # the stage and the A fragments are read until the products land
             ptx_sm90.wgmma_wait(0)
@@ -383,16 +389,14 @@ def build_kernels(
             ds = cuda.local.array(WORDS, uint32)
             pack_into(ds, dp)
         ptx_sm90.fence_operands(acc, ACC_REGS)
-        if PINGPONG:
-            RING.take_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        take_turn()
         ptx_sm90.wgmma_fence()
         if PACK_FIRST:
             accumulate_packed(acc, ds, descriptor(k_addr, TILE_ATOM))
         else:
             accumulate(acc, dp, descriptor(k_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
-        if PINGPONG:
-            RING.pass_turn(uint32(cuda.threadIdx.x) >> uint32(5))
+        pass_turn()
         ptx_sm90.wgmma_wait(0)
         ptx_sm90.fence_operands(acc, ACC_REGS)
 
