@@ -298,7 +298,7 @@ class _WarpRowsBackward(_Config):
     def kernel_head_dim(self, head_dim):
         return tensor_core_backward_head_dim(head_dim)
 
-    def dq_planes(self):
+    def dq_planes(self, head_dim):
         """Planes of dQ's fp32 buffer where the dK/dV kernel adds dQ up by bulk reductions
         (launch.bulk_dq_buffer); 0 where it adds it up in dQ's own layout, or not at all."""
         return 0

@@ -1112,7 +1112,7 @@ def tensor_core_backward(
         for g in (dq, dk, dv)
     )
     # dQ's fp32 accumulator for the atomics; a placeholder when the dQ kernel writes dQ itself
-    planes = cfg.dq_planes()
+    planes = cfg.dq_planes(head_dim)
     if planes:
         dq_acc, dq_acc_view = bulk_dq_buffer(q, head_dim, planes, cfg.block_m, varlen)
     else:

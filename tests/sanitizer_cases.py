@@ -14,6 +14,7 @@ mma.sync and wgmma), also over device offsets that lie; the Hopper forward in ea
 and over KV caches (chunked prefill, hostile lengths and pages included); a user's score_mod
 and mask_mod. ``--family NAME`` runs the cases of one family (``varlen`` for the packed ones,
 ``persistent`` for the Hopper forward's listed work orders, ``mods`` for the user functions);
+``--match TEXT`` only the listed cases whose repr holds TEXT (nothing else);
 ``--kvcache-only`` only its KV-cache cases (for the Hopper forward: chunked prefill, hostile
 lengths and pages included).
 
@@ -155,6 +156,11 @@ CASES = [
     # ... the warpgroups taking turns with their products (pingpong)
     Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True)),
+    # ... adding dQ up in the dK/dV kernel through two dS tiles
+    Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True)),
+    Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
+         backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True)),
 ]  # fmt: skip
 
 
@@ -292,7 +298,10 @@ def run_block_masks():
 def main(argv):
     family = argv[argv.index("--family") + 1] if "--family" in argv else None
     kvcache_only = "--kvcache-only" in argv
+    match = argv[argv.index("--match") + 1] if "--match" in argv else None
     for case in CASES:
+        if match is not None and match not in repr(case):
+            continue
         if family == "persistent":  # the listed work orders alone
             if not case.blocks:
                 continue
@@ -304,6 +313,8 @@ def main(argv):
             continue
         run(case)
         print(f"ok {case}", flush=True)
+    if match is not None:  # those cases alone
+        return
     if family in (None, "mods") and not kvcache_only:
         run_user_functions()
         print("ok score_mod, mask_mod and mod_args", flush=True)

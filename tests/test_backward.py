@@ -123,6 +123,8 @@ def test_strided_inputs_and_softmax_scale():
 
 TC = numflash.TensorCoreBackwardConfig  # TC(block_m, num_warps, stages, dq_separate)
 WG = numflash.WgmmaBackwardConfig
+#: the ring with pingpong turns adding dQ up in the dK/dV kernel (a third turn a query block)
+RING_DQ = WG(8, 3, dq_separate=False, ring=True, pingpong=True)
 
 TC_SIM_CASES = [
     ("float16", 16, 9, 21, 1, "none", TC(16, 1, 2, False)),
@@ -166,6 +168,8 @@ TC_SIM_CASES = [
     # turns with their products (pingpong) in the first
     ("float16", 64, 200, 40, 1, "none", WG(num_warps=8, stages=3, ring=True, pingpong=True)),
     ("bfloat16", 64, 40, 260, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
+    # ... adding dQ up in the dK/dV kernel: three query blocks, so a dS tile is rewritten
+    ("bfloat16", 64, 130, 40, 1, "causal", RING_DQ),
 ]
 
 
@@ -227,6 +231,11 @@ TC_GPU_CASES = [
         ("bfloat16", 128, (1023, 517), 2, "causal", WG(8, 3, ring=True, pingpong=True)),
         ("float16", 64, (517, 1023), 1, "window", WG(8, 3, ring=True, pingpong=True)),
         ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, pingpong=True)),
+        # ... and dQ added up in the dK/dV kernel, in a third turn
+        ("bfloat16", 128, (1023, 517), 2, "causal", RING_DQ),
+        ("float16", 64, (517, 1023), 1, "window", RING_DQ),
+        ("float16", 128, (777, 777), 2, "none", RING_DQ),
+        ("bfloat16", 64, (2048, 2048), 1, "left", RING_DQ),
     ]
 ]
 
@@ -427,7 +436,10 @@ def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path
     # at head_dim 128 (its varlen dK/dV kernel would spill)
     hd128 = [random_array(x.shape[:-1] + (128,), "float16") for x in (q, k, v)]
     p128 = problem(*hd128, False, None, (-1, -1))[-1]
-    assert selection.backward_varlen(p128, h200, True).config == numflash.WgmmaBackwardConfig()
+    # at head_dim 128 the Hopper default is the ring with pingpong turns (deterministic too)
+    pingpong = numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True)
+    assert selection.backward_varlen(p128, h200, True).config == pingpong
+    assert selection.backward(p128, h200, True).config == pingpong
     varlen = selection.backward_varlen(p128, a100, True)
     assert varlen == (numflash.TensorCoreBackwardConfig(32, 8, 2), "heuristic")
     assert selection.backward_varlen(p64, a100, True).config == numflash.TensorCoreBackwardConfig()

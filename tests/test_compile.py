@@ -222,15 +222,16 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     assert {e["kernel"] for e in entries if e["pack_first"]} == set(kernels)
     fused = {(e["head_dim"], e["kernel"]) for e in entries if not e["dq_separate"]}
     assert fused == {(hd, k) for hd in (64, 128) for k in ("dkdv", "dkdv-varlen")}
-    # dQ by bulk reductions (one a warp and query block), or by atomics (16 a thread)
+    # dQ by bulk reductions (one a warp and query block; with the ring one per 32 columns of
+    # the warpgroup's), or by atomics (16 a thread)
     for e in entries:
         bulk, atomics = e["counts"]["cp.reduce.async.bulk"], e["counts"]["red.global.add"]
         if e["dq_separate"]:
             assert bulk == atomics == 0, e
+        elif e["dq_bulk"]:
+            assert (bulk, atomics) == (e["head_dim"] // 64 if e["ring"] else 1, 0), e
         else:
-            assert (bulk, atomics) == (
-                (1, 0) if e["dq_bulk"] else (0, 16 * e["head_dim"] // 128)
-            ), e
+            assert (bulk, atomics) == (0, 16 * e["head_dim"] // 128), e
     assert {e["dq_bulk"] for e in entries if not e["dq_separate"] and not e["mods"]} == {
         True,
         False,
@@ -247,12 +248,17 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
             assert counts["cp.async.wait_group"] == 2, e  # the resident tiles; the drain
         else:
             assert counts["mbarrier.try_wait"] == counts["cp.async.mbarrier.arrive"] == 0, e
-    # pingpong: a turn passed after each issue of products (two a tile), and the first one
-    # (the plain kernels arrive at no named barrier)
+    # pingpong: a turn passed after each issue of products (two a tile, three with dQ added
+    # up there), and the first one (the plain kernels arrive at no named barrier)
     assert {e["kernel"] for e in entries if e["pingpong"]} == set(kernels)
+    assert {e["kernel"] for e in entries if e["pingpong"] and not e["dq_separate"]} == {
+        "dkdv",
+        "dkdv-varlen",
+    }
     for e in entries:
         arrivals = e["counts"]["bar.arrive"]
-        assert arrivals >= 3 if e["pingpong"] else arrivals == 0, e
+        turns = 3 if e["dq_separate"] else 4
+        assert arrivals >= turns if e["pingpong"] else arrivals == 0, e
     # a user's functions (backward.user_element_function), a block mask with them: no spill
     assert {(e["kernel"], e["dq_separate"]) for e in entries if e["mods"]} == {
         ("dkdv", True),

@@ -381,11 +381,11 @@ def test_backward_families_have_defaults_and_spaces():
     )
     # the Hopper family: its own configuration, feasible on compute capability 9.x at head_dim
     # 64 and 128 (as padded) only
-    for hd in (64, 120, 128):
-        assert default_config("wgmma-backward", hd, H200) == (
-            (hd + 15) // 16 * 16,
-            WgmmaBackwardConfig(num_warps=8, stages=2),
-        )
+    # (two stages at 64; at 128 the ring with pingpong turns)
+    pingpong = WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True)
+    for hd, default in ((64, WgmmaBackwardConfig(num_warps=8, stages=2)), (120, pingpong),
+                        (128, pingpong)):  # fmt: skip
+        assert default_config("wgmma-backward", hd, H200) == ((hd + 15) // 16 * 16, default)
     wgmma = WgmmaBackwardConfig()
     assert not wgmma.problems(128, H200) and not wgmma.problems(64, H200)
     assert any("compute capability 9.x" in r for r in wgmma.problems(128, A100))
@@ -412,6 +412,13 @@ def test_backward_families_have_defaults_and_spaces():
         if not c.dq_separate
     }
     assert fused == {(64, 4), (64, 8), (128, 8)}
+    # ... with the ring only where the warpgroups take turns and send dQ by bulk reductions
+    ring_fused = {
+        (c.num_warps, c.pingpong, c.dq_bulk)
+        for c in space.feasible_points(WgmmaBackwardConfig, 128, H200)
+        if c.ring and not c.dq_separate
+    }
+    assert ring_fused == {(8, True, True)}
     for hd in (64, 128):
         assert default_config("tensor-core-backward", hd, A100) == (
             hd,

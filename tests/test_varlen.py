@@ -88,6 +88,12 @@ if not SIMULATOR:  # the issue's lengths, on the GPU
         # ... the warpgroups taking turns with their products (pingpong)
         Case("float16", (517, 0, 64, 300), (517, 9, 64, 450), nheads=4, nheads_k=2,
              head_dim=128, mask=dict(causal=True), backward=WG(8, 3, ring=True, pingpong=True)),
+        # ... and dQ added up in the dK/dV kernel (in the simulator: tests/test_backward.py)
+        Case("bfloat16", (517, 0, 64, 300), (517, 9, 64, 450), nheads=4, nheads_k=2,
+             head_dim=128, mask=dict(causal=True),
+             backward=WG(8, 3, dq_separate=False, ring=True, pingpong=True)),
+        Case("float16", (0, 200, 3, 77), (2, 70, 3, 301), nheads=2, nheads_k=1, head_dim=64,
+             backward=WG(8, 3, dq_separate=False, ring=True, pingpong=True)),
     ]  # fmt: skip
 
 

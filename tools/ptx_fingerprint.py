@@ -187,17 +187,19 @@ def cases():
             launch.DECODE.signature(dt),
         )
     family = config.WgmmaBackwardConfig.family
-    for hd, dt, warps, stages, pack, fused, bulk, ring in [
-        (128, "float16", 8, 2, False, False, False, False),
-        (64, "bfloat16", 4, 1, False, False, False, False),
-        (128, "float16", 8, 2, True, False, False, False),
-        (128, "float16", 8, 2, False, True, False, False),  # dQ added up in the dK/dV kernel
-        (128, "float16", 8, 2, False, True, True, False),  # ... by bulk reductions
-        (128, "bfloat16", 8, 3, False, False, False, True),  # tiles through an mbarrier ring
+    for hd, dt, warps, stages, pack, fused, bulk, ring, pingpong in [
+        (128, "float16", 8, 2, False, False, False, False, False),
+        (64, "bfloat16", 4, 1, False, False, False, False, False),
+        (128, "float16", 8, 2, True, False, False, False, False),
+        (128, "float16", 8, 2, False, True, False, False, False),  # dQ added up in dK/dV's kernel
+        (128, "float16", 8, 2, False, True, True, False, False),  # ... by bulk reductions
+        (128, "bfloat16", 8, 3, False, False, False, True, False),  # tiles through a ring
+        (128, "bfloat16", 8, 3, False, False, False, True, True),  # ... taking turns
+        (128, "bfloat16", 8, 3, False, True, True, True, True),  # ... dQ added up there too
     ]:
         kernels = backward_sm90.build_kernels(
             hd, dt, warps, stages, pack_first=pack, dq_separate=not fused, dq_bulk=bulk,
-            ring=ring,
+            ring=ring, pingpong=pingpong,
         )  # fmt: skip
         name = (
             f"{hd}-{dt}-{warps}-{stages}"
@@ -205,6 +207,7 @@ def cases():
             + ("-fused" if fused else "")
             + ("-bulk" if bulk else "")
             + ("-ring" if ring else "")
+            + ("-pingpong" if pingpong else "")
         )
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if not fused:

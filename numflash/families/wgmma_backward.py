@@ -31,12 +31,18 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       (each thread's copies arrive when they land, each thread releases a slot when its
       products have read it) instead of a block barrier a tile, so that the two warpgroups
       may drift apart and one's softmax step run beside the other's products; each
-      warpgroup keeps its own LSE and D. With ``dq_separate`` only. Off by default: on an
-      H100 1-2% faster at head_dim 128, 6-8% slower at 64 (docs/performance.md).
+      warpgroup keeps its own LSE and D. Without ``dq_separate`` only with ``pingpong`` and
+      ``dq_bulk``. Alone: on an H100 1-2% faster at head_dim 128, 6-8% slower at 64
+      (docs/performance.md).
     - ``pingpong`` (with ``ring`` and ``num_warps=8``): the two warpgroups take turns issuing
       their products (named barriers, as the Hopper forward's pingpong), so that the tensor
       cores run one's products while the other's softmax step runs, where without it both
-      issue at once and both wait. Off by default: not timed yet (docs/performance.md).
+      issue at once and both wait. With the ring, the default at head_dim 128: on an H100
+      1.5-4% faster than the ring alone, 1.02-1.08x the two-stage configuration
+      (docs/performance.md). With ``dq_separate=False`` dQ takes a third turn a query block,
+      from two dS tiles the turns keep apart (kernels/backward_sm90.ring_query_block_step):
+      on an H100 1.04-1.09x the two-stage configuration with 16384 keys, 0.96-1.02x with
+      4096; not repeatable bit for bit, so not a default.
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -79,12 +85,15 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         """The swizzled K, V, stage (and dS) tiles (kernels/backward_sm90.py), alignment
         included."""
         return backward_sm90.shared_memory_layout(
-            head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk
+            head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk, self.ring
         )[-1]
 
-    def dq_planes(self):
-        """One plane of dQ's columns a warpgroup (kernels/backward_sm90.bulk_dq)."""
-        return self.num_warps // 4 if not self.dq_separate and self.dq_bulk else 0
+    def dq_planes(self, head_dim):
+        """One plane of dQ's columns a warpgroup, with ``ring`` one per 32 columns
+        (kernels/backward_sm90.bulk_dq)."""
+        if self.dq_separate or not self.dq_bulk:
+            return 0
+        return backward_sm90.dq_planes(head_dim, self.num_warps, self.ring)
 
     def problems(self, head_dim, device):
         out = config._out_of_choices(self)
@@ -101,10 +110,10 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             out.append("ring=True takes stages=3, and stages=3 needs ring=True")
         if self.pingpong and not (self.ring and self.num_warps == 8):
             out.append("pingpong=True needs ring=True and num_warps=8 (two warpgroups)")
-        if self.ring and not self.dq_separate:
-            # the dS tile both warpgroups' dQ products read is rewritten each query block:
-            # only a block barrier orders that
-            out.append("ring=True needs dq_separate=True")
+        if self.ring and not self.dq_separate and not (self.pingpong and self.dq_bulk):
+            # the dS tiles both warpgroups' dQ products read are rewritten every other query
+            # block: only the pingpong turns order that (backward_sm90.ring_query_block_step)
+            out.append("ring=True with dq_separate=False needs pingpong=True and dq_bulk=True")
         if head_dim == 128 and self.num_warps == 4 and not self.dq_separate:
             # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
             out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")
@@ -123,7 +132,11 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
 @selection.default_for(WgmmaBackwardConfig)
 def default_wgmma_backward_config(head_dim):
     """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
-    warpgroup was within 3% (docs/performance.md, "Hopper backward")."""
+    warpgroup was within 3% (docs/performance.md, "Hopper backward"). At head_dim 128 (as
+    padded) the ring with pingpong turns: the same bits, 1.02-1.08x as fast on an H100; at 64
+    0.93-0.98x, so not there (docs/performance.md, "The warpgroups taking turns")."""
+    if head_dim == 128:
+        return WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True)
     return WgmmaBackwardConfig(num_warps=8, stages=2)
 
 

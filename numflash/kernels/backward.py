@@ -564,7 +564,12 @@ class Backend(NamedTuple):
     :class:`Ring` (needs ``stages`` >= 3: the tile STAGES - 1 ahead is loaded after a tile's
     step, into the slot of the tile before it). With a ring each warpgroup keeps its own copy
     of a query block's LSE and D (its threads fetch and store them, then ``group_sync``), so
-    nothing makes one warpgroup wait for the other but a slot still being read.
+    nothing makes one warpgroup wait for the other but a slot still being read. With a ring
+    and ``dq_atomic`` (else None),
+    ``ring_query_block_step(st, dpt, dk_acc, dv_acc, dqa, resident, stage_addr, scores,
+    pending)``: query_block_step that also adds the block's dQ up, pending = (base, dq_acc,
+    dq_acc's index of the block's head, dq_ss, dq_sh, the block's first row, its index in the
+    stream, warp, lane); its products have landed on return.
     """
 
     block_m: int
@@ -589,6 +594,7 @@ class Backend(NamedTuple):
     write_rows: object
     drain: object = drain_copies
     ring: object = None
+    ring_query_block_step: object = None
 
 
 def build_kernels(backend, alibi=False, mods=None):
@@ -621,10 +627,10 @@ def build_kernels(backend, alibi=False, mods=None):
     GROUPS = THREADS // STAT_THREADS  # copies of the LSE and D tiles
     STAT_TILE = GROUPS * STAGES * BLOCK_M  # LSE and D of every stage (and copy)
     RING_BARRIERS = 2 * STAGES  # a ring's full and empty mbarriers
-    if RING and (STAGES < 3 or DQ_ATOMIC):
+    if RING and (STAGES < 3 or DQ_ATOMIC and backend.ring_query_block_step is None):
         raise ValueError(
-            f"a ring of tiles needs stages >= 3 (not {STAGES}) and no atomic dQ (its dS tile "
-            "is rewritten each query block behind a block barrier)"
+            f"a ring of tiles needs stages >= 3 (not {STAGES}), and with dQ added up "
+            "ring_query_block_step (the schedule that orders its dS tiles)"
         )
     block_position = backend.block_position
     shared_base = backend.shared_base
@@ -634,6 +640,7 @@ def build_kernels(backend, alibi=False, mods=None):
     query_block_step = backend.query_block_step
     key_tile_step = backend.key_tile_step
     atomic_dq = backend.atomic_dq
+    ring_query_block_step = backend.ring_query_block_step
     divide = backend.divide
     write_rows = backend.write_rows
     drain = backend.drain
@@ -677,14 +684,16 @@ def build_kernels(backend, alibi=False, mods=None):
     def ring_query_blocks(
         q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left, window_right,
         variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r, lse_tile, d_tile, base, head,
-        m_lo, m_hi, n_blocks, key0, scale_log2, nheads, warp, lane, tid,
+        m_lo, m_hi, n_blocks, key0, scale_log2, nheads, warp, lane, tid, dqa, dq_acc, dq_first,
+        dq_ss, dq_sh,
     ):  # fmt: skip
-        """dkdv_block's query blocks (no atomic dQ) through the backend's ring: block t in slot
-        t % STAGES, loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released
-        by every thread; LSE and D in this warpgroup's copy of the tiles, stored for block it
-        + 1 once block it's step is done (the values fetched one block earlier), then a
-        warpgroup barrier. The resident K and V (and the first block's LSE and D) are waited
-        for once, behind a block barrier."""
+        """dkdv_block's query blocks through the backend's ring: block t in slot t % STAGES,
+        loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released by every
+        thread; LSE and D in this warpgroup's copy of the tiles, stored for block it + 1 once
+        block it's step is done (the values fetched one block earlier), then a warpgroup
+        barrier. The resident K and V (and the first block's LSE and D) are waited for once,
+        behind a block barrier. With DQ_ATOMIC the backend's ring_query_block_step adds each
+        block's dQ up too."""
         bars = cuda.shared.array(RING_BARRIERS, uint64)
         group = (warp >> 2) * STAGES  # this warpgroup's tiles of LSE and D
         gtid = tid & (STAT_THREADS - 1)  # this thread within its warpgroup
@@ -710,9 +719,15 @@ def build_kernels(backend, alibi=False, mods=None):
             score_args = (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant))
             scores = (lse_tile, d_tile, (group + slot) * BLOCK_M, key0, m0, lane, seqlen_q,
                       seqlen_k, scale_log2, window_left, window_right, score_args)  # fmt: skip
-            query_block_step(
-                st, dpt, dk_acc, dv_acc, resident, first_stage + slot * uint32(STAGE_BYTES), scores
-            )
+            stage_addr = first_stage + slot * uint32(STAGE_BYTES)
+            if DQ_ATOMIC:
+                pending = (base, dq_acc, dq_first + head * dq_sh, dq_ss, dq_sh, m0, it, warp,
+                           lane)  # fmt: skip
+                ring_query_block_step(
+                    st, dpt, dk_acc, dv_acc, dqa, resident, stage_addr, scores, pending
+                )
+            else:
+                query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores)
             ring.release(bars, it)  # (the step's products have landed)
             if it + 1 < n_blocks:
                 nxt = (uint32(it) + uint32(1)) % uint32(STAGES)
@@ -858,7 +873,7 @@ def build_kernels(backend, alibi=False, mods=None):
                 q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left,
                 window_right, variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r,
                 lse_tile, d_tile, base, next_head, m_lo, m_hi, n_blocks, key0, scale_log2,
-                nheads, warp, lane, tid,
+                nheads, warp, lane, tid, dqa, dq_acc, dq_first, dq_ss, dq_sh,
             )  # fmt: skip
             n_blocks = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads

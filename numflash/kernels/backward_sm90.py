@@ -72,21 +72,38 @@ HEAD_DIMS = (64, 128)
 NUM_WARPS = (4, 8)
 
 
-def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=False):
+def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False):
     """(K, V, the first stage, one stage, dO within a stage, dS, dQ, total) in bytes from the
     block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x the block's keys) only
-    without ``dq_separate``, dQ's (BLOCK_M rows x head_dim, fp32) only with ``dq_bulk`` too;
-    the total includes 1024 bytes to align that base."""
+    without ``dq_separate`` (two with ``ring``: ring_query_block_step), dQ's staging slots
+    for the bulk reductions (BLOCK_M rows x head_dim, fp32; with ``ring`` BLOCK_M rows x
+    RING_PLANE_COLS a warpgroup) only with ``dq_bulk`` too; the total includes 1024 bytes to
+    align that base."""
     atoms = head_dim // 64
     block_n = 16 * num_warps
     kv = block_n * ROW_BYTES * atoms
     tile = BLOCK_M * ROW_BYTES * atoms
     stage = 2 * tile  # Q, then dO
     ds = 2 * kv + stages * stage
-    ds_bytes = 0 if dq_separate else BLOCK_M * ROW_BYTES * (block_n // 64)
+    ds_bytes = 0 if dq_separate else BLOCK_M * ROW_BYTES * (block_n // 64) * (2 if ring else 1)
     dq = ds + ds_bytes
-    dq_bytes = BLOCK_M * head_dim * 4 if dq_bulk and not dq_separate else 0
+    dq_cols = min(head_dim * 4 // num_warps, RING_PLANE_COLS) if ring else head_dim * 4 // num_warps
+    dq_bytes = BLOCK_M * dq_cols * (num_warps // 4) * 4 if dq_bulk and not dq_separate else 0
     return 0, kv, 2 * kv, stage, tile, ds, dq, dq + dq_bytes + GROUP_BYTES
+
+
+#: Columns of dQ a bulk reduction sends with ``ring`` and dQ added up in the dK/dV kernel: a
+#: warp's 16 rows of 32 columns (2 KB) through its shared-memory slot at a time, so that the
+#: two dS tiles fit beside the ring at head_dim 128 (ring_query_block_step).
+RING_PLANE_COLS = 32
+
+
+def dq_planes(head_dim, num_warps, ring):
+    """Planes of dQ's fp32 buffer the dK/dV kernel's bulk reductions add into
+    (launch.bulk_dq_buffer): one a warpgroup, or with ``ring`` one per 32 columns."""
+    if ring:
+        return head_dim // min(head_dim * 4 // num_warps, RING_PLANE_COLS)
+    return num_warps // 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,36 +199,37 @@ def build_kernels(
     reductions from shared memory, not by atomics from registers (``bulk_dq``). ``ring``:
     the streaming tiles go through a ring of ``stages`` (3) slots handed over by mbarriers
     (ring_functions) instead of a block barrier a tile, so that the two warpgroups may drift
-    apart and one's softmax step run beside the other's products. Not with dQ added up here:
-    its dS tile is one for both warpgroups, rewritten each query block, and only a block
-    barrier keeps a warpgroup from rewriting it while the other's dQ products read it.
-    ``pingpong`` (with ``ring`` and two warpgroups): the warpgroups take turns issuing their
-    products (ring_functions), so that one's products run while the other's softmax step
-    does instead of both waiting for the tensor cores at once."""
+    apart and one's softmax step run beside the other's products. With dQ added up here
+    only with ``pingpong`` and ``dq_bulk`` (ring_query_block_step: the turns order the dS
+    tiles). ``pingpong`` (with ``ring`` and two warpgroups): the warpgroups take turns issuing
+    their products (ring_functions), so that one's products run while the other's softmax
+    step does instead of both waiting for the tensor cores at once."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
         or stages not in ((3,) if ring else (1, 2))
-        or (ring and not dq_separate)
+        or (ring and not dq_separate and not (pingpong and dq_bulk))
         or (pingpong and (not ring or num_warps != 8))
     ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
-            + (", and the ring only with dq_separate" if ring else "")
+            + (", and the ring adds dQ up only with pingpong and dq_bulk" if ring else "")
             + (", and pingpong only with the ring and num_warps 8" if pingpong else "")
         )
     RING = ring_functions(stages, 32 * num_warps, pingpong)  # its turns: nothing without
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
+    RING_DQ = ring and FUSED_DQ  # dQ in a turn of its own (ring_query_block_step)
     ab = {"float16": "f16", "bfloat16": "bf16"}[dtype_name]
     BLOCK_N = 16 * num_warps  # 64 keys per warpgroup
     THREADS = 32 * num_warps
     KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
     TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO, and of dS (64 keys)
     K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, _ = shared_memory_layout(
-        head_dim, num_warps, stages, dq_separate, dq_bulk
+        head_dim, num_warps, stages, dq_separate, dq_bulk, ring
     )
+    DS_BYTES = BLOCK_M * ROW_BYTES * (16 * num_warps // 64)  # one dS tile (two with RING_DQ)
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
@@ -224,9 +242,12 @@ def build_kernels(
     # dQ += dS K (without dq_separate): each warpgroup's share of dQ's columns
     DQ_COLS = HEAD_DIM * 4 // num_warps
     DQ_REGS = DQ_COLS // 2
-    PLANES = num_warps // 4  # dQ's buffer with dq_bulk: a plane of DQ_COLS columns a warpgroup
-    DQ_SHIFT = DQ_COLS.bit_length() - 1
-    WARP_DQ_BYTES = 16 * DQ_COLS * 4  # a warp's 16 rows of its warpgroup's columns
+    # dQ's buffer with dq_bulk: planes of PLANE_COLS columns, DQ_PARTS a warpgroup
+    PLANES = dq_planes(head_dim, num_warps, ring)
+    PLANE_COLS = HEAD_DIM // PLANES
+    DQ_PARTS = DQ_COLS // PLANE_COLS  # (1 or 2: bulk_dq)
+    DQ_SHIFT = PLANE_COLS.bit_length() - 1
+    WARP_DQ_BYTES = 16 * PLANE_COLS * 4  # a warp's 16 rows of one plane's columns
     N_STEPS = BLOCK_N // 16  # k16 steps over the block's keys
     Q_TILES = BLOCK_M // 8
     dq_first = ptx_sm90.wgmma_update(ab, DQ_COLS, b_transposed=True, accumulate=False)
@@ -308,17 +329,10 @@ def build_kernels(
         ptx_sm90.fence_operands(acc1, S_REGS)
 
     @device_function
-    def query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores):
-        """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
-        k_desc, v_desc = resident
-        q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
-        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
-        score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
-        # -- P^T and dS^T, masked pairs 0
-        probabilities_and_ds(st, dpt, *scores)
-        if FUSED_DQ:  # dS for dQ += dS K (atomic_dq), before dV's and dK's products go out
-            store_ds(dpt, scores[5])  # the lane
-        # -- dV += P^T dO, dK += dS^T Q (the A fragments are written by ordinary code: fence)
+    def dkdv_products(st, dpt, dk_acc, dv_acc, q_addr, do_addr):
+        """dV += P^T dO and dK += dS^T Q in the warpgroup's turn, waited for unless dQ's
+        products follow (atomic_dq waits)."""
+        # (the A fragments are written by ordinary code: fence)
         if PACK_FIRST:
             pt = cuda.local.array(WORDS, uint32)
             dst = cuda.local.array(WORDS, uint32)
@@ -336,11 +350,24 @@ def build_kernels(
             accumulate(dk_acc, dpt, descriptor(q_addr, TILE_ATOM))
         ptx_sm90.wgmma_commit()
         pass_turn()
-        if not FUSED_DQ:  # (else atomic_dq waits, after issuing dQ's products)
+        if not FUSED_DQ or RING_DQ:  # (else atomic_dq waits, after issuing dQ's products)
             # the stage and the A fragments are read until the products land
             ptx_sm90.wgmma_wait(0)
             ptx_sm90.fence_operands(dv_acc, ACC_REGS)
             ptx_sm90.fence_operands(dk_acc, ACC_REGS)
+
+    @device_function
+    def query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores):
+        """One warpgroup's work on one query block (the stage at ``stage_addr``)."""
+        k_desc, v_desc = resident
+        q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
+        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+        score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
+        # -- P^T and dS^T, masked pairs 0
+        probabilities_and_ds(st, dpt, *scores)
+        if FUSED_DQ:  # dS for dQ += dS K (atomic_dq), before dV's and dK's products go out
+            store_ds(dpt, scores[5], uint32(0))  # the lane
+        dkdv_products(st, dpt, dk_acc, dv_acc, q_addr, do_addr)
 
     @device_function
     def load_pair(stage_addr, a, b, a_first, a_ss, b_first, b_ss, rows_left, tid):
@@ -406,15 +433,18 @@ def build_kernels(
         return ptx.shared_address(smem, ptx_sm90.aligned_index(smem, GROUP_BYTES))
 
     @device_function
-    def store_ds(dpt, lane):
+    def store_ds(dpt, lane, slot):
         """dS^T of this warp's 16 key rows (``dpt``, the accumulator layout: key rows g and
-        g + 8, queries 8 qt + 2t and + 1), rounded to 16 bits, into the dS tile as dS: row =
-        query, 64 keys (this warpgroup's) an atom, 16-byte chunk c of row r at c ^ (r & 7).
-        The rows of one store are 2t + e: the four lanes t write four chunks, no conflict."""
+        g + 8, queries 8 qt + 2t and + 1), rounded to 16 bits, into the dS tile (with RING_DQ
+        tile ``slot`` of two) as dS: row = query, 64 keys (this warpgroup's) an atom, 16-byte
+        chunk c of row r at c ^ (r & 7). The rows of one store are 2t + e: the four lanes t
+        write four chunks, no conflict."""
         smem = cuda.shared.array(0, uint16)
         # unsigned throughout: a signed index costs Numba's negative-index code at every store
         warp = uint32(cuda.threadIdx.x) >> uint32(5)
         first = ptx_sm90.aligned_index(smem, GROUP_BYTES) + uint32(DS_OFF >> 1)
+        if RING_DQ:
+            first += slot * uint32(DS_BYTES >> 1)
         first = uint32(first + (warp >> uint32(2)) * uint32(TILE_ATOM >> 1))
         g, t = uint32(lane >> 2), uint32(lane & 3)
         for h in range(2):  # key rows g and g + 8: 16-byte chunks 2 (warp & 3) + h
@@ -442,16 +472,12 @@ def build_kernels(
                 dq_update(dqa, a_desc, b_desc)
 
     @device_function
-    def bulk_dq(base, dqa, dq_acc, tile, warp, lane):
-        """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) added to dq_acc
-        (fp32) by one bulk reduction, ``tile`` the index of the warpgroup's BLOCK_M x DQ_COLS
-        tile there (rows DQ_COLS apart in its plane, planes starting at multiples of 8 rows).
-        The rows go through the warp's slot of the dQ tile in shared memory as dq_acc holds
-        them: 16-byte chunk c of plane row r at c ^ (r & 7), so that a store's eight rows and
-        four lanes meet every bank twice (launch's reader undoes it)."""
+    def bulk_dq_part(base, dqa, dq_acc, tile, part, warp, lane):
+        """bulk_dq's reduction of ``dqa``'s columns in plane ``part`` of the warpgroup's, whose
+        tile is at ``tile``."""
         rows0 = (warp & 3) * 16
-        source = base + uint32(DQ_OFF) + uint32(((warp >> 2) * BLOCK_M + rows0) * DQ_COLS * 4)
-        first = tile + int64(rows0 * DQ_COLS)
+        source = base + uint32(DQ_OFF) + uint32(((warp >> 2) * BLOCK_M + rows0) * PLANE_COLS * 4)
+        first = tile + int64(rows0 * PLANE_COLS)
         key0 = uint32(first >> DQ_SHIFT)  # the plane row of the warp's first row, mod 8
         if lane == 0:
             ptx_sm90.bulk_wait_read()  # the last reduction from the slot has read it
@@ -464,13 +490,13 @@ def build_kernels(
             # = 2 (dt ^ key // 2) + (t // 2 ^ key & 1): a byte offset of the lane and row, and
             # (dt << 5) ^ (key // 2 << 5) for each dt
             lane_bytes = (
-                row * uint32(DQ_COLS * 4)
+                row * uint32(PLANE_COLS * 4)
                 + (((t >> uint32(1)) ^ (key & uint32(1))) << uint32(4))
                 + ((t & uint32(1)) << uint32(3))
             )
             pair_key = (key >> uint32(1)) << uint32(5)
-            for dt in range(DQ_COLS // 8):
-                i = acc_index(dt, h)
+            for dt in range(PLANE_COLS // 8):
+                i = acc_index(part * (PLANE_COLS // 8) + dt, h)
                 at = source + (lane_bytes + (uint32(dt << 5) ^ pair_key))
                 ptx_sm90.store_shared_pair(at, dqa[i], dqa[i + 1])
         ptx_sm90.fence_proxy_async()  # the stores, visible to the bulk reduction
@@ -478,6 +504,19 @@ def build_kernels(
         if lane == 0:
             ptx_sm90.bulk_reduce_add(dq_acc, first, source, uint32(WARP_DQ_BYTES))
             ptx_sm90.bulk_commit()
+
+    @device_function
+    def bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane):
+        """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) added to dq_acc
+        (fp32) by DQ_PARTS bulk reductions, ``tile`` the index of the BLOCK_M x PLANE_COLS
+        tile there of the warpgroup's first plane (rows PLANE_COLS apart in a plane, planes
+        ``plane_stride`` apart and starting at multiples of 8 rows). A part's rows go through
+        the warp's slot of the dQ tile in shared memory as dq_acc holds them: 16-byte chunk c
+        of plane row r at c ^ (r & 7), so that a store's eight rows and four lanes meet every
+        bank twice (launch's reader undoes it)."""
+        bulk_dq_part(base, dqa, dq_acc, tile, 0, warp, lane)
+        if DQ_PARTS == 2:  # (constant parts: dqa's registers are indexed by constants only)
+            bulk_dq_part(base, dqa, dq_acc, tile + plane_stride, 1, warp, lane)
 
     @device_function
     def drain(lane):
@@ -512,7 +551,7 @@ def build_kernels(
         ptx_sm90.fence_operands(dqa, DQ_REGS)
         if DQ_BULK:
             plane = (warp >> 2) * (dq_sh // PLANES)
-            bulk_dq(base, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, warp, lane)
+            bulk_dq(base, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, 0, warp, lane)
             return
         for h in range(2):
             row = m0 + (warp & 3) * 16 + (lane >> 2) + 8 * h
@@ -522,6 +561,69 @@ def build_kernels(
                 for dt in range(DQ_COLS // 8):
                     i = acc_index(dt, h)
                     ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
+
+    @device_function
+    def ring_dq_products(dqa, base, slot, warp):
+        """dqa = dS K, dS the query block's tile in ``slot`` (both warpgroups' keys), this
+        warpgroup's DQ_COLS columns of K (dq_products); issued, not committed."""
+        col0 = (warp >> 2) * DQ_COLS
+        ds_desc = descriptor(base + uint32(DS_OFF) + slot * uint32(DS_BYTES), 16)
+        k_desc = descriptor(
+            base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
+        )
+        dq_products(dqa, ds_desc, k_desc)
+
+    @device_function
+    def ring_bulk_dq(base, dqa, pending):
+        """dqa, dQ of the query block ``pending`` names (as ring_query_block_step takes it),
+        sent to the fp32 buffer (bulk_dq)."""
+        _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, warp, lane = pending
+        plane_stride = dq_sh // PLANES
+        tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
+        bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane)
+
+    @device_function
+    def ring_query_block_step(st, dpt, dk_acc, dv_acc, dqa, resident, stage_addr, scores, pending):
+        """query_block_step with dQ added up through the ring (RING_DQ): block t's dS goes to
+        dS tile t % 2, and its dQ products take a third turn, after both warpgroups' turns
+        of dV's and dK's products, then go to the buffer (bulk_dq). ``pending``: (base,
+        dq_acc, dq_acc's index of the block's head, its row and head strides, the block's
+        first row, t, warp, lane). The turns order the tiles (strict alternation: a
+        warpgroup's turn follows the other's last one): the other warpgroup stored its half
+        of tile t before its turn of dV's and dK's products, which precedes this third turn;
+        tile t + 2 (the same slot) is stored after block t + 2's first turn, which follows
+        both warpgroups' third turns of block t + 1, each issued after the warpgroup's wait
+        for block t's dQ products (in bulk_dq's turn before it)."""
+        base = pending[0]
+        slot = uint32(pending[6]) & uint32(1)
+        warp = pending[7]
+        k_desc, v_desc = resident
+        q_addr, do_addr = stage_addr, stage_addr + uint32(DO_OFF)
+        # -- S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys
+        score_pair(st, dpt, k_desc, descriptor(q_addr, 16), v_desc, descriptor(do_addr, 16))
+        # -- P^T and dS^T, masked pairs 0; dS into its tile, visible to both warpgroups' dQ
+        probabilities_and_ds(st, dpt, *scores)
+        store_ds(dpt, pending[8], slot)
+        ptx_sm90.fence_proxy_async()
+        dkdv_products(st, dpt, dk_acc, dv_acc, q_addr, do_addr)
+        # -- dQ = dS K over both warpgroups' keys, this warpgroup's columns
+        col0 = (warp >> 2) * DQ_COLS
+        ds_desc = descriptor(base + uint32(DS_OFF) + slot * uint32(DS_BYTES), 16)
+        k_desc = descriptor(
+            base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
+        )
+        ptx_sm90.fence_operands(dqa, DQ_REGS)
+        take_turn()
+        ptx_sm90.wgmma_fence()
+        dq_products(dqa, ds_desc, k_desc)
+        ptx_sm90.wgmma_commit()
+        pass_turn()
+        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.fence_operands(dqa, DQ_REGS)
+        _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, _, lane = pending
+        plane_stride = dq_sh // PLANES
+        tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
+        bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane)
 
     return backward.build_kernels(
         backward.Backend(
@@ -547,6 +649,7 @@ def build_kernels(
             atomic_dq=atomic_dq,
             drain=drain,
             ring=RING if ring else None,
+            ring_query_block_step=ring_query_block_step if RING_DQ else None,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),
         ),
