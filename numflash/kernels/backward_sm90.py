@@ -563,20 +563,20 @@ def build_kernels(
                     ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
 
     @device_function
-    def ring_dq_products(dqa, base, slot, warp):
-        """dqa = dS K, dS the query block's tile in ``slot`` (both warpgroups' keys), this
-        warpgroup's DQ_COLS columns of K (dq_products); issued, not committed."""
+    def ring_dq_operands(base, slot, warp):
+        """dq_products' (A, B) descriptors with RING_DQ: dS tile ``slot`` (the query block's
+        rows, both warpgroups' keys) and this warpgroup's DQ_COLS columns of K."""
         col0 = (warp >> 2) * DQ_COLS
         ds_desc = descriptor(base + uint32(DS_OFF) + slot * uint32(DS_BYTES), 16)
         k_desc = descriptor(
             base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
         )
-        dq_products(dqa, ds_desc, k_desc)
+        return ds_desc, k_desc
 
     @device_function
     def ring_bulk_dq(base, dqa, pending):
-        """dqa, dQ of the query block ``pending`` names (as ring_query_block_step takes it),
-        sent to the fp32 buffer (bulk_dq)."""
+        """dqa, dQ of the query block ``pending`` names (ring_query_block_step's), sent to
+        the fp32 buffer (bulk_dq)."""
         _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, warp, lane = pending
         plane_stride = dq_sh // PLANES
         tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
@@ -592,8 +592,8 @@ def build_kernels(
         warpgroup's turn follows the other's last one): the other warpgroup stored its half
         of tile t before its turn of dV's and dK's products, which precedes this third turn;
         tile t + 2 (the same slot) is stored after block t + 2's first turn, which follows
-        both warpgroups' third turns of block t + 1, each issued after the warpgroup's wait
-        for block t's dQ products (in bulk_dq's turn before it)."""
+        both warpgroups' third turns of block t + 1, each taken after the warpgroup waited
+        for its dQ products of block t."""
         base = pending[0]
         slot = uint32(pending[6]) & uint32(1)
         warp = pending[7]
@@ -606,24 +606,17 @@ def build_kernels(
         store_ds(dpt, pending[8], slot)
         ptx_sm90.fence_proxy_async()
         dkdv_products(st, dpt, dk_acc, dv_acc, q_addr, do_addr)
-        # -- dQ = dS K over both warpgroups' keys, this warpgroup's columns
-        col0 = (warp >> 2) * DQ_COLS
-        ds_desc = descriptor(base + uint32(DS_OFF) + slot * uint32(DS_BYTES), 16)
-        k_desc = descriptor(
-            base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
-        )
+        # -- dQ = dS K over both warpgroups' keys, this warpgroup's columns, in a third turn
+        ds_desc, k_desc = ring_dq_operands(base, slot, warp)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
         take_turn()
         ptx_sm90.wgmma_fence()
         dq_products(dqa, ds_desc, k_desc)
         ptx_sm90.wgmma_commit()
         pass_turn()
-        ptx_sm90.wgmma_wait(0)
+        ptx_sm90.wgmma_wait(0)  # (dS's tile is read until then)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
-        _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, _, lane = pending
-        plane_stride = dq_sh // PLANES
-        tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
-        bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane)
+        ring_bulk_dq(base, dqa, pending)
 
     return backward.build_kernels(
         backward.Backend(
