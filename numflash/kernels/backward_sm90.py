@@ -72,6 +72,20 @@ HEAD_DIMS = (64, 128)
 NUM_WARPS = (4, 8)
 
 
+#: Columns of dQ a bulk reduction sends with ``ring`` and dQ added up in the dK/dV kernel: a
+#: warp's 16 rows of 32 columns (2 KB) through its shared-memory slot at a time, so that the
+#: two dS tiles fit beside the ring at head_dim 128 (ring_query_block_step).
+RING_PLANE_COLS = 32
+
+
+def dq_planes(head_dim, num_warps, ring):
+    """Planes of dQ's fp32 buffer the dK/dV kernel's bulk reductions add into
+    (launch.bulk_dq_buffer): one a warpgroup, or with ``ring`` one per 32 columns."""
+    if ring:
+        return head_dim // min(head_dim * 4 // num_warps, RING_PLANE_COLS)
+    return num_warps // 4
+
+
 def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False):
     """(K, V, the first stage, one stage, dO within a stage, dS, dQ, total) in bytes from the
     block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x the block's keys) only
@@ -87,23 +101,10 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=
     ds = 2 * kv + stages * stage
     ds_bytes = 0 if dq_separate else BLOCK_M * ROW_BYTES * (block_n // 64) * (2 if ring else 1)
     dq = ds + ds_bytes
-    dq_cols = min(head_dim * 4 // num_warps, RING_PLANE_COLS) if ring else head_dim * 4 // num_warps
-    dq_bytes = BLOCK_M * dq_cols * (num_warps // 4) * 4 if dq_bulk and not dq_separate else 0
+    # a warpgroup's slots hold its BLOCK_M rows of one plane
+    plane_cols = head_dim // dq_planes(head_dim, num_warps, ring)
+    dq_bytes = BLOCK_M * plane_cols * 4 * (num_warps // 4) if dq_bulk and not dq_separate else 0
     return 0, kv, 2 * kv, stage, tile, ds, dq, dq + dq_bytes + GROUP_BYTES
-
-
-#: Columns of dQ a bulk reduction sends with ``ring`` and dQ added up in the dK/dV kernel: a
-#: warp's 16 rows of 32 columns (2 KB) through its shared-memory slot at a time, so that the
-#: two dS tiles fit beside the ring at head_dim 128 (ring_query_block_step).
-RING_PLANE_COLS = 32
-
-
-def dq_planes(head_dim, num_warps, ring):
-    """Planes of dQ's fp32 buffer the dK/dV kernel's bulk reductions add into
-    (launch.bulk_dq_buffer): one a warpgroup, or with ``ring`` one per 32 columns."""
-    if ring:
-        return head_dim // min(head_dim * 4 // num_warps, RING_PLANE_COLS)
-    return num_warps // 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -229,7 +230,7 @@ def build_kernels(
     K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, _ = shared_memory_layout(
         head_dim, num_warps, stages, dq_separate, dq_bulk, ring
     )
-    DS_BYTES = BLOCK_M * ROW_BYTES * (16 * num_warps // 64)  # one dS tile (two with RING_DQ)
+    DS_BYTES = (DQ_OFF - DS_OFF) // (2 if RING_DQ else 1)  # one dS tile (two with RING_DQ)
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
     M_STEPS = BLOCK_M // 16  # k16 steps of dV += P^T dO
@@ -506,14 +507,17 @@ def build_kernels(
             ptx_sm90.bulk_commit()
 
     @device_function
-    def bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane):
-        """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) added to dq_acc
-        (fp32) by DQ_PARTS bulk reductions, ``tile`` the index of the BLOCK_M x PLANE_COLS
-        tile there of the warpgroup's first plane (rows PLANE_COLS apart in a plane, planes
-        ``plane_stride`` apart and starting at multiples of 8 rows). A part's rows go through
+    def bulk_dq(base, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, warp, lane):
+        """This warp's 16 rows of dQ's share (``dqa``, the accumulator layout) of query block
+        m0 added to dq_acc (fp32; ``dq_head`` its index of the head, ``dq_ss`` and ``dq_sh``
+        its row and head strides) by DQ_PARTS bulk reductions, into the BLOCK_M x PLANE_COLS
+        tiles of the warpgroup's planes (rows PLANE_COLS apart in a plane, planes dq_sh /
+        PLANES apart and starting at multiples of 8 rows). A part's rows go through
         the warp's slot of the dQ tile in shared memory as dq_acc holds them: 16-byte chunk c
         of plane row r at c ^ (r & 7), so that a store's eight rows and four lanes meet every
         bank twice (launch's reader undoes it)."""
+        plane_stride = dq_sh // PLANES
+        tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
         bulk_dq_part(base, dqa, dq_acc, tile, 0, warp, lane)
         if DQ_PARTS == 2:  # (constant parts: dqa's registers are indexed by constants only)
             bulk_dq_part(base, dqa, dq_acc, tile + plane_stride, 1, warp, lane)
@@ -537,11 +541,7 @@ def build_kernels(
         are waited for here too."""
         ptx_sm90.fence_proxy_async()  # the dS stores, visible to wgmma
         cuda.syncthreads()  # ... every warpgroup's
-        col0 = (warp >> 2) * DQ_COLS  # this warpgroup's first column
-        ds_desc = descriptor(base + uint32(DS_OFF), 16)
-        k_desc = descriptor(
-            base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
-        )
+        col0, ds_desc, k_desc = dq_operands(base, uint32(0), warp)
         ptx_sm90.wgmma_fence()
         dq_products(dqa, ds_desc, k_desc)
         ptx_sm90.wgmma_commit()
@@ -550,8 +550,7 @@ def build_kernels(
         ptx_sm90.fence_operands(dk_acc, ACC_REGS)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
         if DQ_BULK:
-            plane = (warp >> 2) * (dq_sh // PLANES)
-            bulk_dq(base, dqa, dq_acc, dq_head + plane + int64(m0) * dq_ss, 0, warp, lane)
+            bulk_dq(base, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, warp, lane)
             return
         for h in range(2):
             row = m0 + (warp & 3) * 16 + (lane >> 2) + 8 * h
@@ -563,24 +562,16 @@ def build_kernels(
                     ptx_sm90.reduce_add_pair(dq_acc, at + dt * 8, dqa[i], dqa[i + 1])
 
     @device_function
-    def ring_dq_operands(base, slot, warp):
-        """dq_products' (A, B) descriptors with RING_DQ: dS tile ``slot`` (the query block's
-        rows, both warpgroups' keys) and this warpgroup's DQ_COLS columns of K."""
+    def dq_operands(base, slot, warp):
+        """(this warpgroup's first column of dQ, dq_products' A and B descriptors): dS tile
+        ``slot`` (0, or with RING_DQ 0 or 1; the query block's rows, both warpgroups' keys)
+        and the warpgroup's DQ_COLS columns of K."""
         col0 = (warp >> 2) * DQ_COLS
         ds_desc = descriptor(base + uint32(DS_OFF) + slot * uint32(DS_BYTES), 16)
         k_desc = descriptor(
             base + uint32(K_OFF) + uint32((col0 >> 6) * KV_ATOM + (col0 & 63) * 2), KV_ATOM
         )
-        return ds_desc, k_desc
-
-    @device_function
-    def ring_bulk_dq(base, dqa, pending):
-        """dqa, dQ of the query block ``pending`` names (ring_query_block_step's), sent to
-        the fp32 buffer (bulk_dq)."""
-        _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, warp, lane = pending
-        plane_stride = dq_sh // PLANES
-        tile = dq_head + (warp >> 2) * DQ_PARTS * plane_stride + int64(m0) * dq_ss
-        bulk_dq(base, dqa, dq_acc, tile, plane_stride, warp, lane)
+        return col0, ds_desc, k_desc
 
     @device_function
     def ring_query_block_step(st, dpt, dk_acc, dv_acc, dqa, resident, stage_addr, scores, pending):
@@ -607,7 +598,7 @@ def build_kernels(
         ptx_sm90.fence_proxy_async()
         dkdv_products(st, dpt, dk_acc, dv_acc, q_addr, do_addr)
         # -- dQ = dS K over both warpgroups' keys, this warpgroup's columns, in a third turn
-        ds_desc, k_desc = ring_dq_operands(base, slot, warp)
+        _, ds_desc, k_desc = dq_operands(base, slot, warp)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
         take_turn()
         ptx_sm90.wgmma_fence()
@@ -616,7 +607,8 @@ def build_kernels(
         pass_turn()
         ptx_sm90.wgmma_wait(0)  # (dS's tile is read until then)
         ptx_sm90.fence_operands(dqa, DQ_REGS)
-        ring_bulk_dq(base, dqa, pending)
+        _, dq_acc, dq_head, dq_ss, dq_sh, m0, _, _, lane = pending
+        bulk_dq(base, dqa, dq_acc, dq_head, dq_ss, dq_sh, m0, warp, lane)
 
     return backward.build_kernels(
         backward.Backend(
