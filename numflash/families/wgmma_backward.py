@@ -77,7 +77,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 2  # 2: dq_separate=False adds dQ up by bulk reductions
+    REVISION: ClassVar[int] = 3  # 2: dQ by bulk reductions; 3: the leaner tile loader
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 

@@ -771,8 +771,8 @@ def build_kernels(backend, alibi=False, mods=None):
                           first_stage + (t % uint32(STAGES)) * uint32(STAGE_BYTES), row_stats,
                           int32(it * BLOCK_M), scale_log2, bias)  # fmt: skip
             ring.release(bars, t)  # (the step's products have landed)
-            ahead = t + uint32(STAGES - 1)
-            if ahead < n_tiles:
+            ahead = uint32(t + uint32(STAGES - 1))
+            if ahead < uint32(n_tiles):  # (unsigned against signed would compare as float64)
                 ring.claim(bars, ahead)
                 rows = int64(ahead * uint32(BLOCK_M))
                 load_pair(first_stage + (ahead % uint32(STAGES)) * uint32(STAGE_BYTES), k, v,

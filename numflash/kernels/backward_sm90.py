@@ -47,7 +47,8 @@ rows) is one "atom" of 128-byte rows with the 128-byte swizzle (16-byte chunk c 
 c ^ (r & 7), 8-row groups 1024 bytes apart, ptx_sm90's docstring), atoms of a tile one after
 the other. The same bytes are a K-major operand (rows x head_dim: S^T, dP^T) and an MN-major
 one (queries x head_dim with head_dim as N: dV, dK; the leading offset steps between atoms).
-Loads are cp.async, 16 bytes a thread, rows past the end zero-filled.
+Loads are cp.async, 16 bytes a thread, rows past the end zero-filled, each thread keeping its
+chunk of a row from pass to pass (loads.swizzled_tile_loader: an add and a compare a chunk).
 
 Supports: float16 and bfloat16; head_dim 64 or 128; GQA; causal and window masks bottom-right;
 any seqlen_q and seqlen_k. Compute capability 9.x (sm_90a) only. Each warpgroup waits for
@@ -62,7 +63,7 @@ from numba import cuda, float32, int64, uint16, uint32, uint64
 from . import backward, ptx, ptx_sm90
 from .fragments import PACK, acc_index
 from .jit import device_function
-from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_row_loader
+from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_tile_loader
 
 #: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
 BLOCK_M = 64
@@ -256,7 +257,7 @@ def build_kernels(
     probabilities_and_ds = backward.probabilities_function(BLOCK_M // 8, softcap, alibi, mods)
     row_ds = backward.row_ds_function(BLOCK_M // 8, softcap, alibi, mods)
 
-    load_rows = swizzled_row_loader(CHUNKS, THREADS)
+    load_rows = swizzled_tile_loader(CHUNKS, THREADS)
     descriptor = swizzled_descriptor
 
     @device_function

@@ -95,6 +95,40 @@ def swizzled_row_loader(chunks, threads, padded_chunks=None):
 
 
 @functools.lru_cache(maxsize=None)
+def swizzled_tile_loader(chunks, threads):
+    """:func:`swizzled_row_loader`'s ``load_rows`` for tiles whose threads keep their chunk
+    from pass to pass: ``chunks`` (a power of 2) divides ``threads`` and a pass covers a
+    whole number of 8-row groups, so each thread's first row, chunk and swizzled offset are
+    worked out once and every pass adds a constant to both addresses (one 64-bit add and a
+    compare a chunk, where the general loader works out row, swizzle and a 64-bit product
+    each time); ``nrows`` a multiple of a pass's rows. Other shapes get the general one."""
+    CHUNKS, ROWS_PER_PASS = chunks, threads // chunks
+    if threads % chunks or chunks & (chunks - 1) or ROWS_PER_PASS % 8:
+        return swizzled_row_loader(chunks, threads)
+    PASS_BYTES = ROWS_PER_PASS * ROW_BYTES  # whole 8-row groups: the swizzle repeats
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        row = tid // CHUNKS
+        chunk = tid & (CHUNKS - 1)
+        dst += uint32(swizzled(row, chunk, atom_bytes))
+        at = first + int64(row) * stride + chunk * 8
+        step = int64(ROWS_PER_PASS) * stride
+        left = rows_left - row  # this thread's rows at or past the end are zero-filled
+        for p in range(nrows // ROWS_PER_PASS):
+            valid = p * ROWS_PER_PASS < left
+            ptx.cp_async_16(
+                dst + uint32(p * PASS_BYTES),
+                src,
+                at if valid else first,
+                uint32(16) if valid else uint32(0),
+            )
+            at += step
+
+    return load_rows
+
+
+@functools.lru_cache(maxsize=None)
 def row_loader(row_pitch, chunks, threads, whole_tile_fast_path=False):
     """The device function ``load_rows(dst, src, first, stride, rows_left, nrows, tid)``:
     cp.async ``nrows`` rows of ``chunks`` 16-byte chunks of ``src`` from element ``first``
