@@ -3,7 +3,7 @@
     python tools/backward_ab.py --configs 8,2 8,3,ring 8,3,ring,pingpong [--head-dims 64 128]
                                 [--seqlens 4096]
                                 [--dtypes float16 bfloat16] [--causal both] [--runs 15]
-                                [--rounds 3] [--out PATH]
+                                [--rounds 3] [--out PATH] [--ablate loads stats]
 
 For each problem (batch x seqlen = --tokens, heads x head_dim = --model-dim) the backward
 (attention_backward from one saved forward) runs once with each configuration, the gradients
@@ -58,6 +58,45 @@ def _bits(grads):
     return [np.asarray(g.view(np.uint16).get()) for g in grads]
 
 
+def ablate(parts):
+    """Take parts out of the kernels about to be built, to see what limits them (the gradients
+    are wrong; compare the time, and the ratio to cuDNN, with a run without): "loads" makes
+    the cp.async tile loads do nothing (the streaming Q and dO, K and V tiles and the resident
+    ones), "stats" the LSE and D fetches (0 for every row). Must run before any kernel is
+    built."""
+    from numba import float32
+
+    from numflash.kernels import backward, backward_sm90
+    from numflash.kernels.jit import device_function
+
+    if "loads" in parts:
+
+        def no_loader(chunks, threads, padded_chunks=None):
+            @device_function
+            def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+                pass
+
+            return load_rows
+
+        backward_sm90.swizzled_tile_loader = no_loader
+    if "stats" in parts:
+        stats = backward.row_stats_functions
+
+        def no_fetch(block_m, threads):
+            _, store_row_stats = stats(block_m, threads)
+            loads = backward.stat_loads(block_m, threads)
+
+            @device_function
+            def fetch_row_stats(lse_r, d_r, lse, delta, row_base, m0, seqlen_q, tid):
+                for j in range(loads):
+                    lse_r[j] = float32(0.0)
+                    d_r[j] = float32(0.0)
+
+            return fetch_row_stats, store_row_stats
+
+        backward.row_stats_functions = no_fetch
+
+
 def _agreement(first, grads):
     """The gradients against the first configuration's: the same bits, or how far dQ is off
     (dK and dV must be the same bits)."""
@@ -79,7 +118,11 @@ def main():
     ap.add_argument("--configs", nargs="+", required=True, help=parse_config.__doc__)
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ablate", nargs="+", choices=["loads", "stats"], default=[],
+                    help=ablate.__doc__.split(":")[0])  # fmt: skip
     args = ap.parse_args()
+    if args.ablate:
+        ablate(args.ablate)
     configs = [parse_config(c) for c in args.configs]
     rows = []
     for hd, dt, dtype, causal, seqlen, batch, nheads in peers.problems(args):
