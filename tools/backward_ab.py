@@ -64,20 +64,13 @@ def ablate(parts):
     the cp.async tile loads do nothing (the streaming Q and dO, K and V tiles and the resident
     ones), "stats" the LSE and D fetches (0 for every row). Must run before any kernel is
     built."""
+    from hopper_forward import no_loader  # (tools/ is this script's directory)
     from numba import float32
 
     from numflash.kernels import backward, backward_sm90
     from numflash.kernels.jit import device_function
 
     if "loads" in parts:
-
-        def no_loader(chunks, threads, padded_chunks=None):
-            @device_function
-            def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
-                pass
-
-            return load_rows
-
         backward_sm90.swizzled_tile_loader = no_loader
     if "stats" in parts:
         stats = backward.row_stats_functions

@@ -106,6 +106,18 @@ def parse_config(text):
     )  # fmt: skip
 
 
+def no_loader(chunks, threads, padded_chunks=None):
+    """A swizzled row loader's stand-in (kernels/loads.py) whose ``load_rows`` does nothing:
+    the "loads" ablation of this tool and tools/backward_ab.py."""
+    from numflash.kernels.jit import device_function
+
+    @device_function
+    def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
+        pass
+
+    return load_rows
+
+
 def ablate(parts):
     """Take parts out of the kernels about to be built, to see what limits them (the results
     are wrong, so use with --no-check): "loads" makes cp.async tile loads do nothing (the
@@ -117,14 +129,6 @@ def ablate(parts):
     from numflash.kernels.jit import device_function
 
     if "loads" in parts:
-
-        def no_loader(chunks, threads, padded_chunks=None):
-            @device_function
-            def load_rows(dst, src, first, stride, rows_left, nrows, atom_bytes, tid):
-                pass
-
-            return load_rows
-
         forward_sm90.swizzled_row_loader = no_loader
     if "exp" in parts:
 
