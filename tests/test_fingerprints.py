@@ -57,3 +57,11 @@ def test_kernel_code_changes_are_recorded(current):
                 f"{family}: REVISION {revision} but the recorded fingerprints are of revision "
                 f"{recorded['revision']}: run tools/ptx_fingerprint.py --record"
             )
+
+
+def test_no_kernel_computes_in_float64(current):
+    """No fingerprinted kernel has a float64 instruction: Numba compares an unsigned 64-bit
+    integer with a signed one in float64 (a conversion and a double-precision compare), which
+    once cost the Hopper backward's dQ kernel 4% of its time in its ring's loop
+    (docs/performance.md, "Where a query block's time goes")."""
+    assert current["float64"] == []

@@ -8,6 +8,8 @@ bumped (numflash/config.py), which retires the tuned entries measured on the old
     python tools/ptx_fingerprint.py                 # print {kernel: fingerprint} as JSON
     python tools/ptx_fingerprint.py --record        # rewrite tests/ptx_fingerprints.json
     python tools/ptx_fingerprint.py --dump DIR      # also write each normalised PTX to DIR
+
+The JSON printed also lists the kernels whose PTX has a float64 instruction ("float64").
 """
 
 import argparse
@@ -248,16 +250,23 @@ def cases():
         )
 
 
+#: A PTX instruction on float64 values (an operand type .f64: cvt, setp, arithmetic).
+_FLOAT64 = re.compile(r"^\s*(?:@!?%p\d+\s+)?[a-z][\w.]*\.f64\b", re.M)
+
+
 def fingerprints(dump=None):
-    """{family: {kernel name: fingerprint}} for TARGET."""
-    out = {}
+    """({family: {kernel name: fingerprint}} for TARGET, the kernels whose PTX computes in
+    float64 as "family/name")."""
+    out, float64 = {}, []
     for family, name, kernel, signature in cases():
         text = normalise(offline.compile_ptx(kernel, signature, TARGET))
         if dump:
             Path(dump, f"{family}-{name}.ptx").write_text(text)
         out.setdefault(family, {})[name] = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if _FLOAT64.search(text):
+            float64.append(f"{family}/{name}")
         print(family, name, out[family][name], file=sys.stderr, flush=True)
-    return out
+    return out, float64
 
 
 def toolchain():
@@ -278,7 +287,7 @@ def main():
     args = parser.parse_args()
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-    prints = fingerprints(args.dump)
+    prints, float64 = fingerprints(args.dump)
     result = {
         "toolchain": toolchain(),
         "families": {
@@ -288,6 +297,7 @@ def main():
     }
     if args.record:
         RECORD.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    result["float64"] = float64  # (not recorded: tests/test_fingerprints.py wants none)
     print(
         json.dumps(result, sort_keys=True)
         if args.compact
