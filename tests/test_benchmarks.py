@@ -63,3 +63,27 @@ def test_the_full_path_cost_tool_runs_without_a_gpu():
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(done.stdout)
     assert {"validation_us", "selection_us", "launch[WgmmaForwardConfig]_us"} <= set(results)
+
+
+def test_the_ncu_source_tool_sums_a_source_page(tmp_path):
+    """tools/ncu_source.py reads ncu's source page as ``--csv --print-source sass`` writes it
+    (the kernel's name on a line of its own, then the header, then an instruction a row)."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "# Samples",
+              "stall_barrier", "stall_wait", "stall_barrier (Not Issued)"]  # fmt: skip
+    rows = [["Kernel Name", "dkdv(...)"], header,
+            ["0x0", "  LDC R1, c[0x0][0x28]", "10", "10", "0", "10", "0"],
+            ["0x10", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "30", "30", "30", "0", "25"],
+            ["0x20", "  EXIT", "60", "60", "20", "40", "0"]]  # fmt: skip
+    page = tmp_path / "page.csv"
+    page.write_text("\n".join(",".join(f'"{cell}"' for cell in row) for row in rows) + "\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "ncu_source.py"), str(page), "--ranges", "0-2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "3 instructions, 100 samples"
+    assert lines[1] == "by reason: barrier 50.0%, wait 50.0%"
+    assert lines[-1].startswith("[0, 2)  40.0%")
