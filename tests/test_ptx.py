@@ -179,3 +179,60 @@ def test_exp2_on_the_fma_units_is_within_its_error_and_keeps_nan_and_minus_infin
     assert tail[0] == 1.0 and tail[1] == 0.5 and tail[2] == 2.0**-126
     assert 0 < tail[3] < 2.0**-126 or tail[3] == 0  # below the normal range: flushed or tiny
     assert (tail[4:7] == 0).all() and np.isnan(tail[7])
+
+
+TILE_ELEMENTS = 64 * 128  # the largest tile below: 64 rows of 128 16-bit values
+
+
+def _loader_kernel(load_rows, threads, atom_bytes):
+    @cuda.jit
+    def kernel(src, out, first, stride, rows_left, nrows):
+        """A swizzled tile loaded into shared memory poisoned with 0xFFFF, copied out."""
+        smem = cuda.shared.array(TILE_ELEMENTS, uint16)
+        tid = cuda.threadIdx.x
+        for i in range(tid, TILE_ELEMENTS, threads):
+            smem[i] = uint16(0xFFFF)
+        cuda.syncthreads()
+        load_rows(ptx.shared_address(smem, 0), src, first, stride, rows_left, nrows, atom_bytes, tid)
+        ptx.cp_async_commit()
+        ptx.cp_async_wait(0)
+        cuda.syncthreads()
+        for i in range(tid, TILE_ELEMENTS, threads):
+            out[i] = smem[i]
+
+    return kernel
+
+
+@pytest.mark.parametrize(
+    "chunks,threads,nrows,rows_left",
+    [(8, 128, 40, 37), (16, 128, 64, 70), (16, 256, 64, 20), (8, 256, 64, 64)],
+)
+def test_the_tile_loader_writes_what_the_row_loader_does(chunks, threads, nrows, rows_left):
+    """loads.swizzled_tile_loader (each thread keeps its chunk from pass to pass) fills the
+    same swizzled bytes as loads.swizzled_row_loader: rows past ``rows_left`` zero, rows
+    from ``nrows`` on untouched (a tile of 40 rows ends in half a pass)."""
+    from numflash.kernels import loads
+
+    cols = chunks * 8
+    stride, first = cols + 24, 8  # padded rows, 16-byte aligned
+    rng = np.random.default_rng(chunks + threads + nrows)
+    src = rng.integers(0, 0xFFFF, first + 80 * stride, dtype=np.uint16)
+    atom_bytes = nrows * 128  # the atoms of a tile one after the other
+    found = []
+    for make in (loads.swizzled_row_loader, loads.swizzled_tile_loader):
+        out = xp.zeros(TILE_ELEMENTS, dtype=xp.uint16)
+        kernel = _loader_kernel(make(chunks, threads), threads, atom_bytes)
+        kernel[1, threads](xp.asarray(src), out, first, stride, rows_left, nrows)
+        found.append(to_numpy(out))
+    assert (found[0] == found[1]).all()
+    tile = found[1].view(np.uint8)
+    rows = np.arange(nrows)[:, None, None]
+    chunk = np.arange(chunks)[None, :, None]
+    byte = np.arange(16)[None, None, :]
+    at = (chunk >> 3) * atom_bytes + rows * 128 + (((chunk & 7) ^ (rows & 7)) << 4) + byte
+    element = first + rows * stride + chunk * 8 + byte // 2
+    expected = np.where(rows < rows_left, src.view(np.uint8)[element * 2 + byte % 2], 0)
+    assert (tile[at] == expected).all()
+    written = np.zeros(tile.size, dtype=bool)
+    written[at.ravel()] = True
+    assert (tile[~written] == 0xFF).all()  # the poison where no row of the tile goes

@@ -101,7 +101,8 @@ def swizzled_tile_loader(chunks, threads):
     whole number of 8-row groups, so each thread's first row, chunk and swizzled offset are
     worked out once and every pass adds a constant to both addresses (one 64-bit add and a
     compare a chunk, where the general loader works out row, swizzle and a 64-bit product
-    each time); ``nrows`` a multiple of a pass's rows. Other shapes get the general one."""
+    each time; with ``nrows`` a multiple of a pass's rows, as every caller's, the test of
+    the last pass's rows against ``nrows`` folds away). Other shapes get the general one."""
     CHUNKS, ROWS_PER_PASS = chunks, threads // chunks
     if threads % chunks or chunks & (chunks - 1) or ROWS_PER_PASS % 8:
         return swizzled_row_loader(chunks, threads)
@@ -115,14 +116,15 @@ def swizzled_tile_loader(chunks, threads):
         at = first + int64(row) * stride + chunk * 8
         step = int64(ROWS_PER_PASS) * stride
         left = rows_left - row  # this thread's rows at or past the end are zero-filled
-        for p in range(nrows // ROWS_PER_PASS):
-            valid = p * ROWS_PER_PASS < left
-            ptx.cp_async_16(
-                dst + uint32(p * PASS_BYTES),
-                src,
-                at if valid else first,
-                uint32(16) if valid else uint32(0),
-            )
+        for p in range((nrows + ROWS_PER_PASS - 1) // ROWS_PER_PASS):
+            if nrows % ROWS_PER_PASS == 0 or row + p * ROWS_PER_PASS < nrows:
+                valid = p * ROWS_PER_PASS < left
+                ptx.cp_async_16(
+                    dst + uint32(p * PASS_BYTES),
+                    src,
+                    at if valid else first,
+                    uint32(16) if valid else uint32(0),
+                )
             at += step
 
     return load_rows
