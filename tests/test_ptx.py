@@ -193,7 +193,9 @@ def _loader_kernel(load_rows, threads, atom_bytes):
         for i in range(tid, TILE_ELEMENTS, threads):
             smem[i] = uint16(0xFFFF)
         cuda.syncthreads()
-        load_rows(ptx.shared_address(smem, 0), src, first, stride, rows_left, nrows, atom_bytes, tid)
+        load_rows(
+            ptx.shared_address(smem, 0), src, first, stride, rows_left, nrows, atom_bytes, tid
+        )
         ptx.cp_async_commit()
         ptx.cp_async_wait(0)
         cuda.syncthreads()
