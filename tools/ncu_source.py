@@ -22,7 +22,7 @@ ALL = "Warp Stall Sampling (All Samples)"
 
 
 def read(path):
-    """(instructions, reasons): [(sass, samples, {reason: samples})] in the listing's order."""
+    """The listing's instructions in order, each (sass, samples, {stall reason: samples})."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     header_at = next(i for i, row in enumerate(rows) if ALL in row)
