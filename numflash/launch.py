@@ -86,8 +86,9 @@ class KernelSpec(NamedTuple):
     arrays: tuple
     strided: tuple
     scalars: tuple
-    #: The arrays an attention variant adds (:func:`variant_arrays`), as ``arrays``, taken by
-    #: the kernel's trailing ``*variant`` parameter; None for a kernel without one. A plain
+    #: The arrays an attention variant adds (:func:`variant_arrays`), as ``arrays`` (or a
+    #: "map", a template handed as ``(words,)`` in the views), taken by the kernel's trailing
+    #: ``*variant`` parameter; None for a kernel without one. A plain
     #: call's kernel takes an empty tuple there, which compiles to the same PTX as no
     #: parameter at all.
     variant: tuple = None
@@ -107,7 +108,10 @@ class KernelSpec(NamedTuple):
         }
         variant = ()
         if self.variant is not None:
-            extra = tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.variant)
+            extra = tuple(
+                scalar[kind] if kind == "map" else types.Array(kinds[kind], 1, "C")
+                for _, kind in self.variant
+            )
             variant = (types.StarArgTuple.from_types(extra),)
         return (
             tuple(types.Array(kinds[kind], 1, "C") for _, kind in self.arrays)
@@ -1092,12 +1096,15 @@ TENSOR_CORE_DKDV_VARLEN = KernelSpec(
 
 
 def tensor_core_backward(
-    cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None, variant=()
+    cfg, kernels, p, dout, q, k, v, out, lse, dq, dk, dv, offsets=None, variant=(), maps=None
 ):
     """D, then the dK/dV kernel; dQ either accumulated there in fp32 by atomics and then scaled
-    and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim, varlen)``
-    gives the family's (dK/dV, dQ) Launchers. Dense, or a packed batch with ``offsets`` =
-    (cu_q, cu_k) as in _portable_backward."""
+    and rounded, or (``dq_separate``) written by the dQ kernel. ``kernels(head_dim, varlen,
+    tma)`` gives the family's (dK/dV, dQ) Launchers. Dense, or a packed batch with ``offsets``
+    = (cu_q, cu_k) as in _portable_backward. ``maps(q, k, v, do)`` (a dense call's kernel
+    inputs; None where tensor maps cannot describe them) gives the streaming tiles' tensor-map
+    templates, ((Q's, dO's), (K's, V's)), for kernels that load them by TMA
+    (kernels/backward.py's Backend.ring_boxes)."""
     xp = arrays.array_module(q)
     dout, out = (_kernel_input(x) for x in (dout, out))
     varlen = offsets is not None
@@ -1132,9 +1139,16 @@ def tensor_core_backward(
         offset_views, totals = _packed_offsets(offsets, q, k)
         views.update(offset_views)
         scalars += totals
-    specs = _tensor_core_backward_specs(p, varlen)
+    templates = None if maps is None or varlen else maps(q, k, v, dout)
+    if templates is not None:
+        buffer = arrays.empty((4 * ptx_tma.MAP_WORDS,), np.int64, like=q)
+        for kernel, pair, at in (("dkdv", templates[0], 0), ("dq", templates[1], 2)):
+            views[f"{kernel}_maps"] = arrays.kernel_view(buffer[at * ptx_tma.MAP_WORDS :])
+            for name, words in zip(("a", "b"), pair):
+                views[f"{kernel}_{name}_map"] = (words,)
+    specs = _tensor_core_backward_specs(p, varlen, templates is not None)
     stream, smem = arrays.current_stream(), cfg.shared_memory_bytes(head_dim)
-    dkdv, dq_kernel = kernels(head_dim, varlen)
+    dkdv, dq_kernel = kernels(head_dim, varlen, templates is not None)
     blocks = _ceil_div(p.seqlen_k, cfg.block_n) * cfg.head_split
     dkdv((blocks, p.nheads_k, p.batch), cfg.threads, stream, smem, specs[0].args(views, scalars))
     if cfg.dq_separate:
@@ -1231,17 +1245,35 @@ def round_bulk_dq_into(dq, buffer, planes, scale):
     )  # fmt: skip
 
 
-def _tensor_core_backward_specs(p, varlen):
-    """The (dK/dV, dQ) KernelSpecs of the tensor-core backward kernels for problem ``p``."""
+def _tensor_core_backward_specs(p, varlen, tma=False):
+    """The (dK/dV, dQ) KernelSpecs of the tensor-core backward kernels for problem ``p``;
+    ``tma``: each takes its tensor maps' templates and buffer after the variant arrays
+    (tensor_core_backward)."""
     specs = (TENSOR_CORE_DKDV_VARLEN, DQ_VARLEN) if varlen else (TENSOR_CORE_DKDV, DQ)
-    return tuple(spec.for_problem(p) for spec in specs)
+    specs = tuple(spec.for_problem(p) for spec in specs)
+    if tma:
+        specs = tuple(
+            spec._replace(variant=spec.variant + tensor_map_arguments(kernel))
+            for spec, kernel in zip(specs, ("dkdv", "dq"))
+        )
+    return specs
 
 
-def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
+def tensor_map_arguments(kernel):
+    """The ``*variant`` entries (KernelSpec.variant) of a backward ``kernel``'s ("dkdv" or
+    "dq") tensor maps: its two streaming arrays' templates and the launch's map buffer."""
+    return ((f"{kernel}_a_map", "map"), (f"{kernel}_b_map", "map"), (f"{kernel}_maps", "int64"))
+
+
+def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen, tma=False):
     """The (dK/dV, dQ) Launchers of a tensor-core backward family; ``build()`` gives its
-    backward.Kernels. dQ is None where the dK/dV kernel adds dQ up by atomics."""
+    backward.Kernels (``build(tma)`` where ``tma``: the dense kernels load by TMA). dQ is None
+    where the dK/dV kernel adds dQ up by atomics."""
     key = (family, head_dim, p.dtype, cfg) + (("varlen",) if varlen else ()) + variant_key(p)
-    specs = _tensor_core_backward_specs(p, varlen)
+    if tma:
+        key += ("tma",)
+        build = functools.partial(build, True)
+    specs = _tensor_core_backward_specs(p, varlen, tma)
     if varlen:
         dkdv = launcher(key + ("dkdv",), lambda: build().dkdv_varlen, specs[0], p.dtype)
         dq = launcher(key + ("dq",), lambda: build().dq_varlen, specs[1], p.dtype)
@@ -1253,7 +1285,7 @@ def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen):
 
 @launches(configs.TensorCoreBackwardConfig)
 def _mma_backward(cfg, p, *tensors, offsets=None, variant=()):
-    def kernels(head_dim, varlen):
+    def kernels(head_dim, varlen, tma=False):  # (no TMA: mma.sync's kernels load by cp.async)
         def build():
             return backward_mma.build_kernels(
                 head_dim,

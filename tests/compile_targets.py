@@ -288,20 +288,27 @@ def wgmma_tiles(dtype):
 
 def wgmma_backward(
     hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None,
-    dq_bulk=True, ring=False, pingpong=False,
+    dq_bulk=True, ring=False, pingpong=False, tma=False,
 ):  # fmt: skip
     """The Hopper backward's kernels; ``mods``: a user's functions (BACKWARD_MODS, or with a
     block mask: BLOCK_MASK_MODS), the dense kernels alone; ``dq_bulk`` as the configuration's
     (without dq_separate: dQ by bulk reductions, else by atomics); ``ring``: the tiles
-    through an mbarrier ring; ``pingpong``: the warpgroups taking turns with their products."""
+    through an mbarrier ring; ``pingpong``: the warpgroups taking turns with their products;
+    ``tma``: the ring filled by TMA, the dense kernels alone (the packed ones keep cp.async)."""
     built = backward_sm90.build_kernels(
         hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first,
         dq_separate=dq_separate, mods=mods, dq_bulk=dq_bulk, ring=ring, pingpong=pingpong,
+        tma=tma,
     )  # fmt: skip
     kernels = [("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV)]
     if dq_separate:
         kernels.append(("dq", built.dq, launch.DQ))
-    if mods is None:
+    if tma:
+        kernels = [
+            (name, k, spec._replace(variant=launch.tensor_map_arguments(name)))
+            for name, k, spec in kernels
+        ]
+    elif mods is None:
         kernels.append(("dkdv-varlen", built.dkdv_varlen, launch.TENSOR_CORE_DKDV_VARLEN))
         if dq_separate:
             kernels.append(("dq-varlen", built.dq_varlen, launch.DQ_VARLEN))
@@ -310,7 +317,8 @@ def wgmma_backward(
     return reports("wgmma-backward", kernels, [(9, 0, "a")], [(9, 0, "a")], head_dim=hd,
                    dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first,
                    dq_separate=dq_separate, mods=mods is not None,
-                   dq_bulk=dq_bulk and not dq_separate, ring=ring, pingpong=pingpong)  # fmt: skip
+                   dq_bulk=dq_bulk and not dq_separate, ring=ring, pingpong=pingpong,
+                   tma=tma)  # fmt: skip
 
 
 def mma_backward_mods(hd, dtype, mods):
@@ -441,6 +449,10 @@ def jobs(quick):
     out.append((wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True)))
     # ... adding dQ up in the dK/dV kernel (255 registers at head_dim 128)
     out.append((wgmma_backward, (128, "float16", 8, 3, 0.0, False, False, None, True, True, True)))
+    # ... the ring filled by TMA
+    out.append(
+        (wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True, True))
+    )
     # a user's functions, with a block mask too; the mma.sync backward's with them
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, False, True, BACKWARD_MODS)))
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))

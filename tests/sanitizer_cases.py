@@ -161,6 +161,12 @@ CASES = [
          backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True)),
     Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
          backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True)),
+    # ... the ring's tiles by TMA (one thread's boxes; rows past the end zero-filled)
+    Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True)),
+    Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
+         backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True,
+                                               tma=True)),
 ]  # fmt: skip
 
 

@@ -125,6 +125,7 @@ TC = numflash.TensorCoreBackwardConfig  # TC(block_m, num_warps, stages, dq_sepa
 WG = numflash.WgmmaBackwardConfig
 #: the ring with pingpong turns adding dQ up in the dK/dV kernel (a third turn a query block)
 RING_DQ = WG(8, 3, dq_separate=False, ring=True, pingpong=True)
+RING_DQ_TMA = WG(8, 3, dq_separate=False, ring=True, pingpong=True, tma=True)
 
 TC_SIM_CASES = [
     ("float16", 16, 9, 21, 1, "none", TC(16, 1, 2, False)),
@@ -170,6 +171,9 @@ TC_SIM_CASES = [
     ("bfloat16", 64, 40, 260, 1, "causal", WG(num_warps=4, stages=3, ring=True)),
     # ... adding dQ up in the dK/dV kernel: three query blocks, so a dS tile is rewritten
     ("bfloat16", 64, 130, 40, 1, "causal", RING_DQ),
+    # ... filled by TMA boxes (ptx_tma's simulated copy): four query blocks, so the ring wraps
+    # around, the last and the dQ kernel's key tile zero-filled past the end
+    ("float16", 64, 200, 40, 1, "none", WG(num_warps=4, stages=3, ring=True, tma=True)),
 ]
 
 
@@ -236,6 +240,13 @@ TC_GPU_CASES = [
         ("float16", 64, (517, 1023), 1, "window", RING_DQ),
         ("float16", 128, (777, 777), 2, "none", RING_DQ),
         ("bfloat16", 64, (2048, 2048), 1, "left", RING_DQ),
+        # ... the ring's tiles by TMA
+        ("bfloat16", 128, (1023, 517), 2, "causal", WG(8, 3, ring=True, pingpong=True, tma=True)),
+        ("float16", 64, (517, 1023), 1, "window", WG(8, 3, ring=True, pingpong=True, tma=True)),
+        ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, tma=True)),
+        ("bfloat16", 64, (300, 451), 1, "left", WG(4, 3, ring=True, tma=True)),
+        ("bfloat16", 128, (1023, 517), 2, "causal", RING_DQ_TMA),
+        ("float16", 64, (2048, 2048), 1, "left", RING_DQ_TMA),
     ]
 ]
 

@@ -243,11 +243,15 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     assert ring == set(kernels)
     for e in entries:
         counts = e["counts"]
-        if e["ring"]:
+        if e["tma"]:  # one thread's boxes instead: Q and dO (K and V), an atom each
+            assert counts["cp.async.bulk.tensor"] >= 2 * e["head_dim"] // 64, e
+            assert counts["mbarrier.try_wait"] >= 2 and counts["cp.async.mbarrier.arrive"] == 0, e
+        elif e["ring"]:
             assert counts["mbarrier.try_wait"] >= 2 and counts["cp.async.mbarrier.arrive"] >= 1, e
             assert counts["cp.async.wait_group"] == 2, e  # the resident tiles; the drain
         else:
             assert counts["mbarrier.try_wait"] == counts["cp.async.mbarrier.arrive"] == 0, e
+    assert {e["kernel"] for e in entries if e["tma"]} == {"dkdv", "dq"}
     # pingpong: a turn passed after each issue of products (two a tile, three with dQ added
     # up there), and the first one (the plain kernels arrive at no named barrier)
     assert {e["kernel"] for e in entries if e["pingpong"]} == set(kernels)

@@ -8,11 +8,12 @@ fields, ``problems`` its feasibility), its heuristic default, its rule (when a c
 registers it in one line.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import config, launch, selection
-from ..kernels import backward_sm90
+from ..kernels import backward_sm90, ptx_tma
 
 # -- configuration ------------------------------------------------------------------------------
 
@@ -43,6 +44,12 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       from two dS tiles the turns keep apart (kernels/backward_sm90.ring_query_block_step):
       on an H100 1.04-1.09x the two-stage configuration with 16384 keys, 0.96-1.02x with
       4096; not repeatable bit for bit, so not a default.
+    - ``tma`` (with ``ring``): the streaming tiles (Q and dO; K and V in the dQ kernel) come
+      into the ring's slots by the tensor memory accelerator, one thread issuing a tile's
+      boxes over tensor maps each block publishes, instead of every thread's cp.async; rows
+      past the end are zero-filled by the copy. Dense calls whose arrays tensor maps can
+      describe (16-byte aligned, strides multiples of 16 bytes); packed batches and other
+      calls keep cp.async.
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -72,12 +79,15 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     dq_bulk: bool = config.knob(True, (True, False))
     ring: bool = config.knob(False, (False, True))
     pingpong: bool = config.knob(False, (False, True))
+    tma: bool = config.knob(False, (False, True))
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
-    REVISION: ClassVar[int] = 3  # 2: dQ by bulk reductions; 3: the leaner tile loader
+    # 2: dQ by bulk reductions; 3: the leaner tile loader; 4: gradients written a 32-bit pair
+    # at a time, the ring's slots filled through one function (TMA or cp.async)
+    REVISION: ClassVar[int] = 4
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 
@@ -85,8 +95,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         """The swizzled K, V, stage (and dS) tiles (kernels/backward_sm90.py), alignment
         included."""
         return backward_sm90.shared_memory_layout(
-            head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk, self.ring
-        )[-1]
+            head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk, self.ring,
+            self.tma,
+        )[-1]  # fmt: skip
 
     def dq_planes(self, head_dim):
         """One plane of dQ's columns a warpgroup, with ``ring`` one per 32 columns
@@ -110,6 +121,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             out.append("ring=True takes stages=3, and stages=3 needs ring=True")
         if self.pingpong and not (self.ring and self.num_warps == 8):
             out.append("pingpong=True needs ring=True and num_warps=8 (two warpgroups)")
+        if self.tma and not self.ring:
+            out.append("tma=True needs ring=True (the ring's slots are what TMA fills)")
         if self.ring and not self.dq_separate and not (self.pingpong and self.dq_bulk):
             # the dS tiles both warpgroups' dQ products read are rewritten every other query
             # block: only the pingpong turns order that (backward_sm90.ring_query_block_step)
@@ -162,14 +175,28 @@ def fits(problem, device):
 
 @launch.launches(WgmmaBackwardConfig)
 def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
-    def kernels(head_dim, varlen):
-        def build():
+    def kernels(head_dim, varlen, tma):
+        def build(tma=False):
             return backward_sm90.build_kernels(
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
-                dq_bulk=cfg.dq_bulk, ring=cfg.ring, pingpong=cfg.pingpong,
+                dq_bulk=cfg.dq_bulk, ring=cfg.ring, pingpong=cfg.pingpong, tma=tma,
             )  # fmt: skip
 
-        return launch._tensor_core_launchers(WgmmaBackwardConfig, build, head_dim, p, cfg, varlen)
+        return launch._tensor_core_launchers(
+            WgmmaBackwardConfig, build, head_dim, p, cfg, varlen, tma
+        )
 
-    launch.tensor_core_backward(cfg, kernels, p, *tensors, offsets=offsets, variant=variant)
+    maps = functools.partial(_tensor_maps, p) if cfg.tma else None
+    launch.tensor_core_backward(
+        cfg, kernels, p, *tensors, offsets=offsets, variant=variant, maps=maps
+    )
+
+
+def _tensor_maps(p, q, k, v, do):
+    """((Q's, dO's), (K's, V's)) tensor-map templates, boxes of BLOCK_M rows by 64 columns
+    (the ring's tiles: launch.tensor_core_backward), or None where the arrays' addresses or
+    strides rule tensor maps out (the kernels then load by cp.async)."""
+    rows = backward_sm90.BLOCK_M
+    templates = ptx_tma.templates(p.dtype, (q, do, k, v), (rows,) * 4)
+    return None if templates is None else (templates[:2], templates[2:])

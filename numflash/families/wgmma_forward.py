@@ -220,21 +220,11 @@ _NO_MAP = (0,) * ptx_tma.MAP_WORDS
 
 def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
     """(the buffer the blocks publish Q, K and V's tensor maps into, their templates), or None
-    where a tensor map cannot describe one of the arrays: dense (batch, seqlen, heads,
-    head_dim) arrays as 4-D tensors, innermost first, boxes of 64 columns by the block's rows
-    (Q) or a tile's (K, V). A template holds no address the kernel uses (it writes its arrays'
-    in), so the templates are made once per geometry, with this call's addresses. ``kv_rows``:
-    the rows of a K or V box where not a tile's (a paged cache's: a page's)."""
-    addresses = (0, 0, 0) if launch.SIMULATOR else (q.data.ptr, k.data.ptr, v.data.ptr)
-    if any(a % 16 for a in addresses):
-        return None
+    where a tensor map cannot describe one of the arrays: boxes of 64 columns by the block's
+    rows (Q) or a tile's (K, V) (ptx_tma.templates). ``kv_rows``: the rows of a K or V box
+    where not a tile's (a paged cache's: a page's)."""
     rows = (cfg.block_m, kv_rows or cfg.block_n, kv_rows or cfg.block_n)
-    key = (p.dtype, rows) + tuple((x.shape, x.strides) for x in (q, k, v))
-    templates = _templates.get(key, False)
-    if templates is False:
-        if len(_templates) >= 1024:
-            _templates.clear()
-        templates = _templates[key] = _map_templates(p, (q, k, v), addresses, rows)
+    templates = ptx_tma.templates(p.dtype, (q, k, v), rows)
     if templates is None:
         return None
     return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
@@ -246,28 +236,6 @@ def _maps_or_none(maps, xp):
     if maps is None:
         return False, (launch._unread_array(xp, xp.int64), (_NO_MAP,) * 3)
     return True, maps
-
-
-#: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, tiles and the
-#: arrays' shapes and strides.
-_templates = {}
-
-
-def _map_templates(p, xs, addresses, box_rows):
-    """The Q, K, V templates of :func:`_tensor_maps` (boxes of ``box_rows`` rows each), or None
-    where a stride is not a multiple of 16 bytes."""
-    templates = []
-    for x, address, rows in zip(xs, addresses, box_rows):
-        batch, seqlen, heads, head_dim = x.shape
-        sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
-        dims = (head_dim, seqlen, heads, batch)
-        # the stride of a dimension of one element is never used: any multiple of 16 bytes
-        strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
-        if ptx_tma.problems(dims, strides):
-            return None
-        box = (ptx_tma.BOX_INNER, rows, 1, 1)
-        templates.append(ptx_tma.template(p.dtype, dims, strides, box, address))
-    return tuple(templates)
 
 
 @launch.launches(WgmmaForwardConfig)

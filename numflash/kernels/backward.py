@@ -317,7 +317,8 @@ def row_writer(part, dtype_name):
     @device_function
     def write_rows(out, acc, base, stride, row0, lane, rows, factor):
         """acc * factor (16 rows x ``part``) to ``out``'s rows row0.. below ``rows``, from element
-        ``base`` of each (the block's first column)."""
+        ``base`` of each (the block's first column). Each lane's pair goes out as one 32-bit
+        store, so ``base`` and ``stride`` are even: the gradients are numflash's own buffers."""
         for h in range(2):
             row = row0 + (lane >> 2) + 8 * h
             if row < rows:
@@ -326,8 +327,7 @@ def row_writer(part, dtype_name):
                     col = dt * 8 + (lane & 3) * 2
                     i = acc_index(dt, h)
                     pair = pack(acc[i] * factor, acc[i + 1] * factor)
-                    out[(at + col) & NON_NEGATIVE] = uint16(pair & uint32(0xFFFF))
-                    out[(at + col + 1) & NON_NEGATIVE] = uint16(pair >> uint32(16))
+                    ptx.store_pair(out, (at + col) & NON_NEGATIVE, pair)
 
     return write_rows
 
@@ -445,7 +445,7 @@ def query_block_loader(load_pair, fetch_row_stats, group_threads=None):
         at ``stage_addr``, their LSE and D into registers (lse_r, d_r). ``rows``: where the
         sequence's query rows start in q and in do, and (a, b, stride): head h's row 0 is at
         (a + h) * stride + b in lse and delta."""
-        q_first, do_first, lse_a, lse_b, lse_stride = rows
+        q_first, do_first, _, _, _ = rows
         _, q_ss, q_sh = q_st
         _, do_ss, do_sh = do_st
         load_pair(
@@ -459,12 +459,19 @@ def query_block_loader(load_pair, fetch_row_stats, group_threads=None):
             seqlen_q - m0,
             tid,
         )
+        fetch_query_stats(lse, delta, lse_r, d_r, rows, head, m0, seqlen_q, tid)
+
+    @device_function
+    def fetch_query_stats(lse, delta, lse_r, d_r, rows, head, m0, seqlen_q, tid):
+        """Start loading the LSE and D of query rows m0.. of ``head`` into registers (lse_r,
+        d_r): load_query_block's second half."""
+        _, _, lse_a, lse_b, lse_stride = rows
         lse_base = (lse_a + head) * lse_stride + lse_b
         if GROUPED:
             tid = tid & GROUP_MASK
         fetch_row_stats(lse_r, d_r, lse, delta, lse_base, m0, seqlen_q, tid)
 
-    return load_query_block
+    return load_query_block, fetch_query_stats
 
 
 @device_function
@@ -570,6 +577,15 @@ class Backend(NamedTuple):
     pending)``: query_block_step that also adds the block's dQ up, pending = (base, dq_acc,
     dq_acc's index of the block's head, dq_ss, dq_sh, the block's first row, its index in the
     stream, warp, lane); its products have landed on return.
+
+    With a ring, ``ring_boxes`` (else None) fills the dense kernels' slots by the tensor
+    memory accelerator: ``publish_maps(maps, a, b, base, warp, lane)`` once a block makes the
+    launch's tensor maps of the streaming arrays (Q and dO, or K and V) from the templates in
+    ``maps`` (the dense kernels' last three ``*variant`` arguments: the two templates,
+    ptx_tma's, and the launch's int64 map buffer), and ``ring_boxes(bars, t,
+    stage_addr, maps, row, head, batch, tid)`` claims tile t's slot and copies rows row.. of
+    (head, batch) of both arrays into it for every thread (the full barriers expect one
+    arrival: Ring.filled is not called). The packed-batch kernels keep the cp.async ring.
     """
 
     block_m: int
@@ -595,6 +611,8 @@ class Backend(NamedTuple):
     drain: object = drain_copies
     ring: object = None
     ring_query_block_step: object = None
+    publish_maps: object = None
+    ring_boxes: object = None
 
 
 def build_kernels(backend, alibi=False, mods=None):
@@ -604,7 +622,9 @@ def build_kernels(backend, alibi=False, mods=None):
     head's slope goes to the backend's steps (its probabilities_function and row_ds_function
     built with ``alibi`` too). With ``mods`` (a validation.Mods, the backend's element
     functions built with it too) the mod_args follow, then a block mask's index where
-    ``mods.block_mask``, and the steps get (batch entry, head, ``*variant``) besides.
+    ``mods.block_mask``, and the steps get (batch entry, head, ``*variant``) besides. With
+    the backend's ``ring_boxes`` the dense kernels take three more last: their tensor maps'
+    templates and a buffer to publish them in (Backend).
 
     One block body per kernel (``dkdv_block``, ``dq_block``) takes where its sequence starts in
     every array and its lengths; the dense kernels give it batch ``blockIdx.z``'s, the packed
@@ -645,7 +665,7 @@ def build_kernels(backend, alibi=False, mods=None):
     write_rows = backend.write_rows
     drain = backend.drain
     fetch_row_stats, store_row_stats = row_stats_functions(BLOCK_M, STAT_THREADS)
-    load_query_block = query_block_loader(
+    load_query_block, fetch_query_stats = query_block_loader(
         load_pair, fetch_row_stats, STAT_THREADS if RING else None
     )
     ring = backend.ring if RING else Ring(*(None,) * len(Ring._fields))
@@ -655,6 +675,11 @@ def build_kernels(backend, alibi=False, mods=None):
     # index, and an expression there is one)
     MASK_AT = mod_functions(mods, int(alibi)).block_mask_at
     MASK_END = MASK_AT + 1
+    # the dense kernels' tensor maps (Backend.ring_boxes): after every variant array above
+    TMA = RING and backend.ring_boxes is not None
+    MAPS_AT = int(alibi) + (0 if mods is None else len(mods.kinds) + int(BLOCK_MASK))
+    MAPS_END = MAPS_AT + 3  # two templates and the launch's map buffer
+    publish_maps, ring_boxes = backend.publish_maps, backend.ring_boxes
 
     @device_function
     def masked_query_range(variant, b, kv_head, heads_per_kv, n0, last_key, m_lo, m_hi):
@@ -681,11 +706,29 @@ def build_kernels(backend, alibi=False, mods=None):
         return n_lo, n_hi
 
     @device_function
+    def fill_query_slot(
+        bars, t, stage_addr, q, do, lse, delta, lse_r, d_r, rows, head, m0, q_st, do_st,
+        seqlen_q, b, maps, tid,
+    ):  # fmt: skip
+        """Query block ``t`` of the ring (rows m0.. of ``head``) into its slot at
+        ``stage_addr`` once the slot is free, its LSE and D into registers: by the tensor
+        memory accelerator where the kernel has tensor ``maps`` (Backend.ring_boxes), else by
+        every thread's cp.async."""
+        if maps is not None:
+            ring_boxes(bars, t, stage_addr, maps, int32(m0), int32(head), int32(b), tid)
+            fetch_query_stats(lse, delta, lse_r, d_r, rows, head, m0, seqlen_q, tid)
+        else:
+            ring.claim(bars, t)
+            load_query_block(stage_addr, q, do, lse, delta, lse_r, d_r, rows, head, m0, q_st,
+                             do_st, seqlen_q, tid)  # fmt: skip
+            ring.filled(bars, t)
+
+    @device_function
     def ring_query_blocks(
         q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left, window_right,
         variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r, lse_tile, d_tile, base, head,
         m_lo, m_hi, n_blocks, key0, scale_log2, nheads, warp, lane, tid, dqa, dq_acc, dq_first,
-        dq_ss, dq_sh,
+        dq_ss, dq_sh, maps,
     ):  # fmt: skip
         """dkdv_block's query blocks through the backend's ring: block t in slot t % STAGES,
         loaded STAGES - 1 blocks ahead, after block t - STAGES's slot is released by every
@@ -704,11 +747,10 @@ def build_kernels(backend, alibi=False, mods=None):
         load_head, load_m0 = head, m_lo  # the next block to load
         for j in range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2
             if j < n_blocks:
-                load_query_block(
-                    first_stage + uint32(j * STAGE_BYTES), q, do, lse, delta, lse_r, d_r, rows,
-                    load_head, load_m0, q_st, do_st, seqlen_q, tid,
+                fill_query_slot(
+                    bars, uint32(j), first_stage + uint32(j * STAGE_BYTES), q, do, lse, delta,
+                    lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, b, maps, tid,
                 )  # fmt: skip
-                ring.filled(bars, uint32(j))
                 if j == 0:
                     store_row_stats(lse_tile, d_tile, lse_r, d_r, group, gtid)
                 load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
@@ -730,39 +772,56 @@ def build_kernels(backend, alibi=False, mods=None):
                 query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores)
             ring.release(bars, it)  # (the step's products have landed)
             if it + 1 < n_blocks:
-                nxt = (uint32(it) + uint32(1)) % uint32(STAGES)
+                nxt = uint32(uint32(it) + uint32(1)) % uint32(STAGES)
                 store_row_stats(lse_tile, d_tile, lse_r, d_r, group + nxt, gtid)
                 ahead = it + STAGES - 1
                 if ahead < n_blocks:
-                    ring.claim(bars, ahead)
                     into = uint32(ahead) % uint32(STAGES)
-                    load_query_block(
-                        first_stage + into * uint32(STAGE_BYTES), q, do, lse, delta, lse_r, d_r,
-                        rows, load_head, load_m0, q_st, do_st, seqlen_q, tid,
+                    fill_query_slot(
+                        bars, ahead, first_stage + into * uint32(STAGE_BYTES), q, do, lse,
+                        delta, lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, b,
+                        maps, tid,
                     )  # fmt: skip
-                    ring.filled(bars, ahead)
                     load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
                 ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
             head, m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
         ring.last_turn(warp)
 
     @device_function
+    def fill_key_slot(bars, t, stage_addr, k, v, k_at, v_at, k_ss, v_ss, keys_left, coords,
+                      maps, tid):  # fmt: skip
+        """Key tile ``t`` of the ring (K and V from element k_at and v_at, ``keys_left`` keys
+        on; coords = (its first key, kv head, batch)) into its slot at ``stage_addr`` once
+        the slot is free: by the tensor memory accelerator where the kernel has tensor
+        ``maps`` (Backend.ring_boxes), else by every thread's cp.async."""
+        if maps is not None:
+            n0, kv_head, b = coords
+            ring_boxes(bars, t, stage_addr, maps, int32(n0), int32(kv_head), int32(b), tid)
+        else:
+            ring.claim(bars, t)
+            load_pair(stage_addr, k, v, k_at, k_ss, v_at, v_ss, keys_left, tid)
+            ring.filled(bars, t)
+
+    @device_function
     def ring_key_tiles(
         k, v, k_at, v_at, k_ss, v_ss, keys_left, n_tiles, s, dp, acc, resident, first_stage,
-        row_stats, scale_log2, bias, tid,
+        row_stats, scale_log2, bias, tid, coords, maps,
     ):  # fmt: skip
         """dq_block's key tiles through the backend's ring: tile t in slot t % STAGES, loaded
         STAGES - 1 tiles ahead, after tile t - STAGES's slot is released by every thread. The
-        resident Q and dO are waited for once, behind a block barrier."""
+        resident Q and dO are waited for once, behind a block barrier. ``coords``: (the first
+        tile's first key, kv head, batch), for tensor ``maps`` (fill_key_slot)."""
+        n_lo, kv_head, b = coords
         bars = cuda.shared.array(RING_BARRIERS, uint64)
         ring.start(bars, tid)
         ring.first_turn(tid >> 5)
         for j in range(STAGES - 1):  # prologue: tiles 0 .. STAGES - 2
             if j < n_tiles:
                 rows = int64(j * BLOCK_M)
-                load_pair(first_stage + uint32(j * STAGE_BYTES), k, v, k_at + rows * k_ss, k_ss,
-                          v_at + rows * v_ss, v_ss, keys_left - j * BLOCK_M, tid)  # fmt: skip
-                ring.filled(bars, uint32(j))
+                fill_key_slot(bars, uint32(j), first_stage + uint32(j * STAGE_BYTES), k, v,
+                              k_at + rows * k_ss, v_at + rows * v_ss, k_ss, v_ss,
+                              keys_left - j * BLOCK_M, (n_lo + j * BLOCK_M, kv_head, b), maps,
+                              tid)  # fmt: skip
         landed()  # Q and dO (every thread's copies, and tile 0's)
         for it in range(n_tiles):
             t = uint32(it)  # (32-bit: the slot's division by STAGES is a multiply)
@@ -773,12 +832,13 @@ def build_kernels(backend, alibi=False, mods=None):
             ring.release(bars, t)  # (the step's products have landed)
             ahead = uint32(t + uint32(STAGES - 1))
             if ahead < uint32(n_tiles):  # (unsigned against signed would compare as float64)
-                ring.claim(bars, ahead)
                 rows = int64(ahead * uint32(BLOCK_M))
-                load_pair(first_stage + (ahead % uint32(STAGES)) * uint32(STAGE_BYTES), k, v,
-                          k_at + rows * k_ss, k_ss, v_at + rows * v_ss, v_ss,
-                          keys_left - int32(ahead * uint32(BLOCK_M)), tid)  # fmt: skip
-                ring.filled(bars, ahead)
+                skip = int32(ahead * uint32(BLOCK_M))
+                fill_key_slot(bars, ahead,
+                              first_stage + (ahead % uint32(STAGES)) * uint32(STAGE_BYTES), k, v,
+                              k_at + rows * k_ss, v_at + rows * v_ss, k_ss, v_ss,
+                              keys_left - skip, (n_lo + skip, kv_head, b), maps,
+                              tid)  # fmt: skip
         ring.last_turn(tid >> 5)
 
     @device_function
@@ -810,11 +870,14 @@ def build_kernels(backend, alibi=False, mods=None):
         position,
         variant,
         b,
+        maps,
     ):
         """dK and dV of one key block (and dQ's atomics). ``firsts``: where the sequence starts
         in k, v, dk, dv and dq_acc; ``rows``: in q, do, lse and delta (load_query_block);
         ``position``: block_position's (tid, lane, warp, n0, col_base, kv_head); ``variant``,
-        ``b``: the kernel's variant arrays and the sequence (ALiBi's slopes)."""
+        ``b``: the kernel's variant arrays and the sequence (ALiBi's slopes); ``maps``: Q's
+        and dO's tensor-map templates and the launch's map buffer (a dense kernel with
+        Backend.ring_boxes), else None."""
         k_first, v_first, dk_first, dv_first, dq_first = firsts
         _, k_ss, k_sh = k_st
         _, v_ss, v_sh = v_st
@@ -843,6 +906,8 @@ def build_kernels(backend, alibi=False, mods=None):
 
         # -- K and V of this block stay in shared memory for the whole kernel
         base = shared_base(smem)
+        if maps is not None:
+            publish_maps(maps, q, do, base, warp, lane)
         resident = load_resident(
             base,
             k,
@@ -873,7 +938,7 @@ def build_kernels(backend, alibi=False, mods=None):
                 q, do, lse, delta, q_st, do_st, rows, seqlen_q, seqlen_k, window_left,
                 window_right, variant, b, resident, st, dpt, dk_acc, dv_acc, lse_r, d_r,
                 lse_tile, d_tile, base, next_head, m_lo, m_hi, n_blocks, key0, scale_log2,
-                nheads, warp, lane, tid, dqa, dq_acc, dq_first, dq_ss, dq_sh,
+                nheads, warp, lane, tid, dqa, dq_acc, dq_first, dq_ss, dq_sh, maps,
             )  # fmt: skip
             n_blocks = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_blocks > 0:  # prologue: the first block's loads
@@ -972,6 +1037,7 @@ def build_kernels(backend, alibi=False, mods=None):
         position,
         variant,
         b,
+        maps,
     ):
         """dQ = scale * sum over keys of dS K for BLOCK_N query rows, each element summed by
         one thread in key order: deterministic. ``variant``, ``b``: the kernel's variant
@@ -980,7 +1046,9 @@ def build_kernels(backend, alibi=False, mods=None):
         dO stay in the slots that hold K and V there, and tiles of BLOCK_M keys and values
         stream through the stages that hold Q and dO there. ``firsts``: where the sequence
         starts in q, k, v, do and dq; ``lse_base``: where this head's row 0 is in lse and
-        delta; ``position``: block_position's (tid, lane, warp, m0, col_base, head)."""
+        delta; ``position``: block_position's (tid, lane, warp, m0, col_base, head); ``maps``:
+        K's and V's tensor-map templates and the launch's map buffer (a dense kernel with
+        Backend.ring_boxes), else None."""
         q_first, k_first, v_first, do_first, dq_first = firsts
         _, q_ss, q_sh = q_st
         _, k_ss, k_sh = k_st
@@ -1003,6 +1071,8 @@ def build_kernels(backend, alibi=False, mods=None):
 
         # -- Q and dO of this block stay in shared memory for the whole kernel
         base = shared_base(smem)
+        if maps is not None:
+            publish_maps(maps, k, v, base, warp, lane)
         resident = load_resident(
             base,
             q,
@@ -1047,7 +1117,7 @@ def build_kernels(backend, alibi=False, mods=None):
             ring_key_tiles(
                 k, v, k_at, v_at, k_ss, v_ss, seqlen_k - n_lo, n_tiles, s, dp, acc, resident,
                 first_stage, row_stats, scale_log2, (distance, slope, (b, head, variant), q0, kv0),
-                tid,
+                tid, (n_lo, kv_head, b), maps,
             )  # fmt: skip
             n_tiles = 0  # (the loop below is the block-barrier schedule's)
         if STAGES > 1 and n_tiles > 0:  # prologue: the first key tile's loads
@@ -1132,6 +1202,7 @@ def build_kernels(backend, alibi=False, mods=None):
             (batch * q_st[0], batch * do_st[0], int64(batch) * nheads, 0, seqlen_q),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, n0, col_base, kv_head), variant, batch,
+            variant[MAPS_AT:MAPS_END] if TMA else None,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -1180,7 +1251,7 @@ def build_kernels(backend, alibi=False, mods=None):
              q_start * dq_st[1]),
             (q_start * q_st[1], q_start * do_st[1], int64(0), q_start, total_q),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, n0, col_base, kv_head), variant, b,
+            (tid, lane, warp, n0, col_base, kv_head), variant, b, None,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -1217,6 +1288,7 @@ def build_kernels(backend, alibi=False, mods=None):
             (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, m0, col_base, head), variant, batch,
+            variant[MAPS_AT:MAPS_END] if TMA else None,
         )  # fmt: skip
 
     @kernel(launch_bounds=THREADS)
@@ -1259,7 +1331,7 @@ def build_kernels(backend, alibi=False, mods=None):
              q_start * dq_st[1]),
             int64(head) * total_q + q_start,
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
-            (tid, lane, warp, m0, col_base, head), variant, b,
+            (tid, lane, warp, m0, col_base, head), variant, b, None,
         )  # fmt: skip
 
     if DQ_ATOMIC:

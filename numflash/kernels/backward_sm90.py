@@ -58,9 +58,9 @@ step; the two warpgroups of a block overlap each other): docs/performance.md.
 
 import functools
 
-from numba import cuda, float32, int64, uint16, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
 
-from . import backward, ptx, ptx_sm90
+from . import backward, ptx, ptx_sm90, ptx_tma
 from .fragments import PACK, acc_index
 from .jit import device_function
 from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_tile_loader
@@ -87,13 +87,16 @@ def dq_planes(head_dim, num_warps, ring):
     return num_warps // 4
 
 
-def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False):
-    """(K, V, the first stage, one stage, dO within a stage, dS, dQ, total) in bytes from the
-    block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x the block's keys) only
-    without ``dq_separate`` (two with ``ring``: ring_query_block_step), dQ's staging slots
-    for the bulk reductions (BLOCK_M rows x head_dim, fp32; with ``ring`` BLOCK_M rows x
-    RING_PLANE_COLS a warpgroup) only with ``dq_bulk`` too; the total includes 1024 bytes to
-    align that base."""
+def shared_memory_layout(
+    head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False, tma=False
+):
+    """(K, V, the first stage, one stage, dO within a stage, dS, dQ, the staged tensor maps,
+    total) in bytes from the block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x
+    the block's keys) only without ``dq_separate`` (two with ``ring``:
+    ring_query_block_step), dQ's staging slots for the bulk reductions (BLOCK_M rows x
+    head_dim, fp32; with ``ring`` BLOCK_M rows x RING_PLANE_COLS a warpgroup) only with
+    ``dq_bulk`` too, the two tensor maps a kernel publishes (publish_maps) only with ``tma``;
+    the total includes 1024 bytes to align that base."""
     atoms = head_dim // 64
     block_n = 16 * num_warps
     kv = block_n * ROW_BYTES * atoms
@@ -105,11 +108,13 @@ def shared_memory_layout(head_dim, num_warps, stages, dq_separate=True, dq_bulk=
     # a warpgroup's slots hold its BLOCK_M rows of one plane
     plane_cols = head_dim // dq_planes(head_dim, num_warps, ring)
     dq_bytes = BLOCK_M * plane_cols * 4 * (num_warps // 4) if dq_bulk and not dq_separate else 0
-    return 0, kv, 2 * kv, stage, tile, ds, dq, dq + dq_bytes + GROUP_BYTES
+    maps = dq + dq_bytes  # (a multiple of 1024: every region above is)
+    maps_bytes = 2 * ptx_tma.MAP_BYTES if tma else 0
+    return 0, kv, 2 * kv, stage, tile, ds, dq, maps, maps + maps_bytes + GROUP_BYTES
 
 
 @functools.lru_cache(maxsize=None)
-def ring_functions(stages, threads, pingpong=False):
+def ring_functions(stages, threads, pingpong=False, tma=False):
     """The mbarrier ring (backward.Ring) of ``stages`` slots handed between ``threads``
     threads: a full barrier a slot that every thread's cp.async copies arrive at when they
     land (``cp.async.mbarrier.arrive.noinc``; wgmma reads the tile after a wait on it, with no
@@ -118,15 +123,20 @@ def ring_functions(stages, threads, pingpong=False):
     empty. Named barriers 1 and 2 are the warpgroups' own (warpgroup_barrier: no branch).
     ``pingpong`` (two warpgroups): the warpgroups take turns issuing their products, the
     first first; named barrier 3 + g is warpgroup g's turn, which the other's 128 threads
-    pass to it by arriving there (pair_barrier_*: numbered at run time, no branch)."""
+    pass to it by arriving there (pair_barrier_*: numbered at run time, no branch).
+    ``tma``: one thread fills a slot by the tensor memory accelerator (build_kernels'
+    ring_boxes), so a full barrier expects that thread's arrival with the bytes, not every
+    thread's."""
     STAGES, THREADS, BARRIERS = uint32(stages), threads, 2 * stages  # (32-bit slot math)
+    FILLERS = 1 if tma else threads
     PINGPONG = pingpong
 
     @device_function
     def start(bars, tid):
         if tid == 0:
             for i in range(BARRIERS):
-                ptx_sm90.mbarrier_init(ptx.shared_address(bars, i), uint32(THREADS))
+                count = FILLERS if i < STAGES else THREADS
+                ptx_sm90.mbarrier_init(ptx.shared_address(bars, i), uint32(count))
         cuda.syncthreads()
 
     @device_function
@@ -185,6 +195,7 @@ def ring_functions(stages, threads, pingpong=False):
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
     pack_first=False, dq_separate=True, mods=None, dq_bulk=False, ring=False, pingpong=False,
+    tma=False,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -205,21 +216,28 @@ def build_kernels(
     only with ``pingpong`` and ``dq_bulk`` (ring_query_block_step: the turns order the dS
     tiles). ``pingpong`` (with ``ring`` and two warpgroups): the warpgroups take turns issuing
     their products (ring_functions), so that one's products run while the other's softmax
-    step does instead of both waiting for the tensor cores at once."""
+    step does instead of both waiting for the tensor cores at once. ``tma`` (with ``ring``):
+    the dense kernels' streaming tiles (Q and dO; K and V in the dQ kernel) come into the
+    ring's slots by the tensor memory accelerator, one thread issuing a slot's boxes
+    (ring_boxes) over tensor maps the kernel publishes from the templates it is handed
+    (publish_maps), so that the other threads issue no copies; the packed-batch kernels keep
+    cp.async."""
     if (
         head_dim not in HEAD_DIMS
         or num_warps not in NUM_WARPS
         or stages not in ((3,) if ring else (1, 2))
         or (ring and not dq_separate and not (pingpong and dq_bulk))
         or (pingpong and (not ring or num_warps != 8))
+        or (tma and not ring)
     ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
             f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
             + (", and the ring adds dQ up only with pingpong and dq_bulk" if ring else "")
             + (", and pingpong only with the ring and num_warps 8" if pingpong else "")
+            + (", and tma only with the ring" if tma else "")
         )
-    RING = ring_functions(stages, 32 * num_warps, pingpong)  # its turns: nothing without
+    RING = ring_functions(stages, 32 * num_warps, pingpong, tma)  # its turns: nothing without
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
     RING_DQ = ring and FUSED_DQ  # dQ in a turn of its own (ring_query_block_step)
@@ -228,9 +246,11 @@ def build_kernels(
     THREADS = 32 * num_warps
     KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
     TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO, and of dS (64 keys)
-    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, _ = shared_memory_layout(
-        head_dim, num_warps, stages, dq_separate, dq_bulk, ring
+    K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, MAPS_OFF, _ = shared_memory_layout(
+        head_dim, num_warps, stages, dq_separate, dq_bulk, ring, tma
     )
+    ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: a tensor map's box each
+    MAP_BYTES, MAP_WORDS = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS
     DS_BYTES = (DQ_OFF - DS_OFF) // (2 if RING_DQ else 1)  # one dS tile (two with RING_DQ)
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
     K_STEPS = HEAD_DIM // 16  # k16 steps of S^T = K Q^T
@@ -378,6 +398,48 @@ def build_kernels(
         load_rows(stage_addr, a, a_first, a_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
         load_rows(stage_addr + uint32(DO_OFF), b, b_first, b_ss, rows_left, BLOCK_M, TILE_ATOM, tid)
         ptx.cp_async_commit()
+
+    @device_function
+    def publish_maps(maps, a, b, base, warp, lane):
+        """Warp 0, once a block (tma): the launch's tensor maps of ``a`` and ``b`` (Q and dO,
+        or K and V) from ``maps`` = (a's template, b's template, the launch's map buffer),
+        acquired for the copies warp 0's first thread issues (ring_boxes)."""
+        if warp == 0:
+            a_words, b_words, buffer = maps
+            staged = base + uint32(MAPS_OFF)
+            ptx_tma.publish_map(buffer, 0, staged, a_words, ptx_tma.global_address(a, int64(0)),
+                                lane)  # fmt: skip
+            ptx_tma.publish_map(buffer, 1, staged + uint32(MAP_BYTES), b_words,
+                                ptx_tma.global_address(b, int64(0)), lane)  # fmt: skip
+            for i in range(2):
+                ptx_tma.acquire(ptx_tma.global_address(buffer, int64(i * MAP_WORDS)))
+
+    @device_function
+    def ring_boxes(bars, t, stage_addr, maps, row, head, batch, tid):
+        """tma: tile ``t`` of the ring (rows row.. of ``head`` and ``batch``, of both arrays
+        publish_maps made maps of; ``maps`` as there) into ``stage_addr``, its slot: warp 0
+        waits for the slot to be free, then its first thread issues the copies (issue_boxes);
+        rows past the end are zero-filled by the copy."""
+        if ptx.any_lane(tid < 32):  # (a branch ptxas knows to be uniform; and below, a
+            RING.claim(bars, t)  # warp converged again: else it serializes the wgmmas, C7519)
+            if tid == 0:
+                issue_boxes(bars, t, stage_addr, maps, row, head, batch)
+            ptx.sync_warp()
+
+    @device_function
+    def issue_boxes(bars, t, stage_addr, maps, row, head, batch):
+        """ring_boxes' thread 0: expect tile t's bytes on its slot's full barrier, then copy
+        every 64-column box of both arrays into the slot."""
+        full = ptx.shared_address(bars, uint32(t) % uint32(STAGES))
+        ptx_sm90.mbarrier_expect_tx(full, uint32(2 * ATOMS * TILE_ATOM))
+        a_map = ptx_tma.global_address(maps[2], int64(0))
+        b_map = ptx_tma.global_address(maps[2], int64(MAP_WORDS))
+        for a in range(ATOMS):
+            col = int32(a * ptx_tma.BOX_INNER)
+            ptx_tma.load_box(a_map, stage_addr + uint32(a * TILE_ATOM), full, col, row,
+                             head, batch)  # fmt: skip
+            ptx_tma.load_box(b_map, stage_addr + uint32(DO_OFF + a * TILE_ATOM), full, col,
+                             row, head, batch)  # fmt: skip
 
     @device_function
     def load_resident(
@@ -635,6 +697,8 @@ def build_kernels(
             atomic_dq=atomic_dq,
             drain=drain,
             ring=RING if ring else None,
+            publish_maps=publish_maps if tma else None,
+            ring_boxes=ring_boxes if tma else None,
             ring_query_block_step=ring_query_block_step if RING_DQ else None,
             divide=ptx_sm90.quotient32,
             write_rows=backward.row_writer(HEAD_DIM, dtype_name),

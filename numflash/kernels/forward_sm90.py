@@ -751,16 +751,6 @@ def build(
             slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
-    def publish_map(maps, index, staged, words, source, lane):
-        """Warp-wide: tensor map ``index`` of the launch's ``maps`` made from template
-        ``words`` (staged in shared memory at ``staged``) with global address ``source``."""
-        if lane == 0:
-            for w in range(MAP_WORDS):
-                ptx_tma.store_map_word(staged, int32(w), words[w])
-            ptx_tma.replace_address(staged, source)
-        ptx_tma.publish(ptx_tma.global_address(maps, int64(index * MAP_WORDS)), staged)
-
-    @device_function
     def load_boxes(tensor_map, dst, atom_bytes, barrier, row, head, b):
         """Every 64-column atom of the box of rows ``row``.. of (head, b) into the tile at
         ``dst``, its bytes completing on ``barrier``."""
@@ -846,10 +836,10 @@ def build(
         acquires them: in a paged cache's tiles every lane issues copies)."""
         q_words, k_words, v_words = templates
         staged = base + uint32(STAGED_MAPS)
-        publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
-        publish_map(maps, 1, staged + uint32(MAP_BYTES), k_words,
+        ptx_tma.publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
+        ptx_tma.publish_map(maps, 1, staged + uint32(MAP_BYTES), k_words,
                     ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
-        publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
+        ptx_tma.publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
                     ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
         for index in range(MAPS):
             ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))

@@ -40,9 +40,10 @@ does.
 import threading
 
 import numpy as np
+from numba import int32, int64
 
 from . import ptx, ptx_sm90
-from .jit import SIMULATOR
+from .jit import SIMULATOR, device_function
 
 #: A tensor map's size, and as the int64 words a kernel takes it in.
 MAP_BYTES = 128
@@ -73,6 +74,45 @@ def template(dtype_name, dims, strides, box, address):
     Raises ValueError when the driver refuses the map (see :func:`problems`)."""
     make = _simulated_template if SIMULATOR else _encoded_template
     return make(dtype_name, dims, strides, box, address)
+
+
+def templates(dtype_name, xs, box_rows):
+    """The templates of dense (batch, seqlen, heads, head_dim) arrays ``xs`` as 4-D tensors,
+    innermost first, boxes of BOX_INNER columns by ``box_rows`` rows (one count an array), or
+    None where a tensor map cannot describe one of them (an address not 16-byte aligned, a
+    stride not a multiple of 16 bytes). A template holds no address the kernel uses (it
+    writes its arrays' in), so they are made once per geometry, with this call's addresses."""
+    addresses = tuple(0 if SIMULATOR else x.data.ptr for x in xs)
+    if any(a % 16 for a in addresses):
+        return None
+    key = (dtype_name, tuple(box_rows)) + tuple((x.shape, x.strides) for x in xs)
+    found = _templates.get(key, False)
+    if found is False:
+        if len(_templates) >= 1024:
+            _templates.clear()
+        found = _templates[key] = _geometry_templates(dtype_name, xs, addresses, box_rows)
+    return found
+
+
+#: Tensor-map templates (or None: no tensor map describes the arrays) by dtype, box rows and
+#: the arrays' shapes and strides.
+_templates = {}
+
+
+def _geometry_templates(dtype_name, xs, addresses, box_rows):
+    """:func:`templates` worked out: None where a stride is not a multiple of 16 bytes."""
+    found = []
+    for x, address, rows in zip(xs, addresses, box_rows):
+        batch, seqlen, heads, head_dim = x.shape
+        sb, ss, sh, _ = (s // x.dtype.itemsize for s in x.strides)
+        dims = (head_dim, seqlen, heads, batch)
+        # the stride of a dimension of one element is never used: any multiple of 16 bytes
+        strides = tuple(8 if n == 1 else s for n, s in ((seqlen, ss), (heads, sh), (batch, sb)))
+        if problems(dims, strides):
+            return None
+        box = (BOX_INNER, rows, 1, 1)
+        found.append(template(dtype_name, dims, strides, box, address))
+    return tuple(found)
 
 
 def _encoded_template(dtype_name, dims, strides, box, address):
@@ -255,3 +295,15 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+
+
+@device_function
+def publish_map(maps, index, staged, words, source, lane):
+    """Warp-wide: tensor map ``index`` of a launch's ``maps`` (int64, MAP_WORDS a map) made
+    from template ``words`` (staged in shared memory at ``staged``) with global address
+    ``source``."""
+    if lane == 0:
+        for w in range(MAP_WORDS):
+            store_map_word(staged, int32(w), words[w])
+        replace_address(staged, source)
+    publish(global_address(maps, int64(index * MAP_WORDS)), staged)
