@@ -280,7 +280,7 @@ def test_blocks_in_heavy_group_order_match_reference(mask):
     cfg = numflash.TensorCoreBackwardConfig(16, 1, 2, True)
     dq, dk, dv = (xp.empty(x.shape, x.dtype) for x in (q, k, v))
 
-    def launchers(head_dim, varlen):
+    def launchers(head_dim, varlen, tma=False):  # (mma.sync: no TMA)
         assert not varlen
         key = ("heavy_group=4", head_dim)
         return (
