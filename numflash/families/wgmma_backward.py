@@ -49,7 +49,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       boxes over tensor maps each block publishes, instead of every thread's cp.async; rows
       past the end are zero-filled by the copy. Dense calls whose arrays tensor maps can
       describe (16-byte aligned, strides multiples of 16 bytes); packed batches and other
-      calls keep cp.async.
+      calls keep cp.async. Off by default: not yet timed on a GPU.
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
