@@ -23,6 +23,9 @@ import numpy as np
 from . import arrays
 from . import config as configs
 from .kernels import (
+    backward as backward_kernels,
+)
+from .kernels import (
     backward_mma,
     backward_portable,
     decode_portable,
@@ -147,6 +150,14 @@ PREPROCESS = KernelSpec(
     strided=("do", "o"),
     scalars=(("seqlen_q", "int32"),),
 )
+#: D, and the LSE in the log2 domain, into buffers of padded rows (kernels/backward.py's
+#: padded_stat_rows): the Hopper backward's bulk copies.
+PREPROCESS_PADDED = KernelSpec(
+    arrays=(("do", "elem"), ("o", "elem"), ("lse", "float32"), ("lse_log2", "float32"),
+            ("delta", "float32")),
+    strided=("do", "o"),
+    scalars=(("seqlen_q", "int32"), ("padded_rows", "int32")),
+)  # fmt: skip
 _BACKWARD_INPUTS = (
     ("q", "elem"),
     ("k", "elem"),
@@ -223,9 +234,9 @@ def _param_layout(argtypes):
         types.float64: "d",
     }
     fmt, kinds = "=", []
-    for ty in argtypes:
-        if isinstance(ty, types.BaseTuple) and len(ty) == 0:  # a plain call's empty *variant
-            continue
+
+    def add(ty, in_variant=False):
+        nonlocal fmt
         if isinstance(ty, types.Array):
             if ty.ndim != 1 or ty.layout != "C":
                 raise TypeError(f"only 1-D C arrays are launched directly; got {ty}")
@@ -234,16 +245,19 @@ def _param_layout(argtypes):
         elif isinstance(ty, types.UniTuple) and ty.dtype in scalars:
             fmt += scalars[ty.dtype] * ty.count
             kinds.append(-ty.count)
-        elif isinstance(ty, types.BaseTuple) and all(
-            isinstance(t, types.Array) and t.ndim == 1 and t.layout == "C" for t in ty
-        ):  # a kernel's trailing *variant: its arrays, passed one argument each
-            fmt += "QQqqQqq" * len(ty)
-            kinds += [7] * len(ty)
-        elif ty in scalars:
+        elif isinstance(ty, types.BaseTuple) and not in_variant:
+            # a kernel's trailing *variant (empty in a plain call): its arrays and tensor-map
+            # templates, passed one argument each
+            for t in ty:
+                add(t, True)
+        elif ty in scalars and not in_variant:
             fmt += scalars[ty]
             kinds.append(1)
         else:
             raise TypeError(f"no direct launch for argument type {ty}")
+
+    for ty in argtypes:
+        add(ty)
     return fmt, kinds
 
 
@@ -942,16 +956,20 @@ def forward_varlen(cfg, p, q, k, v, out, lse, cu_q, cu_k, variant=()):
 _PREPROCESS_ROWS = 8
 
 
-def _preprocess(p, dout, out, lse):
-    """(lse as a contiguous array, D = rowsum(dout * out) in fp32), D computed on the GPU."""
+def _preprocess(p, dout, out, lse, padded_rows=None):
+    """(lse as a contiguous array, D = rowsum(dout * out) in fp32), D computed on the GPU.
+    With ``padded_rows`` (kernels/backward.py's padded_stat_rows) both are (batch, nheads,
+    padded_rows), zero past seqlen_q, and the LSE is in the log2 domain."""
     xp = arrays.array_module(out)
     lse = xp.ascontiguousarray(lse)
-    delta = xp.empty(lse.shape, dtype=xp.float32)
-    key = ("preprocess", p.head_dim, p.dtype)
+    padded = padded_rows is not None
+    rows = padded_rows if padded else p.seqlen_q
+    delta = xp.empty(lse.shape[:-1] + (rows,), dtype=xp.float32)
+    spec = PREPROCESS_PADDED if padded else PREPROCESS
     launch = launcher(
-        key,
-        lambda: backward_portable.build_preprocess(p.head_dim, p.dtype, _PREPROCESS_ROWS),
-        PREPROCESS,
+        ("preprocess", p.head_dim, p.dtype) + (("padded",) if padded else ()),
+        lambda: backward_portable.build_preprocess(p.head_dim, p.dtype, _PREPROCESS_ROWS, padded),
+        spec,
         p.dtype,
     )
     views = {
@@ -959,14 +977,14 @@ def _preprocess(p, dout, out, lse):
         "o": arrays.kernel_view(out),
         "delta": arrays.kernel_view(delta),
     }
-    grid = (_ceil_div(p.seqlen_q, _PREPROCESS_ROWS), p.nheads, p.batch)
-    launch(
-        grid,
-        32 * _PREPROCESS_ROWS,
-        arrays.current_stream(),
-        0,
-        PREPROCESS.args(views, (p.seqlen_q,)),
-    )
+    scalars = (p.seqlen_q,)
+    if padded:
+        views["lse"] = arrays.kernel_view(lse)
+        lse = xp.empty_like(delta)
+        views["lse_log2"] = arrays.kernel_view(lse)
+        scalars += (rows,)
+    grid = (_ceil_div(rows, _PREPROCESS_ROWS), p.nheads, p.batch)
+    launch(grid, 32 * _PREPROCESS_ROWS, arrays.current_stream(), 0, spec.args(views, scalars))
     return lse, delta
 
 
@@ -1108,11 +1126,18 @@ def tensor_core_backward(
     xp = arrays.array_module(q)
     dout, out = (_kernel_input(x) for x in (dout, out))
     varlen = offsets is not None
-    lse, delta = _row_statistics(p, dout, out, lse, (dq, dk, dv), offsets)
     head_dim = cfg.kernel_head_dim(p.head_dim)
+    kernel_dout = _padded(dout, head_dim) if head_dim != p.head_dim else dout
     if head_dim != p.head_dim:
-        q, k, v, dout = (_padded(x, head_dim) for x in (q, k, v, dout))
-    q, k, v, dout = (_kernel_input(x, alignment_elements=8) for x in (q, k, v, dout))
+        q, k, v = (_padded(x, head_dim) for x in (q, k, v))
+    q, k, v, kernel_dout = (_kernel_input(x, alignment_elements=8) for x in (q, k, v, kernel_dout))
+    templates = None if maps is None or varlen else maps(q, k, v, kernel_dout)
+    if templates is None:
+        lse, delta = _row_statistics(p, dout, out, lse, (dq, dk, dv), offsets)
+    else:  # the dK/dV kernel copies them in bulk with its tiles
+        padded_rows = backward_kernels.padded_stat_rows(p.seqlen_q, cfg.block_m)
+        lse, delta = _preprocess(p, dout, out, lse, padded_rows)
+    dout = kernel_dout
     direct = head_dim == p.head_dim
     dq_t, dk_t, dv_t = (
         g if direct else arrays.empty(g.shape[:-1] + (head_dim,), g.dtype, like=g)
@@ -1139,7 +1164,6 @@ def tensor_core_backward(
         offset_views, totals = _packed_offsets(offsets, q, k)
         views.update(offset_views)
         scalars += totals
-    templates = None if maps is None or varlen else maps(q, k, v, dout)
     if templates is not None:
         buffer = arrays.empty((4 * ptx_tma.MAP_WORDS,), np.int64, like=q)
         for kernel, pair, at in (("dkdv", templates[0], 0), ("dq", templates[1], 2)):

@@ -21,6 +21,7 @@ MASKS = {
     "causal": dict(causal=True),
     "window": dict(window_size=(5, 3)),
     "left": dict(window_size=(20, -1)),
+    "right": dict(window_size=(-1, 157)),
 }  # a left window alone: the dK/dV blocks reversed
 
 
@@ -172,8 +173,10 @@ TC_SIM_CASES = [
     # ... adding dQ up in the dK/dV kernel: three query blocks, so a dS tile is rewritten
     ("bfloat16", 64, 130, 40, 1, "causal", RING_DQ),
     # ... filled by TMA boxes (ptx_tma's simulated copy): four query blocks, so the ring wraps
-    # around, the last and the dQ kernel's key tile zero-filled past the end
-    ("float16", 64, 200, 40, 1, "none", WG(num_warps=4, stages=3, ring=True, tma=True)),
+    # around, the last and the dQ kernel's key tile zero-filled past the end; the blocks start
+    # at rows 3, 67, ..., so their LSE and D runs are copied from 3 rows before (a 16-byte
+    # boundary of the padded buffers)
+    ("float16", 64, 200, 40, 1, "right", WG(num_warps=4, stages=3, ring=True, tma=True)),
 ]
 
 
@@ -447,8 +450,9 @@ def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path
     # at head_dim 128 (its varlen dK/dV kernel would spill)
     hd128 = [random_array(x.shape[:-1] + (128,), "float16") for x in (q, k, v)]
     p128 = problem(*hd128, False, None, (-1, -1))[-1]
-    # at head_dim 128 the Hopper default is the ring with pingpong turns (deterministic too)
-    pingpong = numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True)
+    # at head_dim 128 the Hopper default is the ring with pingpong turns, filled by TMA
+    # (deterministic too)
+    pingpong = numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True)
     assert selection.backward_varlen(p128, h200, True).config == pingpong
     assert selection.backward(p128, h200, True).config == pingpong
     varlen = selection.backward_varlen(p128, a100, True)

@@ -22,6 +22,11 @@ SPECS = {
 }
 #: A kernel with a variant's arrays: its trailing *variant, one array argument each.
 SPECS["FORWARD with sinks"] = launch.FORWARD._replace(variant=(("sinks", "float32"),))
+#: ... with tensor maps: two templates (MAP_WORDS int64 each) and the map buffer, as the
+#: Hopper backward's TMA kernels take them.
+SPECS["TENSOR_CORE_DKDV with tensor maps"] = launch.TENSOR_CORE_DKDV._replace(
+    variant=(("alibi", "float32"),) + launch.tensor_map_arguments("dkdv")
+)
 
 
 @pytest.fixture
@@ -157,6 +162,12 @@ def test_a_format_per_parameter_type_and_a_refusal_for_others(typed):
     )
     assert (fmt, kinds) == ("=QQqqQqqqqqi4x", [7, -3, 1])
     assert struct.calcsize(fmt) == 8 * 11
+    # a trailing *variant: an array and a tensor map's template, one argument each
+    variant = types.StarArgTuple.from_types(
+        (types.Array(types.float32, 1, "C"), types.UniTuple(types.int64, 16))
+    )
+    fmt, kinds = launch._param_layout((types.int32, variant))
+    assert (fmt, kinds) == ("=i4xQQqqQqq" + "q" * 16, [1, 7, -16])
     for bad in (types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 1, "A"), types.int8):
         with pytest.raises(TypeError):
             launch._param_layout((bad,))

@@ -381,8 +381,8 @@ def test_backward_families_have_defaults_and_spaces():
     )
     # the Hopper family: its own configuration, feasible on compute capability 9.x at head_dim
     # 64 and 128 (as padded) only
-    # (two stages at 64; at 128 the ring with pingpong turns)
-    pingpong = WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True)
+    # (two stages at 64; at 128 the ring with pingpong turns, filled by TMA)
+    pingpong = WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True, tma=True)
     for hd, default in ((64, WgmmaBackwardConfig(num_warps=8, stages=2)), (120, pingpong),
                         (128, pingpong)):  # fmt: skip
         assert default_config("wgmma-backward", hd, H200) == ((hd + 15) // 16 * 16, default)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import config, launch, selection
-from ..kernels import backward_sm90, ptx_tma
+from ..kernels import backward, backward_sm90, ptx_tma
 
 # -- configuration ------------------------------------------------------------------------------
 
@@ -47,9 +47,12 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     - ``tma`` (with ``ring``): the streaming tiles (Q and dO; K and V in the dQ kernel) come
       into the ring's slots by the tensor memory accelerator, one thread issuing a tile's
       boxes over tensor maps each block publishes, instead of every thread's cp.async; rows
-      past the end are zero-filled by the copy. Dense calls whose arrays tensor maps can
+      past the end are zero-filled by the copy. In the dK/dV kernel the same thread copies
+      the block's LSE and D in bulk beside them, from padded buffers the D kernel writes
+      (one copy for both warpgroups, no fetch or warpgroup barrier a block). Dense calls whose arrays tensor maps can
       describe (16-byte aligned, strides multiples of 16 bytes); packed batches and other
-      calls keep cp.async. Off by default: not yet timed on a GPU.
+      calls keep cp.async. The default at head_dim 128: on an H100 1.01-1.04x the cp.async
+      ring's speed there, level with it at 64 (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -86,8 +89,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "wgmma"
     # 2: dQ by bulk reductions; 3: the leaner tile loader; 4: gradients written a 32-bit pair
-    # at a time, the ring's slots filled through one function (TMA or cp.async)
-    REVISION: ClassVar[int] = 4
+    # at a time, the ring's slots filled through one function (TMA or cp.async); 5: with tma,
+    # LSE and D copied in bulk with the tiles
+    REVISION: ClassVar[int] = 5
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 
@@ -131,9 +135,12 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
             out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")
         if not out:
-            # the static LSE and D tiles (a copy a warpgroup with ring) and ring's mbarriers
-            copies = self.num_warps // 4 if self.ring else 1
-            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * self.block_m * copies
+            # the static LSE and D tiles (a copy a warpgroup with ring; with tma one, of
+            # 4 rows more a stage, 16-byte aligned) and ring's mbarriers
+            copies = self.num_warps // 4 if self.ring and not self.tma else 1
+            rows = self.block_m + (backward.STAT_COPY_EXTRA if self.tma else 0)
+            smem = self.shared_memory_bytes(head_dim) + 8 * self.stages * rows * copies
+            smem += 32 if self.tma else 0
             smem += 16 * self.stages if self.ring else 0
             out += config._dynamic_shared_problems(smem, device)
         return out
@@ -146,10 +153,11 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
 def default_wgmma_backward_config(head_dim):
     """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
     warpgroup was within 3% (docs/performance.md, "Hopper backward"). At head_dim 128 (as
-    padded) the ring with pingpong turns: the same bits, 1.02-1.08x as fast on an H100; at 64
-    0.93-0.98x, so not there (docs/performance.md, "The warpgroups taking turns")."""
+    padded) the ring with pingpong turns, its slots filled by TMA: the same bits, 1.04-1.11x
+    as fast on an H100; at 64 0.99-1.02x, so not there (docs/performance.md, "The ring's
+    slots filled by TMA")."""
     if head_dim == 128:
-        return WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True)
+        return WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True, tma=True)
     return WgmmaBackwardConfig(num_warps=8, stages=2)
 
 

@@ -333,18 +333,20 @@ def row_writer(part, dtype_name):
 
 
 @device_function
-def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr):
+def row_stats(lse, delta, row_base, row, first_col, seqlen_q, seqlen_k, wl, wr, in_log2):
     """(log2-domain LSE, D, first and end visible key relative to ``first_col``) of query
-    ``row``; an empty range for a row past the end."""
+    ``row``; an empty range for a row past the end. ``in_log2``: lse holds the log2-domain
+    values already (padded_stat_rows' buffers)."""
     if row < seqlen_q:
         at = (row_base + row) & NON_NEGATIVE
         lo, hi = visible_keys(row, seqlen_q, seqlen_k, wl, wr)
-        return (row_log2_lse(lse[at]), delta[at], int32(lo - first_col), int32(hi - first_col))
+        lse_log2 = lse[at] if in_log2 else row_log2_lse(lse[at])
+        return (lse_log2, delta[at], int32(lo - first_col), int32(hi - first_col))
     return float32(0.0), float32(0.0), int32(0), int32(0)
 
 
 @device_function
-def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_k, wl, wr):
+def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_k, wl, wr, in_log2):
     """The row statistics of this lane's two query rows, warp_row + lane // 4 and 8 rows below,
     as one group: (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), each row's log2-domain
     LSE, D and visible keys relative to the lane's first column of a key range starting at
@@ -352,9 +354,26 @@ def lane_row_stats(lse, delta, row_base, warp_row, lane, n_lo, seqlen_q, seqlen_
     takes the group as it is."""
     row0 = warp_row + (lane >> 2)
     first_col = n_lo + (lane & 3) * 2
-    return row_stats(lse, delta, row_base, row0, first_col, seqlen_q, seqlen_k, wl, wr) + row_stats(
-        lse, delta, row_base, row0 + 8, first_col, seqlen_q, seqlen_k, wl, wr
-    )
+    return row_stats(
+        lse, delta, row_base, row0, first_col, seqlen_q, seqlen_k, wl, wr, in_log2
+    ) + row_stats(lse, delta, row_base, row0 + 8, first_col, seqlen_q, seqlen_k, wl, wr, in_log2)
+
+
+#: Rows past a query block's that a bulk copy of its LSE or D takes (tma): the copy starts at
+#: the block's first row rounded down to a multiple of 4, 16 bytes (padded_stat_rows).
+STAT_COPY_EXTRA = 4
+
+
+def padded_stat_rows(seqlen_q, block_m):
+    """Rows a head takes in the LSE and D that the Hopper backward's dK/dV kernel copies in
+    bulk with its tiles (tma; backward_portable.build_preprocess's ``padded``): a multiple of
+    4, so every head's row 0 is 16-byte aligned, and ``block_m`` more, so that the copy of a
+    block's block_m + 4 rows from its first row rounded down to a multiple of 4 stays inside
+    for every first row below seqlen_q."""
+    return (seqlen_q + 3) // 4 * 4 + block_m + STAT_COPY_EXTRA - 4
+
+
+padded_stat_rows_on_device = device_function(padded_stat_rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -583,9 +602,14 @@ class Backend(NamedTuple):
     launch's tensor maps of the streaming arrays (Q and dO, or K and V) from the templates in
     ``maps`` (the dense kernels' last three ``*variant`` arguments: the two templates,
     ptx_tma's, and the launch's int64 map buffer), and ``ring_boxes(bars, t,
-    stage_addr, maps, row, head, batch, tid)`` claims tile t's slot and copies rows row.. of
-    (head, batch) of both arrays into it for every thread (the full barriers expect one
-    arrival: Ring.filled is not called). The packed-batch kernels keep the cp.async ring.
+    stage_addr, maps, row, head, batch, tid, stats)`` claims tile t's slot and copies rows
+    row.. of (head, batch) of both arrays into it for every thread (the full barriers expect
+    one arrival: Ring.filled is not called); ``stats`` (the dK/dV kernel's; None in the dQ
+    kernel's) = (lse, delta, an element index in both, two shared addresses): a run of
+    BLOCK_M + STAT_COPY_EXTRA values of each copied in bulk with the tile. The dense kernels
+    then take lse and delta as backward_portable's padded preprocess writes them
+    (padded_stat_rows; the LSE in the log2 domain), one copy of the stat tiles for both
+    warpgroups. The packed-batch kernels keep the cp.async ring.
     """
 
     block_m: int
@@ -640,12 +664,18 @@ def build_kernels(backend, alibi=False, mods=None):
     S_REGS, ACC_REGS, DQ_REGS = backend.s_regs, backend.acc_regs, backend.dq_regs
     STAGE0, STAGE_BYTES, DQ_ATOMIC = backend.stage0, backend.stage_bytes, backend.dq_atomic
     RING = backend.ring is not None
+    # the dense kernels' tensor maps (Backend.ring_boxes)
+    TMA = RING and backend.ring_boxes is not None
     # LSE and D values a thread fetches per block: with a ring, a warpgroup's threads fetch
     # their group's copy
     STAT_THREADS = 128 if RING else THREADS
     STAT_LOADS = stat_loads(BLOCK_M, STAT_THREADS)
     GROUPS = THREADS // STAT_THREADS  # copies of the LSE and D tiles
-    STAT_TILE = GROUPS * STAGES * BLOCK_M  # LSE and D of every stage (and copy)
+    # LSE and D of every stage (and copy); with TMA one copy, a slot's run from its first
+    # row rounded down to 16 bytes (STAT_COPY_EXTRA), copied in bulk to a 16-byte boundary
+    STAT_ROWS = BLOCK_M + STAT_COPY_EXTRA if TMA else BLOCK_M
+    STAT_TILE = STAGES * STAT_ROWS if TMA else GROUPS * STAGES * BLOCK_M
+    STAT_ALIGN = 16 if TMA else None
     RING_BARRIERS = 2 * STAGES  # a ring's full and empty mbarriers
     if RING and (STAGES < 3 or DQ_ATOMIC and backend.ring_query_block_step is None):
         raise ValueError(
@@ -675,8 +705,7 @@ def build_kernels(backend, alibi=False, mods=None):
     # index, and an expression there is one)
     MASK_AT = mod_functions(mods, int(alibi)).block_mask_at
     MASK_END = MASK_AT + 1
-    # the dense kernels' tensor maps (Backend.ring_boxes): after every variant array above
-    TMA = RING and backend.ring_boxes is not None
+    # the dense kernels' tensor maps: after every variant array above
     MAPS_AT = int(alibi) + (0 if mods is None else len(mods.kinds) + int(BLOCK_MASK))
     MAPS_END = MAPS_AT + 3  # two templates and the launch's map buffer
     publish_maps, ring_boxes = backend.publish_maps, backend.ring_boxes
@@ -707,21 +736,35 @@ def build_kernels(backend, alibi=False, mods=None):
 
     @device_function
     def fill_query_slot(
-        bars, t, stage_addr, q, do, lse, delta, lse_r, d_r, rows, head, m0, q_st, do_st,
-        seqlen_q, b, maps, tid,
+        bars, t, stage_addr, q, do, lse, delta, lse_r, d_r, lse_tile, d_tile, rows, head, m0,
+        q_st, do_st, seqlen_q, b, maps, tid,
     ):  # fmt: skip
         """Query block ``t`` of the ring (rows m0.. of ``head``) into its slot at
-        ``stage_addr`` once the slot is free, its LSE and D into registers: by the tensor
-        memory accelerator where the kernel has tensor ``maps`` (Backend.ring_boxes), else by
-        every thread's cp.async."""
+        ``stage_addr`` once the slot is free: by the tensor memory accelerator where the
+        kernel has tensor ``maps`` (Backend.ring_boxes; its LSE and D too, from
+        padded_stat_rows' buffers into the slot's run of the stat tiles, stat_slot), else by
+        every thread's cp.async, its LSE and D into registers."""
         if maps is not None:
-            ring_boxes(bars, t, stage_addr, maps, int32(m0), int32(head), int32(b), tid)
-            fetch_query_stats(lse, delta, lse_r, d_r, rows, head, m0, seqlen_q, tid)
+            _, _, lse_a, lse_b, lse_stride = rows
+            at = (lse_a + head) * lse_stride + lse_b + (m0 & ~3)
+            into = uint32(t) % uint32(STAGES) * uint32(STAT_ROWS)
+            stats = (lse, delta, at, ptx.shared_address(lse_tile, into),
+                     ptx.shared_address(d_tile, into))  # fmt: skip
+            ring_boxes(bars, t, stage_addr, maps, int32(m0), int32(head), int32(b), tid, stats)
         else:
             ring.claim(bars, t)
             load_query_block(stage_addr, q, do, lse, delta, lse_r, d_r, rows, head, m0, q_st,
                              do_st, seqlen_q, tid)  # fmt: skip
             ring.filled(bars, t)
+
+    @device_function
+    def stat_slot(slot, group, m0):
+        """Where ring slot ``slot``'s query block (first row m0) starts in the stat tiles: in
+        this warpgroup's copy (``group``: its first slot), or with TMA in the one run of
+        STAT_ROWS a slot that the bulk copies filled from row m0 rounded down to 16 bytes."""
+        if TMA:
+            return slot * uint32(STAT_ROWS) + uint32(m0 & 3)
+        return (group + slot) * BLOCK_M
 
     @device_function
     def ring_query_blocks(
@@ -735,8 +778,9 @@ def build_kernels(backend, alibi=False, mods=None):
         thread; LSE and D in this warpgroup's copy of the tiles, stored for block it + 1 once
         block it's step is done (the values fetched one block earlier), then a warpgroup
         barrier. The resident K and V (and the first block's LSE and D) are waited for once,
-        behind a block barrier. With DQ_ATOMIC the backend's ring_query_block_step adds each
-        block's dQ up too."""
+        behind a block barrier. With TMA the LSE and D come with their block's tiles, one copy
+        in the slot's run of the stat tiles, and no warpgroup barrier is needed. With
+        DQ_ATOMIC the backend's ring_query_block_step adds each block's dQ up too."""
         bars = cuda.shared.array(RING_BARRIERS, uint64)
         group = (warp >> 2) * STAGES  # this warpgroup's tiles of LSE and D
         gtid = tid & (STAT_THREADS - 1)  # this thread within its warpgroup
@@ -749,9 +793,10 @@ def build_kernels(backend, alibi=False, mods=None):
             if j < n_blocks:
                 fill_query_slot(
                     bars, uint32(j), first_stage + uint32(j * STAGE_BYTES), q, do, lse, delta,
-                    lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, b, maps, tid,
+                    lse_r, d_r, lse_tile, d_tile, rows, load_head, load_m0, q_st, do_st,
+                    seqlen_q, b, maps, tid,
                 )  # fmt: skip
-                if j == 0:
+                if j == 0 and not TMA:
                     store_row_stats(lse_tile, d_tile, lse_r, d_r, group, gtid)
                 load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
         landed()  # K and V (every thread's copies, and block 0's), block 0's LSE and D
@@ -759,8 +804,9 @@ def build_kernels(backend, alibi=False, mods=None):
             slot = uint32(it) % uint32(STAGES)  # (32-bit: the division is a multiply)
             ring.wait_full(bars, it)
             score_args = (slope_of(variant, b, head, nheads, float32(LOG2E)), (b, head, variant))
-            scores = (lse_tile, d_tile, (group + slot) * BLOCK_M, key0, m0, lane, seqlen_q,
-                      seqlen_k, scale_log2, window_left, window_right, score_args)  # fmt: skip
+            stats = stat_slot(slot, group, m0)
+            scores = (lse_tile, d_tile, stats, key0, m0, lane, seqlen_q, seqlen_k, scale_log2,
+                      window_left, window_right, score_args)  # fmt: skip
             stage_addr = first_stage + slot * uint32(STAGE_BYTES)
             if DQ_ATOMIC:
                 pending = (base, dq_acc, dq_first + head * dq_sh, dq_ss, dq_sh, m0, it, warp,
@@ -772,18 +818,20 @@ def build_kernels(backend, alibi=False, mods=None):
                 query_block_step(st, dpt, dk_acc, dv_acc, resident, stage_addr, scores)
             ring.release(bars, it)  # (the step's products have landed)
             if it + 1 < n_blocks:
-                nxt = uint32(uint32(it) + uint32(1)) % uint32(STAGES)
-                store_row_stats(lse_tile, d_tile, lse_r, d_r, group + nxt, gtid)
+                if not TMA:
+                    nxt = uint32(uint32(it) + uint32(1)) % uint32(STAGES)
+                    store_row_stats(lse_tile, d_tile, lse_r, d_r, group + nxt, gtid)
                 ahead = it + STAGES - 1
                 if ahead < n_blocks:
                     into = uint32(ahead) % uint32(STAGES)
                     fill_query_slot(
                         bars, ahead, first_stage + into * uint32(STAGE_BYTES), q, do, lse,
-                        delta, lse_r, d_r, rows, load_head, load_m0, q_st, do_st, seqlen_q, b,
-                        maps, tid,
+                        delta, lse_r, d_r, lse_tile, d_tile, rows, load_head, load_m0, q_st,
+                        do_st, seqlen_q, b, maps, tid,
                     )  # fmt: skip
                     load_head, load_m0 = next_query_block(load_head, load_m0, m_lo, m_hi, BLOCK_M)
-                ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
+                if not TMA:
+                    ring.group_sync(warp)  # block it + 1's LSE and D, for the whole warpgroup
             head, m0 = next_query_block(head, m0, m_lo, m_hi, BLOCK_M)
         ring.last_turn(warp)
 
@@ -796,7 +844,7 @@ def build_kernels(backend, alibi=False, mods=None):
         ``maps`` (Backend.ring_boxes), else by every thread's cp.async."""
         if maps is not None:
             n0, kv_head, b = coords
-            ring_boxes(bars, t, stage_addr, maps, int32(n0), int32(kv_head), int32(b), tid)
+            ring_boxes(bars, t, stage_addr, maps, int32(n0), int32(kv_head), int32(b), tid, None)
         else:
             ring.claim(bars, t)
             load_pair(stage_addr, k, v, k_at, k_ss, v_at, v_ss, keys_left, tid)
@@ -886,8 +934,8 @@ def build_kernels(backend, alibi=False, mods=None):
         _, dq_ss, dq_sh = dq_st
         tid, lane, warp, n0, col_base, kv_head = position
         smem = cuda.shared.array(0, uint16)
-        lse_tile = cuda.shared.array(STAT_TILE, float32)
-        d_tile = cuda.shared.array(STAT_TILE, float32)
+        lse_tile = cuda.shared.array(STAT_TILE, float32, alignment=STAT_ALIGN)
+        d_tile = cuda.shared.array(STAT_TILE, float32, alignment=STAT_ALIGN)
         st = cuda.local.array(S_REGS, float32)
         dpt = cuda.local.array(S_REGS, float32)
         dk_acc = cuda.local.array(ACC_REGS, float32)
@@ -1101,6 +1149,7 @@ def build_kernels(backend, alibi=False, mods=None):
             seqlen_k,
             window_left,
             window_right,
+            TMA,  # (padded_stat_rows' buffers: log2-domain already)
         )
         for i in range(ACC_REGS):
             acc[i] = float32(0.0)
@@ -1163,6 +1212,13 @@ def build_kernels(backend, alibi=False, mods=None):
             dq, acc, dq_first + head * dq_sh + col_base, dq_ss, warp_row, lane, seqlen_q, scale
         )
 
+    @device_function
+    def stat_stride(seqlen_q):
+        """A head's rows in the dense kernels' lse and delta: padded_stat_rows' with TMA."""
+        if TMA:
+            return padded_stat_rows_on_device(seqlen_q, BLOCK_M)
+        return seqlen_q
+
     @kernel(launch_bounds=THREADS)
     def dkdv(
         q,
@@ -1199,7 +1255,7 @@ def build_kernels(backend, alibi=False, mods=None):
             q, k, v, do, lse, delta, dk, dv, dq_acc, q_st, k_st, v_st, do_st, dk_st, dv_st, dq_st,
             (batch * k_st[0], batch * v_st[0], batch * dk_st[0], batch * dv_st[0],
              batch * dq_st[0]),
-            (batch * q_st[0], batch * do_st[0], int64(batch) * nheads, 0, seqlen_q),
+            (batch * q_st[0], batch * do_st[0], int64(batch) * nheads, 0, stat_stride(seqlen_q)),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, n0, col_base, kv_head), variant, batch,
             variant[MAPS_AT:MAPS_END] if TMA else None,
@@ -1285,7 +1341,7 @@ def build_kernels(backend, alibi=False, mods=None):
             q, k, v, do, dq, lse, delta, q_st, k_st, v_st, do_st, dq_st,
             (batch * q_st[0], batch * k_st[0], batch * v_st[0], batch * do_st[0],
              batch * dq_st[0]),
-            (int64(batch) * cuda.gridDim.y + head) * seqlen_q,
+            (int64(batch) * cuda.gridDim.y + head) * stat_stride(seqlen_q),
             seqlen_q, seqlen_k, heads_per_kv, scale, window_left, window_right,
             (tid, lane, warp, m0, col_base, head), variant, batch,
             variant[MAPS_AT:MAPS_END] if TMA else None,

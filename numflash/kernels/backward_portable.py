@@ -42,39 +42,69 @@ from .softmax import LOG2E, NEG_INF, alibi_functions, row_log2_lse, softcap_grad
 
 
 @functools.lru_cache(maxsize=None)
-def build_preprocess(head_dim, dtype_name, rows):
+def build_preprocess(head_dim, dtype_name, rows, padded=False):
     """D = rowsum(dO * O) in fp32: one warp per query row, ``rows`` rows (warps) a block; grid
     (ceil(seqlen_q / rows), nheads, batch). The lanes read consecutive elements, so each load
     of the warp is one contiguous run of the row, and sum their parts by shuffles in a fixed
     order. (With a thread per row, each reading its own, every load of a warp touched 32 rows:
     the tensor-core backward took 14.20 ms against 13.59 ms now, fp16 head_dim 128 at 32k
-    tokens x 2048 on the H200; this kernel takes 0.14 ms of it.)"""
+    tokens x 2048 on the H200; this kernel takes 0.14 ms of it.)
+
+    ``padded``: the kernel also takes the forward's ``lse`` (contiguous (batch, nheads,
+    seqlen_q)) and writes ``lse_log2`` (each row's LSE in the log2 domain, +inf where -inf)
+    beside ``delta``, both (batch, nheads, padded_rows) with zeros in rows seqlen_q.. (grid
+    ceil(padded_rows / rows)): the rows the Hopper backward copies a block at a time
+    (backward.padded_stat_rows)."""
     HEAD_DIM = head_dim
     PASSES = (head_dim + 31) // 32
     to_f32 = TO_F32[dtype_name]
 
-    @kernel
-    def preprocess(do, o, delta, do_st, o_st, seqlen_q):
+    @device_function
+    def row_delta(do, o, do_st, o_st, head, batch, row, lane):
+        """rowsum(dO * O) of ``row``, whole-warp (the shuffles), the same value in every lane."""
         do_sb, do_ss, do_sh = do_st
         o_sb, o_ss, o_sh = o_st
+        do_base = batch * do_sb + head * do_sh + row * do_ss
+        o_base = batch * o_sb + head * o_sh + row * o_ss
+        acc = float32(0.0)
+        for j in range(PASSES):
+            d = j * 32 + lane
+            if d < HEAD_DIM:
+                acc += to_f32(do[do_base + d]) * to_f32(o[o_base + d])
+        for mask in (16, 8, 4, 2, 1):
+            acc += ptx.shfl_xor(acc, mask)
+        return acc
+
+    @kernel
+    def preprocess(do, o, delta, do_st, o_st, seqlen_q):
         head = cuda.blockIdx.y
         batch = cuda.blockIdx.z
         lane = cuda.threadIdx.x & 31
         row = cuda.blockIdx.x * rows + (cuda.threadIdx.x >> 5)
         if row < seqlen_q:  # the same for the whole warp, as the shuffles need
-            do_base = batch * do_sb + head * do_sh + row * do_ss
-            o_base = batch * o_sb + head * o_sh + row * o_ss
-            acc = float32(0.0)
-            for j in range(PASSES):
-                d = j * 32 + lane
-                if d < HEAD_DIM:
-                    acc += to_f32(do[do_base + d]) * to_f32(o[o_base + d])
-            for mask in (16, 8, 4, 2, 1):
-                acc += ptx.shfl_xor(acc, mask)
+            acc = row_delta(do, o, do_st, o_st, head, batch, row, lane)
             if lane == 0:
                 delta[(batch * cuda.gridDim.y + head) * seqlen_q + row] = acc
 
-    return preprocess
+    @kernel
+    def preprocess_padded(do, o, lse, lse_log2, delta, do_st, o_st, seqlen_q, padded_rows):
+        head = cuda.blockIdx.y
+        batch = cuda.blockIdx.z
+        lane = cuda.threadIdx.x & 31
+        row = cuda.blockIdx.x * rows + (cuda.threadIdx.x >> 5)
+        head_row = int64(batch * cuda.gridDim.y + head)
+        if row < seqlen_q:  # the same for the whole warp, as the shuffles need
+            acc = row_delta(do, o, do_st, o_st, head, batch, row, lane)
+            if lane == 0:
+                delta[head_row * padded_rows + row] = acc
+                lse_log2[head_row * padded_rows + row] = row_log2_lse(
+                    lse[head_row * seqlen_q + row]
+                )
+        elif row < padded_rows and lane == 0:  # past the end: every pair with the row is masked
+            delta[head_row * padded_rows + row] = float32(0.0)
+            lse_log2[head_row * padded_rows + row] = float32(0.0)
+
+    return preprocess_padded if padded else preprocess
 
 
 #: Threads of the sink-gradient kernel's block (a power of two: its tree reduction halves them).

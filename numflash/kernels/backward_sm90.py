@@ -250,6 +250,7 @@ def build_kernels(
         head_dim, num_warps, stages, dq_separate, dq_bulk, ring, tma
     )
     ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: a tensor map's box each
+    STAT_BYTES = (BLOCK_M + backward.STAT_COPY_EXTRA) * 4  # a query block's LSE (or D) copy
     MAP_BYTES, MAP_WORDS = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS
     DS_BYTES = (DQ_OFF - DS_OFF) // (2 if RING_DQ else 1)  # one dS tile (two with RING_DQ)
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks per row
@@ -415,23 +416,31 @@ def build_kernels(
                 ptx_tma.acquire(ptx_tma.global_address(buffer, int64(i * MAP_WORDS)))
 
     @device_function
-    def ring_boxes(bars, t, stage_addr, maps, row, head, batch, tid):
+    def ring_boxes(bars, t, stage_addr, maps, row, head, batch, tid, stats):
         """tma: tile ``t`` of the ring (rows row.. of ``head`` and ``batch``, of both arrays
         publish_maps made maps of; ``maps`` as there) into ``stage_addr``, its slot: warp 0
         waits for the slot to be free, then its first thread issues the copies (issue_boxes);
-        rows past the end are zero-filled by the copy."""
+        rows past the end are zero-filled by the copy. ``stats``: None, or the block's LSE and
+        D to copy in bulk with it, (lse, delta, the first element's index in both, its shared
+        address in each: STAT_BYTES each, 16-byte aligned)."""
         if ptx.any_lane(tid < 32):  # (a branch ptxas knows to be uniform; and below, a
             RING.claim(bars, t)  # warp converged again: else it serializes the wgmmas, C7519)
             if tid == 0:
-                issue_boxes(bars, t, stage_addr, maps, row, head, batch)
+                issue_boxes(bars, t, stage_addr, maps, row, head, batch, stats)
             ptx.sync_warp()
 
     @device_function
-    def issue_boxes(bars, t, stage_addr, maps, row, head, batch):
+    def issue_boxes(bars, t, stage_addr, maps, row, head, batch, stats):
         """ring_boxes' thread 0: expect tile t's bytes on its slot's full barrier, then copy
-        every 64-column box of both arrays into the slot."""
+        every 64-column box of both arrays into the slot (and the LSE and D runs, ``stats``)."""
         full = ptx.shared_address(bars, uint32(t) % uint32(STAGES))
-        ptx_sm90.mbarrier_expect_tx(full, uint32(2 * ATOMS * TILE_ATOM))
+        if stats is not None:
+            ptx_sm90.mbarrier_expect_tx(full, uint32(2 * ATOMS * TILE_ATOM + 2 * STAT_BYTES))
+            lse, delta, at, lse_to, d_to = stats
+            ptx_tma.load_bulk(ptx_tma.global_address(lse, at), lse_to, uint32(STAT_BYTES), full)
+            ptx_tma.load_bulk(ptx_tma.global_address(delta, at), d_to, uint32(STAT_BYTES), full)
+        else:
+            ptx_sm90.mbarrier_expect_tx(full, uint32(2 * ATOMS * TILE_ATOM))
         a_map = ptx_tma.global_address(maps[2], int64(0))
         b_map = ptx_tma.global_address(maps[2], int64(MAP_WORDS))
         for a in range(ATOMS):

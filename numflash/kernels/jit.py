@@ -58,7 +58,9 @@ def _serialise_simulated_shared_arrays():
     each get an array of their own, so one reads an ``np.empty`` tile the others never wrote
     (garbage in the output, inf among it). Here the look-up and the store happen under one lock;
     the call site is the caller's (file, line), as numba keys it. Dynamic shared memory
-    (shape 0) is one buffer per block already and goes to numba unchanged.
+    (shape 0) is one buffer per block already and goes to numba unchanged. An ``alignment``
+    (which the simulator refuses) is dropped: NumPy's buffers are 16-byte aligned or more,
+    and what a kernel asks it for is the alignment of a GPU copy's address.
     """
     import numpy as np
     from numba.cuda import types
@@ -69,8 +71,8 @@ def _serialise_simulated_shared_arrays():
     lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:
-            return unsafe(self, shape, dtype, alignment)
+        if shape == 0:
+            return unsafe(self, shape, dtype)
         caller = sys._getframe(1)
         site = (caller.f_code.co_filename, caller.f_lineno)
         with lock:

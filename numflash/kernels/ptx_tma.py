@@ -8,8 +8,8 @@ count on an mbarrier (ptx_sm90's ``mbarrier_expect_tx``). No registers, no addre
 per 16 bytes: the loads of the Hopper forward cost its producer a handful of instructions per
 tile instead of cp.async's one per 16 bytes and thread.
 
-Facts used (PTX ISA: cp.async.bulk.tensor, tensormap.replace, tensormap.cp_fenceproxy,
-fence.proxy.tensormap; CUDA driver API: cuTensorMapEncodeTiled):
+Facts used (PTX ISA: cp.async.bulk.tensor, cp.async.bulk, tensormap.replace,
+tensormap.cp_fenceproxy, fence.proxy.tensormap; CUDA driver API: cuTensorMapEncodeTiled):
 
 - A tensor map is 128 opaque bytes made on the host by ``cuTensorMapEncodeTiled``: element
   type, rank, the global address (16-byte aligned), the sizes (innermost first), the byte
@@ -30,6 +30,9 @@ fence.proxy.tensormap; CUDA driver API: cuTensorMapEncodeTiled):
   are the same for all), so a map is never seen half written by a block that uses it. A
   launch's map buffer is its own, or one that only launches before it on its stream used (a
   replay plan keeps its buffer, as it keeps its other buffers: numflash.plans).
+- ``cp.async.bulk`` copies a contiguous run of bytes with no tensor map (:func:`load_bulk`):
+  both addresses 16-byte aligned, the size a multiple of 16, nothing zero-filled (the caller
+  keeps the run inside its array); it completes on an mbarrier as a box does.
 
 In Numba's CUDA simulator the template is this module's own encoding of the same fields
 (:func:`template`), a global address is (array, element index), and the copy is done at once,
@@ -220,6 +223,16 @@ if SIMULATOR:
         dst.array[byte // 2] = tile
         ptx_sm90._mbarrier(barrier).complete_tx(tile.nbytes)
 
+    def load_bulk(src, dst, nbytes, barrier):
+        """Copy ``nbytes`` from global ``src`` to shared ``dst`` (an element of a shared
+        array) and complete them on the mbarrier at shared ``barrier``."""
+        n = int(nbytes)
+        source = src.array.reshape(-1).view(np.uint8)
+        target = dst.array.reshape(-1).view(np.uint8)
+        at, to = src.index * src.array.itemsize, dst.index * dst.array.itemsize
+        target[to : to + n] = source[at : at + n]
+        ptx_sm90._mbarrier(barrier).complete_tx(n)
+
 else:
     from llvmlite import ir
     from numba.cuda import types
@@ -292,6 +305,24 @@ else:
             ptx_sm90._void_asm(
                 builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
             )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_bulk(typingctx, src, dst, nbytes, barrier):
+        """Copy ``nbytes`` (a multiple of 16) from global ``src`` (uint64, 16-byte aligned) to
+        shared ``dst`` (uint32, 16-byte aligned) by one bulk copy, no tensor map, completing
+        its bytes on the mbarrier at shared ``barrier``."""
+        sig = types.void(types.uint64, types.uint32, types.uint32, types.uint32)
+
+        def codegen(context, builder, sig, args):
+            src, dst, nbytes, barrier = args
+            asm = (
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[$0], [$1], $2, [$3];"
+            )
+            ptx_sm90._void_asm(builder, asm, "r,l,r,r,~{memory}", [dst, src, nbytes, barrier])
             return context.get_dummy_value()
 
         return sig, codegen
