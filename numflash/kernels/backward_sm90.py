@@ -87,12 +87,6 @@ def dq_planes(head_dim, num_warps, ring):
     return num_warps // 4
 
 
-def dq_slots(head_dim, num_warps, ring, tma):
-    """dQ's staging slots a warp: one, or with the ring and tma one a plane of the warpgroup's."""
-    parts = (head_dim * 4 // num_warps) // (head_dim // dq_planes(head_dim, num_warps, ring))
-    return parts if ring and tma else 1
-
-
 def shared_memory_layout(
     head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False, tma=False
 ):
@@ -113,9 +107,7 @@ def shared_memory_layout(
     dq = ds + ds_bytes
     # a warpgroup's slots hold its BLOCK_M rows of one plane
     plane_cols = head_dim // dq_planes(head_dim, num_warps, ring)
-    slots = dq_slots(head_dim, num_warps, ring, tma)
-    dq_bytes = BLOCK_M * plane_cols * 4 * (num_warps // 4) * slots
-    dq_bytes = dq_bytes if dq_bulk and not dq_separate else 0
+    dq_bytes = BLOCK_M * plane_cols * 4 * (num_warps // 4) if dq_bulk and not dq_separate else 0
     maps = dq + dq_bytes  # (a multiple of 1024: every region above is)
     maps_bytes = 2 * ptx_tma.MAP_BYTES if tma else 0
     return 0, kv, 2 * kv, stage, tile, ds, dq, maps, maps + maps_bytes + GROUP_BYTES
@@ -277,8 +269,6 @@ def build_kernels(
     PLANES = dq_planes(head_dim, num_warps, ring)
     PLANE_COLS = HEAD_DIM // PLANES
     DQ_PARTS = DQ_COLS // PLANE_COLS  # (1 or 2: bulk_dq)
-    DQ_SLOTS = dq_slots(head_dim, num_warps, ring, tma)  # a warp's staging slots: 1 or DQ_PARTS
-    SLOT_BYTES = BLOCK_M * PLANE_COLS * 4 * (num_warps // 4)  # every warp's slot, side by side
     DQ_SHIFT = PLANE_COLS.bit_length() - 1
     WARP_DQ_BYTES = 16 * PLANE_COLS * 4  # a warp's 16 rows of one plane's columns
     N_STEPS = BLOCK_N // 16  # k16 steps over the block's keys
@@ -559,15 +549,11 @@ def build_kernels(
         """bulk_dq's reduction of ``dqa``'s columns in plane ``part`` of the warpgroup's, whose
         tile is at ``tile``."""
         rows0 = (warp & 3) * 16
-        source = base + uint32(DQ_OFF + (part if DQ_SLOTS > 1 else 0) * SLOT_BYTES)
-        source += uint32(((warp >> 2) * BLOCK_M + rows0) * PLANE_COLS * 4)
+        source = base + uint32(DQ_OFF) + uint32(((warp >> 2) * BLOCK_M + rows0) * PLANE_COLS * 4)
         first = tile + int64(rows0 * PLANE_COLS)
         key0 = uint32(first >> DQ_SHIFT)  # the plane row of the warp's first row, mod 8
-        if lane == 0:  # the last reduction from the slot has read it: with a slot a part,
-            if DQ_SLOTS > 1:  # the one a part earlier may still be reading its own
-                ptx_sm90.bulk_wait_read_but_last()
-            else:
-                ptx_sm90.bulk_wait_read()
+        if lane == 0:
+            ptx_sm90.bulk_wait_read()  # the last reduction from the slot has read it
         ptx.sync_warp()
         g, t = uint32(lane >> 2), uint32(lane & 3)
         for h in range(2):  # rows g and g + 8

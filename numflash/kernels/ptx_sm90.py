@@ -125,7 +125,6 @@ __all__ = [
     "bulk_reduce_add",
     "bulk_commit",
     "bulk_wait_read",
-    "bulk_wait_read_but_last",
     "bulk_wait",
 ]
 
@@ -391,9 +390,6 @@ if SIMULATOR:
     def bulk_wait_read():
         pass
 
-    def bulk_wait_read_but_last():
-        pass
-
     def bulk_wait():
         pass
 
@@ -446,7 +442,6 @@ else:
     fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
     bulk_commit = _statement("cp.async.bulk.commit_group;")
     bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;")
-    bulk_wait_read_but_last = _statement("cp.async.bulk.wait_group.read 1;")
     bulk_wait = _statement("cp.async.bulk.wait_group 0;")
 
     @intrinsic
