@@ -447,8 +447,11 @@ def jobs(quick):
     # the tiles through an mbarrier ring (three stages; 255 registers at head_dim 128), the
     # warpgroups taking turns with their products (the plain ring: tests/ptx_fingerprints.json)
     out.append((wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True)))
-    # ... adding dQ up in the dK/dV kernel (255 registers at head_dim 128)
-    out.append((wgmma_backward, (128, "float16", 8, 3, 0.0, False, False, None, True, True, True)))
+    # ... adding dQ up in the dK/dV kernel (255 registers at head_dim 128 with cp.async, 246
+    # with TMA), filled by TMA
+    out.append(
+        (wgmma_backward, (128, "float16", 8, 3, 0.0, False, False, None, True, True, True, True))
+    )
     # ... the ring filled by TMA
     out.append(
         (wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True, True))

@@ -255,10 +255,7 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     # pingpong: a turn passed after each issue of products (two a tile, three with dQ added
     # up there), and the first one (the plain kernels arrive at no named barrier)
     assert {e["kernel"] for e in entries if e["pingpong"]} == set(kernels)
-    assert {e["kernel"] for e in entries if e["pingpong"] and not e["dq_separate"]} == {
-        "dkdv",
-        "dkdv-varlen",
-    }
+    assert {e["kernel"] for e in entries if e["pingpong"] and not e["dq_separate"]} == {"dkdv"}
     for e in entries:
         arrivals = e["counts"]["bar.arrive"]
         turns = 3 if e["dq_separate"] else 4

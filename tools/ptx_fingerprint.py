@@ -214,12 +214,17 @@ def cases():
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if not fused:
             yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
-    # ... the ring's tiles by TMA
-    kernels = backward_sm90.build_kernels(128, "bfloat16", 8, 3, ring=True, pingpong=True, tma=True)
-    for kernel, spec in (("dkdv", launch.TENSOR_CORE_DKDV), ("dq", launch.DQ)):
-        spec = spec._replace(variant=launch.tensor_map_arguments(kernel))
-        name = f"{kernel}-128-bfloat16-8-3-ring-pingpong-tma"
-        yield family, name, getattr(kernels, kernel), spec.signature("bfloat16")
+    # ... the ring's tiles by TMA (and with dQ added up in the dK/dV kernel)
+    for fused in (False, True):
+        kernels = backward_sm90.build_kernels(
+            128, "bfloat16", 8, 3, dq_separate=not fused, dq_bulk=True, ring=True, pingpong=True,
+            tma=True,
+        )  # fmt: skip
+        for kernel, spec in (("dkdv", launch.TENSOR_CORE_DKDV), ("dq", launch.DQ))[: 2 - fused]:
+            spec = spec._replace(variant=launch.tensor_map_arguments(kernel))
+            name = f"{kernel}-128-bfloat16-8-3" + ("-fused-bulk" if fused else "")
+            name += "-ring-pingpong-tma"
+            yield family, name, getattr(kernels, kernel), spec.signature("bfloat16")
     family = config.WgmmaForwardConfig.family
     pingpong = config.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)
     # the Hopper forward: defaults, packed, pingpong, and head_dim 128 with Gemma 2's softcap
