@@ -394,6 +394,72 @@ def test_backward_is_deterministic(config):
             assert bool((a.view(xp.uint16) == b.view(xp.uint16)).all())
 
 
+def _long_context_reference(q, k, v, dout, key_slices, chunk=1 << 16):
+    """float64 gradients of causal attention (one batch entry, no GQA) over many keys, the keys
+    taken ``chunk`` at a time so that k and v are never whole in float64: (dq, [(dk, dv) of
+    each slice of ``key_slices``]), in numflash's layouts."""
+    sq, sk, heads, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    scale = 1.0 / np.sqrt(d)
+    q64, do64 = (to_float64(x)[0].transpose(1, 0, 2) for x in (q, dout))  # (heads, sq, d)
+    rows = xp.arange(sq)[:, None] + (sk - sq)  # row i sees keys j <= i + sk - sq
+
+    def scores(keys):
+        kc = to_float64(k[0, keys]).transpose(1, 0, 2)
+        s = xp.einsum("hqd,hkd->hqk", q64, kc) * scale
+        return xp.where(xp.arange(keys.start, keys.stop)[None, :] <= rows, s, -np.inf)
+
+    chunks = [slice(c, min(c + chunk, sk)) for c in range(0, sk, chunk)]
+    top, total = xp.full((heads, sq), -np.inf), xp.zeros((heads, sq))
+    for keys in chunks:  # the rows' log-sum-exp
+        s = scores(keys)
+        new_top = xp.maximum(top, s.max(axis=-1))
+        total = total * xp.exp(top - new_top) + xp.exp(s - new_top[..., None]).sum(axis=-1)
+        top = new_top
+    lse = (top + xp.log(total))[..., None]
+
+    def step(keys):  # (p, dp, vc, kc) of a slice of keys
+        kc, vc = (to_float64(x[0, keys]).transpose(1, 0, 2) for x in (k, v))
+        p = xp.exp(scores(keys) - lse)
+        return p, xp.einsum("hqd,hkd->hqk", do64, vc), kc
+
+    delta = sum((p * dp).sum(axis=-1, keepdims=True) for p, dp, _ in map(step, chunks))
+    dq = xp.zeros_like(q64)
+    for keys in chunks:
+        p, dp, kc = step(keys)
+        dq += xp.einsum("hqk,hkd->hqd", p * (dp - delta), kc) * scale
+    slices = []
+    for keys in key_slices:
+        p, dp, _ = step(keys)
+        dv = xp.einsum("hqk,hqd->khd", p, do64)
+        dk = xp.einsum("hqk,hqd->khd", p * (dp - delta), q64) * scale
+        slices.append((dk, dv))
+    return dq.transpose(1, 0, 2)[None], slices
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_backward_over_keys_past_2_31_elements():
+    """16 query rows over 2^20 + 64 keys of 16 heads at head_dim 128 (bf16, causal, the
+    default kernels: at head_dim 128 the TMA ring): k, v, dk and dv hold more than 2^31
+    elements, so every index past there must be 64-bit. dQ (a sum over every key) against the
+    float64 reference, and dK, dV of the first 64 keys and of the last 64, whose every element
+    lies past 2^31; the bar is 2^-5 of the reference's largest magnitude, far below what a
+    wrong index gives and above bf16's rounding of sums in fp32."""
+    heads, head_dim, seqlen_k = 16, 128, (1 << 20) + 64
+    assert (seqlen_k - 64) * heads * head_dim >= 2**31
+    q, k, v = random_qkv(1, 16, seqlen_k, heads, heads, head_dim, "bfloat16")
+    dout, dq, dk, dv = _run(q, k, v, MASKS["causal"])
+    ends = (slice(0, 64), slice(seqlen_k - 64, seqlen_k))
+    ref_dq, ref_slices = _long_context_reference(q, k, v, dout, ends)
+    pairs = [("dq", dq[0], ref_dq[0])]
+    for keys, (ref_dk, ref_dv) in zip(ends, ref_slices):
+        pairs += [(f"dk[{keys}]", dk[0, keys], ref_dk), (f"dv[{keys}]", dv[0, keys], ref_dv)]
+    for name, grad, ref in pairs:
+        grad = to_float64(grad)
+        err, bar = float(abs(grad - ref).max()), 2**-5 * float(abs(ref).max())
+        assert not bool(xp.isnan(grad).any()) and err <= bar, f"{name}: {err:.3e} > {bar:.3e}"
+
+
 # -- validation ------------------------------------------------------------------------------------
 
 
