@@ -1127,9 +1127,9 @@ def tensor_core_backward(
     dout, out = (_kernel_input(x) for x in (dout, out))
     varlen = offsets is not None
     head_dim = cfg.kernel_head_dim(p.head_dim)
-    kernel_dout = _padded(dout, head_dim) if head_dim != p.head_dim else dout
+    kernel_dout = dout  # (dout itself goes to the D kernel)
     if head_dim != p.head_dim:
-        q, k, v = (_padded(x, head_dim) for x in (q, k, v))
+        q, k, v, kernel_dout = (_padded(x, head_dim) for x in (q, k, v, dout))
     q, k, v, kernel_dout = (_kernel_input(x, alignment_elements=8) for x in (q, k, v, kernel_dout))
     templates = None if maps is None or varlen else maps(q, k, v, kernel_dout)
     if templates is None:

@@ -49,9 +49,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       boxes over tensor maps each block publishes, instead of every thread's cp.async; rows
       past the end are zero-filled by the copy. In the dK/dV kernel the same thread copies
       the block's LSE and D in bulk beside them, from padded buffers the D kernel writes
-      (one copy for both warpgroups, no fetch or warpgroup barrier a block). Dense calls whose arrays tensor maps can
-      describe (16-byte aligned, strides multiples of 16 bytes); packed batches and other
-      calls keep cp.async. The default at head_dim 128: on an H100 1.01-1.04x the cp.async
+      (one copy for both warpgroups, no fetch or warpgroup barrier a block). Dense calls
+      whose arrays tensor maps can describe (16-byte aligned, strides multiples of 16
+      bytes); packed batches and other calls keep cp.async. The default at head_dim 128: on an H100 1.01-1.04x the cp.async
       ring's speed there, level with it at 64 (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas

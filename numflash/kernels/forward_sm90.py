@@ -838,9 +838,9 @@ def build(
         staged = base + uint32(STAGED_MAPS)
         ptx_tma.publish_map(maps, 0, staged, q_words, ptx_tma.global_address(q, int64(0)), lane)
         ptx_tma.publish_map(maps, 1, staged + uint32(MAP_BYTES), k_words,
-                    ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
+                            ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
         ptx_tma.publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
-                    ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
+                            ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
         for index in range(MAPS):
             ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
 
