@@ -334,7 +334,9 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "mma.sync"
-    REVISION: ClassVar[int] = 2  # 2: dK, dV and dQ written a 32-bit pair at a time
+    # 2: dK, dV and dQ written a 32-bit pair at a time; 3: no mask tests in warps that see
+    # every pair of a block
+    REVISION: ClassVar[int] = 3
 
     def shared_memory_bytes(self, head_dim):
         """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""

@@ -90,8 +90,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     HARDWARE: ClassVar[str] = "wgmma"
     # 2: dQ by bulk reductions; 3: the leaner tile loader; 4: gradients written a 32-bit pair
     # at a time, the ring's slots filled through one function (TMA or cp.async); 5: with tma,
-    # LSE and D copied in bulk with the tiles
-    REVISION: ClassVar[int] = 5
+    # LSE and D copied in bulk with the tiles; 6: no mask tests in warps that see every pair
+    REVISION: ClassVar[int] = 6
     block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 

@@ -157,15 +157,17 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
     p_and_ds_of = element_function(softcap, alibi)
     user_p_and_ds = user_element_function(softcap, alibi, mods)
+    MAX_COL = 8 * (Q_TILES - 1) + 1  # a lane's last query, from its first (accumulator_position)
 
     @device_function
     def element_into(
-        st, dpt, i, col, lo, hi, neg_lse, d, scale_log2, a, b, at, slope, user, q, kv
+        st, dpt, i, col, lo, hi, neg_lse, d, scale_log2, a, b, at, slope, user, q, kv, masked
     ):  # fmt: skip
         """st[i] <- P and dpt[i] <- dS of one element, query ``col`` columns from the lane's
-        first: 0 unless lo <= col < hi (the causal / window mask's range). The plain path
-        tests the range after its arithmetic, as it always did: testing it first changes the
-        plain kernels' PTX (tests/test_fingerprints.py)."""
+        first: 0 unless lo <= col < hi (the causal / window mask's range), which is tested
+        only where ``masked`` (a constant). The plain path tests the range after its
+        arithmetic, as it always did: testing it first changes the plain kernels' PTX
+        (tests/test_fingerprints.py)."""
         if MODS:
             seen = (lo <= int32(col)) & (int32(col) < hi)
             st[i], dpt[i] = user_p_and_ds(
@@ -173,9 +175,44 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
             )
         else:
             p, ds = p_and_ds_of(st[i], dpt[i], neg_lse, d, scale_log2, a, b, at, slope)
-            seen = (lo <= int32(col)) & (int32(col) < hi)
-            st[i] = p if seen else float32(0.0)
-            dpt[i] = ds if seen else float32(0.0)
+            if masked:
+                seen = (lo <= int32(col)) & (int32(col) < hi)
+                st[i] = p if seen else float32(0.0)
+                dpt[i] = ds if seen else float32(0.0)
+            else:
+                st[i] = p
+                dpt[i] = ds
+
+    @device_function
+    def partly_masked(lo0, hi0, lo1, hi1):
+        """Whether this lane's two rows of visible columns [lo, hi) leave out any of its
+        columns 0..MAX_COL."""
+        return (lo0 > 0) | (hi0 <= MAX_COL) | (lo1 > 0) | (hi1 <= MAX_COL)
+
+    @device_function
+    def elements_into(args, masked):
+        """probabilities_and_ds' elements, every query tile's, from ``args`` = (st, dpt,
+        lse_tile, d_tile, the lane's first query in the tiles, (lo0, hi0, lo1, hi1): the two
+        key rows' visible columns, tested only where ``masked``, scale_log2, the softcap's
+        factors, distance, slope, user, q_first, key0)."""
+        st, dpt, lse_tile, d_tile, first, ranges, scale_log2, a, b = args[:9]
+        distance, slope, user, q_first, key0 = args[9:]
+        lo0, hi0, lo1, hi1 = ranges
+        for qt in range(Q_TILES):
+            for e in range(2):
+                i = tile_base(qt) + e  # key row key0
+                _, col = accumulator_position(i, 0)  # the query, from the lane's first
+                neg_lse = -lse_tile[first + uint32(col)]
+                d = d_tile[first + uint32(col)]
+                at = distance + float32(col)
+                element_into(
+                    st, dpt, i, col, lo0, hi0, neg_lse, d, scale_log2, a, b, at, slope, user,
+                    q_first + col, key0, masked,
+                )  # fmt: skip
+                element_into(  # key row key0 + 8
+                    st, dpt, i + 2, col, lo1, hi1, neg_lse, d, scale_log2, a, b,
+                    at - float32(8), slope, user, q_first + col, key0 + 8, masked,
+                )  # fmt: skip
 
     @device_function
     def probabilities_and_ds(
@@ -191,7 +228,10 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
         and each query's LSE and D are read once for both key rows (``stats`` is the block's
         offset in the shared tiles). Per element branches cost a reconvergence barrier and a
         serial shared-load -> ex2 chain each (a user's functions take one: they may read
-        memory a row or key past the end would not have)."""
+        memory a row or key past the end would not have). A warp whose every pair is visible
+        (most blocks: all but the causal diagonal's, a window's edges and the last rows or
+        keys) skips the tests and selects, one branch a warp (a vote, so ptxas knows it is
+        uniform): 168 of the head_dim 128 dK/dV kernel's 1960 instructions."""
         slope, user = score_args
         first = uint32(stats + (lane & 3) * 2)  # this lane's first query in the tiles
         lo0, hi0 = visible_queries(key0, m0, lane, seqlen_q, seqlen_k, wl, wr)
@@ -203,21 +243,12 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
         # query (a user's functions)
         q_first = m0 + (lane & 3) * 2 + seqlen_k - seqlen_q
         distance = float32(q_first - key0)
-        for qt in range(Q_TILES):
-            for e in range(2):
-                i = tile_base(qt) + e  # key row key0
-                _, col = accumulator_position(i, 0)  # the query, from the lane's first
-                neg_lse = -lse_tile[first + uint32(col)]
-                d = d_tile[first + uint32(col)]
-                at = distance + float32(col)
-                element_into(
-                    st, dpt, i, col, lo0, hi0, neg_lse, d, scale_log2, cap_a, cap_b, at, slope,
-                    user, q_first + col, key0,
-                )  # fmt: skip
-                element_into(  # key row key0 + 8
-                    st, dpt, i + 2, col, lo1, hi1, neg_lse, d, scale_log2, cap_a, cap_b,
-                    at - float32(8), slope, user, q_first + col, key0 + 8,
-                )  # fmt: skip
+        args = (st, dpt, lse_tile, d_tile, first, (lo0, hi0, lo1, hi1), scale_log2, cap_a, cap_b,
+                distance, slope, user, q_first, key0)  # fmt: skip
+        if MODS or ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1)):
+            elements_into(args, True)
+        else:
+            elements_into(args, False)
 
     return probabilities_and_ds
 
@@ -388,13 +419,15 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
     p_and_ds_of = element_function(softcap, alibi)
     user_p_and_ds = user_element_function(softcap, alibi, mods)
+    MAX_COL = 8 * (Q_TILES - 1) + 1  # a lane's last key, from its first (accumulator_position)
 
     @device_function
     def row_ds(dp, s, stats, shift, scale_log2, bias):
         """dp <- dS = P (dP - D) for this lane's query rows (elements 0-1: the first, 2-3: the
         second, of every key tile); 0 where masked. ``stats``: lane_row_stats' group, whose
         visible keys are moved ``shift`` columns left (the tile's offset from the first). No
-        branch per element (see probabilities_and_ds). ``bias``: (q_idx - kv_idx of the first
+        branch per element, and none of the tests in a warp that sees every pair (see
+        probabilities_and_ds). ``bias``: (q_idx - kv_idx of the first
         row and the lane's first column of the first tile, the head's ALiBi slope in the log2
         domain), read only with ALiBi; then user_element_function's ``user``, q_idx of the
         lane's first row and kv_idx of its first column of the first tile, read only with
@@ -409,6 +442,22 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
         if SOFTCAP:
             cap_a, cap_b = cap_factors(scale_log2)
         distance0 = distance0 - float32(shift)
+        args = (dp, s, (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), shift, scale_log2,
+                cap_a, cap_b, distance0, slope, user, q0, kv0)  # fmt: skip
+        partial = (lo_0 > 0) | (hi_0 <= MAX_COL) | (lo_1 > 0) | (hi_1 <= MAX_COL)
+        if MODS or ptx.any_lane(partial):
+            row_elements(args, True)
+        else:
+            row_elements(args, False)
+
+    @device_function
+    def row_elements(args, masked):
+        """row_ds' elements, every key tile's, from ``args`` = (dp, s, the shifted row
+        statistics, shift, scale_log2, the softcap's factors, distance0, slope, user, q0,
+        kv0); the visible ranges tested only where ``masked``."""
+        dp, s, stats, shift, scale_log2, cap_a, cap_b = args[:7]
+        distance0, slope, user, q0, kv0 = args[7:]
+        lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1 = stats
         for qt in range(Q_TILES):
             for e in range(4):
                 i = tile_base(qt) + e
@@ -428,9 +477,12 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
                     continue
                 # the plain path's order, as element_into's
                 _, ds = p_and_ds_of(s[i], dp[i], neg_lse, d, scale_log2, cap_a, cap_b, at, slope)
-                lo = lo_1 if second else lo_0
-                hi = hi_1 if second else hi_0
-                dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
+                if masked:
+                    lo = lo_1 if second else lo_0
+                    hi = hi_1 if second else hi_0
+                    dp[i] = ds if (lo <= int32(col)) & (int32(col) < hi) else float32(0.0)
+                else:
+                    dp[i] = ds
 
     return row_ds
 
