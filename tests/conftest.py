@@ -34,6 +34,11 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
 
 import pytest  # noqa: E402
 
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    from _simulator import poll_blocks_gently
+
+    poll_blocks_gently()
+
 from numflash.kernels.jit import SIMULATOR  # noqa: E402
 
 
