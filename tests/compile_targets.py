@@ -288,9 +288,9 @@ def wgmma_tiles(dtype):
 
 def wgmma_backward(
     hd, dtype, warps, stages, softcap=0.0, pack_first=False, dq_separate=True, mods=None,
-    dq_bulk=True, ring=False, pingpong=False, tma=False,
+    dq_bulk=True, ring=False, pingpong=False, tma=False, block_m=64,
 ):  # fmt: skip
-    """The Hopper backward's kernels; ``mods``: a user's functions (BACKWARD_MODS, or with a
+    """The Hopper backward's kernels (``block_m``-row streaming tiles); ``mods``: a user's functions (BACKWARD_MODS, or with a
     block mask: BLOCK_MASK_MODS), the dense kernels alone; ``dq_bulk`` as the configuration's
     (without dq_separate: dQ by bulk reductions, else by atomics); ``ring``: the tiles
     through an mbarrier ring; ``pingpong``: the warpgroups taking turns with their products;
@@ -298,7 +298,7 @@ def wgmma_backward(
     built = backward_sm90.build_kernels(
         hd, dtype, warps, stages, softcap=softcap, pack_first=pack_first,
         dq_separate=dq_separate, mods=mods, dq_bulk=dq_bulk, ring=ring, pingpong=pingpong,
-        tma=tma,
+        tma=tma, block_m=block_m,
     )  # fmt: skip
     kernels = [("dkdv", built.dkdv, launch.TENSOR_CORE_DKDV)]
     if dq_separate:
@@ -318,7 +318,7 @@ def wgmma_backward(
                    dtype=dtype, num_warps=warps, softcap=softcap, pack_first=pack_first,
                    dq_separate=dq_separate, mods=mods is not None,
                    dq_bulk=dq_bulk and not dq_separate, ring=ring, pingpong=pingpong,
-                   tma=tma)  # fmt: skip
+                   tma=tma, block_m=block_m)  # fmt: skip
 
 
 def mma_backward_mods(hd, dtype, mods):
@@ -456,6 +456,12 @@ def jobs(quick):
     out.append(
         (wgmma_backward, (128, "bfloat16", 8, 3, 0.0, False, True, None, True, True, True, True))
     )
+    # 128-row streaming tiles at head_dim 64: the ring with pingpong turns by cp.async (and the
+    # packed kernels) and filled by TMA
+    out.append((wgmma_backward, (64, "float16", 8, 3) + (0.0, False, True, None, True) + (True,
+                True, False, 128)))  # fmt: skip
+    out.append((wgmma_backward, (64, "bfloat16", 8, 3) + (0.0, False, True, None, True) + (True,
+                True, True, 128)))  # fmt: skip
     # a user's functions, with a block mask too; the mma.sync backward's with them
     out.append((wgmma_backward, (128, "float16", 8, 2, 0.0, False, True, BACKWARD_MODS)))
     out.append((wgmma_backward, (128, "bfloat16", 8, 2, 0.0, False, False, BLOCK_MASK_MODS)))

@@ -167,6 +167,12 @@ CASES = [
     Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
          backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True,
                                                tma=True)),
+    # ... 128-row tiles at head_dim 64 (TMA boxes of 128 rows, LSE and D runs of 132)
+    Case("float16", (2, 333, 400, 2, 1, 64), dict(window_size=(100, 30)),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True,
+                                               block_m=128)),
+    Case("bfloat16", (1, 400, 350, 4, 2, 64), dict(causal=True),
+         backward=numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, block_m=128)),
     # ... at head_dim 128: dQ's two planes through each warp's one staging slot
     Case("bfloat16", (1, 400, 350, 4, 2, 128), dict(causal=True),
          backward=numflash.WgmmaBackwardConfig(8, 3, dq_separate=False, ring=True, pingpong=True,

@@ -127,6 +127,8 @@ WG = numflash.WgmmaBackwardConfig
 #: the ring with pingpong turns adding dQ up in the dK/dV kernel (a third turn a query block)
 RING_DQ = WG(8, 3, dq_separate=False, ring=True, pingpong=True)
 RING_DQ_TMA = WG(8, 3, dq_separate=False, ring=True, pingpong=True, tma=True)
+#: 128-row tiles through the ring filled by TMA (head_dim 64)
+TMA_128 = WG(8, 3, ring=True, pingpong=True, tma=True, block_m=128)
 
 TC_SIM_CASES = [
     ("float16", 16, 9, 21, 1, "none", TC(16, 1, 2, False)),
@@ -177,6 +179,9 @@ TC_SIM_CASES = [
     # at rows 3, 67, ..., so their LSE and D runs are copied from 3 rows before (a 16-byte
     # boundary of the padded buffers)
     ("float16", 64, 200, 40, 1, "right", WG(num_warps=4, stages=3, ring=True, tma=True)),
+    # 128-row tiles (head_dim 64, through the ring), each short: one query block of 100 rows
+    # (dK/dV kernel), a key tile of 100 keys (dQ kernel); with 64-row steps alone dQ is off
+    ("bfloat16", 64, 100, 100, 1, "causal", WG(8, 3, ring=True, pingpong=True, block_m=128)),
 ]
 
 
@@ -250,6 +255,12 @@ TC_GPU_CASES = [
         ("bfloat16", 64, (300, 451), 1, "left", WG(4, 3, ring=True, tma=True)),
         ("bfloat16", 128, (1023, 517), 2, "causal", RING_DQ_TMA),
         ("float16", 64, (2048, 2048), 1, "left", RING_DQ_TMA),
+        # 128-row tiles at head_dim 64: the ring by cp.async (pingpong or not) and by TMA
+        ("bfloat16", 64, (1023, 517), 2, "causal", WG(8, 3, ring=True, pingpong=True, block_m=128)),
+        ("float16", 64, (777, 777), 2, "none", WG(8, 3, ring=True, block_m=128)),
+        ("float16", 64, (300, 451), 1, "left", WG(8, 3, ring=True, tma=True, block_m=128)),
+        ("float16", 64, (517, 1023), 1, "window", TMA_128),
+        ("bfloat16", 64, (2048, 2048), 1, "causal", TMA_128),
     ]
 ]
 

@@ -209,8 +209,8 @@ def test_wgmma_tiles_assemble_for_sm90a(compiled):
 def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     """The Hopper backward kernels (numflash/kernels/backward_sm90.py) through ptxas for sm_90a:
     their products on wgmma (S^T and dP^T, or S and dP: head_dim / 16 steps each; dV and dK,
-    or dQ: 4 steps each; with dQ added up in the dK/dV kernel, dQ's: one step per 16 of the
-    block's 128 keys), nothing spilled, and no remark that ptxas serialised the wgmma
+    or dQ: block_m / 16 steps each; with dQ added up in the dK/dV kernel, dQ's: one step per
+    16 of the block's 128 keys), nothing spilled, and no remark that ptxas serialised the wgmma
     pipeline or waited inside it (a 64-bit division by a run-time value did that once: a call
     to a helper routine, remark C7509)."""
     entries = _entries(compiled, "wgmma-backward")
@@ -252,6 +252,10 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
         else:
             assert counts["mbarrier.try_wait"] == counts["cp.async.mbarrier.arrive"] == 0, e
     assert {e["kernel"] for e in entries if e["tma"]} == {"dkdv", "dq"}
+    # 128-row streaming tiles (head_dim 64 only): the packed kernels too, and with TMA
+    assert {e["kernel"] for e in entries if e["block_m"] == 128} == set(kernels)
+    assert {e["head_dim"] for e in entries if e["block_m"] == 128} == {64}
+    assert any(e["tma"] for e in entries if e["block_m"] == 128)
     # pingpong: a turn passed after each issue of products (two a tile, three with dQ added
     # up there), and the first one (the plain kernels arrive at no named barrier)
     assert {e["kernel"] for e in entries if e["pingpong"]} == set(kernels)
@@ -268,7 +272,11 @@ def test_wgmma_backward_kernels_assemble_for_sm90a(compiled):
     }
     for e in entries:
         assert e["target"] == "sm_90a"
-        products = {"dkdv": 2 * e["head_dim"] // 16 + 8, "dq": 2 * e["head_dim"] // 16 + 4}
+        steps = e["block_m"] // 16  # k16 steps over a streaming tile's rows
+        products = {
+            "dkdv": 2 * e["head_dim"] // 16 + 2 * steps,
+            "dq": 2 * e["head_dim"] // 16 + steps,
+        }
         expected = products[e["kernel"].split("-")[0]] + (0 if e["dq_separate"] else 8)
         assert e["counts"]["wgmma.mma_async"] == expected, e
         assert e["counts"]["fence.proxy.async"] >= 1, e

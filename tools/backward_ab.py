@@ -36,10 +36,10 @@ from bench_backward import sdpa_runs  # noqa: E402
 def parse_config(text):
     """num_warps,stages[,pack (pack_first)][,fused (dq_separate=False)][,atomic (dq_bulk=False)]
     [,ring (ring=True, stages 3)][,pingpong (pingpong=True, with ring)][,tma (tma=True, with
-    ring)], e.g. 8,2,fused or 8,3,ring,pingpong,tma"""
+    ring)][,m128 (block_m=128)], e.g. 8,2,fused or 8,3,ring,pingpong,tma"""
     parts = text.split(",")
     warps, stages = (int(x) for x in parts[:2])
-    unknown = set(parts[2:]) - {"pack", "fused", "atomic", "ring", "pingpong", "tma"}
+    unknown = set(parts[2:]) - {"pack", "fused", "atomic", "ring", "pingpong", "tma", "m128"}
     if unknown:
         raise SystemExit(f"--configs {text}: unknown {', '.join(sorted(unknown))}")
     flags = parts[2:]
@@ -52,6 +52,7 @@ def parse_config(text):
         ring="ring" in flags,
         pingpong="pingpong" in flags,
         tma="tma" in flags,
+        block_m=128 if "m128" in flags else 64,
     )
 
 

@@ -71,8 +71,15 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       costing about 2.6 ms a call), whose removal should leave it level with the atomics
       (docs/performance.md "dQ by bulk reductions").
 
-    Fixed by the design: 64-row query (key) tiles, the whole head_dim in one block. Compute
-    capability 9.x; head_dim 64 or 128 (as padded).
+    - ``block_m``: rows of the streaming tiles (query rows in the dK/dV kernel, keys in the
+      dQ kernel), 64 or 128; 128 halves the fixed costs of a tile (the ring's waits, the
+      turns, the products' waits, the LSE and D copies) against its products, and takes 64
+      registers a thread for each of S^T and dP^T: head_dim 64 only, with ``dq_separate``,
+      and with ``ring`` and two warpgroups (the others spill 8-20 bytes a thread under ptxas
+      13.0: docs/performance.md).
+
+    Fixed by the design: 64 keys (query rows in the dQ kernel) a warpgroup, the whole
+    head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).
     """
 
     num_warps: int = config.knob(8, backward_sm90.NUM_WARPS)
@@ -83,6 +90,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     ring: bool = config.knob(False, (False, True))
     pingpong: bool = config.knob(False, (False, True))
     tma: bool = config.knob(False, (False, True))
+    block_m: int = config.knob(backward_sm90.BLOCK_M, backward_sm90.BLOCK_MS)
 
     family: ClassVar[str] = "wgmma-backward"
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
@@ -92,7 +100,6 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     # at a time, the ring's slots filled through one function (TMA or cp.async); 5: with tma,
     # LSE and D copied in bulk with the tiles; 6: no mask tests in warps that see every pair
     REVISION: ClassVar[int] = 6
-    block_m: ClassVar[int] = backward_sm90.BLOCK_M
     head_split: ClassVar[int] = 1
 
     def shared_memory_bytes(self, head_dim):
@@ -100,7 +107,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
         included."""
         return backward_sm90.shared_memory_layout(
             head_dim, self.num_warps, self.stages, self.dq_separate, self.dq_bulk, self.ring,
-            self.tma,
+            self.tma, self.block_m,
         )[-1]  # fmt: skip
 
     def dq_planes(self, head_dim):
@@ -131,6 +138,16 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
             # the dS tiles both warpgroups' dQ products read are rewritten every other query
             # block: only the pingpong turns order that (backward_sm90.ring_query_block_step)
             out.append("ring=True with dq_separate=False needs pingpong=True and dq_bulk=True")
+        if self.block_m != backward_sm90.BLOCK_M and not (
+            head_dim == 64 and self.dq_separate and self.ring and self.num_warps == 8
+        ):
+            # S^T and dP^T of 128 queries take 128 registers a thread beside dK and dV (the
+            # block-barrier kernels and one warpgroup's ring spill); dQ's products in the
+            # dK/dV kernel cover 64 query rows
+            out.append(
+                "block_m=128 needs head_dim 64 (as padded), dq_separate=True, ring=True and "
+                "num_warps=8"
+            )
         if head_dim == 128 and self.num_warps == 4 and not self.dq_separate:
             # one warpgroup holds dQ's 128 columns beside dK and dV: ptxas spills 148 bytes
             out.append("dq_separate=False at head_dim 128 needs num_warps=8 (registers)")
@@ -189,22 +206,22 @@ def _wgmma_backward(cfg, p, *tensors, offsets=None, variant=()):
                 head_dim, p.dtype, cfg.num_warps, cfg.stages, softcap=p.softcap, alibi=p.alibi,
                 pack_first=cfg.pack_first, dq_separate=cfg.dq_separate, mods=p.mods,
                 dq_bulk=cfg.dq_bulk, ring=cfg.ring, pingpong=cfg.pingpong, tma=tma,
+                block_m=cfg.block_m,
             )  # fmt: skip
 
         return launch._tensor_core_launchers(
             WgmmaBackwardConfig, build, head_dim, p, cfg, varlen, tma
         )
 
-    maps = functools.partial(_tensor_maps, p) if cfg.tma else None
+    maps = functools.partial(_tensor_maps, p, cfg.block_m) if cfg.tma else None
     launch.tensor_core_backward(
         cfg, kernels, p, *tensors, offsets=offsets, variant=variant, maps=maps
     )
 
 
-def _tensor_maps(p, q, k, v, do):
-    """((Q's, dO's), (K's, V's)) tensor-map templates, boxes of BLOCK_M rows by 64 columns
-    (the ring's tiles: launch.tensor_core_backward), or None where the arrays' addresses or
-    strides rule tensor maps out (the kernels then load by cp.async)."""
-    rows = backward_sm90.BLOCK_M
+def _tensor_maps(p, rows, q, k, v, do):
+    """((Q's, dO's), (K's, V's)) tensor-map templates, boxes of ``rows`` (block_m) rows by 64
+    columns (the ring's tiles: launch.tensor_core_backward), or None where the arrays'
+    addresses or strides rule tensor maps out (the kernels then load by cp.async)."""
     templates = ptx_tma.templates(p.dtype, (q, do, k, v), (rows,) * 4)
     return None if templates is None else (templates[:2], templates[2:])

@@ -3,8 +3,8 @@ their products on wgmma.
 
 One thread block per (block of 64 * GROUPS keys, kv head, batch), GROUPS warpgroups of 128
 threads; warpgroup w owns keys 64w..64w+63 and keeps their dK and dV (fp32) in registers while
-blocks of BLOCK_M = 64 query rows (Q, dO, their LSE and D) stream through shared memory, for
-every query head of the GQA group in turn. Per query block and warpgroup:
+blocks of BLOCK_M = 64 (or 128) query rows (Q, dO, their LSE and D) stream through shared
+memory, for every query head of the GQA group in turn. Per query block and warpgroup:
 
     S^T  = K Q^T,  dP^T = V dO^T      m64n64k16 x head_dim / 16 each, both operands read
                                       K-major from shared memory by descriptor
@@ -65,8 +65,10 @@ from .fragments import PACK, acc_index
 from .jit import device_function
 from .loads import GROUP_BYTES, ROW_BYTES, swizzled_descriptor, swizzled_tile_loader
 
-#: Query rows per block: the N of S^T's wgmma and the K of dV's (four k16 steps).
+#: Query rows per streaming tile by default: the N of S^T's wgmma and the K of dV's (four k16
+#: steps); 128 (BLOCK_MS) halves the tile's fixed costs where its registers fit (head_dim 64).
 BLOCK_M = 64
+BLOCK_MS = (BLOCK_M, 128)
 #: Head dims the kernel takes (whole 64-column atoms; 128 is the most that fits in registers).
 HEAD_DIMS = (64, 128)
 #: Warps per block: one or two warpgroups (two need 255 registers a thread, 1 block per SM).
@@ -88,15 +90,17 @@ def dq_planes(head_dim, num_warps, ring):
 
 
 def shared_memory_layout(
-    head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False, tma=False
-):
+    head_dim, num_warps, stages, dq_separate=True, dq_bulk=False, ring=False, tma=False,
+    block_m=BLOCK_M,
+):  # fmt: skip
     """(K, V, the first stage, one stage, dO within a stage, dS, dQ, the staged tensor maps,
     total) in bytes from the block's 1024-byte aligned base; dS's tile (BLOCK_M query rows x
     the block's keys) only without ``dq_separate`` (two with ``ring``:
     ring_query_block_step), dQ's staging slots for the bulk reductions (BLOCK_M rows x
     head_dim, fp32; with ``ring`` BLOCK_M rows x RING_PLANE_COLS a warpgroup) only with
     ``dq_bulk`` too, the two tensor maps a kernel publishes (publish_maps) only with ``tma``;
-    the total includes 1024 bytes to align that base."""
+    the total includes 1024 bytes to align that base. BLOCK_M: ``block_m`` here."""
+    BLOCK_M = block_m  # (the module's default unless asked, as in build_kernels)
     atoms = head_dim // 64
     block_n = 16 * num_warps
     kv = block_n * ROW_BYTES * atoms
@@ -195,7 +199,7 @@ def ring_functions(stages, threads, pingpong=False, tma=False):
 def build_kernels(
     head_dim, dtype_name, num_warps, stages, heavy_group=8, softcap=0.0, alibi=False,
     pack_first=False, dq_separate=True, mods=None, dq_bulk=False, ring=False, pingpong=False,
-    tma=False,
+    tma=False, block_m=BLOCK_M,
 ):  # fmt: skip
     """The kernels of one configuration (backward.Kernels): dK/dV and dQ, or with
     ``dq_separate=False`` the dK/dV kernel alone, adding dQ up by atomics (module docstring).
@@ -221,9 +225,13 @@ def build_kernels(
     ring's slots by the tensor memory accelerator, one thread issuing a slot's boxes
     (ring_boxes) over tensor maps the kernel publishes from the templates it is handed
     (publish_maps), so that the other threads issue no copies; the packed-batch kernels keep
-    cp.async."""
+    cp.async. ``block_m``: rows of the streaming tiles (query rows; keys in the dQ kernel),
+    BLOCK_M or, with dQ from its own kernel, 128 (S^T and dP^T then take 64 registers a
+    thread each: head_dim 64 only, as WgmmaBackwardConfig says)."""
     if (
         head_dim not in HEAD_DIMS
+        or block_m not in BLOCK_MS
+        or (block_m != BLOCK_MS[0] and not dq_separate)
         or num_warps not in NUM_WARPS
         or stages not in ((3,) if ring else (1, 2))
         or (ring and not dq_separate and not (pingpong and dq_bulk))
@@ -232,12 +240,14 @@ def build_kernels(
     ):
         raise ValueError(
             f"wgmma backward: head_dim {head_dim} in {HEAD_DIMS}, num_warps "
-            f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}"
+            f"{num_warps} in {NUM_WARPS}, stages {stages} in {(3,) if ring else (1, 2)}, "
+            f"block_m {block_m} in {BLOCK_MS} (128 only with dq_separate)"
             + (", and the ring adds dQ up only with pingpong and dq_bulk" if ring else "")
             + (", and pingpong only with the ring and num_warps 8" if pingpong else "")
             + (", and tma only with the ring" if tma else "")
         )
     RING = ring_functions(stages, 32 * num_warps, pingpong, tma)  # its turns: nothing without
+    BLOCK_M = block_m  # the tiles' rows (the module's default unless asked)
     HEAD_DIM, STAGES, PACK_FIRST, FUSED_DQ = head_dim, stages, pack_first, not dq_separate
     DQ_BULK = FUSED_DQ and dq_bulk
     RING_DQ = ring and FUSED_DQ  # dQ in a turn of its own (ring_query_block_step)
@@ -247,7 +257,7 @@ def build_kernels(
     KV_ATOM = BLOCK_N * ROW_BYTES  # bytes of one atom of K or V
     TILE_ATOM = BLOCK_M * ROW_BYTES  # of Q or dO, and of dS (64 keys)
     K_OFF, V_OFF, STAGE0, STAGE, DO_OFF, DS_OFF, DQ_OFF, MAPS_OFF, _ = shared_memory_layout(
-        head_dim, num_warps, stages, dq_separate, dq_bulk, ring, tma
+        head_dim, num_warps, stages, dq_separate, dq_bulk, ring, tma, block_m
     )
     ATOMS = HEAD_DIM // 64  # 64-column atoms of a row: a tensor map's box each
     STAT_BYTES = (BLOCK_M + backward.STAT_COPY_EXTRA) * 4  # a query block's LSE (or D) copy
