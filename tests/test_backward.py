@@ -521,7 +521,9 @@ def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path
     assert selection.backward(p, h200, False).config == numflash.TensorCoreBackwardConfig()
     hd64 = [random_array(x.shape[:-1] + (64,), "float16") for x in (q, k, v)]
     p64 = problem(*hd64, False, None, (-1, -1))[-1]
-    assert selection.backward(p64, h200, False).config == numflash.WgmmaBackwardConfig()
+    # at head_dim 64 with 128-row tiles
+    tiles128 = numflash.WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True, block_m=128)
+    assert selection.backward(p64, h200, False).config == tiles128
     assert selection.backward(p64, a100, False).config == numflash.TensorCoreBackwardConfig()
     # packed batches: the dense choice, but 32 query rows where the mma.sync heuristic takes 64
     # at head_dim 128 (its varlen dK/dV kernel would spill)

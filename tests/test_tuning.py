@@ -381,10 +381,10 @@ def test_backward_families_have_defaults_and_spaces():
     )
     # the Hopper family: its own configuration, feasible on compute capability 9.x at head_dim
     # 64 and 128 (as padded) only
-    # (two stages at 64; at 128 the ring with pingpong turns, filled by TMA)
+    # (the ring with pingpong turns, filled by TMA; at 64 with 128-row tiles)
     pingpong = WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True, tma=True)
-    for hd, default in ((64, WgmmaBackwardConfig(num_warps=8, stages=2)), (120, pingpong),
-                        (128, pingpong)):  # fmt: skip
+    tiles128 = WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True, block_m=128)
+    for hd, default in ((64, tiles128), (120, pingpong), (128, pingpong)):
         assert default_config("wgmma-backward", hd, H200) == ((hd + 15) // 16 * 16, default)
     wgmma = WgmmaBackwardConfig()
     assert not wgmma.problems(128, H200) and not wgmma.problems(64, H200)

@@ -94,6 +94,12 @@ if not SIMULATOR:  # the issue's lengths, on the GPU
              backward=WG(8, 3, dq_separate=False, ring=True, pingpong=True)),
         Case("float16", (0, 200, 3, 77), (2, 70, 3, 301), nheads=2, nheads_k=1, head_dim=64,
              backward=WG(8, 3, dq_separate=False, ring=True, pingpong=True)),
+        # ... 128-row tiles at head_dim 64 (a packed batch keeps the cp.async ring)
+        Case("bfloat16", (0, 1, 7, 113, 1023), (5, 1, 7, 113, 1023), nheads=8, nheads_k=2,
+             head_dim=64, mask=dict(causal=True),
+             backward=WG(8, 3, ring=True, pingpong=True, tma=True, block_m=128)),
+        Case("float16", (0, 200, 3, 77), (2, 70, 3, 301), nheads=2, nheads_k=1, head_dim=64,
+             mask=dict(window_size=(50, 0)), backward=WG(8, 3, ring=True, block_m=128)),
     ]  # fmt: skip
 
 

@@ -168,14 +168,14 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
 
 @selection.default_for(WgmmaBackwardConfig)
 def default_wgmma_backward_config(head_dim):
-    """Two warpgroups, two stages: on the H200 0.60-0.70x the mma.sync backward's time; one
-    warpgroup was within 3% (docs/performance.md, "Hopper backward"). At head_dim 128 (as
-    padded) the ring with pingpong turns, its slots filled by TMA: the same bits, 1.04-1.11x
-    as fast on an H100; at 64 0.99-1.02x, so not there (docs/performance.md, "The ring's
-    slots filled by TMA")."""
-    if head_dim == 128:
-        return WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True, tma=True)
-    return WgmmaBackwardConfig(num_warps=8, stages=2)
+    """Two warpgroups taking turns (pingpong), the streaming tiles through the ring filled by
+    TMA (docs/performance.md, "The ring's slots filled by TMA": the same bits, 1.04-1.11x the
+    two-stage kernels at head_dim 128 on an H100). At head_dim 64 (as padded) 128-row tiles:
+    the same bits, 1.17-1.21x the two-stage kernels on an H100, where 64-row ones gained
+    0.99-1.02x (docs/performance.md, "128-row tiles at head_dim 64")."""
+    if head_dim == 64:
+        return WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True, block_m=128)
+    return WgmmaBackwardConfig(num_warps=8, stages=3, ring=True, pingpong=True, tma=True)
 
 
 #: fits() by (head_dim as padded, device).
