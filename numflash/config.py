@@ -334,9 +334,7 @@ class TensorCoreBackwardConfig(_WarpRowsBackward):
     USER_MODS: ClassVar[bool] = True  # backward.user_element_function
     ROLE: ClassVar[str] = "backward"
     HARDWARE: ClassVar[str] = "mma.sync"
-    # 2: dK, dV and dQ written a 32-bit pair at a time; 3: no mask tests in warps that see
-    # every pair of a block
-    REVISION: ClassVar[int] = 3
+    REVISION: ClassVar[int] = 2  # 2: dK, dV and dQ written a 32-bit pair at a time
 
     def shared_memory_bytes(self, head_dim):
         """Dynamic: K, V, the Q and dO stages (rows padded by 16 bytes) and dS."""

@@ -38,7 +38,7 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
     - ``pingpong`` (with ``ring`` and ``num_warps=8``): the two warpgroups take turns issuing
       their products (named barriers, as the Hopper forward's pingpong), so that the tensor
       cores run one's products while the other's softmax step runs, where without it both
-      issue at once and both wait. With the ring, the default at head_dim 128: on an H100
+      issue at once and both wait. With the ring, the default: on an H100 at head_dim 128
       1.5-4% faster than the ring alone, 1.02-1.08x the two-stage configuration
       (docs/performance.md). With ``dq_separate=False`` dQ takes a third turn a query block,
       from two dS tiles the turns keep apart (kernels/backward_sm90.ring_query_block_step):
@@ -51,8 +51,9 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       the block's LSE and D in bulk beside them, from padded buffers the D kernel writes
       (one copy for both warpgroups, no fetch or warpgroup barrier a block). Dense calls
       whose arrays tensor maps can describe (16-byte aligned, strides multiples of 16
-      bytes); packed batches and other calls keep cp.async. The default at head_dim 128: on an H100 1.01-1.04x the cp.async
-      ring's speed there, level with it at 64 (docs/performance.md).
+      bytes); packed batches and other calls keep cp.async. The default: on an H100
+      1.01-1.04x the cp.async ring's speed at head_dim 128, level with it at 64 with 64-row
+      tiles, 1.03-1.05x with 128-row ones (docs/performance.md).
     - ``pack_first``: the products whose A comes from registers (dV, dK; dQ) take it rounded
       to 16 bits before the wgmma fence (kernels/backward_sm90.build_kernels), where ptxas
       otherwise waits for the warpgroup before each such product but the first (remark
@@ -76,7 +77,8 @@ class WgmmaBackwardConfig(config._WarpRowsBackward):
       turns, the products' waits, the LSE and D copies) against its products, and takes 64
       registers a thread for each of S^T and dP^T: head_dim 64 only, with ``dq_separate``,
       and with ``ring`` and two warpgroups (the others spill 8-20 bytes a thread under ptxas
-      13.0: docs/performance.md).
+      13.0). The default at head_dim 64: on an H100 1.17-1.21x the two-stage kernels, where
+      64-row tiles through the same ring gained 1.01-1.03x (docs/performance.md).
 
     Fixed by the design: 64 keys (query rows in the dQ kernel) a warpgroup, the whole
     head_dim in one block. Compute capability 9.x; head_dim 64 or 128 (as padded).

@@ -146,12 +146,16 @@ def user_element_function(softcap=0.0, alibi=False, mods=None):
 
 
 @functools.lru_cache(maxsize=None)
-def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
+def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
     the accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share;
     ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
-    (element_function); ``mods``: and by a user's functions (user_element_function)."""
+    (element_function); ``mods``: and by a user's functions (user_element_function).
+    ``vote``: a warp that sees every pair skips the mask's tests (one vote a warp); False:
+    every element tested, one path (the mma.sync kernels: with both paths their head_dim 128
+    dK/dV kernel spills 28 bytes under ptxas 13.0)."""
     Q_TILES = q_tiles
+    VOTE = vote
     SOFTCAP = softcap > 0
     MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
@@ -245,7 +249,9 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None):
         distance = float32(q_first - key0)
         args = (st, dpt, lse_tile, d_tile, first, (lo0, hi0, lo1, hi1), scale_log2, cap_a, cap_b,
                 distance, slope, user, q_first, key0)  # fmt: skip
-        if MODS or ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1)):
+        if not VOTE or MODS:
+            elements_into(args, True)
+        elif ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1)):
             elements_into(args, True)
         else:
             elements_into(args, False)
@@ -408,12 +414,14 @@ padded_stat_rows_on_device = device_function(padded_stat_rows)
 
 
 @functools.lru_cache(maxsize=None)
-def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
+def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
     """The device function ``row_ds`` over ``key_tiles`` 8-key tiles of S (query rows in the
     accumulator layout that mma.sync's C fragments and wgmma's m64 accumulators share);
     ``softcap`` > 0, ``alibi``: of scores changed as the forward changed them
-    (element_function); ``mods``: and by a user's functions (user_element_function)."""
+    (element_function); ``mods``: and by a user's functions (user_element_function);
+    ``vote`` as probabilities_function's."""
     Q_TILES = key_tiles
+    VOTE = vote
     SOFTCAP = softcap > 0
     MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
@@ -445,7 +453,9 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None):
         args = (dp, s, (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), shift, scale_log2,
                 cap_a, cap_b, distance0, slope, user, q0, kv0)  # fmt: skip
         partial = (lo_0 > 0) | (hi_0 <= MAX_COL) | (lo_1 > 0) | (hi_1 <= MAX_COL)
-        if MODS or ptx.any_lane(partial):
+        if not VOTE or MODS:
+            row_elements(args, True)
+        elif ptx.any_lane(partial):
             row_elements(args, True)
         else:
             row_elements(args, False)

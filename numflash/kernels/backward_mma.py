@@ -107,8 +107,9 @@ def build_kernels(
     DQ_REGS = DQ_TILES * 4
     mma = MMA[dtype_name]
     pack = PACK[dtype_name]
-    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap, alibi, mods)
-    row_ds = backward.row_ds_function(Q_TILES, softcap, alibi, mods)
+    # (no vote: a warp's two paths spill at head_dim 128, backward.probabilities_function)
+    probabilities_and_ds = backward.probabilities_function(Q_TILES, softcap, alibi, mods, False)
+    row_ds = backward.row_ds_function(Q_TILES, softcap, alibi, mods, False)
     load_rows = row_loader(ROW, HEAD_DIM // 8, THREADS)
 
     @device_function
