@@ -6,13 +6,14 @@ threads; warpgroup w owns keys 64w..64w+63 and keeps their dK and dV (fp32) in r
 blocks of BLOCK_M = 64 (or 128) query rows (Q, dO, their LSE and D) stream through shared
 memory, for every query head of the GQA group in turn. Per query block and warpgroup:
 
-    S^T  = K Q^T,  dP^T = V dO^T      m64n64k16 x head_dim / 16 each, both operands read
-                                      K-major from shared memory by descriptor
+    S^T  = K Q^T,  dP^T = V dO^T      m64n{BLOCK_M}k16 x head_dim / 16 each, both operands
+                                      read K-major from shared memory by descriptor
     P^T, dS^T                         as backward.py (same device function: wgmma's m64
                                       accumulators repeat mma.sync's C layout per warp)
-    dV  += P^T dO, dK += dS^T Q       m64n{head_dim}k16 x 4 each: A = P^T or dS^T rounded to
-                                      16 bits in registers (mma.sync's A layout), B = dO or Q
-                                      read MN-major from the same shared tiles
+    dV  += P^T dO, dK += dS^T Q       m64n{head_dim}k16 x BLOCK_M / 16 each: A = P^T or
+                                      dS^T rounded to 16 bits in registers (mma.sync's A
+                                      layout), B = dO or Q read MN-major from the same
+                                      shared tiles
 
 With ``dq_separate=False`` (order-free: FlashAttention-3's five products instead of seven) the
 dK/dV kernel adds dQ up as well, and there is no dQ kernel:
@@ -34,7 +35,7 @@ The dS stores, the barrier and dQ's products are issued while dV's and dK's are 
 The dQ kernel is backward.py's with the roles swapped: one block per 64 * GROUPS
 query rows, warpgroup w's 64 rows of Q and dO resident in the slots that hold K and V above,
 tiles of BLOCK_M keys and values streaming through the stages; S = Q K^T and dP = dO V^T
-(m64n64k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K tile read
+(m64n{BLOCK_M}k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K tile read
 MN-major), each element summed by one thread in key order: deterministic.
 
 What wgmma changes against mma.sync: the operands come from shared memory without ldmatrix
