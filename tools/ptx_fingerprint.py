@@ -214,16 +214,17 @@ def cases():
         yield family, f"dkdv-{name}", kernels.dkdv, launch.TENSOR_CORE_DKDV.signature(dt)
         if not fused:
             yield family, f"dq-{name}", kernels.dq, launch.DQ.signature(dt)
-    # ... the ring's tiles by TMA (and with dQ added up in the dK/dV kernel)
-    for fused in (False, True):
+    # ... the ring's tiles by TMA (and with dQ added up in the dK/dV kernel); at head_dim 64
+    # with 128-row tiles (the defaults)
+    for hd, fused, block_m in ((128, False, 64), (128, True, 64), (64, False, 128)):
         kernels = backward_sm90.build_kernels(
-            128, "bfloat16", 8, 3, dq_separate=not fused, dq_bulk=True, ring=True, pingpong=True,
-            tma=True,
+            hd, "bfloat16", 8, 3, dq_separate=not fused, dq_bulk=True, ring=True, pingpong=True,
+            tma=True, block_m=block_m,
         )  # fmt: skip
         for kernel, spec in (("dkdv", launch.TENSOR_CORE_DKDV), ("dq", launch.DQ))[: 2 - fused]:
             spec = spec._replace(variant=launch.tensor_map_arguments(kernel))
-            name = f"{kernel}-128-bfloat16-8-3" + ("-fused-bulk" if fused else "")
-            name += "-ring-pingpong-tma"
+            name = f"{kernel}-{hd}-bfloat16-8-3" + ("-fused-bulk" if fused else "")
+            name += "-ring-pingpong-tma" + ("-m128" if block_m == 128 else "")
             yield family, name, getattr(kernels, kernel), spec.signature("bfloat16")
     family = config.WgmmaForwardConfig.family
     pingpong = config.WgmmaForwardConfig(2, 128, 2, producer=True, pingpong=True)
