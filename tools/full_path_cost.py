@@ -53,8 +53,13 @@ class _Array(DeviceArray):
     def device(self):
         return types.SimpleNamespace(id=self.data.device_id)
 
-    def __getitem__(self, index):  # x[None], as the launches view packed arrays
-        assert index is None
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # buffer[start:], as the backward cuts its map buffer
+            assert len(self.shape) == 1 and index.stop is None and index.step is None
+            start = index.start or 0
+            ptr = self.data.ptr + start * self.strides[0]
+            return _Array((self.shape[0] - start,), self.dtype, ptr, self.strides)
+        assert index is None  # x[None], as the launches view packed arrays
         return _Array((1,) + self.shape, self.dtype, self.data.ptr, (0,) + self.strides)
 
 
@@ -83,6 +88,7 @@ def stand_in(set_attr=setattr, launched=lambda *args: None):
     runtime = types.SimpleNamespace(getDevice=lambda: 0, getDeviceCount=lambda: 1)
     cupy = types.SimpleNamespace(
         ndarray=_Array, empty=_empty, zeros=_empty, ascontiguousarray=lambda x: x,
+        empty_like=lambda x: _Array(x.shape, x.dtype),
         asarray=lambda x: _Array(x.shape, x.dtype),
         int32=np.int32, int64=np.int64,
         float32=np.float32, cuda=types.SimpleNamespace(
