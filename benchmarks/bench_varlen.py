@@ -148,8 +148,13 @@ def sweep_configs(dtype, head_dim):
     backward = [TensorCoreBackwardConfig(64, 8, 2), TensorCoreBackwardConfig(64, 4, 2),
                 TensorCoreBackwardConfig(32, 4, 2)]  # fmt: skip
     if device.has_wgmma and head_dim in (64, 128):
-        backward += [WgmmaBackwardConfig(8, 2), WgmmaBackwardConfig(4, 2),
+        # the default (a packed batch runs its ring by cp.async), the ring with 64-row tiles,
+        # two stages and one
+        hopper = selection.default_config(WgmmaBackwardConfig.family, head_dim, device)[1]
+        ring = WgmmaBackwardConfig(8, 3, ring=True, pingpong=True, tma=True)
+        backward += [hopper, ring, WgmmaBackwardConfig(8, 2), WgmmaBackwardConfig(4, 2),
                      WgmmaBackwardConfig(8, 1)]  # fmt: skip
+        backward = list(dict.fromkeys(backward))  # (at head_dim 128 the default is the ring)
     return sorted(forward, key=repr), backward
 
 
