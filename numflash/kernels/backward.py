@@ -145,6 +145,13 @@ def user_element_function(softcap=0.0, alibi=False, mods=None):
     return user_p_and_ds
 
 
+@device_function
+def partly_masked(lo0, hi0, lo1, hi1, last):
+    """Whether a lane's two rows of visible columns [lo, hi) leave out any of its columns
+    0..last (the mask's tests can be skipped where no lane of a warp's does)."""
+    return (lo0 > 0) | (hi0 <= last) | (lo1 > 0) | (hi1 <= last)
+
+
 @functools.lru_cache(maxsize=None)
 def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
@@ -186,12 +193,6 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=Tr
             else:
                 st[i] = p
                 dpt[i] = ds
-
-    @device_function
-    def partly_masked(lo0, hi0, lo1, hi1):
-        """Whether this lane's two rows of visible columns [lo, hi) leave out any of its
-        columns 0..MAX_COL."""
-        return (lo0 > 0) | (hi0 <= MAX_COL) | (lo1 > 0) | (hi1 <= MAX_COL)
 
     @device_function
     def elements_into(args, masked):
@@ -251,7 +252,7 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=Tr
                 distance, slope, user, q_first, key0)  # fmt: skip
         if not VOTE or MODS:
             elements_into(args, True)
-        elif ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1)):
+        elif ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1, MAX_COL)):
             elements_into(args, True)
         else:
             elements_into(args, False)
@@ -452,10 +453,9 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
         distance0 = distance0 - float32(shift)
         args = (dp, s, (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), shift, scale_log2,
                 cap_a, cap_b, distance0, slope, user, q0, kv0)  # fmt: skip
-        partial = (lo_0 > 0) | (hi_0 <= MAX_COL) | (lo_1 > 0) | (hi_1 <= MAX_COL)
         if not VOTE or MODS:
             row_elements(args, True)
-        elif ptx.any_lane(partial):
+        elif ptx.any_lane(partly_masked(lo_0, hi_0, lo_1, hi_1, MAX_COL)):
             row_elements(args, True)
         else:
             row_elements(args, False)

@@ -35,8 +35,8 @@ The dS stores, the barrier and dQ's products are issued while dV's and dK's are 
 The dQ kernel is backward.py's with the roles swapped: one block per 64 * GROUPS
 query rows, warpgroup w's 64 rows of Q and dO resident in the slots that hold K and V above,
 tiles of BLOCK_M keys and values streaming through the stages; S = Q K^T and dP = dO V^T
-(m64n{BLOCK_M}k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K tile read
-MN-major), each element summed by one thread in key order: deterministic.
+(m64n{BLOCK_M}k16), dS = P (dP - D) row by row, dQ += dS K (A = dS in registers, B = the K
+tile read MN-major), each element summed by one thread in key order: deterministic.
 
 What wgmma changes against mma.sync: the operands come from shared memory without ldmatrix
 (no fragment registers for B, no ldmatrix instructions), and the four warps of a warpgroup
