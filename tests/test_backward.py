@@ -124,6 +124,9 @@ def test_strided_inputs_and_softmax_scale():
 
 TC = numflash.TensorCoreBackwardConfig  # TC(block_m, num_warps, stages, dq_separate)
 WG = numflash.WgmmaBackwardConfig
+#: the tiles through an mbarrier ring, two warpgroups: unsynchronised, and taking turns
+RING = WG(num_warps=8, stages=3, ring=True)
+PINGPONG = WG(8, 3, ring=True, pingpong=True)
 #: the ring with pingpong turns adding dQ up in the dK/dV kernel (a third turn a query block)
 RING_DQ = WG(8, 3, dq_separate=False, ring=True, pingpong=True)
 RING_DQ_TMA = WG(8, 3, dq_separate=False, ring=True, pingpong=True, tma=True)
@@ -235,14 +238,14 @@ TC_GPU_CASES = [
         ("bfloat16", 128, (777, 777), 2, "causal", WG(8, 2, dq_separate=False, dq_bulk=False)),
         ("float16", 64, (300, 451), 1, "window", WG(4, 1, dq_separate=False, dq_bulk=False)),
         # the tiles through an mbarrier ring (the warpgroups unsynchronised)
-        ("bfloat16", 128, (1023, 517), 2, "causal", WG(num_warps=8, stages=3, ring=True)),
-        ("float16", 64, (517, 1023), 1, "window", WG(num_warps=8, stages=3, ring=True)),
-        ("float16", 128, (777, 777), 2, "none", WG(num_warps=8, stages=3, ring=True)),
+        ("bfloat16", 128, (1023, 517), 2, "causal", RING),
+        ("float16", 64, (517, 1023), 1, "window", RING),
+        ("float16", 128, (777, 777), 2, "none", RING),
         ("bfloat16", 64, (300, 451), 1, "left", WG(num_warps=4, stages=3, ring=True)),
         # ... the warpgroups taking turns with their products (pingpong)
-        ("bfloat16", 128, (1023, 517), 2, "causal", WG(8, 3, ring=True, pingpong=True)),
-        ("float16", 64, (517, 1023), 1, "window", WG(8, 3, ring=True, pingpong=True)),
-        ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, pingpong=True)),
+        ("bfloat16", 128, (1023, 517), 2, "causal", PINGPONG),
+        ("float16", 64, (517, 1023), 1, "window", PINGPONG),
+        ("float16", 128, (777, 777), 2, "none", PINGPONG),
         # ... and dQ added up in the dK/dV kernel, in a third turn
         ("bfloat16", 128, (1023, 517), 2, "causal", RING_DQ),
         ("float16", 64, (517, 1023), 1, "window", RING_DQ),

@@ -152,6 +152,16 @@ def partly_masked(lo0, hi0, lo1, hi1, last):
     return (lo0 > 0) | (hi0 <= last) | (lo1 > 0) | (hi1 <= last)
 
 
+@device_function
+def mask_tests_needed(lo0, hi0, lo1, hi1, last, voting):
+    """Whether this warp runs the mask's tests: always unless ``voting`` (a compile-time
+    constant), else where some lane's rows leave out any of its columns 0..last
+    (partly_masked), one vote a warp."""
+    if not voting:
+        return True
+    return ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1, last))
+
+
 @functools.lru_cache(maxsize=None)
 def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
     """The device function ``probabilities_and_ds`` over ``q_tiles`` 8-query tiles of S^T in
@@ -162,7 +172,7 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=Tr
     every element tested, one path (the mma.sync kernels: with both paths their head_dim 128
     dK/dV kernel spills 28 bytes under ptxas 13.0)."""
     Q_TILES = q_tiles
-    VOTE = vote
+    VOTING = vote and mods is None  # (a user's mask_mod hides pairs no range shows)
     SOFTCAP = softcap > 0
     MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
@@ -250,9 +260,7 @@ def probabilities_function(q_tiles, softcap=0.0, alibi=False, mods=None, vote=Tr
         distance = float32(q_first - key0)
         args = (st, dpt, lse_tile, d_tile, first, (lo0, hi0, lo1, hi1), scale_log2, cap_a, cap_b,
                 distance, slope, user, q_first, key0)  # fmt: skip
-        if not VOTE or MODS:
-            elements_into(args, True)
-        elif ptx.any_lane(partly_masked(lo0, hi0, lo1, hi1, MAX_COL)):
+        if mask_tests_needed(lo0, hi0, lo1, hi1, MAX_COL, VOTING):
             elements_into(args, True)
         else:
             elements_into(args, False)
@@ -422,7 +430,7 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
     (element_function); ``mods``: and by a user's functions (user_element_function);
     ``vote`` as probabilities_function's."""
     Q_TILES = key_tiles
-    VOTE = vote
+    VOTING = vote and mods is None  # (a user's mask_mod hides pairs no range shows)
     SOFTCAP = softcap > 0
     MODS = mods is not None
     cap_factors, _ = softcap_gradient_functions(softcap if SOFTCAP else 1.0, fast=True)
@@ -453,9 +461,7 @@ def row_ds_function(key_tiles, softcap=0.0, alibi=False, mods=None, vote=True):
         distance0 = distance0 - float32(shift)
         args = (dp, s, (lse_0, d_0, lo_0, hi_0, lse_1, d_1, lo_1, hi_1), shift, scale_log2,
                 cap_a, cap_b, distance0, slope, user, q0, kv0)  # fmt: skip
-        if not VOTE or MODS:
-            row_elements(args, True)
-        elif ptx.any_lane(partly_masked(lo_0, hi_0, lo_1, hi_1, MAX_COL)):
+        if mask_tests_needed(lo_0, hi_0, lo_1, hi_1, MAX_COL, VOTING):
             row_elements(args, True)
         else:
             row_elements(args, False)
