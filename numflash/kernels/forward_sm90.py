@@ -776,31 +776,42 @@ def build(
         return page
 
     @device_function
+    def mark_absent_boxes(pages, slot, t, keys, box_rows, page, lane):
+        """Paged TMA, warp-wide, K's side of tile ``t`` (``keys``: the sequence's keys from the
+        tile's first on; ``page``: this lane's box's, tile_pages): where a box within the
+        sequence lies behind a page outside the cache, every key's byte of the slot is written
+        (set behind such a page) and the slot stamped with ``t``, a lane a key; a tile with no
+        such box leaves the slot as it is (its stamp names another tile). Ends with the warp's
+        writes seen by each lane (sync_warp), so that lane 0's arrival releases them all."""
+        r0 = lane * box_rows
+        absent = r0 < BLOCK_N and r0 < keys and page == pages[SLOTS]
+        if ptx.any_lane(absent):  # one answer for the warp: the shuffles below take every lane
+            flags = cuda.shared.array(0, uint8)
+            stamps = cuda.shared.array(0, int32)
+            at = pages[FLAG0] * 4 + slot * BLOCK_N
+            for j in range((BLOCK_N + 31) // 32):
+                r = j * 32 + lane
+                box_page = ptx.shfl_index(page, ptx_sm90.quotient32(min(r, BLOCK_N - 1), box_rows))
+                if r < BLOCK_N:
+                    flags[at + r] = uint8(1 if r < keys and box_page == pages[SLOTS] else 0)
+            if lane == 0:
+                stamps[pages[FLAG0] + STAMPS + slot] = int32(t)
+            ptx.sync_warp()
+
+    @device_function
     def load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side, page,
                         lane):  # fmt: skip
         """Paged TMA, warp-wide: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows,
         each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
         i copying box i from the page it found (tile_pages): with one thread issuing every
         box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
-        side flags the keys behind a page outside the cache (lane 0), then arrives (releasing
-        the flags)."""
-        flags = cuda.shared.array(0, uint8)
-        stamps = cuda.shared.array(0, int32)
+        side flags the keys behind a page outside the cache (mark_absent_boxes), then lane 0
+        arrives (releasing the flags)."""
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
-        boxes = BLOCK_N // box_rows
+        boxes = ptx_sm90.quotient32(BLOCK_N, box_rows)
         if not v_side:
-            at = pages[FLAG0] * 4 + slot * BLOCK_N
-            for i in range(boxes):
-                box_page = ptx.shfl_index(page, i)
-                r0 = i * box_rows
-                if lane == 0 and r0 < keys and box_page == pages[SLOTS]:
-                    if stamps[pages[FLAG0] + STAMPS + slot] != t:  # the slot's first: clear it
-                        for r in range(BLOCK_N):
-                            flags[at + r] = uint8(0)
-                        stamps[pages[FLAG0] + STAMPS + slot] = int32(t)
-                    for r in range(r0, min(r0 + box_rows, keys)):
-                        flags[at + r] = uint8(1)
+            mark_absent_boxes(pages, slot, t, keys, box_rows, page, lane)
         if lane < boxes:
             r0 = lane * box_rows
             within = uint32(0)
