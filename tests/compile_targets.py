@@ -62,6 +62,7 @@ INSTRUCTIONS = [
     "mbarrier.try_wait",
     "cp.async.mbarrier.arrive",
     "cp.async.bulk.tensor",
+    "cp.async.bulk.tensor.5d",
     "tensormap.replace",
     "tensormap.cp_fenceproxy",
     "setmaxnreg",
@@ -369,13 +370,14 @@ BLOCK_MASK_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative
 
 def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False):
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
-    a KV cache (``cache``: "contiguous" or "paged"), its scores capped by ``softcap`` where
+    a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by ``softcap`` where
     given, with sinks and ALiBi slopes where ``variants``, with a user's score_mod and mask_mod
     where ``mods`` (MODS). Its resources are read as Numba builds it for a launch
     (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
-        cfg = prefill_config(cfg, types.SimpleNamespace(paged=cache == "paged"))
+        paged = cache in forward_sm90.PAGED_CACHES
+        cfg = prefill_config(cfg, types.SimpleNamespace(paged=paged))
     schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
     kernel = forward_sm90.build(
         hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants,
@@ -488,12 +490,14 @@ def jobs(quick):
         (64, "float16", short, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
-    # ... over a KV cache (chunked prefill): the defaults (TMA), contiguous and paged, and a
-    # paged cache by cp.async (page sizes TMA boxes cannot take)
+    # ... over a KV cache (chunked prefill): the defaults (TMA), contiguous and paged (a page's
+    # boxes of one atom, and of every atom: grouped), and a paged cache by cp.async (page sizes
+    # TMA boxes cannot take)
     copies = dict(tma_plain, block_n=128, stages=2, tma=False)
     for hd, dtype, config, layout in [
         (128, "float16", None, "contiguous"),
         (128, "bfloat16", None, "paged"),
+        (128, "bfloat16", None, "grouped"),
         (64, "float16", None, "paged"),
         (64, "float16", copies, "paged"),
     ]:

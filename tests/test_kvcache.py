@@ -592,3 +592,43 @@ def test_prefill_rows_follow_how_the_forward_reads_the_cache():
     ):
         paged = dataclasses.replace(p, page_size=page, max_blocks=8192 // page + 1)
         assert selection.prefill_rows(paged) == selection.PREFILL_ROWS[entry], page
+
+
+def test_the_hopper_forward_copies_a_page_of_every_atom_at_once(monkeypatch):
+    """head_dim 128 over pages of 8 rows: a TMA box copies a page's rows of both 64-column
+    atoms at once (the tiles in 8-row groups of every atom: forward_sm90.grouped_pages), keys
+    behind a page outside the cache are absent (anywhere in a sequence), and the last tile's
+    rows past a sequence's end are zeroed in that layout (here the cache rows past it hold
+    NaN: a NaN times a probability of 0 would reach the output)."""
+    from numflash.families import wgmma_forward
+
+    made = []
+    grouped_maps = wgmma_forward._grouped_maps
+    monkeypatch.setattr(
+        wgmma_forward, "_grouped_maps", lambda *a: made.append(grouped_maps(*a)) or made[-1]
+    )
+    config = _config("hopper", Case("bfloat16", (0,), 5, 0, 2, 1, 128))
+    rng = np.random.default_rng(17)
+    page = 8
+    q = random_array((2, 5, 2, 128), "bfloat16", rng)
+    k_host, v_host = (to_numpy(random_array((21, page, 1, 128), "bfloat16", rng)) for _ in "kv")
+    table = np.array([[0, 99, 1, 2, 3, 4, 5, 6, 7, 8], [-1, 9, 10, 11, 12, 13, 14, 15, 16, 17]])
+    lengths = (75, 66)
+    for b, n in enumerate(lengths):  # NaN past each sequence's end, in its last page
+        last = table[b, (n - 1) // page]
+        k_host[last, n % page or page :] = np.nan
+        v_host[last, n % page or page :] = np.nan
+    k_cache, v_cache = xp.asarray(k_host), xp.asarray(v_host)
+    hosts = (k_host, v_host)
+    out, lse = numflash.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=xp.asarray(np.array(lengths, np.int32)),
+        block_table=xp.asarray(table.astype(np.int32)), return_lse=True, config=config,
+    )  # fmt: skip
+    assert made and made[-1] is not None, "the grouped tensor maps were not made"
+    for b, n in enumerate(lengths):
+        used = [p for p in table[b, : -(-n // page)] if 0 <= p < 21]
+        keys = n - page * sum(1 for p in table[b, : -(-n // page)] if not 0 <= p < 21)
+        ks, vs = (xp.asarray(np.concatenate([c[i] for i in used])[None, :keys]) for c in hosts)
+        result = check(q[b : b + 1], ks, vs, out[b : b + 1], lse[b : b + 1])
+        assert result.nan == 0 and result.err <= result.bar, (b, result)
+        assert result.lse_err <= result.lse_bar, (b, result)

@@ -8,7 +8,7 @@ CUDA events, median of 30 runs. Beside that benchmark it forces schedules and re
 and runs each call once for a profiler.
 
     python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
-                                  [--stages 3] [--registers 24,240]
+                                  [--stages 3] [--registers 24,240] [--grouped-ab [--rounds 3]]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
@@ -18,6 +18,10 @@ shuffled; ``--persistent`` runs the paged kernel persistent (forward_sm90.persis
 contiguous one runs. ``--stages`` forces a WgmmaForwardConfig of 2 consumers, 128-key tiles and pingpong with that
 many stages (default: numflash's choice); ``--registers P,C`` sets what setmaxnreg gives the
 producer and each consumer of the paged kernel for this run (forward_sm90.PAGED_REGISTER_SPLIT).
+``--grouped-ab`` times each paged layout twice in one process, taking turns ``--rounds`` times
+(each its fastest round): with the tiles in 8-row groups of every atom, a page's box copying
+them all (forward_sm90.grouped_pages, numflash's choice where the maps allow it), and with
+one box a page and atom (the layout of other page sizes).
 """
 
 import argparse
@@ -32,6 +36,7 @@ import cupy  # noqa: E402
 from bench_prefill import SHAPES, kvcache_runs, shape_arrays  # noqa: E402
 
 import numflash  # noqa: E402
+from numflash import api  # noqa: E402
 from numflash.kernels import forward_sm90  # noqa: E402
 from numflash.timing import time_gpu  # noqa: E402
 
@@ -53,6 +58,8 @@ def main():
     ap.add_argument("--stages", type=int, help="force 2 consumers, 128-key tiles, pingpong")
     ap.add_argument("--registers", help="P,C: the paged kernel's producer and consumer registers")
     ap.add_argument("--profile", action="store_true", help="one call each under the profiler")
+    ap.add_argument("--grouped-ab", action="store_true", help="grouped tiles against one-atom")
+    ap.add_argument("--rounds", type=int, default=3, help="--grouped-ab's turns")
     args = ap.parse_args()
     if args.registers:
         producer, consumer = (int(x) for x in args.registers.split(","))
@@ -75,6 +82,8 @@ def main():
         cupy.cuda.Device().synchronize()
         cupy.cuda.runtime.profilerStop()
         return
+    if args.grouped_ab:
+        return grouped_ab(args, config)
     found = {}
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
@@ -82,6 +91,29 @@ def main():
             print(f"{name:24s} {layout:12s} {us:9.1f} us", flush=True)
     settings = {"stages": args.stages, "registers": args.registers, "in_order": args.in_order}
     print(json.dumps({**settings, "persistent": args.persistent, "us": found}))
+
+
+def grouped_ab(args, config):
+    """--grouped-ab: each layout with and without grouped tiles, in turns; prints both."""
+    grouped_pages = forward_sm90.grouped_pages
+
+    def use(grouped):
+        forward_sm90.grouped_pages = grouped_pages if grouped else lambda *a: False
+        api._plans.clear()  # a replay plan keeps the kernel it recorded
+
+    found = {}
+    for name, *sizes in SHAPES:
+        for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
+            for _ in range(args.rounds):
+                for grouped in (True, False) if layout != "contiguous" else (True,):
+                    use(grouped)
+                    us = time_gpu(call, warmup=3, runs=30).median_ms * 1e3
+                    key = f"{name}, {layout}" + (", one-atom boxes" if not grouped else "")
+                    found[key] = min(found.get(key, us), us)
+            for key in [k for k in found if k.startswith(f"{name}, {layout}")]:
+                print(f"{key:56s} {found[key]:9.1f} us", flush=True)
+    use(True)
+    print(json.dumps({"grouped_ab": True, "rounds": args.rounds, "us": found}))
 
 
 if __name__ == "__main__":

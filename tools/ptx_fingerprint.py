@@ -250,8 +250,9 @@ def cases():
             forward_sm90.build(hd, dt, *schedule, softcap=softcap),
             wgmma_forward.WGMMA_FORWARD.signature(dt),
         )
-    # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs it)
-    for cache in ("contiguous", "paged"):
+    # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs
+    # it; "grouped": pages whose boxes copy every atom at once)
+    for cache in ("contiguous", "paged", "grouped"):
         c = wgmma_forward.default_wgmma_forward_config(128)
         schedule = forward_sm90.schedule(c, cache=cache)
         yield (

@@ -231,6 +231,18 @@ def _tensor_maps(cfg, p, q, k, v, kv_rows=None):
     return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
 
 
+def _grouped_maps(cfg, p, q, k, v, rows):
+    """:func:`_tensor_maps` of a paged cache whose tiles are read in 8-row groups of every
+    atom (forward_sm90.grouped_pages; a box of ``rows`` rows a page's copy of every atom), or
+    None where such maps cannot describe K and V (ptx_tma.grouped_templates)."""
+    kv = ptx_tma.grouped_templates(p.dtype, (k, v), rows)
+    q_map = ptx_tma.templates(p.dtype, (q,), (cfg.block_m,))
+    if kv is None or q_map is None:
+        return None
+    templates = q_map + kv
+    return arrays.empty((len(templates) * ptx_tma.MAP_WORDS,), np.int64, like=q), templates
+
+
 def _maps_or_none(maps, xp):
     """(whether the kernel loads by TMA, what it is handed for the maps): :func:`_tensor_maps`'
     result, or where that is None a buffer and templates it never reads."""
@@ -455,7 +467,12 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     if cfg.tma and not p.paged:
         maps = _tensor_maps(cfg, p, q, k_cache, v_cache)
     elif cfg.tma and forward_sm90.paged_tma(p.page_size, cfg.block_n):  # boxes of a page
-        maps = _tensor_maps(cfg, p, q, k_cache, v_cache, min(p.page_size, cfg.block_n))
+        rows = min(p.page_size, cfg.block_n)
+        if forward_sm90.grouped_pages(d, p.page_size, cfg.block_n):
+            maps = _grouped_maps(cfg, p, q, k_cache, v_cache, rows)
+            cache = "paged" if maps is None else "grouped"
+        if maps is None:
+            maps = _tensor_maps(cfg, p, q, k_cache, v_cache, rows)
     tma, maps = _maps_or_none(maps, xp)
     views["maps"] = arrays.kernel_view(maps[0])
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)

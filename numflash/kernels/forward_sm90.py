@@ -138,6 +138,12 @@ def shared_memory_layout(head_dim, block_m, block_n, stages, paged=False):
     return q_tile, slot, kv_tile, barriers, maps, flags, total
 
 
+#: The ``cache`` kinds of :func:`build` whose keys are a paged cache's: "paged" (tiles of
+#: 64-column atoms BLOCK_N rows each), "grouped" (by TMA, each 8-row group of a tile holding
+#: its rows of every atom, so that a page's box copies every atom at once: grouped_pages).
+PAGED_CACHES = ("paged", "grouped")
+
+
 def paged_tma(page_size, block_n):
     """Whether TMA reads a paged cache with tiles of ``block_n`` keys: each tile a whole number
     of boxes of min(page_size, block_n) rows, each box within one page and starting on a
@@ -146,13 +152,21 @@ def paged_tma(page_size, block_n):
     return rows % 8 == 0 and block_n % rows == 0 and page_size % rows == 0
 
 
+def grouped_pages(head_dim, page_size, block_n):
+    """Whether TMA reads a paged cache's tiles in 8-row groups of every atom (``cache=
+    "grouped"``): head_dim whole atoms, more than one (with one the layouts are the same), and
+    boxes of a page as :func:`paged_tma`; the tensor maps must describe the arrays too
+    (ptx_tma.grouped_templates)."""
+    return head_dim % 64 == 0 and head_dim > 64 and paged_tma(page_size, block_n)
+
+
 def persistent(producer, cache=None):
     """Whether the kernel's launch is persistent: a block a multiprocessor, each going through
     work tiles until none is left (with a producer, its loads of the next tile overlap the end
     of the last: FlashAttention-3's persistent kernel). Over a paged cache the tile loop's
     state pushed the producer's or the consumers' registers past what setmaxnreg leaves them
     (sm_90a, CUDA 13: tests/compile_targets.py): a block a tile."""
-    return producer and cache != "paged"
+    return producer and cache not in PAGED_CACHES
 
 
 def ordered(producer, varlen=False, cache=None):
@@ -190,9 +204,9 @@ def build(
     producer's loads are TMA copies through the tensor maps the kernel is given (else
     cp.async). ``varlen``: over a packed batch (grid (blocks of max_seqlen_q, nheads, batch),
     lse (nheads, total_q)); else dense (lse (batch, nheads, seqlen_q)); both take
-    families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous" or
-    "paged"): the keys are a KV cache's (chunked prefill), each sequence's length read on
-    the device; the kernel takes
+    families.wgmma_forward.WGMMA_FORWARD's parameters. ``cache`` ("contiguous", or
+    PAGED_CACHES' "paged" and "grouped"): the keys are a KV cache's (chunked prefill), each
+    sequence's length read on the device; the kernel takes
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
     a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
     special-function unit (0: none; on the H200 every k was slower, docs/performance.md).
@@ -211,7 +225,9 @@ def build(
         raise ValueError("TMA loads take a producer")
     if varlen and cache is not None:
         raise ValueError("a KV cache's call is not a packed batch")
-    if cache == "paged" and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
+    if cache == "grouped" and not (tma and head_dim % 64 == 0):
+        raise ValueError("a grouped paged cache is read by TMA, head_dim whole atoms")
+    if cache in PAGED_CACHES and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
     if fma_exp2 not in (0, 1, 2, 3, 4):
         raise ValueError(f"fma_exp2 is a count of 4 probabilities; got {fma_exp2}")
@@ -219,7 +235,7 @@ def build(
     HEAD_DIM, HD_PAD = head_dim, padded_head_dim(head_dim)
     BLOCK_N, STAGES, VARLEN = block_n, stages, varlen
     PRODUCER, PINGPONG, TMA = producer, pingpong, tma
-    CACHE, PAGED = cache is not None, cache == "paged"
+    CACHE, PAGED, GROUPED = cache is not None, cache in PAGED_CACHES, cache == "grouped"
     SOFTCAP = softcap > 0
     # the cap's outer factor in the softmax's unit where nothing after the cap reads raw scores
     # (with FMA_EXP2, no default, the fold made ptxas spill 40 bytes at head_dim 128)
@@ -256,6 +272,10 @@ def build(
     STAGE0, SLOT, V_OFF, BARRIERS, STAGED_MAPS, FLAGS, _ = layout
     STAMPS = STAGES * BLOCK_N // 4  # the per-slot int32 stamps after the per-key bytes
     ATOMS = HD_PAD // 64
+    # a K or V tile's 64-column atoms and 8-row groups, bytes apart: atoms whole planes of
+    # BLOCK_N rows, or (GROUPED) each 8-row group [atom][8 rows][64 columns]
+    KV_ATOM_AT = GROUP_BYTES if GROUPED else KV_ATOM
+    KV_GROUP_AT = ATOMS * GROUP_BYTES if GROUPED else GROUP_BYTES
     MAP_BYTES, MAP_WORDS, BOX_INNER = ptx_tma.MAP_BYTES, ptx_tma.MAP_WORDS, ptx_tma.BOX_INNER
     CHUNKS = HEAD_DIM // 8  # 16-byte chunks of a row in global memory
     PAD_CHUNKS = HD_PAD // 8  # ... in shared memory (the rest zero-filled)
@@ -278,6 +298,12 @@ def build(
     load_rows = swizzled_row_loader(CHUNKS, LOAD_THREADS, PAD_CHUNKS)
     load_paged_rows = paged_row_loader(CHUNKS, LOAD_THREADS, PAD_CHUNKS)
     descriptor = swizzled_descriptor
+
+    @device_function
+    def kv_descriptor(address, leading):
+        """The descriptor of a K or V tile at shared ``address`` (8-row groups KV_GROUP_AT
+        bytes apart; V's atoms ``leading``)."""
+        return ptx_sm90.matrix_descriptor(address, leading, KV_GROUP_AT, ptx_sm90.SWIZZLE_128B)
 
     @device_function
     def slot_address(base, slot):
@@ -385,7 +411,7 @@ def build(
         """S = Q K^T (64 rows x BLOCK_N keys) issued: k16 step kk is 32 bytes into atom kk // 4."""
         for kk in range(K_STEPS):
             q_step = (kk >> 2) * Q_ATOM + (kk & 3) * 32
-            k_step = (kk >> 2) * KV_ATOM + (kk & 3) * 32
+            k_step = (kk >> 2) * KV_ATOM_AT + (kk & 3) * 32
             if kk == 0:
                 score_start(s, q_desc, k_desc)
             else:
@@ -394,10 +420,10 @@ def build(
     @device_function
     def issue_values(acc, pf, v_desc):
         """acc += P V (P: ``pf``, the A fragment of each k16 step of keys; V read MN-major, k16
-        step j 16 rows = 2048 bytes further)."""
+        step j two 8-row groups further)."""
         for j in range(PV_STEPS):
             a = (pf[4 * j], pf[4 * j + 1], pf[4 * j + 2], pf[4 * j + 3])
-            value_step(acc, a, v_desc + uint64((j * 16 * ROW_BYTES) >> 4))
+            value_step(acc, a, v_desc + uint64((j * 2 * KV_GROUP_AT) >> 4))
 
     # -- softmax on the accumulator layout -------------------------------------------------------
 
@@ -817,8 +843,13 @@ def build(
             within = uint32(0)
             if r0 < keys:
                 _, within = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
-            load_boxes(tensor_map, dst + uint32(r0 * ROW_BYTES), KV_ATOM, barrier, int32(within),
-                       kv_head, int32(page))  # fmt: skip
+            if GROUPED:  # every atom in one copy: the box's 8-row groups, in the cache's
+                group = page * (pages[PAGE_SIZE] >> 3) + int32(within >> 3)
+                ptx_tma.load_box5(tensor_map, dst + uint32((r0 >> 3) * KV_GROUP_AT), barrier,
+                                  int32(0), int32(0), int32(0), kv_head, int32(group))  # fmt: skip
+            else:
+                load_boxes(tensor_map, dst + uint32(r0 * ROW_BYTES), KV_ATOM, barrier,
+                           int32(within), kv_head, int32(page))  # fmt: skip
         if not v_side and lane == 0:
             ptx_sm90.mbarrier_arrive(barrier)
 
@@ -937,11 +968,19 @@ def build(
             # permutes chunks within a row)
             per_atom = (BLOCK_N - keys_left) * row_words
             t = tid - (128 if PRODUCER else 0)
-            for i in range(t, ATOMS * per_atom, CONSUMER_THREADS):
-                a = i // per_atom
-                words[first + a * (KV_ATOM // 4) + keys_left * row_words + (i - a * per_atom)] = (
-                    uint32(0)
-                )
+            if GROUPED:  # row r's atom a: (r // 8) KV_GROUP_AT + a GROUP_BYTES + (r % 8) ROW_BYTES
+                per_row = ATOMS * row_words
+                for i in range(t, ATOMS * per_atom, CONSUMER_THREADS):
+                    r = keys_left + i // per_row
+                    a = (i % per_row) // row_words
+                    at = (r >> 3) * (KV_GROUP_AT // 4) + a * (GROUP_BYTES // 4)
+                    words[first + at + (r & 7) * row_words + i % row_words] = uint32(0)
+            else:
+                for i in range(t, ATOMS * per_atom, CONSUMER_THREADS):
+                    a = i // per_atom
+                    words[
+                        first + a * (KV_ATOM // 4) + keys_left * row_words + (i - a * per_atom)
+                    ] = uint32(0)
             ptx_sm90.fence_proxy_async()  # the zeros, for wgmma's reads (the async proxy)
             ptx_sm90.named_barrier_sync(3, CONSUMER_THREADS)
 
@@ -1138,7 +1177,7 @@ def build(
             landed()  # Q and tiles 0 and 1
         take_turn(group)
         ptx_sm90.wgmma_fence()
-        issue_scores(s, q_desc, descriptor(slot_address(base, slot), 16))
+        issue_scores(s, q_desc, kv_descriptor(slot_address(base, slot), 16))
         ptx_sm90.wgmma_commit()
         pass_turn(group, False)
         ptx_sm90.wgmma_wait(0)
@@ -1161,9 +1200,9 @@ def build(
             ptx_sm90.fence_operands(s, S_REGS)
             ptx_sm90.fence_operands(acc, ACC_REGS)
             ptx_sm90.wgmma_fence()
-            issue_scores(s, q_desc, descriptor(next_addr, 16))
+            issue_scores(s, q_desc, kv_descriptor(next_addr, 16))
             ptx_sm90.wgmma_commit()
-            issue_values(acc, pf, descriptor(slot_addr + uint32(V_OFF), KV_ATOM))
+            issue_values(acc, pf, kv_descriptor(slot_addr + uint32(V_OFF), KV_ATOM_AT))
             ptx_sm90.wgmma_commit()
             pass_turn(group, False)
             # -- the softmax of S_it while acc += P V is in flight
@@ -1203,7 +1242,7 @@ def build(
         take_turn(group)
         ptx_sm90.fence_operands(acc, ACC_REGS)
         ptx_sm90.wgmma_fence()
-        issue_values(acc, pf, descriptor(slot_address(base, slot) + uint32(V_OFF), KV_ATOM))
+        issue_values(acc, pf, kv_descriptor(slot_address(base, slot) + uint32(V_OFF), KV_ATOM_AT))
         ptx_sm90.wgmma_commit()
         pass_turn(group, True)
         ptx_sm90.wgmma_wait(0)

@@ -118,6 +118,50 @@ def _geometry_templates(dtype_name, xs, addresses, box_rows):
     return tuple(found)
 
 
+def grouped_templates(dtype_name, xs, box_rows):
+    """The templates of paged caches ``xs`` (pages, page_size, kv heads, head_dim) as 5-D
+    tensors whose boxes land a tile's rows as 8-row groups holding every 64-column atom
+    (kernels/forward_sm90.py, ``cache="grouped"``): innermost first, 64 columns, 8 rows, the
+    atoms (128 bytes apart), the kv heads and every 8-row group of the cache (group g of page
+    p numbered p x page_size / 8 + g, which needs the pages page_size rows apart); boxes of
+    (64, 8, atoms, 1, ``box_rows`` / 8). None where that does not describe an array: head_dim
+    not whole atoms, page_size or ``box_rows`` not multiples of 8, pages not page_size rows
+    apart, 2^30 groups or more (an int32 coordinate, past them the absent pages'), an address or stride the tensor map
+    cannot take, or the driver refusing it."""
+    addresses = tuple(0 if SIMULATOR else x.data.ptr for x in xs)
+    if any(a % 16 for a in addresses):
+        return None
+    key = ("grouped", dtype_name, box_rows) + tuple((x.shape, x.strides) for x in xs)
+    found = _templates.get(key, False)
+    if found is False:
+        if len(_templates) >= 1024:
+            _templates.clear()
+        found = _templates[key] = _grouped_geometry(dtype_name, xs, addresses, box_rows)
+    return found
+
+
+def _grouped_geometry(dtype_name, xs, addresses, box_rows):
+    found = []
+    for x, address in zip(xs, addresses):
+        pages, page_size, heads, head_dim = x.shape
+        sp, sr, sh, _ = (s // x.dtype.itemsize for s in x.strides)
+        groups = pages * page_size // 8
+        if head_dim % BOX_INNER or page_size % 8 or box_rows % 8 or groups >= 1 << 30:
+            return None
+        if pages > 1 and sp != page_size * sr:
+            return None
+        dims = (BOX_INNER, 8, head_dim // BOX_INNER, heads, groups)
+        strides = (sr, BOX_INNER, 8 if heads == 1 else sh, 8 * sr)
+        if problems(dims, strides):
+            return None
+        box = (BOX_INNER, 8, head_dim // BOX_INNER, 1, box_rows // 8)
+        try:
+            found.append(template(dtype_name, dims, strides, box, address))
+        except ValueError:  # the driver refused the geometry: the caller loads otherwise
+            return None
+    return tuple(found)
+
+
 def _encoded_template(dtype_name, dims, strides, box, address):
     from cuda.bindings import driver
 
@@ -146,10 +190,10 @@ if SIMULATOR:
     _sources = {}  # (map buffer address, word index) -> the array a published map reads
 
     def _simulated_template(dtype_name, dims, strides, box, address):
-        """rank, dims (4), outer strides (3, elements), box (4): the fields the simulated
+        """rank, dims (5), outer strides (4, elements), box (5): the fields the simulated
         copy reads, padded to MAP_WORDS."""
         rank = len(dims)
-        pad = 4 - rank
+        pad = 5 - rank
         words = [rank, *dims, *(1,) * pad, *strides, *(0,) * pad, *box, *(1,) * pad]
         return tuple(words + [0] * (MAP_WORDS - len(words)))
 
@@ -202,16 +246,28 @@ if SIMULATOR:
         """Copy the box at coordinates (c0 innermost, c1, c2, c3) of the map at ``gmem`` into
         shared ``dst`` (swizzled 128-byte rows), zeros outside the tensor, and complete its
         bytes on the mbarrier at shared ``barrier``."""
+        _copy_box(gmem, dst, barrier, (c0, c1, c2, c3, 0))
+
+    def load_box5(gmem, dst, barrier, c0, c1, c2, c3, c4):
+        """:func:`load_box` of a 5-D map."""
+        _copy_box(gmem, dst, barrier, (c0, c1, c2, c3, c4))
+
+    def _copy_box(gmem, dst, barrier, coords):
+        """The box at ``coords`` (5, innermost first), written as the hardware writes it: its
+        rows (innermost extent) in the order of the outer dimensions, the first fastest."""
         words = [int(w) for w in gmem.array[gmem.index : gmem.index + MAP_WORDS]]
-        dims, strides, box = words[1:5], [1, *words[5:8]], words[8:12]
+        dims, strides, box = words[1:6], [1, *words[6:10]], words[10:15]
         with _tables_lock:
             source = _sources[gmem.key()]
-        coords = (int(c0), int(c1), int(c2), int(c3))
-        rows = box[1] * box[2] * box[3]
+        coords = tuple(int(c) for c in coords)
+        rows = box[1] * box[2] * box[3] * box[4]
         tile = np.zeros((rows, box[0]), dtype=np.uint16)
         for r in range(rows):
-            outer = (r % box[1], (r // box[1]) % box[2], r // (box[1] * box[2]))
-            at = [coords[i + 1] + outer[i] for i in range(3)]
+            outer, rest = [], r
+            for extent in box[1:]:
+                outer.append(rest % extent)
+                rest //= extent
+            at = [coords[i + 1] + outer[i] for i in range(4)]
             if not all(0 <= a < d for a, d in zip(at, dims[1:])):
                 continue
             first = source.index + sum(a * s for a, s in zip(at, strides[1:]))
@@ -304,6 +360,24 @@ else:
             )
             ptx_sm90._void_asm(
                 builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def load_box5(typingctx, gmem, dst, barrier, c0, c1, c2, c3, c4):
+        """:func:`load_box` of a 5-D map (coordinates c0 innermost .. c4)."""
+        sig = types.void(types.uint64, types.uint32, types.uint32, *(types.int32,) * 5)
+
+        def codegen(context, builder, sig, args):
+            gmem, dst, barrier, *coords = args
+            asm = (
+                "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {$3, $4, $5, $6, $7}], [$2];"
+            )
+            ptx_sm90._void_asm(
+                builder, asm, "r,l,r,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
             )
             return context.get_dummy_value()
 
