@@ -23,6 +23,7 @@ array is its own allocation.
 """
 
 import sys
+import types
 from typing import NamedTuple
 
 import cupy
@@ -213,7 +214,8 @@ KVCACHE_CASES = [
     (KVCase("bfloat16", (33, 200), seqlen_q=65, seqlen_new=65, nheads=2, nheads_k=1,
             head_dim=64, page_size=5),
      numflash.WgmmaForwardConfig(1, 64, 3, producer=False, pingpong=False, tma=False)),
-    # paged by TMA: pages of 16 in a tile of 128 keys, and pages of 256 holding two tiles
+    # paged by TMA: pages of 16 in a tile of 128 keys (a box of every atom a page: grouped),
+    # and pages of 256 holding two tiles
     (KVCase("float16", (70, 300), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
             head_dim=128, page_size=16, mask=dict(causal=True)),
      numflash.WgmmaForwardConfig(2, 128, 2, pingpong=True)),
@@ -353,6 +355,10 @@ def main(argv):
             test_kvcache.test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(
                 "hopper", paged
             )
+        # pages of 8 rows copied a box of every atom at once, one page absent, NaN past the end
+        test_kvcache.test_the_hopper_forward_copies_a_page_of_every_atom_at_once(
+            types.SimpleNamespace(setattr=setattr)
+        )
         cupy.cuda.Device().synchronize()
         print("ok chunked prefill over hostile lengths and pages", flush=True)
     if family in (None, "varlen") and not kvcache_only:

@@ -77,6 +77,9 @@ if not SIMULATOR:  # the lengths of the issue's grid, on the GPU
              head_dim=64, page_size=256, mask=dict(causal=True)),
         Case("float16", (4097, 7), seqlen_q=4, seqlen_new=0, nheads=8, nheads_k=2,
              head_dim=128, page_size=16, mask=dict(window_size=(100, 0)), num_splits=7),
+        # chunked prefill at head_dim 128 over pages of 16: a box of every atom a page
+        Case("bfloat16", (300, 1000), seqlen_q=130, seqlen_new=130, nheads=8, nheads_k=2,
+             head_dim=128, page_size=16, mask=dict(causal=True)),
     ]  # fmt: skip
 
 
