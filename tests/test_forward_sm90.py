@@ -211,11 +211,33 @@ def test_tensor_maps_are_made_once_per_geometry_and_refused_where_strides_do_not
     buffer, templates = wgmma_forward._tensor_maps(cfg, p, q, k, k)
     assert buffer.shape == (3 * ptx_tma.MAP_WORDS,) and len(templates) == 3
     assert wgmma_forward._tensor_maps(cfg, p, q.copy(), k.copy(), k.copy())[1] is templates
-    if SIMULATOR:  # the simulator's own encoding: rank, dims, outer strides, box
-        assert templates[0][:12] == (4, 64, 40, 4, 2, 256, 64, 10240, 64, 128, 1, 1)
-        assert templates[1][9:10] == (128,)
+    if SIMULATOR:  # the simulator's own encoding: rank, dims (5), outer strides (4), box (5)
+        assert templates[0][:15] == (4, 64, 40, 4, 2, 1, 256, 64, 10240, 0, 64, 128, 1, 1, 1)
+        assert templates[1][11:12] == (128,)
     wide = xp.zeros((2, 70, 2, 68), np.float16)[..., :64]  # rows 136 bytes apart
     assert wgmma_forward._tensor_maps(cfg, p, q, wide, wide) is None
+
+
+def test_grouped_tensor_maps_describe_only_pages_page_size_rows_apart():
+    """A paged cache's 5-D maps whose boxes copy a page's rows of every atom (the tiles in
+    8-row groups: forward_sm90.grouped_pages): made where head_dim is whole atoms and the
+    pages are page_size rows apart (8-row groups numbered across pages); None for a cache
+    whose pages lie further apart (every other page of a larger array), a head_dim of part of
+    an atom, or pages of rows not a multiple of 8 (those keep a box a page and atom)."""
+    from numflash.kernels import forward_sm90, ptx_tma
+
+    pages = xp.zeros((6, 16, 2, 128), np.float16)
+    (k_map,) = ptx_tma.grouped_templates("float16", (pages,), 16)
+    if SIMULATOR:  # 64 columns, 8 rows, 2 atoms, 2 heads, 12 groups; box (64, 8, 2, 1, 2)
+        assert k_map[:15] == (5, 64, 8, 2, 2, 12, 256, 64, 128, 2048, 64, 8, 2, 1, 2)
+    apart = xp.zeros((6, 32, 2, 128), np.float16)[:, :16]
+    assert ptx_tma.grouped_templates("float16", (pages, apart), 16) is None
+    assert ptx_tma.grouped_templates("float16", (pages[..., :96],), 16) is None
+    assert (
+        ptx_tma.grouped_templates("float16", (xp.zeros((6, 12, 2, 128), np.float16),), 12) is None
+    )
+    assert not forward_sm90.grouped_pages(64, 16, 128)  # one atom: the layouts are the same
+    assert forward_sm90.grouped_pages(128, 16, 128) and not forward_sm90.grouped_pages(96, 16, 128)
 
 
 def _dense_problem(batch, seqlen_q, seqlen_k, nheads, head_dim, window=(-1, -1), causal=False):
