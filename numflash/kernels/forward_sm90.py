@@ -259,7 +259,8 @@ def build(
     LOAD_THREADS = 128 if PRODUCER else THREADS  # the threads that issue cp.async copies
     ARRIVALS = 1 if TMA else LOAD_THREADS  # arrivals that fill a slot: one expect_tx with TMA
     # ... a K slot of a paged cache: the copies and the absent-key flags (refill, load_page_boxes)
-    K_ARRIVALS = 2 * ARRIVALS if PAGED else ARRIVALS
+    # (by TMA every lane of the producer warp, after its keys' absent flags: mark_absent_boxes)
+    K_ARRIVALS = ARRIVALS + (32 if TMA else ARRIVALS) if PAGED else ARRIVALS
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
@@ -807,8 +808,11 @@ def build(
         tile's first on; ``page``: this lane's box's, tile_pages): where a box within the
         sequence lies behind a page outside the cache, every key's byte of the slot is written
         (set behind such a page) and the slot stamped with ``t``, a lane a key; a tile with no
-        such box leaves the slot as it is (its stamp names another tile). Ends with the warp's
-        writes seen by each lane (sync_warp), so that lane 0's arrival releases them all."""
+        such box leaves the slot as it is (its stamp names another tile). Each lane then
+        arrives at the slot's full barrier (load_page_boxes), releasing its own writes: a
+        sync_warp before lane 0's arrival alone orders them too, but compute-sanitizer's
+        racecheck does not follow that chain (it reported the consumers' reads of the flags as
+        hazards)."""
         r0 = lane * box_rows
         absent = r0 < BLOCK_N and r0 < keys and page == pages[SLOTS]
         if ptx.any_lane(absent):  # one answer for the warp: the shuffles below take every lane
@@ -822,7 +826,6 @@ def build(
                     flags[at + r] = uint8(1 if r < keys and box_page == pages[SLOTS] else 0)
             if lane == 0:
                 stamps[pages[FLAG0] + STAMPS + slot] = int32(t)
-            ptx.sync_warp()
 
     @device_function
     def load_page_boxes(tensor_map, dst, barrier, n0, kv_head, pages, slot, t, v_side, page,
@@ -831,8 +834,8 @@ def build(
         each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
         i copying box i from the page it found (tile_pages): with one thread issuing every
         box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
-        side flags the keys behind a page outside the cache (mark_absent_boxes), then lane 0
-        arrives (releasing the flags)."""
+        side flags the keys behind a page outside the cache (mark_absent_boxes), then every
+        lane arrives (releasing the flags it wrote)."""
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         keys = pages[SEQLEN_K] - n0  # the sequence's keys from n0 on
         boxes = ptx_sm90.quotient32(BLOCK_N, box_rows)
@@ -850,7 +853,7 @@ def build(
             else:
                 load_boxes(tensor_map, dst + uint32(r0 * ROW_BYTES), KV_ATOM, barrier,
                            int32(within), kv_head, int32(page))  # fmt: skip
-        if not v_side and lane == 0:
+        if not v_side:
             ptx_sm90.mbarrier_arrive(barrier)
 
     @device_function
