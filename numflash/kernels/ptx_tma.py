@@ -85,15 +85,25 @@ def templates(dtype_name, xs, box_rows):
     None where a tensor map cannot describe one of them (an address not 16-byte aligned, a
     stride not a multiple of 16 bytes). A template holds no address the kernel uses (it
     writes its arrays' in), so they are made once per geometry, with this call's addresses."""
+    return _once_per_geometry(
+        (dtype_name, tuple(box_rows)),
+        xs,
+        lambda addresses: _geometry_templates(dtype_name, xs, addresses, box_rows),
+    )
+
+
+def _once_per_geometry(key, xs, make):
+    """``make(addresses)`` of arrays ``xs``, kept under ``key`` and their shapes and strides;
+    None where an address is not 16-byte aligned."""
     addresses = tuple(0 if SIMULATOR else x.data.ptr for x in xs)
     if any(a % 16 for a in addresses):
         return None
-    key = (dtype_name, tuple(box_rows)) + tuple((x.shape, x.strides) for x in xs)
+    key += tuple((x.shape, x.strides) for x in xs)
     found = _templates.get(key, False)
     if found is False:
         if len(_templates) >= 1024:
             _templates.clear()
-        found = _templates[key] = _geometry_templates(dtype_name, xs, addresses, box_rows)
+        found = _templates[key] = make(addresses)
     return found
 
 
@@ -126,18 +136,13 @@ def grouped_templates(dtype_name, xs, box_rows):
     p numbered p x page_size / 8 + g, which needs the pages page_size rows apart); boxes of
     (64, 8, atoms, 1, ``box_rows`` / 8). None where that does not describe an array: head_dim
     not whole atoms, page_size or ``box_rows`` not multiples of 8, pages not page_size rows
-    apart, 2^30 groups or more (an int32 coordinate, past them the absent pages'), an address or stride the tensor map
-    cannot take, or the driver refusing it."""
-    addresses = tuple(0 if SIMULATOR else x.data.ptr for x in xs)
-    if any(a % 16 for a in addresses):
-        return None
-    key = ("grouped", dtype_name, box_rows) + tuple((x.shape, x.strides) for x in xs)
-    found = _templates.get(key, False)
-    if found is False:
-        if len(_templates) >= 1024:
-            _templates.clear()
-        found = _templates[key] = _grouped_geometry(dtype_name, xs, addresses, box_rows)
-    return found
+    apart, 2^30 groups or more (int32 coordinates, the absent pages' past them), an address
+    or stride the tensor map cannot take, or the driver refusing it."""
+    return _once_per_geometry(
+        ("grouped", dtype_name, box_rows),
+        xs,
+        lambda addresses: _grouped_geometry(dtype_name, xs, addresses, box_rows),
+    )
 
 
 def _grouped_geometry(dtype_name, xs, addresses, box_rows):
@@ -345,43 +350,34 @@ else:
         (types.uint64,),
     )
 
+    def _box_copy(rank):
+        """(signature, codegen) of the copy of a box of a ``rank``-D map: global map, shared
+        destination, shared mbarrier, then ``rank`` int32 coordinates, innermost first."""
+        coords = ", ".join(f"${3 + i}" for i in range(rank))
+        asm = (
+            f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes "
+            f"[$0], [$1, {{{coords}}}], [$2];"
+        )
+        constraints = "r,l,r" + ",r" * rank + ",~{memory}"
+
+        def codegen(context, builder, sig, args):
+            gmem, dst, barrier, *at = args
+            ptx_sm90._void_asm(builder, asm, constraints, [dst, gmem, barrier, *at])
+            return context.get_dummy_value()
+
+        return types.void(types.uint64, types.uint32, types.uint32, *(types.int32,) * rank), codegen
+
     @intrinsic
     def load_box(typingctx, gmem, dst, barrier, c0, c1, c2, c3):
         """Copy the box at coordinates (c0 innermost, c1, c2, c3; int32) of the 4-D map at
         global ``gmem`` into shared ``dst`` (1024-byte aligned), completing its bytes on the
         mbarrier at shared ``barrier``."""
-        sig = types.void(types.uint64, types.uint32, types.uint32, *(types.int32,) * 4)
-
-        def codegen(context, builder, sig, args):
-            gmem, dst, barrier, *coords = args
-            asm = (
-                "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[$0], [$1, {$3, $4, $5, $6}], [$2];"
-            )
-            ptx_sm90._void_asm(
-                builder, asm, "r,l,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
-            )
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return _box_copy(4)
 
     @intrinsic
     def load_box5(typingctx, gmem, dst, barrier, c0, c1, c2, c3, c4):
         """:func:`load_box` of a 5-D map (coordinates c0 innermost .. c4)."""
-        sig = types.void(types.uint64, types.uint32, types.uint32, *(types.int32,) * 5)
-
-        def codegen(context, builder, sig, args):
-            gmem, dst, barrier, *coords = args
-            asm = (
-                "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[$0], [$1, {$3, $4, $5, $6, $7}], [$2];"
-            )
-            ptx_sm90._void_asm(
-                builder, asm, "r,l,r,r,r,r,r,r,~{memory}", [dst, gmem, barrier, *coords]
-            )
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return _box_copy(5)
 
     @intrinsic
     def load_bulk(typingctx, src, dst, nbytes, barrier):
