@@ -36,7 +36,7 @@ import cupy  # noqa: E402
 from bench_prefill import SHAPES, kvcache_runs, shape_arrays  # noqa: E402
 
 import numflash  # noqa: E402
-from numflash import api  # noqa: E402
+from numflash import api, launch  # noqa: E402
 from numflash.kernels import forward_sm90  # noqa: E402
 from numflash.timing import time_gpu  # noqa: E402
 
@@ -99,7 +99,8 @@ def grouped_ab(args, config):
 
     def use(grouped):
         forward_sm90.grouped_pages = grouped_pages if grouped else lambda *a: False
-        api._plans.clear()  # a replay plan keeps the kernel it recorded
+        api._plans.clear()  # a replay plan keeps the kernel it recorded,
+        launch._prepared.clear()  # ... and so does a launch prepared for the geometry
 
     found = {}
     for name, *sizes in SHAPES:

@@ -846,7 +846,7 @@ def build(
             within = uint32(0)
             if r0 < keys:
                 _, within = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
-            if GROUPED:  # every atom in one copy: the box's 8-row groups, in the cache's
+            if GROUPED:  # every atom in one copy; 8-row groups numbered across the pages
                 group = page * (pages[PAGE_SIZE] >> 3) + int32(within >> 3)
                 ptx_tma.load_box5(tensor_map, dst + uint32((r0 >> 3) * KV_GROUP_AT), barrier,
                                   int32(0), int32(0), int32(0), kv_head, int32(group))  # fmt: skip
