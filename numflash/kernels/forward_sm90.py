@@ -786,26 +786,30 @@ def build(
                              int32(a * BOX_INNER), row, head, b)  # fmt: skip
 
     @device_function
-    def tile_pages(pages, n0, lane):
-        """Paged TMA, warp-wide: the page of this lane's box of the tile of keys n0.. (boxes of
-        min(page_size, BLOCK_N) rows, the lane's number its box's), or ``pages[SLOTS]`` where
-        the box starts past the sequence's end (never looked up) or its page is outside the
-        cache: either is read out of the map's bounds (zeros). Every box's table entry is read
-        at once, one a lane, once for K and V."""
+    def table_entry(pages, n0, lane):
+        """Paged TMA, warp-wide: the block-table entry of this lane's box of the tile of keys
+        n0.. (boxes of min(page_size, BLOCK_N) rows, the lane's number its box's), or
+        ``pages[SLOTS]`` where the box starts past the sequence's end (never looked up). Every
+        box's entry is read at once, one a lane, once for K and V; box_page checks it."""
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
         r0 = lane * box_rows
-        page = pages[SLOTS]
+        found = pages[SLOTS]
         if r0 < BLOCK_N and r0 < pages[SEQLEN_K] - n0:
             index, _ = page_of(n0 + r0, pages[PAGE_SIZE], pages[PAGE_SHIFT])
             found = pages[TABLE][pages[TABLE_BASE] + int64(index)]
-            if found >= 0 and found < pages[SLOTS]:
-                page = found
-        return page
+        return found
+
+    @device_function
+    def box_page(pages, found):
+        """The page a box copies from, given its table entry (table_entry): the entry, or
+        ``pages[SLOTS]`` where it is outside the cache, which the map reads out of bounds
+        (zeros) as it does a box past the sequence's end."""
+        return found if found >= 0 and found < pages[SLOTS] else pages[SLOTS]
 
     @device_function
     def mark_absent_boxes(pages, slot, t, keys, box_rows, page, lane):
         """Paged TMA, warp-wide, K's side of tile ``t`` (``keys``: the sequence's keys from the
-        tile's first on; ``page``: this lane's box's, tile_pages): where a box within the
+        tile's first on; ``page``: this lane's box's, box_page): where a box within the
         sequence lies behind a page outside the cache, every key's byte of the slot is written
         (set behind such a page) and the slot stamped with ``t``, a lane a key; a tile with no
         such box leaves the slot as it is (its stamp names another tile). Each lane then
@@ -832,7 +836,7 @@ def build(
                         lane):  # fmt: skip
         """Paged TMA, warp-wide: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows,
         each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
-        i copying box i from the page it found (tile_pages): with one thread issuing every
+        i copying box i from the page it found (table_entry, box_page): with one thread issuing every
         box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
         side flags the keys behind a page outside the cache (mark_absent_boxes), then every
         lane arrives (releasing the flags it wrote)."""
@@ -861,7 +865,7 @@ def build(
                    v_side, page, lane):  # fmt: skip
         """TMA: the block's t-th tile of K or V (``v_side``; ``offset`` into the slot) into
         ``slot`` once its last tile there is released; lane 0 alone, or (paged) the producer warp with the pages
-        of its boxes (tile_pages)."""
+        of its boxes (table_entry, box_page)."""
         if t >= STAGES:  # the consumers' release of this slot's last tile (t - STAGES)
             phase = uint32(((t // STAGES) - 1) & 1)
             ptx_sm90.mbarrier_wait(barrier_address(base, empty + slot), phase)
@@ -914,11 +918,15 @@ def build(
                                kv_b, pages, True, int32(0), int32(0))  # fmt: skip
                     slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
         if PAGED:  # the whole warp looks the tiles' pages up and copies their boxes
+            found = table_entry(pages, int32(k_row0 + first_tile * BLOCK_N), lane)
             for t in range(n_tiles):
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
-                page = tile_pages(pages, n0, lane)
+                page = box_page(pages, found)
                 refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head, kv_b,
                            pages, False, page, lane)  # fmt: skip
+                # the next tile's entries, read while the producer waits for V's slot: read
+                # after it, their latency delayed the next K (the consumers' longest wait)
+                found = table_entry(pages, int32(n0 + BLOCK_N), lane)
                 refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
                            kv_b, pages, True, page, lane)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
