@@ -9,6 +9,7 @@ and runs each call once for a profiler.
 
     python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
                                   [--stages 3] [--registers 24,240] [--grouped-ab [--rounds 3]]
+                                  [--against OTHER_CHECKOUT [--rounds 3]]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
@@ -21,7 +22,11 @@ producer and each consumer of the paged kernel for this run (forward_sm90.PAGED_
 ``--grouped-ab`` times each paged layout twice in one process, taking turns ``--rounds`` times
 (each its fastest round): with the tiles in 8-row groups of every atom, a page's box copying
 them all (forward_sm90.grouped_pages, numflash's choice where the maps allow it), and with
-one box a page and atom (the layout of other page sizes).
+one box a page and atom (the layout of other page sizes). ``--against`` times each layout with
+this checkout's numflash and another checkout's (loaded beside it as tools/host_ab.py does, its
+kernels compiled apart), taking turns ``--rounds`` times, and says whether the two gave the same
+bits: how a kernel change is measured without the noise between processes
+(``git worktree add ../before HEAD~1``, then ``--against ../before``).
 """
 
 import argparse
@@ -59,7 +64,8 @@ def main():
     ap.add_argument("--registers", help="P,C: the paged kernel's producer and consumer registers")
     ap.add_argument("--profile", action="store_true", help="one call each under the profiler")
     ap.add_argument("--grouped-ab", action="store_true", help="grouped tiles against one-atom")
-    ap.add_argument("--rounds", type=int, default=3, help="--grouped-ab's turns")
+    ap.add_argument("--against", help="another checkout, timed in turns with this one")
+    ap.add_argument("--rounds", type=int, default=3, help="--grouped-ab's and --against's turns")
     args = ap.parse_args()
     if args.registers:
         producer, consumer = (int(x) for x in args.registers.split(","))
@@ -84,6 +90,8 @@ def main():
         return
     if args.grouped_ab:
         return grouped_ab(args, config)
+    if args.against:
+        return against(args)
     found = {}
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
@@ -115,6 +123,45 @@ def grouped_ab(args, config):
                 print(f"{key:56s} {found[key]:9.1f} us", flush=True)
     use(True)
     print(json.dumps({"grouped_ab": True, "rounds": args.rounds, "us": found}))
+
+
+def against(args):
+    """--against: each layout with this checkout's numflash and the other's, in turns."""
+    from bench_prefill import paged_copy
+    from host_ab import load_other
+
+    packages = {"this": numflash, "other": load_other(args.against)}
+
+    def call(nf, q, k_cache, v_cache, k_new, v_new, lengths, kw):
+        config = nf.WgmmaForwardConfig(2, 128, args.stages, pingpong=True) if args.stages else None
+        return lambda: nf.attention_with_kvcache(
+            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True, config=config,
+            **kw,
+        )  # fmt: skip
+
+    found, same = {}, {}
+    for name, batch, new, cached in SHAPES:
+        q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, cupy.float16)
+        lengths = cupy.full((batch,), cached, dtype=cupy.int32)
+        layouts = [("contiguous", k_cache, v_cache, {})]
+        for size in args.page_sizes:
+            size = size or k_cache.shape[1]
+            kp, vp, table = paged_copy(k_cache, v_cache, size, shuffled=not args.in_order)
+            layouts.append((f"paged {size}", kp, vp, {"block_table": table}))
+        for layout, kc, vc, kw in layouts:
+            runs = {t: call(nf, q, kc, vc, k_new, v_new, lengths, kw) for t, nf in packages.items()}
+            this_out, other_out = (run() for run in runs.values())
+            same[f"{name}, {layout}"] = bool((this_out == other_out).all())
+            for r in range(args.rounds):
+                for tree in list(runs)[:: 1 if r % 2 == 0 else -1]:
+                    us = time_gpu(runs[tree], warmup=3, runs=30).median_ms * 1e3
+                    key = f"{name}, {layout}, {tree}"
+                    found[key] = min(found.get(key, us), us)
+            this, other = (found[f"{name}, {layout}, {tree}"] for tree in packages)
+            print(f"{name:24s} {layout:12s} this {this:9.1f} us  other {other:9.1f} us  "
+                  f"other/this {other / this:.3f}  same bits {same[f'{name}, {layout}']}",
+                  flush=True)  # fmt: skip
+    print(json.dumps({"against": args.against, "rounds": args.rounds, "us": found, "same": same}))
 
 
 if __name__ == "__main__":
