@@ -355,10 +355,12 @@ def main(argv):
             test_kvcache.test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(
                 "hopper", paged
             )
-        # pages of 8 rows copied a box of every atom at once, one page absent, NaN past the end
-        test_kvcache.test_the_hopper_forward_copies_a_page_of_every_atom_at_once(
-            types.SimpleNamespace(setattr=setattr)
-        )
+        # pages of 8 rows copied a box of every atom at once, one page absent, NaN past the end,
+        # by one producer warp and by two (K's and V's)
+        for warps in (2, 1):
+            test_kvcache.test_the_hopper_forward_copies_a_page_of_every_atom_at_once(
+                types.SimpleNamespace(setattr=setattr), warps
+            )
         cupy.cuda.Device().synchronize()
         print("ok chunked prefill over hostile lengths and pages", flush=True)
     if family in (None, "varlen") and not kvcache_only:

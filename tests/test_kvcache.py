@@ -597,14 +597,21 @@ def test_prefill_rows_follow_how_the_forward_reads_the_cache():
         assert selection.prefill_rows(paged) == selection.PREFILL_ROWS[entry], page
 
 
-def test_the_hopper_forward_copies_a_page_of_every_atom_at_once(monkeypatch):
+@pytest.mark.parametrize("producer_warps", [1, 2])
+def test_the_hopper_forward_copies_a_page_of_every_atom_at_once(monkeypatch, producer_warps):
     """head_dim 128 over pages of 8 rows: a TMA box copies a page's rows of both 64-column
     atoms at once (the tiles in 8-row groups of every atom: forward_sm90.grouped_pages), keys
     behind a page outside the cache are absent (anywhere in a sequence), and the last tile's
     rows past a sequence's end are zeroed in that layout (here the cache rows past it hold
-    NaN: a NaN times a probability of 0 would reach the output)."""
+    NaN: a NaN times a probability of 0 would reach the output); with one producer warp
+    issuing K's and V's boxes, or a warp each (forward_sm90.PAGED_PRODUCER_WARPS)."""
+    from numflash import api, launch
     from numflash.families import wgmma_forward
+    from numflash.kernels import forward_sm90
 
+    monkeypatch.setattr(forward_sm90, "PAGED_PRODUCER_WARPS", producer_warps)
+    monkeypatch.setattr(api, "_plans", type(api._plans)())  # no plan replays another kernel
+    monkeypatch.setattr(launch, "_prepared", {})
     made = []
     grouped_maps = wgmma_forward._grouped_maps
     monkeypatch.setattr(

@@ -480,7 +480,7 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     spec = WGMMA_KVCACHE.for_problem(p)
     kernel = launch.launcher(
-        (WgmmaForwardConfig, d, dtype, cfg, cache, tma) + launch.variant_key(p),
+        (WgmmaForwardConfig, d, dtype, cfg, cache, tma, schedule[-1]) + launch.variant_key(p),
         lambda: forward_sm90.build(
             d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods
         ),

@@ -178,13 +178,21 @@ def ordered(producer, varlen=False, cache=None):
     return persistent(producer, cache) and not varlen and cache is None
 
 
+#: The producer warps that copy a paged cache's tiles by TMA: 1, one warp issuing K's and V's
+#: boxes in turn; 2, a warp each (produce_pages), which would take V's slot and copies out of
+#: the next K's path (what the consumers wait for over pages, docs/performance.md). Checked in
+#: the simulator, not yet on a GPU: ``python tools/paged_prefill.py --producer-ab`` times both.
+PAGED_PRODUCER_WARPS = 1
+
+
 def schedule(cfg, varlen=False, tma=True, cache=None):
     """:func:`build`'s arguments after the dtype for a WgmmaForwardConfig ``cfg``: its tiles and
-    schedule, TMA loads where it asks for them and ``tma`` (the arrays allow them), ``varlen``
-    and ``cache``."""
+    schedule, TMA loads where it asks for them and ``tma`` (the arrays allow them), ``varlen``,
+    ``cache`` and the producer warps of a paged cache's TMA copies (PAGED_PRODUCER_WARPS)."""
     tma = cfg.tma and tma
     sizes = (cfg.consumers, cfg.block_n, cfg.stages)
-    return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache, cfg.fma_exp2)
+    page_warps = PAGED_PRODUCER_WARPS if tma and cache in PAGED_CACHES else 1
+    return sizes + (cfg.producer, cfg.pingpong, tma, varlen, cache, cfg.fma_exp2, page_warps)
 
 
 #: The largest softcap whose bfloat16 kernels fix the softmax's max at the cap (bounded_rows):
@@ -196,7 +204,7 @@ BOUNDED_SOFTCAP = 40.0
 @functools.lru_cache(maxsize=None)
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
-    cache=None, fma_exp2=0, softcap=0.0, sinks=False, alibi=False, mods=None,
+    cache=None, fma_exp2=0, page_warps=1, softcap=0.0, sinks=False, alibi=False, mods=None,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -210,6 +218,7 @@ def build(
     families.wgmma_forward.WGMMA_KVCACHE's parameters. ``fma_exp2``: of every 4 probabilities
     a thread computes, how many are exp2 on the FMA units (ptx.exp2_fma) rather than the
     special-function unit (0: none; on the H200 every k was slower, docs/performance.md).
+    ``page_warps``: the producer warps of a paged cache's TMA copies (PAGED_PRODUCER_WARPS).
     ``softcap`` > 0 caps the scores (softmax.softcap_function; in bfloat16, up to
     BOUNDED_SOFTCAP and without ALiBi or user functions, the softmax's max fixed at the cap:
     bounded_rows); with ``sinks`` the head's
@@ -229,6 +238,8 @@ def build(
         raise ValueError("a grouped paged cache is read by TMA, head_dim whole atoms")
     if cache in PAGED_CACHES and tma and block_n > 256:  # a box a lane: at most 32 boxes of 8 rows
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
+    if page_warps not in (1, 2) or page_warps == 2 and not (cache in PAGED_CACHES and tma):
+        raise ValueError(f"page_warps is 1, or 2 for a paged cache by TMA; got {page_warps}")
     if fma_exp2 not in (0, 1, 2, 3, 4):
         raise ValueError(f"fma_exp2 is a count of 4 probabilities; got {fma_exp2}")
     FMA_EXP2 = fma_exp2
@@ -262,6 +273,10 @@ def build(
     # (by TMA every lane of the producer warp, after its keys' absent flags: mark_absent_boxes)
     K_ARRIVALS = ARRIVALS + (32 if TMA else ARRIVALS) if PAGED else ARRIVALS
     FIRST_CONSUMER = 1 if PRODUCER else 0  # the first consumer warpgroup
+    # the producer warps that copy by TMA: a paged cache's K and V a warp each (produce_pages)
+    PAGE_WARPS = page_warps
+    MAPS_BARRIER = 4  # the named barrier of those two warps (1, 2: pingpong's; 3: the consumers')
+    MAPS_THREADS = 32 * PAGE_WARPS
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
@@ -894,16 +909,16 @@ def build(
             ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
 
     @device_function
-    def produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, g0, job):
+    def produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, warp, g0, job):
         """The producer warp with TMA (the maps published): one thread copies the block's
         ``job``-th Q tile and its ``n_tiles`` key tiles' K and V into the ring, after the
-        ``g0`` tiles of its earlier work (a paged cache's tiles: the whole warp, a box a lane,
-        tile_pages)."""
+        ``g0`` tiles of its earlier work. A paged cache's tiles: the whole warp, a box a lane,
+        or with PAGE_WARPS 2 a warp for K's and one for V's (produce_pages)."""
         head, kv_head, b, kv_b, q_row0, k_row0 = coords
         k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
         v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
         slot = ring_slot(g0)
-        if lane == 0:
+        if lane == 0 and (PAGE_WARPS == 1 or warp == 0):  # (Q: the first warp's lane 0)
             wait_for_q_room(base, job)
             q_full = barrier_address(base, Q_FULL)
             ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
@@ -917,7 +932,7 @@ def build(
                     refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
                                kv_b, pages, True, int32(0), int32(0))  # fmt: skip
                     slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
-        if PAGED:  # the whole warp looks the tiles' pages up and copies their boxes
+        if PAGED and PAGE_WARPS == 1:  # the warp looks the tiles' pages up, copies their boxes
             found = table_entry(pages, int32(k_row0 + first_tile * BLOCK_N), lane)
             for t in range(n_tiles):
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
@@ -930,6 +945,31 @@ def build(
                 refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
                            kv_b, pages, True, page, lane)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        elif PAGED:
+            first = int32(k_row0 + first_tile * BLOCK_N)
+            if warp == 0:
+                produce_pages(base, EMPTY_K, FULL_K, k_map, 0, first, n_tiles, kv_head, kv_b,
+                              pages, False, slot, g0, lane)  # fmt: skip
+            else:
+                produce_pages(base, EMPTY_V, FULL_V, v_map, V_OFF, first, n_tiles, kv_head,
+                              kv_b, pages, True, slot, g0, lane)  # fmt: skip
+
+    @device_function
+    def produce_pages(base, empty, full, tensor_map, offset, first, n_tiles, kv_head, kv_b, pages,
+                      v_side, slot, g0, lane):  # fmt: skip
+        """Paged TMA, warp-wide: the K or V (``v_side``) boxes of the block's ``n_tiles`` key
+        tiles from key ``first`` on, with PAGE_WARPS 2: K and V a warp each, so that the next K
+        waits neither for V's slot nor for V's boxes, as it does behind one warp issuing both in
+        turn (a box a pass of an ELECT loop; docs/performance.md). Each tile's table entries are
+        read a tile ahead, before the wait for the slot, which covers their latency."""
+        found = table_entry(pages, first, lane)
+        for t in range(n_tiles):
+            n0 = int32(first + t * BLOCK_N)
+            page = box_page(pages, found)
+            found = table_entry(pages, int32(n0 + BLOCK_N), lane)
+            refill_box(base, empty, full, g0 + t, slot, tensor_map, offset, n0, kv_head, kv_b,
+                       pages, v_side, page, lane)  # fmt: skip
+            slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
 
     @device_function
     def landed_half(base, full, it, slot):
@@ -1013,10 +1053,19 @@ def build(
         producer, the first alone)."""
         if MOVE_REGISTERS:
             ptx_sm90.set_max_registers(PRODUCER_REGISTERS, False)
-        if TMA:
+        if TMA and PAGE_WARPS == 1:
             if warp != 0:
                 return False
             publish_maps(q, k, v, maps, templates, block_base(), lane)
+        elif TMA:  # V's warp acquires the maps once the first has published them
+            if warp >= PAGE_WARPS:
+                return False
+            if warp == 0:
+                publish_maps(q, k, v, maps, templates, block_base(), lane)
+            ptx_sm90.named_barrier_sync(MAPS_BARRIER, MAPS_THREADS)
+            if warp != 0:
+                for index in range(MAPS):
+                    ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
         return True
 
     @device_function
@@ -1131,7 +1180,8 @@ def build(
 
         if producing:  # the producer warpgroup (with TMA, its first warp)
             if TMA:
-                produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, g0, job)
+                produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, warp, g0,
+                              job)  # fmt: skip
             else:
                 produce(q, k, v, base, q_first, q_ss, seqlen_q - m0, k_first, v_first, k_ss,
                         v_ss, keys_left, n_tiles, pages, tid, g0, job)  # fmt: skip
