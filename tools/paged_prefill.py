@@ -9,7 +9,7 @@ and runs each call once for a profiler.
 
     python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
                                   [--stages 3] [--registers 24,240] [--grouped-ab [--rounds 3]]
-                                  [--against OTHER_CHECKOUT [--rounds 3]]
+                                  [--producer-ab [--rounds 3]] [--against OTHER [--rounds 3]]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
@@ -22,7 +22,9 @@ producer and each consumer of the paged kernel for this run (forward_sm90.PAGED_
 ``--grouped-ab`` times each paged layout twice in one process, taking turns ``--rounds`` times
 (each its fastest round): with the tiles in 8-row groups of every atom, a page's box copying
 them all (forward_sm90.grouped_pages, numflash's choice where the maps allow it), and with
-one box a page and atom (the layout of other page sizes). ``--against`` times each layout with
+one box a page and atom (the layout of other page sizes). ``--producer-ab`` takes the same
+turns with one producer warp issuing K's and V's boxes and with a warp each
+(forward_sm90.PAGED_PRODUCER_WARPS). ``--against`` times each layout with
 this checkout's numflash and another checkout's (loaded beside it as tools/host_ab.py does, its
 kernels compiled apart), taking turns ``--rounds`` times, and says whether the two gave the same
 bits: how a kernel change is measured without the noise between processes
@@ -64,8 +66,9 @@ def main():
     ap.add_argument("--registers", help="P,C: the paged kernel's producer and consumer registers")
     ap.add_argument("--profile", action="store_true", help="one call each under the profiler")
     ap.add_argument("--grouped-ab", action="store_true", help="grouped tiles against one-atom")
+    ap.add_argument("--producer-ab", action="store_true", help="two producer warps against one")
     ap.add_argument("--against", help="another checkout, timed in turns with this one")
-    ap.add_argument("--rounds", type=int, default=3, help="--grouped-ab's and --against's turns")
+    ap.add_argument("--rounds", type=int, default=3, help="the turns of the A/B options")
     args = ap.parse_args()
     if args.registers:
         producer, consumer = (int(x) for x in args.registers.split(","))
@@ -90,6 +93,8 @@ def main():
         return
     if args.grouped_ab:
         return grouped_ab(args, config)
+    if args.producer_ab:
+        return producer_ab(args, config)
     if args.against:
         return against(args)
     found = {}
@@ -107,22 +112,40 @@ def grouped_ab(args, config):
 
     def use(grouped):
         forward_sm90.grouped_pages = grouped_pages if grouped else lambda *a: False
-        api._plans.clear()  # a replay plan keeps the kernel it recorded,
-        launch._prepared.clear()  # ... and so does a launch prepared for the geometry
 
+    _turns(args, config, {"": lambda: use(True), ", one-atom boxes": lambda: use(False)})
+
+
+def producer_ab(args, config):
+    """--producer-ab: each layout with one producer warp and with two (K's and V's), in turns."""
+
+    def use(warps):
+        forward_sm90.PAGED_PRODUCER_WARPS = warps
+
+    _turns(args, config, {"": lambda: use(1), ", two producer warps": lambda: use(2)})
+    use(1)
+
+
+def _turns(args, config, variants):
+    """Each paged layout under each of ``variants`` ({label suffix: a call that switches to it},
+    the first's suffix empty) in turns, ``--rounds`` times, each its fastest round; the
+    contiguous cache under the first alone. Prints them and their JSON."""
     found = {}
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
             for _ in range(args.rounds):
-                for grouped in (True, False) if layout != "contiguous" else (True,):
-                    use(grouped)
+                taken = list(variants.items())
+                for suffix, switch in taken if layout != "contiguous" else taken[:1]:
+                    switch()
+                    api._plans.clear()  # a replay plan keeps the kernel it recorded,
+                    launch._prepared.clear()  # ... and so does a launch prepared for the geometry
                     us = time_gpu(call, warmup=3, runs=30).median_ms * 1e3
-                    key = f"{name}, {layout}" + (", one-atom boxes" if not grouped else "")
+                    key = f"{name}, {layout}{suffix}"
                     found[key] = min(found.get(key, us), us)
             for key in [k for k in found if k.startswith(f"{name}, {layout}")]:
                 print(f"{key:56s} {found[key]:9.1f} us", flush=True)
-    use(True)
-    print(json.dumps({"grouped_ab": True, "rounds": args.rounds, "us": found}))
+    next(iter(variants.values()))()
+    print(json.dumps({"variants": list(variants), "rounds": args.rounds, "us": found}))
 
 
 def against(args):
