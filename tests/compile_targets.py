@@ -368,17 +368,20 @@ BACKWARD_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative, 
 BLOCK_MASK_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative, MODS.kinds, True)
 
 
-def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False):
+def wgmma_forward(
+    hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False, page_warps=1
+):
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
     a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by ``softcap`` where
     given, with sinks and ALiBi slopes where ``variants``, with a user's score_mod and mask_mod
-    where ``mods`` (MODS). Its resources are read as Numba builds it for a launch
+    where ``mods`` (MODS), a paged cache's TMA copies by ``page_warps`` producer warps
+    (forward_sm90.PAGED_PRODUCER_WARPS). Its resources are read as Numba builds it for a launch
     (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         paged = cache in forward_sm90.PAGED_CACHES
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=paged))
-    schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
+    schedule = forward_sm90.schedule(cfg, varlen, cache=cache)[:-1] + (page_warps,)
     kernel = forward_sm90.build(
         hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants,
         mods=MODS if mods else None,
@@ -396,7 +399,8 @@ def wgmma_forward(hd, dtype, config, varlen, cache=None, softcap=0.0, variants=F
     return [
         {
             "family": "wgmma-forward",
-            "kernel": f"kvcache-{cache}" if cache else "varlen" if varlen else "dense",
+            "kernel": (f"kvcache-{cache}" if cache else "varlen" if varlen else "dense")
+            + ("-2warps" if page_warps == 2 else ""),
             "head_dim": hd,
             "dtype": dtype,
             "softcap": softcap,
@@ -502,6 +506,8 @@ def jobs(quick):
         (64, "float16", copies, "paged"),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
+    # ... a paged cache's K and V copied by a producer warp each (PAGED_PRODUCER_WARPS = 2)
+    out.append((wgmma_forward, (128, "float16", None, False, "grouped", 0.0, False, False, 2)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
     # ... a softcap of at most BOUNDED_SOFTCAP: the max fixed at the cap
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 30.0)))
