@@ -851,8 +851,8 @@ def build(
                         lane):  # fmt: skip
         """Paged TMA, warp-wide: the tile of keys n0.. as boxes of min(page_size, BLOCK_N) rows,
         each within one page (the map is over the pages: kernels.forward_sm90.paged_tma), lane
-        i copying box i from the page it found (table_entry, box_page): with one thread issuing every
-        box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
+        i copying box i from the page it found (table_entry, box_page): with one thread issuing
+        every box's copies the call was 1.3-1.4x slower at 16-key pages (docs/performance.md). K's
         side flags the keys behind a page outside the cache (mark_absent_boxes), then every
         lane arrives (releasing the flags it wrote)."""
         box_rows = min(pages[PAGE_SIZE], BLOCK_N)
@@ -1178,7 +1178,7 @@ def build(
         v_first = v_base + int64(first_tile * BLOCK_N) * v_ss
         keys_left = int32(seqlen_k - first_tile * BLOCK_N)  # valid rows of the next tile to load
 
-        if producing:  # the producer warpgroup (with TMA, its first warp)
+        if producing:  # the producer warpgroup (with TMA, its first warp, or PAGE_WARPS)
             if TMA:
                 produce_boxes(maps, base, m0, coords, first_tile, n_tiles, pages, lane, warp, g0,
                               job)  # fmt: skip
