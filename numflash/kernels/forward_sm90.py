@@ -905,6 +905,11 @@ def build(
                             ptx_tma.global_address(k, int64(0)), lane)  # fmt: skip
         ptx_tma.publish_map(maps, 2, staged + uint32(2 * MAP_BYTES), v_words,
                             ptx_tma.global_address(v, int64(0)), lane)  # fmt: skip
+        acquire_maps(maps)
+
+    @device_function
+    def acquire_maps(maps):
+        """This thread's acquire of the launch's published maps, before its TMA copies."""
         for index in range(MAPS):
             ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
 
@@ -1064,8 +1069,7 @@ def build(
                 publish_maps(q, k, v, maps, templates, block_base(), lane)
             ptx_sm90.named_barrier_sync(MAPS_BARRIER, MAPS_THREADS)
             if warp != 0:
-                for index in range(MAPS):
-                    ptx_tma.acquire(ptx_tma.global_address(maps, int64(index * MAP_WORDS)))
+                acquire_maps(maps)
         return True
 
     @device_function
