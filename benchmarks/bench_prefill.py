@@ -53,10 +53,13 @@ def shape_arrays(batch, new, cached, dtype):
     return q, k_new, v_new, k_cache, v_cache
 
 
-def kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None, shuffled=True):
+def kvcache_runs(
+    q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None, shuffled=True, nf=numflash
+):
     """(layout, callable) of the KV-cache call over the contiguous cache and over the same
     keys in pages of each size (``config`` forced where given; ``shuffled``: bench_decode's
-    paged_copy)."""
+    paged_copy), through the numflash package ``nf`` (tools/paged_prefill.py --against loads
+    another checkout's)."""
     batch = q.shape[0]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
     layouts = [("contiguous", k_cache, v_cache, {})]
@@ -67,7 +70,7 @@ def kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=N
     for layout, kc, vc, kw in layouts:
 
         def run(kc=kc, vc=vc, kw=kw):
-            return numflash.attention_with_kvcache(
+            return nf.attention_with_kvcache(
                 q, kc, vc, k_new, v_new, cache_seqlens=lengths, causal=True, config=config, **kw
             )
 

@@ -48,13 +48,13 @@ from numflash.kernels import forward_sm90  # noqa: E402
 from numflash.timing import time_gpu  # noqa: E402
 
 
-def calls(batch, new, cached, page_sizes, config, shuffled=True):
+def calls(batch, new, cached, page_sizes, config, shuffled=True, nf=numflash):
     """(layout, call) for the contiguous cache and each page size (0: the whole capacity),
-    over the same keys."""
+    over the same keys, through the numflash package ``nf``."""
     arrays = shape_arrays(batch, new, cached, cupy.float16)
     capacity = arrays[3].shape[1]
     sizes = [size or capacity for size in page_sizes]
-    return kvcache_runs(*arrays, cached, sizes, config, shuffled)
+    return kvcache_runs(*arrays, cached, sizes, config, shuffled, nf)
 
 
 def main():
@@ -123,18 +123,16 @@ def producer_ab(args, config):
         forward_sm90.PAGED_PRODUCER_WARPS = warps
 
     _turns(args, config, {"": lambda: use(1), ", two producer warps": lambda: use(2)})
-    use(1)
 
 
 def _turns(args, config, variants):
     """Each paged layout under each of ``variants`` ({label suffix: a call that switches to it},
     the first's suffix empty) in turns, ``--rounds`` times, each its fastest round; the
     contiguous cache under the first alone. Prints them and their JSON."""
-    found = {}
+    found, taken = {}, list(variants.items())
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
             for _ in range(args.rounds):
-                taken = list(variants.items())
                 for suffix, switch in taken if layout != "contiguous" else taken[:1]:
                     switch()
                     api._plans.clear()  # a replay plan keeps the kernel it recorded,
@@ -144,43 +142,33 @@ def _turns(args, config, variants):
                     found[key] = min(found.get(key, us), us)
             for key in [k for k in found if k.startswith(f"{name}, {layout}")]:
                 print(f"{key:56s} {found[key]:9.1f} us", flush=True)
-    next(iter(variants.values()))()
+    taken[0][1]()  # numflash's own choice again
     print(json.dumps({"variants": list(variants), "rounds": args.rounds, "us": found}))
 
 
 def against(args):
-    """--against: each layout with this checkout's numflash and the other's, in turns."""
-    from bench_prefill import paged_copy
+    """--against: each layout with this checkout's numflash and the other's, in turns; each
+    tree runs on its own copy of the same arrays (the inputs are seeded)."""
     from host_ab import load_other
 
     packages = {"this": numflash, "other": load_other(args.against)}
-
-    def call(nf, q, k_cache, v_cache, k_new, v_new, lengths, kw):
-        config = nf.WgmmaForwardConfig(2, 128, args.stages, pingpong=True) if args.stages else None
-        return lambda: nf.attention_with_kvcache(
-            q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True, config=config,
-            **kw,
-        )  # fmt: skip
-
     found, same = {}, {}
-    for name, batch, new, cached in SHAPES:
-        q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, cupy.float16)
-        lengths = cupy.full((batch,), cached, dtype=cupy.int32)
-        layouts = [("contiguous", k_cache, v_cache, {})]
-        for size in args.page_sizes:
-            size = size or k_cache.shape[1]
-            kp, vp, table = paged_copy(k_cache, v_cache, size, shuffled=not args.in_order)
-            layouts.append((f"paged {size}", kp, vp, {"block_table": table}))
-        for layout, kc, vc, kw in layouts:
-            runs = {t: call(nf, q, kc, vc, k_new, v_new, lengths, kw) for t, nf in packages.items()}
-            this_out, other_out = (run() for run in runs.values())
-            same[f"{name}, {layout}"] = bool((this_out == other_out).all())
+    for name, *sizes in SHAPES:
+        per_tree = []
+        for nf in packages.values():
+            config = (
+                nf.WgmmaForwardConfig(2, 128, args.stages, pingpong=True) if args.stages else None
+            )
+            per_tree.append(calls(*sizes, args.page_sizes, config, not args.in_order, nf))
+        for (layout, this_run), (_, other_run) in zip(*per_tree):
+            runs = {"this": this_run, "other": other_run}
+            same[f"{name}, {layout}"] = bool((this_run() == other_run()).all())
             for r in range(args.rounds):
                 for tree in list(runs)[:: 1 if r % 2 == 0 else -1]:
                     us = time_gpu(runs[tree], warmup=3, runs=30).median_ms * 1e3
                     key = f"{name}, {layout}, {tree}"
                     found[key] = min(found.get(key, us), us)
-            this, other = (found[f"{name}, {layout}, {tree}"] for tree in packages)
+            this, other = (found[f"{name}, {layout}, {tree}"] for tree in runs)
             print(f"{name:24s} {layout:12s} this {this:9.1f} us  other {other:9.1f} us  "
                   f"other/this {other / this:.3f}  same bits {same[f'{name}, {layout}']}",
                   flush=True)  # fmt: skip
