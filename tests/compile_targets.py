@@ -369,19 +369,22 @@ BLOCK_MASK_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative
 
 
 def wgmma_forward(
-    hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False, page_warps=1
-):
+    hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False,
+    page_warps=None,
+):  # fmt: skip
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
     a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by ``softcap`` where
     given, with sinks and ALiBi slopes where ``variants``, with a user's score_mod and mask_mod
     where ``mods`` (MODS), a paged cache's TMA copies by ``page_warps`` producer warps
-    (forward_sm90.PAGED_PRODUCER_WARPS). Its resources are read as Numba builds it for a launch
+    (None: forward_sm90.PAGED_PRODUCER_WARPS, as selection runs it). Its resources are read as Numba builds it for a launch
     (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         paged = cache in forward_sm90.PAGED_CACHES
         cfg = prefill_config(cfg, types.SimpleNamespace(paged=paged))
-    schedule = forward_sm90.schedule(cfg, varlen, cache=cache)[:-1] + (page_warps,)
+    schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
+    if page_warps is not None:
+        schedule = schedule[:-1] + (page_warps,)
     kernel = forward_sm90.build(
         hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants,
         mods=MODS if mods else None,
@@ -400,7 +403,7 @@ def wgmma_forward(
         {
             "family": "wgmma-forward",
             "kernel": (f"kvcache-{cache}" if cache else "varlen" if varlen else "dense")
-            + ("-2warps" if page_warps == 2 else ""),
+            + ("-1warp" if page_warps == 1 else ""),
             "head_dim": hd,
             "dtype": dtype,
             "softcap": softcap,
@@ -506,8 +509,8 @@ def jobs(quick):
         (64, "float16", copies, "paged"),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
-    # ... a paged cache's K and V copied by a producer warp each (PAGED_PRODUCER_WARPS = 2)
-    out.append((wgmma_forward, (128, "float16", None, False, "grouped", 0.0, False, False, 2)))
+    # ... a paged cache's K and V copied by one producer warp (PAGED_PRODUCER_WARPS = 1)
+    out.append((wgmma_forward, (128, "float16", None, False, "grouped", 0.0, False, False, 1)))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
     # ... a softcap of at most BOUNDED_SOFTCAP: the max fixed at the cap
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 30.0)))

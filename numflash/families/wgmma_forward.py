@@ -58,11 +58,12 @@ class WgmmaForwardConfig(config._Config):
     HARDWARE: ClassVar[str] = "wgmma"
     READS_KV_CACHE: ClassVar[bool] = True
     USER_MODS: ClassVar[bool] = True  # dense and packed calls (forward_sm90.mod_scores)
-    REVISION: ClassVar[int] = 9  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
+    REVISION: ClassVar[int] = 10  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
     # 6: a dense persistent launch's work order made on the host; 7: a paged tile's absent-key
     # flags written by the producer warp; 8: paged tiles in 8-row groups of every atom
     # (forward_sm90.grouped_pages); 9: the paged producer reads a tile's block-table entries
-    # one tile ahead (forward_sm90.table_entry)
+    # one tile ahead (forward_sm90.table_entry); 10: a paged cache's K and V copied by a
+    # producer warp each (forward_sm90.PAGED_PRODUCER_WARPS)
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48

@@ -179,10 +179,10 @@ def ordered(producer, varlen=False, cache=None):
 
 
 #: The producer warps that copy a paged cache's tiles by TMA: 1, one warp issuing K's and V's
-#: boxes in turn; 2, a warp each (produce_pages), which would take V's slot and copies out of
-#: the next K's path (what the consumers wait for over pages, docs/performance.md). Checked in
-#: the simulator, not yet on a GPU: ``python tools/paged_prefill.py --producer-ab`` times both.
-PAGED_PRODUCER_WARPS = 1
+#: boxes in turn; 2, a warp each (produce_pages), which takes V's slot and copies out of the
+#: next K's path (what the consumers waited for over pages): 1.14x at pages of 16, 1.04x at 64
+#: on the H200 (``python tools/paged_prefill.py --producer-ab``; docs/performance.md).
+PAGED_PRODUCER_WARPS = 2
 
 
 def schedule(cfg, varlen=False, tma=True, cache=None):
