@@ -390,7 +390,8 @@ class PortableDecodeConfig(_Config):
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
-    REVISION: ClassVar[int] = 2  # 2: the combine kernel takes one block per row
+    REVISION: ClassVar[int] = 3  # 2: the combine kernel takes one block per row; 3: a warp an
+    # appended row (decode_portable.APPEND_THREADS)
 
     @property
     def threads(self):

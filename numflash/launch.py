@@ -1435,7 +1435,8 @@ def _kvcache(
                 APPEND,
                 dtype,
             )
-            append((p.seqlen_new, p.nheads_k, p.batch), d, stream, 0, APPEND.args(views, geometry))
+            grid = (p.seqlen_new, p.nheads_k, p.batch)
+            append(grid, decode_portable.APPEND_THREADS, stream, 0, APPEND.args(views, geometry))
     target, direct = _output_target(out, d, p)
     # partials of (split, batch, head, position), fp32: the portable kernels' always
     if num_splits > 1 or portable:
