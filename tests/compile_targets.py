@@ -373,11 +373,12 @@ def wgmma_forward(
     page_warps=None,
 ):  # fmt: skip
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
-    a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by ``softcap`` where
-    given, with sinks and ALiBi slopes where ``variants``, with a user's score_mod and mask_mod
-    where ``mods`` (MODS), a paged cache's TMA copies by ``page_warps`` producer warps
-    (None: forward_sm90.PAGED_PRODUCER_WARPS, as selection runs it). Its resources are read as Numba builds it for a launch
-    (offline.lto_resource_usage): linking its PTX alone makes ptxas ignore setmaxnreg."""
+    a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by
+    ``softcap`` where given, with sinks and ALiBi slopes where ``variants``, with a user's
+    score_mod and mask_mod where ``mods`` (MODS), a paged cache's TMA copies by ``page_warps``
+    producer warps (None: forward_sm90.PAGED_PRODUCER_WARPS, as selection runs it). Its
+    resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
+    its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         paged = cache in forward_sm90.PAGED_CACHES
