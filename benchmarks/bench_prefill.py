@@ -53,6 +53,16 @@ def shape_arrays(batch, new, cached, dtype):
     return q, k_new, v_new, k_cache, v_cache
 
 
+def cache_layouts(k_cache, v_cache, page_sizes, shuffled=True):
+    """(layout, k cache, v cache, {"block_table": table} or {}) of the contiguous cache and of
+    the same keys in pages of each size (bench_decode's paged_copy)."""
+    layouts = [("contiguous", k_cache, v_cache, {})]
+    for page in page_sizes:
+        kp, vp, table = paged_copy(k_cache, v_cache, page, shuffled=shuffled)
+        layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
+    return layouts
+
+
 def kvcache_runs(
     q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None, shuffled=True, nf=numflash
 ):
@@ -62,12 +72,8 @@ def kvcache_runs(
     another checkout's)."""
     batch = q.shape[0]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
-    layouts = [("contiguous", k_cache, v_cache, {})]
-    for page in page_sizes:
-        kp, vp, table = paged_copy(k_cache, v_cache, page, shuffled=shuffled)
-        layouts.append((f"paged {page}", kp, vp, {"block_table": table}))
     out = []
-    for layout, kc, vc, kw in layouts:
+    for layout, kc, vc, kw in cache_layouts(k_cache, v_cache, page_sizes, shuffled):
 
         def run(kc=kc, vc=vc, kw=kw):
             return nf.attention_with_kvcache(

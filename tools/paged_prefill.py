@@ -10,6 +10,7 @@ and runs each call once for a profiler.
     python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
                                   [--stages 3] [--registers 24,240] [--grouped-ab [--rounds 3]]
                                   [--producer-ab [--rounds 3]] [--against OTHER [--rounds 3]]
+                                  [--append-cost [--rounds 3]]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
@@ -28,7 +29,11 @@ turns with one producer warp issuing K's and V's boxes and with a warp each
 this checkout's numflash and another checkout's (loaded beside it as tools/host_ab.py does, its
 kernels compiled apart), taking turns ``--rounds`` times, and says whether the two gave the same
 bits: how a kernel change is measured without the noise between processes
-(``git worktree add ../before HEAD~1``, then ``--against ../before``).
+(``git worktree add ../before HEAD~1``, then ``--against ../before``). ``--append-cost``
+times, in turns, ``attention`` on the keys and each layout's call with its new rows and
+without (no k and v, the lengths counting the rows an earlier call appended): what the
+in-place append adds. The append kernel alone: ``ncu --profile-from-start off -k
+regex:append --section SpeedOfLight python tools/paged_prefill.py --profile``.
 """
 
 import argparse
@@ -40,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..", "benchmarks")]
 
 import cupy  # noqa: E402
-from bench_prefill import SHAPES, kvcache_runs, shape_arrays  # noqa: E402
+from bench_prefill import SHAPES, cache_layouts, kvcache_runs, shape_arrays  # noqa: E402
 
 import numflash  # noqa: E402
 from numflash import api, launch  # noqa: E402
@@ -68,6 +73,7 @@ def main():
     ap.add_argument("--grouped-ab", action="store_true", help="grouped tiles against one-atom")
     ap.add_argument("--producer-ab", action="store_true", help="two producer warps against one")
     ap.add_argument("--against", help="another checkout, timed in turns with this one")
+    ap.add_argument("--append-cost", action="store_true", help="calls with and without k, v")
     ap.add_argument("--rounds", type=int, default=3, help="the turns of the A/B options")
     args = ap.parse_args()
     if args.registers:
@@ -97,6 +103,8 @@ def main():
         return producer_ab(args, config)
     if args.against:
         return against(args)
+    if args.append_cost:
+        return append_cost(args, config)
     found = {}
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
@@ -123,6 +131,39 @@ def producer_ab(args, config):
         forward_sm90.PAGED_PRODUCER_WARPS = warps
 
     _turns(args, config, {"": lambda: use(1), ", two producer warps": lambda: use(2)})
+
+
+def append_cost(args, config):
+    """--append-cost: per shape, ``attention`` on the keys and each layout's call with its new
+    rows and without them, in turns; prints each, its speed beside attention's, and JSON."""
+    found = {}
+    for name, batch, new, cached in SHAPES:
+        q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, cupy.float16)
+        runs = {"attention": lambda: numflash.attention(q, k_cache, v_cache, causal=True)}
+        sizes = [size or k_cache.shape[1] for size in args.page_sizes]
+        appending = kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, sizes, config,
+                                 not args.in_order)  # fmt: skip
+        caches = cache_layouts(k_cache, v_cache, sizes, not args.in_order)
+        lengths = cupy.full((batch,), cached + new, dtype=cupy.int32)
+        for (layout, call), (_, kc, vc, kw) in zip(appending, caches):
+
+            def without(kc=kc, vc=vc, kw=kw):  # rows past `cached` stand for the new ones
+                return numflash.attention_with_kvcache(
+                    q, kc, vc, cache_seqlens=lengths, causal=True, config=config, **kw
+                )
+
+            runs[f"{layout}, appending"] = call
+            runs[f"{layout}, without new rows"] = without
+        for _ in range(args.rounds):
+            for label, run in runs.items():
+                us = time_gpu(run, warmup=3, runs=30).median_ms * 1e3
+                key = f"{name}, {label}"
+                found[key] = min(found.get(key, us), us)
+        for label in runs:
+            us = found[f"{name}, {label}"]
+            ratio = found[f"{name}, attention"] / us
+            print(f"{name:24s} {label:34s} {us:9.1f} us  {ratio:.3f}x attention", flush=True)
+    print(json.dumps({"rounds": args.rounds, "us": found}))
 
 
 def _turns(args, config, variants):
