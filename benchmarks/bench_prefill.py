@@ -63,17 +63,14 @@ def cache_layouts(k_cache, v_cache, page_sizes, shuffled=True):
     return layouts
 
 
-def kvcache_runs(
-    q, k_new, v_new, k_cache, v_cache, cached, page_sizes, config=None, shuffled=True, nf=numflash
-):
-    """(layout, callable) of the KV-cache call over the contiguous cache and over the same
-    keys in pages of each size (``config`` forced where given; ``shuffled``: bench_decode's
-    paged_copy), through the numflash package ``nf`` (tools/paged_prefill.py --against loads
-    another checkout's)."""
+def kvcache_runs(q, k_new, v_new, layouts, cached, config=None, nf=numflash):
+    """(layout, callable) of the KV-cache call appending k_new, v_new over each of
+    ``layouts`` (cache_layouts) after ``cached`` keys (``config`` forced where given), through
+    the numflash package ``nf`` (tools/paged_prefill.py --against loads another checkout's)."""
     batch = q.shape[0]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
     out = []
-    for layout, kc, vc, kw in cache_layouts(k_cache, v_cache, page_sizes, shuffled):
+    for layout, kc, vc, kw in layouts:
 
         def run(kc=kc, vc=vc, kw=kw):
             return nf.attention_with_kvcache(
@@ -89,7 +86,7 @@ def runs_for(q, k_new, v_new, k_cache, v_cache, cached, page_sizes):
     ``attention`` and SDPA on q against the cache's first cached + new rows."""
     new = q.shape[1]
     lengths = cupy.full((q.shape[0],), cached, dtype=cupy.int32)
-    runs = kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, page_sizes)
+    runs = kvcache_runs(q, k_new, v_new, cache_layouts(k_cache, v_cache, page_sizes), cached)
     out = [("numflash kvcache", layout, run) for layout, run in runs]
     # what the KV-cache call attends to once it has appended
     numflash.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths)

@@ -56,10 +56,10 @@ from numflash.timing import time_gpu  # noqa: E402
 def calls(batch, new, cached, page_sizes, config, shuffled=True, nf=numflash):
     """(layout, call) for the contiguous cache and each page size (0: the whole capacity),
     over the same keys, through the numflash package ``nf``."""
-    arrays = shape_arrays(batch, new, cached, cupy.float16)
-    capacity = arrays[3].shape[1]
-    sizes = [size or capacity for size in page_sizes]
-    return kvcache_runs(*arrays, cached, sizes, config, shuffled, nf)
+    q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, cupy.float16)
+    sizes = [size or k_cache.shape[1] for size in page_sizes]
+    layouts = cache_layouts(k_cache, v_cache, sizes, shuffled)
+    return kvcache_runs(q, k_new, v_new, layouts, cached, config, nf)
 
 
 def main():
@@ -122,15 +122,19 @@ def grouped_ab(args, config):
         forward_sm90.grouped_pages = grouped_pages if grouped else lambda *a: False
 
     _turns(args, config, {"": lambda: use(True), ", one-atom boxes": lambda: use(False)})
+    use(True)  # numflash's own choice again
 
 
 def producer_ab(args, config):
     """--producer-ab: each layout with one producer warp and with two (K's and V's), in turns."""
 
+    default = forward_sm90.PAGED_PRODUCER_WARPS
+
     def use(warps):
         forward_sm90.PAGED_PRODUCER_WARPS = warps
 
     _turns(args, config, {"": lambda: use(1), ", two producer warps": lambda: use(2)})
+    use(default)  # numflash's own choice again
 
 
 def append_cost(args, config):
@@ -141,13 +145,12 @@ def append_cost(args, config):
         q, k_new, v_new, k_cache, v_cache = shape_arrays(batch, new, cached, cupy.float16)
         runs = {"attention": lambda: numflash.attention(q, k_cache, v_cache, causal=True)}
         sizes = [size or k_cache.shape[1] for size in args.page_sizes]
-        appending = kvcache_runs(q, k_new, v_new, k_cache, v_cache, cached, sizes, config,
-                                 not args.in_order)  # fmt: skip
-        caches = cache_layouts(k_cache, v_cache, sizes, not args.in_order)
+        layouts = cache_layouts(k_cache, v_cache, sizes, not args.in_order)
+        appending = kvcache_runs(q, k_new, v_new, layouts, cached, config)
         lengths = cupy.full((batch,), cached + new, dtype=cupy.int32)
-        for (layout, call), (_, kc, vc, kw) in zip(appending, caches):
+        for (layout, call), (_, kc, vc, kw) in zip(appending, layouts):
 
-            def without(kc=kc, vc=vc, kw=kw):  # rows past `cached` stand for the new ones
+            def without(kc=kc, vc=vc, kw=kw):  # the rows the call appends, counted as cached
                 return numflash.attention_with_kvcache(
                     q, kc, vc, cache_seqlens=lengths, causal=True, config=config, **kw
                 )
@@ -183,7 +186,6 @@ def _turns(args, config, variants):
                     found[key] = min(found.get(key, us), us)
             for key in [k for k in found if k.startswith(f"{name}, {layout}")]:
                 print(f"{key:56s} {found[key]:9.1f} us", flush=True)
-    taken[0][1]()  # numflash's own choice again
     print(json.dumps({"variants": list(variants), "rounds": args.rounds, "us": found}))
 
 
