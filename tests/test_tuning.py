@@ -315,6 +315,51 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
     assert not any(tmp_path.iterdir()), "a dry run writes nothing"
 
 
+@pytest.mark.parametrize("winner_ms, kept", [(0.97, True), (0.99, False), (1.05, False)])
+def test_a_winner_is_written_only_if_it_stays_ahead_of_the_default_in_the_runoff(
+    monkeypatch, winner_ms, kept
+):
+    """The study's winner and the default timed again in turns (fake clocks: the winner
+    ``winner_ms`` a round, the default 1.0 ms, one round of each 10% slower): the winner is
+    kept only at least MIN_GAIN faster, else the default becomes the key's entry; either way
+    the entry says what the runoff saw."""
+    from tuning import study
+
+    default = TensorCoreConfig()
+    rounds = {
+        "winner": iter([winner_ms * 1.1, winner_ms, winner_ms]),
+        "default": iter([1.0, 1.1, 1.0]),
+    }
+    order = []
+
+    class Objective:
+        timing = {"runs": 5}
+
+        def call(self, cfg):
+            name = "default" if cfg == default else "winner"
+            return lambda: name
+
+    def fake_time(fn, runs):
+        order.append(fn())
+        return type("T", (), {"median_ms": next(rounds[fn()])})()
+
+    monkeypatch.setattr(study, "time_gpu", fake_time)
+    found = study.KeyResult(KEY, default, 1.2, CFG, 0.9, complete=5, pruned=0, rejected=0, failed=0)
+    result = study.runoff(found, Objective(), rounds=3)
+    assert order == ["winner", "default"] * 3  # taken in turn
+    assert result.best_config == (CFG if kept else default)
+    assert result.best_ms == (winner_ms if kept else 1.0) and result.default_ms == 1.0
+    record = result.entry()["runoff"]
+    assert record["kept"] is kept and record["study_winner"] == CFG.to_dict()
+    assert (record["winner_ms"], record["default_ms"], record["rounds"]) == (winner_ms, 1.0, 3)
+    # nothing to run off: the default won the study, or the default was never timed
+    for settled in (
+        dataclasses.replace(found, best_config=default),
+        dataclasses.replace(found, default_ms=None),
+    ):
+        assert study.runoff(settled, Objective()) is settled
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
 def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dirs, capsys):
     """The real portable kernel, real Optuna (TPE, SQLite), a tiny problem, three trials."""
@@ -324,8 +369,10 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     device = numflash.device.current_device()
     key = cache.ProblemKey("portable", "float32", 16, "causal", 128)
     workload = Workload(batch=1, nheads=1, seqlen=40, check_seqlen=24, check_nheads=1)
+    timing = dict(warmup=1, runs=3)
+    # the study's own winner (the runoff, tested above, would time it again)
     result = tune_key(
-        key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3), progress=True
+        key, device, trials=3, workload=workload, timing=timing, progress=True, runoff_rounds=0
     )
     assert result.complete >= 1 and result.best_config is not None
     # One progress bar over the measured configurations, ending at 3 of 3 with the best time.
@@ -337,7 +384,10 @@ def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dir
     assert result.default_ms is not None and result.best_ms <= result.default_ms
     assert storage_url(device).endswith("studies-sm_52.sqlite3")
     # Resuming: asking for 3 trials again runs nothing new.
-    again = tune_key(key, device, trials=3, workload=workload, timing=dict(warmup=1, runs=3))
+    # (with a runoff where the study's winner is not the default: the calls run here too)
+    again = tune_key(key, device, trials=3, workload=workload, timing=timing, runoff_rounds=1)
+    assert again.best_config in (result.best_config, result.default_config)
+    assert (again.runoff is not None) == (result.best_config != result.default_config)
     assert (again.complete, again.pruned, again.rejected, again.skipped) == (
         result.complete,
         result.pruned,

@@ -120,6 +120,14 @@ def add_arguments(parser):
         help="seconds for the whole run: no key starts after it is spent",
     )
     parser.add_argument(
+        "--runoff-rounds",
+        type=_bounded_int("--runoff-rounds", 0),
+        default=None,
+        help="rounds in which a key's winner, where it is not the default, is timed again "
+        "in turn with the default, written only if it stays MIN_GAIN (2%%) faster; 0: no "
+        "runoff (default: tuning.study.RUNOFF_ROUNDS, 3)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="head dims 64 and 128, fp16, full and causal, seqlen 4096, 8 trials",
@@ -222,6 +230,11 @@ def report(results, out):
         )
         fmt = lambda x, spec: format(x, spec) if x is not None else "-"  # noqa: E731
         counts = f"{r.complete}/{r.rejected}/{r.pruned + r.failed}/{r.skipped}"
+        if r.runoff is not None and not r.runoff["kept"]:
+            cfg_text += (
+                f"  (the default: the study's winner ran {r.runoff['winner_ms']:.3f} ms "
+                f"in the runoff, under {r.runoff['min_gain']:.0%} faster)"
+            )
         print(
             f"{str(r.key):40s} {fmt(r.default_ms, '10.3f')} {fmt(r.best_ms, '9.3f')} "
             f"{fmt(r.speedup, '7.2f')} {counts:>23s}  {cfg_text}",
@@ -256,6 +269,7 @@ def main(args, out=sys.stdout):
             fresh=args.fresh,
             progress=True,
             workload=workload,
+            **({} if args.runoff_rounds is None else {"runoff_rounds": args.runoff_rounds}),
         )
         results.append(result)
         if result.best_config is not None:

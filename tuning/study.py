@@ -5,9 +5,12 @@ stopped continues where it was (same kernels, same key), and changed kernels sta
 heuristic default configuration is enqueued as the first trial, so the winner is never slower
 than the default by more than the timing noise: the default is one of the candidates. Its
 neighbours along each knob follow (space.neighbours, as many as the trials leave room for),
-then the sampler's proposals.
+then the sampler's proposals. A study's winner other than the default then meets the default
+in a runoff (:func:`runoff`): both timed again in alternating rounds, and the winner is
+written only where it stays MIN_GAIN faster; otherwise the default is.
 """
 
+import dataclasses
 import datetime
 import time
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ from numflash import cache, selection
 from numflash.arrays import BFLOAT16
 from numflash.config import config_from_dict
 from numflash.kernels.jit import SIMULATOR
+from numflash.timing import time_gpu
 
 from . import space
 from .objective import Objective, Workload
@@ -39,6 +43,7 @@ class KeyResult:
     rejected: int  # wrong results
     failed: int
     skipped: int = 0  # duplicates and infeasible points: nothing compiled or ran
+    runoff: dict | None = None  # the winner timed again beside the default (:func:`runoff`)
 
     @property
     def speedup(self):
@@ -48,7 +53,7 @@ class KeyResult:
 
     def entry(self):
         """The cache entry for this key (numflash/cache.py's format)."""
-        return {
+        entry = {
             "config": self.best_config.to_dict(),
             "time_ms": self.best_ms,
             "default_ms": self.default_ms,
@@ -56,6 +61,9 @@ class KeyResult:
             "trials": self.complete + self.pruned + self.rejected + self.failed,
             "date": datetime.date.today().isoformat(),
         }
+        if self.runoff is not None:
+            entry["runoff"] = self.runoff
+        return entry
 
 
 def storage_url(device):
@@ -68,6 +76,14 @@ def storage_url(device):
 def study_name(key):
     return f"{key}|revision-{cache.kernel_revision(key.family)}"
 
+
+#: A study times each configuration once (a median of ``runs`` calls), and between rounds of
+#: one process the same configuration's time moved up to 3.4% on the H200
+#: (docs/performance.md, "A work order"): a winner a few percent ahead of the default may be
+#: noise. So the two are timed again, RUNOFF_ROUNDS rounds taken in turn, each keeping its
+#: fastest round, and the winner is written only if it is at least MIN_GAIN faster.
+RUNOFF_ROUNDS = 3
+MIN_GAIN = 0.02
 
 #: Proposals skipped without compiling (duplicates, infeasible points) cost nothing, but a
 #: study stops proposing after this many per requested trial, whatever it found.
@@ -95,9 +111,11 @@ def tune_key(
     progress=False,
     workload=None,
     timing=None,
+    runoff_rounds=RUNOFF_ROUNDS,
 ):
     """Run (or resume) the study of ``key`` until it has evaluated ``trials`` configurations
-    (or every feasible one, when there are fewer), or ``timeout_s`` has passed.
+    (or every feasible one, when there are fewer), or ``timeout_s`` has passed, then hold the
+    winner's runoff against the default (``runoff_rounds`` rounds; 0: none).
 
     Duplicate and infeasible proposals are pruned before compiling and do not count: the
     budget buys measured configurations."""
@@ -133,18 +151,7 @@ def tune_key(
         if left is not None and left <= 0:
             break
         if objective is None:
-            if SIMULATOR:
-                import numpy as xp
-            else:
-                import cupy as xp
-            objective = Objective(
-                key,
-                device,
-                workload or Workload.for_key(key, device),
-                xp,
-                DTYPES[key.dtype],
-                **(timing or {}),
-            )
+            objective = _objective(key, device, workload, timing)
         n = target - len(_evaluated(study))
         proposals += n
         # Failures inside a trial are pruned by the objective; anything else that escapes
@@ -158,7 +165,58 @@ def tune_key(
         )
     if bar:
         bar.close()
-    return summarise(key, study, default)
+    result = summarise(key, study, default)
+    if runoff_rounds and _contested(result):
+        objective = objective or _objective(key, device, workload, timing)
+        result = runoff(result, objective, runoff_rounds)
+    return result
+
+
+def _objective(key, device, workload, timing):
+    if SIMULATOR:
+        import numpy as xp
+    else:
+        import cupy as xp
+    return Objective(
+        key, device, workload or Workload.for_key(key, device), xp, DTYPES[key.dtype],
+        **(timing or {}),
+    )  # fmt: skip
+
+
+def _contested(result):
+    """Whether a study's winner is not the default, and the default was timed."""
+    best = result.best_config
+    return best is not None and result.default_ms is not None and best != result.default_config
+
+
+def runoff(result, objective, rounds=RUNOFF_ROUNDS, min_gain=MIN_GAIN):
+    """``result`` after its winner and the default are timed again through ``objective``,
+    ``rounds`` rounds taken in turn, each keeping its fastest round: the winner with those
+    times if it is at least ``min_gain`` faster, else the default as the key's configuration.
+    Either way the result's ``runoff`` says what the study had picked and how the two ran."""
+    if not _contested(result):
+        return result
+    best, default = result.best_config, result.default_config
+    calls = (objective.call(best), objective.call(default))
+    times = ([], [])
+    for _ in range(rounds):
+        for fn, found in zip(calls, times):
+            found.append(time_gpu(fn, **objective.timing).median_ms)
+    best_ms, default_ms = min(times[0]), min(times[1])
+    kept = best_ms <= default_ms * (1 - min_gain)
+    record = {
+        "rounds": rounds,
+        "min_gain": min_gain,
+        "study_winner": best.to_dict(),
+        "winner_ms": best_ms,
+        "default_ms": default_ms,
+        "kept": kept,
+    }
+    if not kept:
+        best, best_ms = default, default_ms
+    return dataclasses.replace(
+        result, best_config=best, best_ms=best_ms, default_ms=default_ms, runoff=record
+    )
 
 
 class _ProgressBar:
