@@ -21,7 +21,8 @@ each other's start and end: docs/performance.md, "Decode tiles").
 
 Lookup order for a call: the user's cache, then the shipped file for the same architecture,
 then the nearest shipped file of the same major version, then the caller's heuristic; within a
-file the exact key first, then the same key at the nearest sequence-length bucket. Entries
+file the exact key first, then the same key at the nearest sequence-length bucket whose entry is
+not the default there (an entry that kept the default stands for its own bucket). Entries
 measured on another revision of their family's kernels (``REVISION`` of the family's
 configuration class, numflash/config.py) are ignored with one warning: the kernels' code
 changed, so their timings no longer hold, while other families' entries stay valid. A corrupt
@@ -199,10 +200,16 @@ def _read(path, arch):
 
 def _nearest(entries, key):
     """The entry for ``key``, else the same problem (its grid class too) at the nearest seqlen
-    bucket (ties: larger)."""
+    bucket (ties: larger) among the entries whose configuration is not their bucket's default:
+    one where the default won says nothing of other buckets, whose own default (the
+    heuristic's, which may differ by bucket) stands."""
     if key in entries:
         return entries[key]
-    same = [k for k in entries if k._replace(seqlen=key.seqlen) == key]
+    same = [
+        k
+        for k, (_, entry) in entries.items()
+        if k._replace(seqlen=key.seqlen) == key and entry["config"] != entry.get("default_config")
+    ]
     if not same:
         return None
     best = min(same, key=lambda k: (abs(math.log2(k.seqlen) - math.log2(key.seqlen)), -k.seqlen))

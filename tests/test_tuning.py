@@ -195,13 +195,26 @@ def test_nearest_sequence_bucket(cache_dirs):
     cache.record(
         H200,
         {
-            KEY._replace(seqlen=1024): entry(TensorCoreConfig(64, 64, 4, 2, True)),
+            KEY._replace(seqlen=1024): entry(TensorCoreConfig(64, 64, 4, 3, True)),
             KEY._replace(seqlen=16384): entry(CFG),
         },
     )
     assert cache.lookup("sm_90", KEY._replace(seqlen=8192))[0] == CFG
     assert cache.lookup("sm_90", KEY._replace(seqlen=2048))[0].block_m == 64
     assert cache.lookup("sm_90", KEY._replace(dtype="bfloat16")) is None
+
+
+def test_an_entry_that_kept_its_default_serves_its_own_bucket_only(cache_dirs):
+    """Where the default won at 16384, a call at 8192 gets its own bucket's heuristic (None
+    here), not 16384's default; the nearest entry that beat its default still serves."""
+    kept = {**entry(CFG), "default_config": CFG.to_dict()}
+    cache.record(H200, {KEY._replace(seqlen=16384): kept})
+    assert cache.lookup("sm_90", KEY._replace(seqlen=16384))[0] == CFG
+    assert cache.lookup("sm_90", KEY._replace(seqlen=8192)) is None
+    other = TensorCoreConfig(64, 64, 4, 3, True)  # entry(): the default was (64, 64, 4, 2)
+    cache.record(H200, {KEY._replace(seqlen=1024): entry(other)})
+    cache.reload()
+    assert cache.lookup("sm_90", KEY._replace(seqlen=8192))[0] == other
 
 
 def test_lookup_order_user_then_shipped_then_same_major(cache_dirs):
@@ -580,7 +593,7 @@ def test_decode_study_checks_and_records(cache_dirs):
     device = numflash.device.current_device()
     # the checked call's grid: 2 sequences x 1 KV head x 1 block of 16 rows
     grid = numflash.selection.grid_class(2, device)
-    key = cache.ProblemKey("portable-decode", "float32", 8, "full", 32, grid)
+    key = cache.ProblemKey("portable-decode", "float32", 8, "full", cache.seqlen_bucket(30), grid)
     workload = Workload(
         batch=2, nheads=4, nheads_k=1, seqlen=30, check_seqlen=20, check_nheads=4, check_nheads_k=1
     )
