@@ -157,16 +157,26 @@ def append_cost(args, config):
 
             runs[f"{layout}, appending"] = call
             runs[f"{layout}, without new rows"] = without
-        for _ in range(args.rounds):
-            for label, run in runs.items():
-                us = time_gpu(run, warmup=3, runs=30).median_ms * 1e3
-                key = f"{name}, {label}"
-                found[key] = min(found.get(key, us), us)
+        _fastest_in_turns(runs, args.rounds, found, name)
         for label in runs:
             us = found[f"{name}, {label}"]
             ratio = found[f"{name}, attention"] / us
             print(f"{name:24s} {label:34s} {us:9.1f} us  {ratio:.3f}x attention", flush=True)
     print(json.dumps({"rounds": args.rounds, "us": found}))
+
+
+def _fastest_in_turns(runs, rounds, found, prefix, alternate=False, before=None):
+    """Time each of ``runs`` ({label: call}) in turns, ``rounds`` times (every other round in
+    reverse order where ``alternate``; ``before(label)`` first where given), keeping each
+    label's fastest median (us) in ``found`` under "``prefix``, label"."""
+    labels = list(runs)
+    for r in range(rounds):
+        for label in labels[::-1] if alternate and r % 2 else labels:
+            if before is not None:
+                before(label)
+            us = time_gpu(runs[label], warmup=3, runs=30).median_ms * 1e3
+            key = f"{prefix}, {label}"
+            found[key] = min(found.get(key, us), us)
 
 
 def _turns(args, config, variants):
@@ -176,14 +186,17 @@ def _turns(args, config, variants):
     found, taken = {}, list(variants.items())
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
-            for _ in range(args.rounds):
-                for suffix, switch in taken if layout != "contiguous" else taken[:1]:
-                    switch()
-                    api._plans.clear()  # a replay plan keeps the kernel it recorded,
-                    launch._prepared.clear()  # ... and so does a launch prepared for the geometry
-                    us = time_gpu(call, warmup=3, runs=30).median_ms * 1e3
-                    key = f"{name}, {layout}{suffix}"
-                    found[key] = min(found.get(key, us), us)
+            switches = {layout + suffix: switch for suffix, switch in taken}
+            if layout == "contiguous":
+                switches = dict(list(switches.items())[:1])
+
+            def before(label, switches=switches):
+                switches[label]()
+                api._plans.clear()  # a replay plan keeps the kernel it recorded,
+                launch._prepared.clear()  # ... and so does a launch prepared for the geometry
+
+            runs = dict.fromkeys(switches, call)
+            _fastest_in_turns(runs, args.rounds, found, name, before=before)
             for key in [k for k in found if k.startswith(f"{name}, {layout}")]:
                 print(f"{key:56s} {found[key]:9.1f} us", flush=True)
     print(json.dumps({"variants": list(variants), "rounds": args.rounds, "us": found}))
@@ -206,11 +219,7 @@ def against(args):
         for (layout, this_run), (_, other_run) in zip(*per_tree):
             runs = {"this": this_run, "other": other_run}
             same[f"{name}, {layout}"] = bool((this_run() == other_run()).all())
-            for r in range(args.rounds):
-                for tree in list(runs)[:: 1 if r % 2 == 0 else -1]:
-                    us = time_gpu(runs[tree], warmup=3, runs=30).median_ms * 1e3
-                    key = f"{name}, {layout}, {tree}"
-                    found[key] = min(found.get(key, us), us)
+            _fastest_in_turns(runs, args.rounds, found, f"{name}, {layout}", alternate=True)
             this, other = (found[f"{name}, {layout}, {tree}"] for tree in runs)
             print(f"{name:24s} {layout:12s} this {this:9.1f} us  other {other:9.1f} us  "
                   f"other/this {other / this:.3f}  same bits {same[f'{name}, {layout}']}",
