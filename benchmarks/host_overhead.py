@@ -184,6 +184,15 @@ def call_patterns():
         lambda: decode(k_new, v_new, 100 + next(step) % 3000)
     )
     found["kvcache decode, one array as new k and v"] = timed(lambda: decode(k_new, k_new, lengths))
+    sinks = cupy.zeros((8,), dtype=cupy.float32)  # gpt-oss: a sink logit a head, a window
+
+    def decode_with_sinks():
+        return numflash.attention_with_kvcache(
+            qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True,
+            window_size=(127, 0), sinks=sinks,
+        )  # fmt: skip
+
+    found["kvcache decode with sinks and a window (gpt-oss)"] = timed(decode_with_sinks)
     # packed batches: 8 sequences, 1024 rows in all
     total, nseq = 1024, 8
     pq, pk, pv = (x[0] for x in random_qkv(1, total, 4, 64, "float16", seed=8))

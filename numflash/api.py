@@ -52,9 +52,8 @@ def _rows_key(max_seqlen):
 _NAMESPACE = dict(Cupy=_Cupy, cache=cache, DEFAULT_WINDOW=_DEFAULT_WINDOW, window_key=_window_key)
 _NAMESPACE.update(ROWS=_rows_key)
 #: The public functions' parameters in their order, as their plans' keys hold them (the
-#: arrays' roles follow this order; a replay appends the outputs the call makes). The variant
-#: arrays (``sinks``, ``alibi_slopes``) come last and only calls without them get plans: in
-#: those their roles hold address 0, and the outputs a replay makes take their places.
+#: arrays' roles follow this order, an absent one at address 0; the outputs a replay makes
+#: take the roles after them: :func:`_output_roles`).
 _ATTENTION = signature.Signature(
     "attention",
     [("q", "array"), ("k", "array"), ("v", "array"), ("causal", "value")]
@@ -93,10 +92,6 @@ _KVCACHE = signature.Signature(
     _NAMESPACE,
     output="out",
 )
-
-
-#: The backward's replays make dq, dk and dv (roles 6-8) and return them.
-_BACKWARD_TAIL = plans.Tail(((0, 6), (1, 7), (2, 8)), (0, 1, 2))
 
 
 def _capturing():
@@ -229,12 +224,18 @@ def _planned(sig, key, recorded, roles, tail, overlaps=(), outputs=(), lengths=(
             _plans.put(key, plan)
 
 
-def _forward_tail(out_role, given, return_lse):
-    """The :class:`numflash.plans.Tail` of a forward or KV-cache call whose out has role
-    ``out_role`` (its lse the next): out made unless ``given``, lse made and returned when
-    asked for."""
+def _output_roles(sig):
+    """The role of a call's first output: the one after its parameters' array roles (out=,
+    sinks and alibi_slopes among them, at address 0 where absent)."""
+    return len(sig.array_positions)
+
+
+def _forward_tail(sig, out_role, given, return_lse):
+    """The :class:`numflash.plans.Tail` of a forward or KV-cache call (signature ``sig``)
+    whose out= has role ``out_role``: out made into that role unless ``given``, lse made into
+    the role after the parameters' and returned when asked for."""
     made = ((0, out_role),) if not given else ()
-    made += ((1, out_role + 1),) if return_lse else ()
+    made += ((1, _output_roles(sig)),) if return_lse else ()
     result = (None if given else 0,) + ((1,) if return_lse else ())
     return plans.Tail(made, result)
 
@@ -246,13 +247,6 @@ def _outputs(q):
 
 
 _STAY = contextlib.nullcontext()
-
-
-def _unplanned(key, args):
-    """Whether a call runs the full path without a plan: no key, or variant arrays given
-    (the last two parameters of every signature; a plan's replay does not take their
-    addresses)."""
-    return key is None or args[-2] is not None or args[-1] is not None
 
 
 def _with_mods(p, q, mods, backward=False):
@@ -275,7 +269,8 @@ def _variant(sinks, alibi_slopes):
 
 def _empty_rows(out, lse, sinks, heads):
     """A call without keys: out 0, lse -inf, or each head's sink with sinks (``heads``: the
-    index that spreads the sinks over lse's layout)."""
+    index that spreads the sinks over lse's layout). No kernel: a plan would not repeat it."""
+    launch.note_unrecorded_work()
     arrays.bits(out)[...] = 0
     if sinks is None:
         lse[...] = -np.inf
@@ -393,12 +388,12 @@ def attention(
             row's softmax denominator with no value (gpt-oss's attention sinks): out_i =
             sum_j e^{s_ij} v_j / (sum_j e^{s_ij} + e^{sinks[h]}), and lse the log of that whole
             denominator. :func:`attention_backward` takes the same sinks and returns their
-            gradient too. A call with sinks is not replayed from a plan (each takes the full
-            path).
+            gradient too. Repeated calls replay as any others, with whatever values the
+            sinks array holds then.
         alibi_slopes: optional float32 (nheads,) or (batch, nheads) on q's device: ALiBi
             (BLOOM, MPT): after the softcap each score gets -slope * |i + seqlen_k - seqlen_q
             - j| for query i and key j (the causal mask's alignment). The backward takes the
-            same slopes. A call with slopes is not replayed from a plan.
+            same slopes.
         score_mod: optional Numba CUDA device function (``@numba.cuda.jit(device=True)``)
             ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float``, compiled into the
             kernel: each score the masks let through (after the softcap and ALiBi) becomes
@@ -441,18 +436,18 @@ def attention(
         return result
     q, k, v, out, sinks, alibi_slopes = args[0], args[1], args[2], args[7], args[10], args[11]
     options = (causal, softmax_scale, window_size, return_lse)
-    # else no plan yet, or an out= overlapping an input: the full path refuses it by name;
-    # calls with variant arrays get no plan (_unplanned)
-    if _unplanned(key, args):
+    # else no plan yet, or an out= overlapping an input: the full path refuses it by name
+    if key is None:
         return _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention(q, k, v, *options, out, config, softcap)
+        result = _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
     out, lse = result if return_lse else (result, None)
-    # a given out was refused overlapping q, k or v
-    overlaps = [(3, r) for r in (0, 1, 2) if given]
-    tail = _forward_tail(3, given, return_lse)
-    _planned(_ATTENTION, key, recorded, (q, k, v, out, lse), tail, overlaps, _outputs(q))
+    # a given out was refused overlapping q, k, v, the sinks or the slopes
+    overlaps = [(3, r) for r in (0, 1, 2, 4, 5) if given]
+    tail = _forward_tail(_ATTENTION, 3, given, return_lse)
+    roles = (q, k, v, out, sinks, alibi_slopes, lse)
+    _planned(_ATTENTION, key, recorded, roles, tail, overlaps, _outputs(q))
     return result
 
 
@@ -597,19 +592,19 @@ def attention_varlen(
     result, key, args = _repeated(_VARLEN, args, "attention_varlen")
     if result is not None:
         return result
-    if _unplanned(key, args):
+    if key is None:
         return _attention_varlen(*args)
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
     with launch.recording() as recorded:
         result = _attention_varlen(*args)
     out, lse = result if return_lse else (result, None)
-    # a given out was refused overlapping an input
-    overlaps = [(5, r) for r in range(5) if given]
-    tail = _forward_tail(5, given, return_lse)
+    # a given out was refused overlapping an input (the sinks and the slopes too)
+    overlaps = [(5, r) for r in (0, 1, 2, 3, 4, 6, 7) if given]
+    tail = _forward_tail(_VARLEN, 5, given, return_lse)
     outputs = (q.shape, q.dtype), ((q.shape[1], q.shape[0]), np.dtype(np.float32))
-    _planned(_VARLEN, key, recorded, (q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse), tail,
-             overlaps, outputs)  # fmt: skip
+    roles = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, *args[14:16], lse)
+    _planned(_VARLEN, key, recorded, roles, tail, overlaps, outputs)
     return result
 
 
@@ -752,7 +747,7 @@ def attention_backward(
         sinks: the forward's sink logits, float32 (nheads,), if it had them: dq, dk and dv
             need only the forward's lse (which holds them); given, the call also returns
             dsinks = -sum over batch and rows of exp(sinks[h] - lse) * rowsum(dout * out),
-            summed in a fixed order (a call with sinks is not replayed from a plan).
+            summed in a fixed order.
         score_mod, mask_mod, mod_args: as given to the forward call.
         score_mod_derivative: with a score_mod, a Numba CUDA device function
             ``score_mod_derivative(score, b, h, q_idx, kv_idx, *mod_args) -> float``, the
@@ -780,14 +775,15 @@ def attention_backward(
     grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
     if grads is not None:
         return grads
-    if _unplanned(key, args):
+    if key is None:
         return _attention_backward(*args)
-    dout, q, k, v, out, lse = args[:6]
     with launch.recording() as recorded:
         grads = _attention_backward(*args)
-    outputs = [(x.shape, x.dtype) for x in (q, k, v)]
-    roles = (dout, q, k, v, out, lse, *grads)
-    _planned(_BACKWARD, key, recorded, roles, _BACKWARD_TAIL, (), outputs)
+    outputs = [(x.shape, x.dtype) for x in grads]  # dq, dk, dv, and dsinks with sinks
+    first = _output_roles(_BACKWARD)
+    made = tuple((i, first + i) for i in range(len(grads)))
+    tail = plans.Tail(made, tuple(range(len(grads))))
+    _planned(_BACKWARD, key, recorded, (*args[:6], *args[12:14], *grads), tail, (), outputs)
     return grads
 
 
@@ -829,6 +825,7 @@ def _gradients(
         # -- launch
         grads = tuple(arrays.empty(x.shape, x.dtype, like=q) for x in (q, k, v))
         if grads[0].size == 0 or k.size == 0:
+            launch.note_unrecorded_work()  # (a plan would not repeat the fills)
             for g in grads:  # nothing attends: every gradient is 0
                 arrays.bits(g)[...] = 0
         elif offsets is None:
@@ -841,6 +838,7 @@ def _gradients(
             return grads
         dsinks = arrays.empty((p.nheads,), np.float32, like=q)
         if q.size == 0:
+            launch.note_unrecorded_work()
             dsinks[...] = 0
         else:
             launch.sink_gradient(p, dout, out, lse, sinks, dsinks, packed=offsets is not None)
@@ -928,11 +926,9 @@ def attention_with_kvcache(
             a multiple of 8, 48 over other pages: chunked prefill, long drafts) runs the
             Hopper forward after appending, fewer the split-KV decode kernel.
         softcap: as :func:`attention`, on every kernel this call may run.
-        sinks: as :func:`attention`: float32 (nheads,), joined to every row's sum (a call with
-            sinks is not replayed from a plan).
+        sinks: as :func:`attention`: float32 (nheads,), joined to every row's sum.
         alibi_slopes: as :func:`attention`, (nheads,) or (batch, nheads): a query's position
-            is its place in the sequence after the append (a call with slopes is not replayed
-            from a plan).
+            is its place in the sequence after the append.
         score_mod, mask_mod, mod_args: as :func:`attention`, with ``b`` q's batch row and
             ``q_idx`` the query's position in the sequence after the append (as the causal
             mask aligns it), ``kv_idx`` the key's; mod_args must not share memory with the
@@ -958,9 +954,8 @@ def attention_with_kvcache(
     if result is not None:
         return result
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
-    # v (an append would write one over the other): the full path refuses it by name; calls
-    # with variant arrays get no plan (as attention's)
-    if _unplanned(key, args):
+    # v (an append would write one over the other): the full path refuses it by name
+    if key is None:
         return _attention_with_kvcache(*args)
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]
@@ -971,13 +966,15 @@ def attention_with_kvcache(
     with launch.recording() as recorded:
         result = _attention_with_kvcache(*args)
     out, lse = result if return_lse else (result, None)
-    roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, lse)
+    roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, *args[16:18])
+    roles += (lse,)
     # the caches are written: validation refused them overlapping q or the new rows, and (an
-    # append writing them) the lengths, the slot map or the table; a given out, any input
-    readers = (0, 3, 4, 5, 6, 7) if k is not None else (0, 3, 4)
+    # append writing them) the lengths, the slot map, the table, the sinks and the slopes; a
+    # given out, any input
+    readers = (0, 3, 4, 5, 6, 7, 9, 10) if k is not None else (0, 3, 4)
     overlaps = [(c, r) for c in (1, 2) for r in readers]
-    overlaps += [(8, r) for r in range(8) if given]
-    tail = _forward_tail(8, given, return_lse)
+    overlaps += [(8, r) for r in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10) if given]
+    tail = _forward_tail(_KVCACHE, 8, given, return_lse)
     if k is not None:  # the signature fixes the two caches' layouts: equal addresses, one cache
         tail = tail._replace(distinct=((1, 2),))
     _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q), lengths)

@@ -150,8 +150,8 @@ class Plan:
         self.disjoint = _disjoint_check(spans, overlaps)
         self.lock = threading.Lock()
         self.outputs = outputs  # (shape, dtype) of each output a replay makes, by index
-        self.spares = [None, None, None]  # the outputs last returned, by output index
-        self.alone = [None, None, None]  # ... and their _holders() while only the plan held them
+        self.spares = [None] * len(outputs)  # the outputs last returned, by output index
+        self.alone = [None] * len(outputs)  # ... and their _holders() while only the plan held them
         #: role pairs that were one array in the recorded call: the launches take the first's
         #: pointer for both, so a replay needs them one array again
         self.same = same

@@ -128,3 +128,27 @@ def test_calls_with_out_are_captured_and_write_into_it():
     )
     assert (_bits(out) == _bits(want)).all()
     assert (_bits(out_d) == _bits(want_d)).all()
+
+
+def test_a_decoding_step_with_sinks_is_captured_and_reads_the_sinks_at_each_launch():
+    """gpt-oss's decoding step (sinks, a window) captured; the graph reads the sinks array
+    when it runs, so new values written into it count."""
+    stream = xp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(9)
+    caches = [random_array((2, 300, 2, 64), "bfloat16", rng) for _ in range(2)]
+    q = random_array((2, 1, 8, 64), "bfloat16", rng)
+    sinks = xp.asarray(rng.normal(size=8).astype(np.float32))
+    call = dict(cache_seqlens=250, window_size=(127, 0), causal=True, sinks=sinks)
+
+    def step():
+        return numflash.attention_with_kvcache(q, *caches, return_lse=True, **call)
+
+    graph, captured = _capture(stream, step)
+    with stream:
+        sinks[...] = xp.asarray(rng.normal(size=8).astype(np.float32))
+        graph.launch(stream)
+    stream.synchronize()
+    want = api._attention_with_kvcache(q, *caches, None, None, 250, None, None, True, None,
+                                       (127, 0), 0, True, None, None, 0.0, sinks)  # fmt: skip
+    for name, got, expected in zip(("out", "lse"), captured, want):
+        assert (_bits(got) == _bits(expected)).all(), name

@@ -224,6 +224,55 @@ def test_repeated_backward_replays_and_equals_the_full_path():
     assert _plan_count() == 2  # the forward's and the backward's
 
 
+def test_calls_with_sinks_and_slopes_replay_with_each_call_s_values():
+    """Forward and backward with sinks and ALiBi slopes (new values every trial: a replay
+    reads them from the call's arrays) equal the full path bit for bit, one plan each."""
+    api._plans.clear()
+    rng = np.random.default_rng(5)
+    for trial in range(3):
+        q, k, v = random_qkv(2, 150, 201, 4, 2, 128, "float16")
+        sinks = xp.asarray(rng.normal(size=4).astype(np.float32))
+        slopes = xp.asarray(rng.uniform(0.01, 0.5, size=(2, 4)).astype(np.float32))
+        variants = dict(sinks=sinks, alibi_slopes=slopes)
+        out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, **variants)
+        want = api._attention(q, k, v, True, None, (-1, -1), True, None, None, 0.0, sinks, slopes)
+        for name, a, b in zip(("out", "lse"), (out, lse), want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
+        dout = random_array(q.shape, "float16", rng)
+        got = numflash.attention_backward(dout, q, k, v, out, lse, causal=True, **variants)
+        want = api._attention_backward(dout, q, k, v, out, lse, True, None, (-1, -1), False,
+                                       None, 0.0, sinks, slopes)  # fmt: skip
+        for name, a, b in zip(("dq", "dk", "dv", "dsinks"), got, want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
+    assert _plan_count() == 2  # the forward's and the backward's
+
+
+def test_a_gpt_oss_decoding_loop_with_sinks_replays_one_plan():
+    """Paged decoding with appends, sinks and a 128-key window, as gpt-oss's layers run it:
+    one plan for every step, outputs, lse and caches equal to the full path's."""
+    api._plans.clear()
+    rng = np.random.default_rng(6)
+    batch, page, pages = 3, 16, 16
+    table = xp.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
+    caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
+    twins = [c.copy() for c in caches]
+    lengths = xp.asarray(np.array([5, 140, 201], np.int32))
+    sinks = xp.asarray(rng.normal(size=8).astype(np.float32))
+    call = dict(block_table=table, window_size=(127, 0), causal=True, sinks=sinks)
+    for step in range(4):
+        q = random_array((batch, 1, 8, 64), "bfloat16", rng)
+        k, v = (random_array((batch, 1, 2, 64), "bfloat16", rng) for _ in range(2))
+        got = numflash.attention_with_kvcache(q, *caches, k, v, cache_seqlens=lengths,
+                                              return_lse=True, **call)  # fmt: skip
+        want = api._attention_with_kvcache(q, *twins, k, v, lengths, None, table, True, None,
+                                           (127, 0), 0, True, None, None, 0.0, sinks)  # fmt: skip
+        for name, a, b in zip(("out", "lse"), got, want):
+            assert (_bits(a) == _bits(b)).all(), f"step {step}: {name}"
+        lengths += 1
+    _same_caches(caches, twins)
+    assert _plan_count() == 1
+
+
 def test_a_dropped_output_is_reused_and_a_held_one_never_written_again():
     """A replay hands out its last output again once the caller has let go of it (its result
     still exact), and never while anything refers to it or its memory: a name, a view, a view

@@ -77,11 +77,15 @@ class _Device:
             (_Launcher(self.replays), (1, 1, 1), (32, 1, 1), 0, (*args, 1.0))
         )
 
-    def _forward(self, q, k, v, causal, scale, window, return_lse, out, config, softcap=0.0):
+    def _launch_present(self, *arrays):
+        self._launch(*(x for x in arrays if x is not None))
+
+    def _forward(self, q, k, v, causal, scale, window, return_lse, out, config, softcap=0.0,
+                 sinks=None, alibi_slopes=None):  # fmt: skip
         self.full_calls += 1
         out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
-        self._launch(q, k, v, out, lse)
+        self._launch_present(q, k, v, out, sinks, alibi_slopes, lse)
         return (out, lse) if return_lse else out
 
     def _kvcache(self, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, *rest):
@@ -93,21 +97,25 @@ class _Device:
             seqlens = DeviceArray((q.shape[0],), np.int32)
             if launch._recording.record is not None:
                 launch._recording.record.fills.append(seqlens)
-        present = (q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out, lse)
-        self._launch(*(x for x in present if x is not None))
+        sinks, slopes = rest[8:10]
+        self._launch_present(q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out,
+                             sinks, slopes, lse)  # fmt: skip
         return (out, lse) if return_lse else out
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, return_lse, *rest):
         self.full_calls += 1
         out = DeviceArray(q.shape, q.dtype) if rest[0] is None else rest[0]
         lse = DeviceArray((q.shape[1], q.shape[0]), np.float32)
-        self._launch(q, k, v, cu_q, cu_k, out, lse)
+        self._launch_present(q, k, v, cu_q, cu_k, out, *rest[3:5], lse)
         return (out, lse) if return_lse else out
 
     def _backward(self, dout, q, k, v, out, lse, *flags):
         self.full_calls += 1
+        sinks, slopes = flags[6:8]
         grads = tuple(DeviceArray(x.shape, x.dtype) for x in (q, k, v))
-        self._launch(dout, q, k, v, out, lse, *grads)
+        if sinks is not None:  # dsinks
+            grads += (DeviceArray(sinks.shape, sinks.dtype),)
+        self._launch_present(dout, q, k, v, out, lse, sinks, slopes, *grads)
         return grads
 
 
@@ -363,6 +371,80 @@ def test_backward_replays_with_the_new_calls_pointers(device):
     assert device.full_calls == 1
     assert device.replays == [_pointers(*inputs, dq, dk, dv)]
     assert [g.shape for g in (dq, dk, dv)] == [x.shape for x in inputs[1:4]]
+
+
+def _heads(*shape):
+    return DeviceArray(shape, np.float32)
+
+
+def test_attention_with_sinks_and_slopes_replays_with_the_new_calls_pointers(device):
+    """The variant arrays are roles like the others: a repeated call replays with its own
+    sinks and slopes, and the lse it asked for takes the role after them."""
+    numflash.attention(*_qkv(), sinks=_heads(8), alibi_slopes=_heads(2, 8), return_lse=True)
+    q, k, v = _qkv()
+    sinks, slopes = _heads(8), _heads(2, 8)
+    out, lse = numflash.attention(q, k, v, sinks=sinks, alibi_slopes=slopes, return_lse=True)
+    assert device.full_calls == 1
+    assert device.replays == [_pointers(q, k, v, out, sinks, slopes, lse)]
+    numflash.attention(q, k, v, sinks=_heads(8), alibi_slopes=_heads(8), return_lse=True)
+    assert device.full_calls == 2, "slopes of another shape reached the plan"
+
+
+@pytest.mark.parametrize("variant", ["sinks", "alibi_slopes"])
+def test_a_call_with_a_variant_array_and_one_without_have_their_own_plans(device, variant):
+    q, k, v = _qkv()
+    numflash.attention(q, k, v)
+    numflash.attention(q, k, v, **{variant: _heads(8)})
+    numflash.attention(q, k, v, **{variant: _heads(8)})
+    numflash.attention(q, k, v)
+    assert device.full_calls == 2 and len(device.replays) == 2
+
+
+def test_an_out_overlapping_the_sinks_is_left_to_the_full_path(device):
+    q, k, v = _qkv()
+    sinks = _heads(8)
+    numflash.attention(q, k, v, sinks=sinks, out=DeviceArray(q.shape))
+    inside = DeviceArray(q.shape, ptr=sinks.data.ptr + 16)
+    numflash.attention(q, k, v, sinks=sinks, out=inside)
+    assert device.full_calls == 2, "an out overlapping the sinks was replayed"
+
+
+def test_backward_with_sinks_replays_and_returns_dsinks(device):
+    def arrays():
+        q, k, v = _qkv()
+        return (DeviceArray(q.shape), q, k, v, DeviceArray(q.shape), DeviceArray((2, 8, 3), "f4"))
+
+    numflash.attention_backward(*arrays(), sinks=_heads(8))
+    inputs, sinks = arrays(), _heads(8)
+    grads = numflash.attention_backward(*inputs, sinks=sinks)
+    assert device.full_calls == 1 and len(grads) == 4
+    assert device.replays == [_pointers(*inputs, sinks, *grads)]
+    assert (grads[3].shape, grads[3].dtype) == ((8,), np.float32)
+
+
+def test_a_gpt_oss_decoding_step_with_sinks_replays(device):
+    """A paged decoding step with sinks, as gpt-oss's layers make it, every step."""
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    sinks = _heads(8)
+    call = dict(cache_seqlens=seqlens, block_table=table, sinks=sinks, window_size=(127, 0))
+    numflash.attention_with_kvcache(q, kc, vc, k, v, **call)
+    q, _, (k, v), _, _ = _kvcache_arrays()
+    out = numflash.attention_with_kvcache(q, kc, vc, k, v, **call)
+    assert device.full_calls == 1
+    assert device.replays == [_pointers(q, kc, vc, k, v, seqlens, table, out, sinks)]
+    for other in (kc, vc):  # sinks inside a cache an append writes: the full path's to refuse
+        inside = DeviceArray((8,), np.float32, ptr=other.data.ptr + 64)
+        numflash.attention_with_kvcache(q, kc, vc, k, v, **dict(call, sinks=inside))
+    assert device.full_calls == 3
+
+
+def test_a_packed_batch_with_slopes_replays(device):
+    q, k, v = (DeviceArray((300, 4, 64)) for _ in range(3))
+    for _ in range(2):
+        cu, slopes = DeviceArray((5,), np.int32), _heads(4, 4)
+        out = numflash.attention_varlen(q, k, v, cu, cu, 100, 100, alibi_slopes=slopes)
+    assert device.full_calls == 1
+    assert device.replays == [_pointers(q, k, v, cu, cu, out, slopes)]
 
 
 def test_a_replay_under_capture_pins_its_plan(device):
