@@ -4,7 +4,8 @@ reuse, with many threads on many streams.
 Eight threads, each on its own CuPy stream, run 10,000 mixed calls between them (forward and
 backward of random shapes, KV-cache decoding steps with appends over a contiguous and a paged
 cache with lengths on the device and as an int, chunked prefill, packed batches with new
-offsets every call), each thread a program drawn from its seed. Every output of every call
+offsets every call; a third of the forward, backward and decoding calls with sinks), each
+thread a program drawn from its seed. Every output of every call
 equals, bitwise, the output of the same program run alone afterwards on the default stream,
 and the memory pool stops growing once every signature has been seen. On the GPU, and slow:
 
@@ -32,7 +33,7 @@ class _Program:
     def __init__(self, seed):
         self.rng = np.random.default_rng(seed)
         self.dtype = "bfloat16" if seed % 2 else "float16"
-        self.digests = xp.zeros(CALLS * 5 + 4, dtype=xp.uint64)  # 5 outputs a call at most
+        self.digests = xp.zeros(CALLS * 6 + 4, dtype=xp.uint64)  # 6 outputs a call at most
         self.weights = xp.asarray(self.rng.integers(1, 1 << 40, LARGEST, dtype=np.uint64))
         self.count = 0
         # a contiguous cache (4 sequences of 256) and a paged one (64 pages of 16), each with
@@ -47,6 +48,10 @@ class _Program:
     def array(self, shape, dtype=None):
         return random_array(shape, dtype or self.dtype, self.rng)
 
+    def sinks(self, nheads):
+        """A third of the calls take sink logits (new values each call), the rest none."""
+        return self.array((nheads,), "float32") if self.rng.integers(3) == 0 else None
+
     def digest(self, *outputs):
         """A weighted sum of each output's bits, kept on the device (no synchronisation)."""
         for x in outputs:
@@ -60,12 +65,13 @@ class _Program:
         hk, d = int(self.rng.choice([1, 4])), int(self.rng.choice([64, 128]))
         causal = bool(self.rng.integers(2))
         q, k, v = (self.array((b, n, h, d)) for n, h in ((sq, 4), (200, hk), (200, hk)))
-        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True)
+        sinks = self.sinks(4)
+        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, sinks=sinks)
         self.digest(out, lse)
         if backward:
             dout = self.array(q.shape)
             grads = numflash.attention_backward(
-                dout, q, k, v, out, lse, causal=causal, deterministic=True
+                dout, q, k, v, out, lse, causal=causal, deterministic=True, sinks=sinks
             )
             self.digest(*grads)
 
@@ -76,26 +82,27 @@ class _Program:
         which = int(self.rng.integers(3))  # device lengths, int length, paged
         q = self.array((4, rows, 8, 64))
         k, v = self.array((4, rows, 2, 64)), self.array((4, rows, 2, 64))
+        sinks = self.sinks(8)
         if which == 2:
             if int(self.paged_lengths.max()) + rows > 256:
                 self.paged_lengths[...] = 0
             out = numflash.attention_with_kvcache(
                 q, *self.paged, k, v, cache_seqlens=self.paged_lengths, block_table=self.table,
-                causal=True,
+                causal=True, sinks=sinks,
             )  # fmt: skip
             self.paged_lengths += rows
         elif which == 1:
             if self.int_length + rows > 256:
                 self.int_length = 0
             out = numflash.attention_with_kvcache(
-                q, *self.caches, k, v, cache_seqlens=self.int_length, causal=True
+                q, *self.caches, k, v, cache_seqlens=self.int_length, causal=True, sinks=sinks
             )
             self.int_length += rows
         else:
             if int(self.lengths.max()) + rows > 256:
                 self.lengths[...] = 0
             out = numflash.attention_with_kvcache(
-                q, *self.caches, k, v, cache_seqlens=self.lengths, causal=True
+                q, *self.caches, k, v, cache_seqlens=self.lengths, causal=True, sinks=sinks
             )
             self.lengths += rows
         self.digest(out)
