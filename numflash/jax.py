@@ -100,16 +100,25 @@ def _on_xla_stream(ctx):
     return stream
 
 
+def _variant_buffers(buffers, given):
+    """(sinks, alibi_slopes) of a callback from its trailing ``buffers``: those of the two
+    that ``given`` says the call has, in that order; None for the others."""
+    buffers = iter(buffers)
+    return tuple(_array(next(buffers)) if present else None for present in given)
+
+
 @functools.lru_cache(maxsize=256)  # one callable per options: JAX caches by the callable
-def _forward_callback(options):
+def _forward_callback(options, given=(False, False)):
     causal, scale, window, softcap = options
 
-    def callback(ctx, outs, q, k, v):
+    def callback(ctx, outs, q, k, v, *variants):
         out, lse = _flat(_array(outs[0]), 3), _flat(_array(outs[1]), 2)
+        sinks, slopes = _variant_buffers(variants, given)
         with _on_xla_stream(ctx):
             _, got = api.attention(
                 *(_flat(_array(x), 3) for x in (q, k, v)), causal=causal, softmax_scale=scale,
-                window_size=window, return_lse=True, out=out, softcap=softcap,
+                window_size=window, return_lse=True, out=out, softcap=softcap, sinks=sinks,
+                alibi_slopes=slopes,
             )  # fmt: skip
             lse[...] = got
 
@@ -117,17 +126,20 @@ def _forward_callback(options):
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_callback(options):
+def _backward_callback(options, given=(False, False)):
     causal, scale, window, softcap = options
 
-    def callback(ctx, outs, dout, q, k, v, out, lse):
+    def callback(ctx, outs, dout, q, k, v, out, lse, *variants):
+        sinks, slopes = _variant_buffers(variants, given)
         with _on_xla_stream(ctx):
             grads = api.attention_backward(
                 *(_flat(_array(b), 3) for b in (dout, q, k, v, out)), _flat(_array(lse), 2),
                 causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+                sinks=sinks, alibi_slopes=slopes,
             )  # fmt: skip
-            for buffer, grad in zip(outs, grads):
-                _flat(_array(buffer), 3)[...] = grad
+            for buffer, grad in zip(outs, grads):  # dq, dk, dv (vmapped axes folded), dsinks
+                target = _array(buffer)
+                (_flat(target, 3) if grad.ndim == 4 else target)[...] = grad
 
     return callback
 
@@ -141,28 +153,54 @@ def _shape(x, dtype=None):
     return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
 
 
-def _forward(q, k, v, options):
+def _vmap_method(variants):
+    """How a call's callbacks run under jax.vmap: folded into the batch, or with sinks or
+    slopes (one set a call, which a vmapped axis may vary) one vmapped slice at a time."""
+    return _VMAP if all(x is None for x in variants) else "sequential"
+
+
+def _present(variants):
+    return tuple(x for x in variants if x is not None)
+
+
+def _given(variants):
+    return tuple(x is not None for x in variants)
+
+
+def _forward(q, k, v, variants, options):
     lse = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
-    call = buffer_callback(_forward_callback(options), (_shape(q), lse), vmap_method=_VMAP)
-    return call(q, k, v)
+    callback = _forward_callback(options, _given(variants))
+    call = buffer_callback(callback, (_shape(q), lse), vmap_method=_vmap_method(variants))
+    return call(q, k, v, *_present(variants))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, options):
-    return _forward(q, k, v, options)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, variants, options):
+    return _forward(q, k, v, variants, options)
 
 
-def _attention_fwd(q, k, v, options):
-    out, lse = _forward(q, k, v, options)
-    return (out, lse), (q, k, v, out, lse)
+def _attention_fwd(q, k, v, variants, options):
+    out, lse = _forward(q, k, v, variants, options)
+    return (out, lse), (q, k, v, variants, out, lse)
+
+
+def _variant_cotangents(variants, dsinks):
+    """The cotangents of (sinks, alibi_slopes): dsinks where there are sinks, zeros for the
+    slopes (not differentiated, as in flash-attn), None for what the call did not take."""
+    sinks, slopes = variants
+    return (None if sinks is None else dsinks, None if slopes is None else jnp.zeros_like(slopes))
 
 
 def _attention_bwd(options, saved, cotangents):
-    q, k, v, out, lse = saved
+    q, k, v, variants, out, lse = saved
     dout = cotangents[0]  # lse's cotangent is zero: the public function stops its gradient
     shapes = (_shape(q), _shape(k), _shape(v))
-    call = buffer_callback(_backward_callback(options), shapes, vmap_method=_VMAP)
-    return call(dout, q, k, v, out, lse)
+    shapes += () if variants[0] is None else (_shape(variants[0]),)  # dsinks
+    callback = _backward_callback(options, _given(variants))
+    call = buffer_callback(callback, shapes, vmap_method=_vmap_method(variants))
+    grads = call(dout, q, k, v, out, lse, *_present(variants))
+    dsinks = grads[3] if len(grads) > 3 else None
+    return (*grads[:3], _variant_cotangents(variants, dsinks))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -175,18 +213,31 @@ def _static(softmax_scale, window_size, softcap):
     return scale, tuple(int(w) for w in window_size), softcap
 
 
+def _variants(sinks, alibi_slopes):
+    """(sinks, alibi_slopes) as the callbacks take them: float32 JAX arrays or None; the
+    slopes outside differentiation."""
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    if alibi_slopes is not None:
+        alibi_slopes = jax.lax.stop_gradient(jnp.asarray(alibi_slopes, jnp.float32))
+    return sinks, alibi_slopes
+
+
 def attention(
     q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False,
-    softcap=0.0,
+    softcap=0.0, sinks=None, alibi_slopes=None,
 ):  # fmt: skip
     """:func:`numflash.attention` on JAX arrays, usable inside ``jax.jit`` and differentiable
-    with ``jax.grad`` (q, k, v; the lse is not differentiable). Same arguments and semantics:
-    q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k, head_dim), float16
-    or bfloat16 on a GPU; returns out, and with ``return_lse`` the lse (batch, heads, seqlen_q,
-    float32); ``softcap`` (a Python number, static) caps the scores in the forward and the
-    gradients. Bad arguments raise when the call runs (inside the callback under jit)."""
+    with ``jax.grad`` (q, k, v and the sinks; the lse is not differentiable). Same arguments
+    and semantics: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_k,
+    head_dim), float16 or bfloat16 on a GPU; returns out, and with ``return_lse`` the lse
+    (batch, heads, seqlen_q, float32); ``softcap`` (a Python number, static) caps the scores
+    in the forward and the gradients. ``sinks`` (heads,) and ``alibi_slopes`` (heads,) or
+    (batch, heads): JAX arrays, taken as float32; the sinks get their gradient, the slopes
+    none. Under ``jax.vmap`` a call with either runs a launch per vmapped slice. Bad
+    arguments raise when the call runs (inside the callback under jit)."""
     scale, window, softcap = _static(softmax_scale, window_size, softcap)
-    out, lse = _attention(q, k, v, (bool(causal), scale, window, softcap))
+    variants = _variants(sinks, alibi_slopes)
+    out, lse = _attention(q, k, v, variants, (bool(causal), scale, window, softcap))
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 

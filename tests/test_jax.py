@@ -77,6 +77,65 @@ def test_a_softcap_under_jit_and_grad_matches_the_reference():
                            variants=variants)  # fmt: skip
 
 
+def _jax(x):
+    return jnp.asarray(np.asarray(x if SIMULATOR else x.get()))
+
+
+def test_sinks_and_alibi_slopes_under_jit_and_grad_match_numflash_s_calls():
+    """sinks and (batch, heads) ALiBi slopes reach the forward and backward kernels: out and
+    lse against the reference, and out, lse, dq, dk, dv and dsinks bit for bit what
+    numflash's own calls give on the same arrays (the same kernels, through XLA's buffers);
+    the slopes get no gradient."""
+    import numflash
+
+    q, k, v = random_qkv(2, 10, 14, 4, 2, 16, "float16")
+    dout = random_array(q.shape, "float16")
+    rng = np.random.default_rng(11)
+    sinks = rng.normal(size=4).astype(np.float32)
+    slopes = rng.uniform(0.05, 0.5, size=(2, 4)).astype(np.float32)
+    jq, jk, jv, jd = (_jax(x) for x in (q, k, v, dout))
+    js, jslopes = jnp.asarray(sinks), jnp.asarray(slopes)
+    mask = dict(causal=True, window_size=(6, 0))
+
+    def attend(a, b, c, s, m, return_lse=False):
+        return njax.attention(a, b, c, return_lse=return_lse, sinks=s, alibi_slopes=m, **mask)
+
+    out, lse = jax.jit(lambda *args: attend(*args, return_lse=True))(jq, jk, jv, js, jslopes)
+    variants = Variants(sinks=sinks, alibi_slopes=slopes)
+    assert_matches_reference(q, k, v, _host(out), _host(lse), variants=variants, **mask)
+
+    def loss(a, b, c, s, m):
+        return jnp.sum(attend(a, b, c, s, m).astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(jq, jk, jv, js, jslopes)
+    assert float(jnp.abs(grads[4]).max()) == 0.0  # the slopes: no gradient
+    s_host, m_host = _host(sinks), _host(slopes)
+    want_out, want_lse = numflash.attention(q, k, v, return_lse=True, sinks=s_host,
+                                            alibi_slopes=m_host, **mask)  # fmt: skip
+    want = numflash.attention_backward(dout, q, k, v, want_out, want_lse, sinks=s_host,
+                                       alibi_slopes=m_host, **mask)  # fmt: skip
+    names = ("out", "lse", "dq", "dk", "dv", "dsinks")
+    for name, got, expected in zip(names, (out, lse, *grads[:4]), (want_out, want_lse, *want)):
+        got, expected = to_numpy(_host(got)), to_numpy(expected)
+        assert got.shape == expected.shape and got.dtype == expected.dtype, name
+        assert (got.view(np.uint8) == expected.view(np.uint8)).all(), name
+
+
+def test_sinks_under_vmap_run_each_slice_with_its_own_sinks():
+    """A vmapped axis over q and the sinks: each slice as the reference gives it with its
+    own sinks (the callbacks run slice by slice)."""
+    slices = [random_qkv(1, 6, 9, 2, 1, 16, "float16") for _ in range(3)]
+    sinks = np.random.default_rng(12).normal(size=(3, 2)).astype(np.float32)
+    q = jnp.stack([_jax(s[0]) for s in slices])
+    k, v = _jax(slices[0][1]), _jax(slices[0][2])
+    out, lse = jax.jit(jax.vmap(lambda a, s: njax.attention(a, k, v, sinks=s, return_lse=True)))(
+        q, jnp.asarray(sinks)
+    )
+    for i, (qi, _, _) in enumerate(slices):
+        assert_matches_reference(qi, slices[0][1], slices[0][2], _host(out[i]), _host(lse[i]),
+                                 variants=Variants(sinks=sinks[i]))  # fmt: skip
+
+
 def test_the_lse_carries_no_gradient():
     def fresh():
         x = random_array((1, 8, 2, 16), "float16")
