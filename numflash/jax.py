@@ -10,7 +10,9 @@ arrays and the same code runs there (that is how CI tests it).
 
 The lse returned with ``return_lse=True`` is not differentiable (it goes through
 ``jax.lax.stop_gradient``): a loss that uses it gets no gradient through it, as in flash-attn.
-Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them.
+Under ``jax.vmap`` the vmapped axes join the batch dimension: one launch for all of them
+(slice by slice for a call with sinks or ALiBi slopes, which the three functions take as JAX
+arrays: the sinks differentiable, the slopes not).
 ``attention_varlen`` does the same for packed batches (offsets as int32 JAX arrays, the max
 lengths static); ``attention_with_kvcache`` appends to caches aliased in and out (donated, they
 are updated in place). On a GPU the kernels must be compiled before XLA records a command
@@ -245,16 +247,17 @@ def attention(
 
 
 @functools.lru_cache(maxsize=256)
-def _varlen_forward_callback(options):
+def _varlen_forward_callback(options, given=(False, False)):
     causal, scale, window, max_q, max_k, softcap = options
 
-    def callback(ctx, outs, q, k, v, cu_q, cu_k):
+    def callback(ctx, outs, q, k, v, cu_q, cu_k, *variants):
         out, lse = (_array(b) for b in outs)
+        sinks, slopes = _variant_buffers(variants, given)
         with _on_xla_stream(ctx):
             _, got = api.attention_varlen(
                 *(_array(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
                 softmax_scale=scale, window_size=window, return_lse=True, out=out,
-                softcap=softcap,
+                softcap=softcap, sinks=sinks, alibi_slopes=slopes,
             )  # fmt: skip
             lse[...] = got
 
@@ -262,46 +265,51 @@ def _varlen_forward_callback(options):
 
 
 @functools.lru_cache(maxsize=256)
-def _varlen_backward_callback(options):
+def _varlen_backward_callback(options, given=(False, False)):
     causal, scale, window, max_q, max_k, softcap = options
 
-    def callback(ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k):
+    def callback(ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, *variants):
+        sinks, slopes = _variant_buffers(variants, given)
         with _on_xla_stream(ctx):
             grads = api.attention_varlen_backward(
                 *(_array(x) for x in (dout, q, k, v, out, lse, cu_q, cu_k)), max_q, max_k,
                 causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+                sinks=sinks, alibi_slopes=slopes,
             )  # fmt: skip
-            for buffer, grad in zip(outs, grads):
+            for buffer, grad in zip(outs, grads):  # dq, dk, dv, dsinks
                 _array(buffer)[...] = grad
 
     return callback
 
 
-def _varlen_forward(q, k, v, cu_q, cu_k, options):
+def _varlen_forward(q, k, v, cu_q, cu_k, variants, options):
     lse = jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
     # a packed batch has no batch axis to fold a vmapped one into: slices run one by one
-    call = buffer_callback(
-        _varlen_forward_callback(options), (_shape(q), lse), vmap_method="sequential"
-    )
-    return call(q, k, v, cu_q, cu_k)
+    callback = _varlen_forward_callback(options, _given(variants))
+    call = buffer_callback(callback, (_shape(q), lse), vmap_method="sequential")
+    return call(q, k, v, cu_q, cu_k, *_present(variants))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _attention_varlen(q, k, v, cu_q, cu_k, options):
-    return _varlen_forward(q, k, v, cu_q, cu_k, options)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention_varlen(q, k, v, cu_q, cu_k, variants, options):
+    return _varlen_forward(q, k, v, cu_q, cu_k, variants, options)
 
 
-def _attention_varlen_fwd(q, k, v, cu_q, cu_k, options):
-    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, options)
-    return (out, lse), (q, k, v, out, lse, cu_q, cu_k)
+def _attention_varlen_fwd(q, k, v, cu_q, cu_k, variants, options):
+    out, lse = _varlen_forward(q, k, v, cu_q, cu_k, variants, options)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, variants)
 
 
 def _attention_varlen_bwd(options, saved, cotangents):
-    q, k, v, out, lse, cu_q, cu_k = saved
+    q, k, v, out, lse, cu_q, cu_k, variants = saved
     shapes = (_shape(q), _shape(k), _shape(v))
-    call = buffer_callback(_varlen_backward_callback(options), shapes, vmap_method="sequential")
-    dq, dk, dv = call(cotangents[0], q, k, v, out, lse, cu_q, cu_k)
-    return dq, dk, dv, None, None  # the offsets are integers: no cotangent
+    shapes += () if variants[0] is None else (_shape(variants[0]),)  # dsinks
+    callback = _varlen_backward_callback(options, _given(variants))
+    call = buffer_callback(callback, shapes, vmap_method="sequential")
+    grads = call(cotangents[0], q, k, v, out, lse, cu_q, cu_k, *_present(variants))
+    dsinks = grads[3] if len(grads) > 3 else None
+    # the offsets are integers: no cotangent
+    return (*grads[:3], None, None, _variant_cotangents(variants, dsinks))
 
 
 _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
@@ -309,16 +317,19 @@ _attention_varlen.defvjp(_attention_varlen_fwd, _attention_varlen_bwd)
 
 def attention_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-    softmax_scale=None, window_size=(-1, -1), return_lse=False, softcap=0.0,
+    softmax_scale=None, window_size=(-1, -1), return_lse=False, softcap=0.0, sinks=None,
+    alibi_slopes=None,
 ):  # fmt: skip
     """:func:`numflash.attention_varlen` on JAX arrays, under ``jax.jit`` and ``jax.grad``:
     q (total_q, heads, head_dim), k and v (total_k, heads_k, head_dim), ``cu_seqlens_*`` int32
     JAX arrays (batch + 1,), ``max_seqlen_*`` Python ints (static: they size the launch).
     Returns out, and with ``return_lse`` the lse (heads, total_q), not differentiable;
-    ``softcap`` as :func:`attention`'s."""
+    ``softcap``, ``sinks`` and ``alibi_slopes`` ((heads,) or (batch, heads)) as
+    :func:`attention`'s."""
     scale, window, softcap = _static(softmax_scale, window_size, softcap)
     options = (bool(causal), scale, window, int(max_seqlen_q), int(max_seqlen_k), softcap)
-    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, options)
+    variants = _variants(sinks, alibi_slopes)
+    out, lse = _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, variants, options)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out
 
 
@@ -326,7 +337,7 @@ def attention_varlen(
 
 
 @functools.lru_cache(maxsize=256)
-def _kvcache_callback(options, appends, paged):
+def _kvcache_callback(options, appends, paged, given=(False, False)):
     causal, scale, window, softcap = options
 
     def callback(ctx, outs, q, k_cache, v_cache, *rest):
@@ -337,10 +348,12 @@ def _kvcache_callback(options, appends, paged):
         k, v = (rest.pop(0), rest.pop(0)) if appends else (None, None)
         seqlens = rest.pop(0)
         block_table = rest.pop(0) if paged else None
+        sinks, slopes = (rest.pop(0) if present else None for present in given)
         with _on_xla_stream(ctx):
             api.attention_with_kvcache(
                 _array(q), k_out, v_out, k, v, cache_seqlens=seqlens, block_table=block_table,
                 causal=causal, softmax_scale=scale, window_size=window, out=out, softcap=softcap,
+                sinks=sinks, alibi_slopes=slopes,
             )  # fmt: skip
 
     return callback
@@ -348,7 +361,7 @@ def _kvcache_callback(options, appends, paged):
 
 def attention_with_kvcache(
     q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=False,
-    softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+    softmax_scale=None, window_size=(-1, -1), softcap=0.0, sinks=None, alibi_slopes=None,
 ):  # fmt: skip
     """:func:`numflash.attention_with_kvcache` on JAX arrays, under ``jax.jit`` (not
     differentiable: inference). Returns ``(out, k_cache, v_cache)``: the caches with k and v
@@ -356,16 +369,19 @@ def attention_with_kvcache(
     caches given, so that with donated caches (``jax.jit(..., donate_argnums=...)``, or the
     carry of ``jax.lax.fori_loop`` / ``scan``) a decoding step appends in place without
     copying them. Contiguous caches (batch, seqlen_cache, heads_k, head_dim) or paged ones
-    with ``block_table`` (batch, max_blocks) int32; ``softcap`` as :func:`attention`'s."""
+    with ``block_table`` (batch, max_blocks) int32; ``softcap``, ``sinks`` and
+    ``alibi_slopes`` as :func:`attention`'s (gpt-oss: sinks and a 128-key window)."""
     options = (bool(causal), *_static(softmax_scale, window_size, softcap))
+    variants = _variants(sinks, alibi_slopes)
     appends, paged = k is not None, block_table is not None
     if appends != (v is not None):
         raise ValueError("attention_with_kvcache: give k and v together, or neither")
     args = [q, k_cache, v_cache] + ([k, v] if appends else [])
     args += [jnp.asarray(cache_seqlens, jnp.int32)] + ([block_table] if paged else [])
+    args += _present(variants)
     shapes = (_shape(q), _shape(k_cache), _shape(v_cache))
     call = buffer_callback(
-        _kvcache_callback(options, appends, paged), shapes, vmap_method="sequential",
-        input_output_aliases={1: 1, 2: 2},
+        _kvcache_callback(options, appends, paged, _given(variants)), shapes,
+        vmap_method="sequential", input_output_aliases={1: 1, 2: 2},
     )  # fmt: skip
     return call(*args)

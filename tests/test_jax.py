@@ -273,3 +273,68 @@ def test_a_decoding_step_over_a_paged_cache_matches_the_contiguous_one():
     assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() <= 1e-3
     kp2 = np.asarray(kp2)[table].reshape(batch, capacity, 1, 16)  # back in sequence order
     assert (kp2.view(np.uint16) == np.asarray(kc2).view(np.uint16)).all()
+
+
+def _same_bits(names, got, expected):
+    for name, a, b in zip(names, got, expected):
+        a, b = to_numpy(_host(a)), to_numpy(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert (a.view(np.uint8) == b.view(np.uint8)).all(), name
+
+
+def test_a_packed_batch_with_sinks_and_slopes_matches_numflash_s_calls():
+    """attention_varlen with sinks and (batch, heads) slopes: out, lse, dq, dk, dv and dsinks
+    bit for bit what numflash's own calls give on the same arrays."""
+    import numflash
+
+    lengths = [5, 0, 9, 3]
+    q, k, v, cu, _ = packed_qkv(lengths, lengths, 2, 1, 16, "float16")
+    dout = random_array(q.shape, "float16")
+    rng = np.random.default_rng(13)
+    sinks = rng.normal(size=2).astype(np.float32)
+    slopes = rng.uniform(0.05, 0.5, size=(4, 2)).astype(np.float32)
+    jq, jk, jv, jd, jcu = (_jax(x) for x in (q, k, v, dout, cu))
+    variants = dict(sinks=jnp.asarray(sinks), alibi_slopes=jnp.asarray(slopes))
+
+    def attend(a, b, c, s, return_lse=False):
+        return njax.attention_varlen(a, b, c, jcu, jcu, 9, 9, causal=True,
+                                     return_lse=return_lse, sinks=s,
+                                     alibi_slopes=variants["alibi_slopes"])  # fmt: skip
+
+    out, lse = jax.jit(lambda a, b, c, s: attend(a, b, c, s, True))(jq, jk, jv, variants["sinks"])
+
+    def loss(a, b, c, s):
+        return jnp.sum(attend(a, b, c, s).astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(jq, jk, jv, variants["sinks"])
+    host = dict(sinks=_host(sinks), alibi_slopes=_host(slopes), causal=True)
+    want_out, want_lse = numflash.attention_varlen(q, k, v, cu, cu, 9, 9, return_lse=True, **host)
+    want = numflash.attention_varlen_backward(dout, q, k, v, want_out, want_lse, cu, cu, 9, 9,
+                                              **host)  # fmt: skip
+    _same_bits(("out", "lse", "dq", "dk", "dv", "dsinks"), (out, lse, *grads),
+               (want_out, want_lse, *want))  # fmt: skip
+
+
+def test_a_gpt_oss_decoding_step_with_sinks_matches_numflash_s_call():
+    """A paged decoding step with an append, sinks and a 128-key window: out and the caches
+    bit for bit what numflash.attention_with_kvcache gives on copies of the same caches."""
+    import numflash
+
+    batch, page, pages = 2, 16, 12
+    rng = np.random.default_rng(14)
+    table = rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages)
+    kc, vc = (random_array((batch * pages, page, 1, 16), "bfloat16", rng) for _ in range(2))
+    q = random_array((batch, 1, 4, 16), "bfloat16", rng)
+    kn, vn = (random_array((batch, 1, 1, 16), "bfloat16", rng) for _ in range(2))
+    lengths = np.array([40, 150], np.int32)
+    sinks = rng.normal(size=4).astype(np.float32)
+    call = dict(causal=True, window_size=(127, 0))
+    got, k2, v2 = jax.jit(lambda *a: njax.attention_with_kvcache(
+        *a[:5], cache_seqlens=a[5], block_table=a[6], sinks=a[7], **call))(
+        *(_jax(x) for x in (q, kc, vc, kn, vn)), jnp.asarray(lengths), jnp.asarray(table),
+        jnp.asarray(sinks))  # fmt: skip
+    want = numflash.attention_with_kvcache(
+        q, kc, vc, kn, vn, cache_seqlens=_host(lengths), block_table=_host(table),
+        sinks=_host(sinks), **call,
+    )  # fmt: skip
+    _same_bits(("out", "k_cache", "v_cache"), (got, k2, v2), (want, kc, vc))
