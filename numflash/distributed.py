@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from . import api, arrays
+from . import api, arrays, validation
 from .kernels.jit import SIMULATOR
 
 #: Numba's simulator runs one kernel at a time per process (a running kernel rebinds its
@@ -304,6 +304,27 @@ def _merge(out, lse, rows, block_out, block_lse):
     lse[:, :, rows] = new
 
 
+def _fold_sinks(out, lse, sinks):
+    """Join each head's sink logit to every row's denominator once the ring is done: lse
+    becomes logaddexp(lse, sink) and the fp32 out is rescaled by e^{lse - new} (0 for a row
+    that saw no key, whose lse becomes its sink)."""
+    xp = arrays.array_module(out)
+    new = xp.logaddexp(lse, sinks.astype(np.float32)[None, :, None])
+    with np.errstate(invalid="ignore"):
+        keep = xp.where(lse > -np.inf, xp.exp(lse - new), 0).astype(np.float32)
+    out *= keep.transpose(0, 2, 1)[..., None]
+    lse[...] = new
+
+
+def _sink_gradient(dout, out, lse, sinks):
+    """This rank's part of dsinks: -sum over its batch rows and query rows of e^{sink - lse}
+    rowsum(dout * out), in fp32 (the lse holds the sinks)."""
+    xp = arrays.array_module(out)
+    delta = (arrays.to_float32(dout) * arrays.to_float32(out)).sum(axis=3)  # (b, rows, h)
+    weight = xp.exp(sinks.astype(np.float32)[None, :, None] - lse)  # (b, h, rows)
+    return -(weight * delta.transpose(0, 2, 1)).sum(axis=(0, 2)).astype(np.float32)
+
+
 # -- the ring ---------------------------------------------------------------------------------
 
 
@@ -374,16 +395,19 @@ def _check(q, k, ring, window_size, name):
 
 
 def ring_attention(
-    q, k, v, comm, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False
-):
+    q, k, v, comm, *, causal=False, softmax_scale=None, window_size=(-1, -1), return_lse=False,
+    softcap=0.0, sinks=None,
+):  # fmt: skip
     """Attention of this rank's zigzag shard of the queries over the whole sequence, whose K/V
     shards travel around the ring ``comm``. q, k, v: (batch, seqlen_local, heads, head_dim)
     shards (:func:`shard` along axis 1; GQA as in :func:`numflash.attention`); the result, and
     with ``return_lse`` the lse (batch, heads, seqlen_local, float32), are this rank's shards
-    of what :func:`numflash.attention` gives on the whole sequence (same softmax_scale and
-    causal semantics). Every rank calls it together."""
+    of what :func:`numflash.attention` gives on the whole sequence (same softmax_scale,
+    causal, softcap and sinks semantics: the sinks, float32 (heads,), join every row once, after
+    the ring). Every rank calls it together."""
     ring = _ring(comm)
     window = _check(q, k, ring, window_size, "ring_attention")
+    sinks = validation.check_sinks(sinks, q, q.shape[2])
     xp = arrays.array_module(q)
     batch, seqlen, heads, head_dim = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -399,26 +423,32 @@ def ring_attention(
                 blk_out, blk_lse = api.attention(
                     q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=blk_causal,
                     softmax_scale=scale, window_size=blk_window, return_lse=True,
+                    softcap=softcap,
                 )  # fmt: skip
             _merge(out, lse, rows, blk_out, blk_lse)
         if pending is not None:
             kv = tuple(pending.wait())
+    if sinks is not None:
+        _fold_sinks(out, lse, sinks)
     result = arrays.from_float(out, q.dtype)
     return (result, lse) if return_lse else result
 
 
 def ring_attention_backward(
     dout, q, k, v, out, lse, comm, *, causal=False, softmax_scale=None, window_size=(-1, -1),
-    deterministic=False,
+    deterministic=False, softcap=0.0, sinks=None,
 ):  # fmt: skip
     """Gradients of :func:`ring_attention`: (dq, dk, dv), this rank's shards of what
     :func:`numflash.attention_backward` gives on the whole sequence, from this rank's shards of
     dout, q, k, v and the forward's out and lse. dK and dV of each K/V shard add up in fp32 as
     they travel the ring and reach their owner after ``size`` hops; dQ adds up locally, in ring
-    order (with ``deterministic`` every kernel's order is fixed too). Every rank calls it
-    together."""
+    order (with ``deterministic`` every kernel's order is fixed too). Give the forward's
+    softcap and sinks: with sinks a fourth, dsinks (heads,) float32, this rank's part, summed
+    over its own rows (the sum over the ranks, an all-reduce as for the model's other
+    weights, is the whole sequence's). Every rank calls it together."""
     ring = _ring(comm)
     window = _check(q, k, ring, window_size, "ring_attention_backward")
+    sinks = validation.check_sinks(sinks, q, q.shape[2])
     xp = arrays.array_module(q)
     seqlen, head_dim = q.shape[1], q.shape[3]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -435,6 +465,7 @@ def ring_attention_backward(
                     dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows],
                     xp.ascontiguousarray(lse[:, :, rows]), causal=blk_causal,
                     softmax_scale=scale, window_size=blk_window, deterministic=deterministic,
+                    softcap=softcap,
                 )  # fmt: skip
             dq[:, rows] += arrays.to_float32(dq_blk)
             dkv[0][:, keys] += arrays.to_float32(dk_blk)
@@ -444,4 +475,5 @@ def ring_attention_backward(
             kv = tuple(pending.wait())
     # after ``size`` hops each slice's dK/dV came back around to its owner
     dk, dv = dkv
-    return tuple(arrays.from_float(x, y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
+    grads = tuple(arrays.from_float(x, y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
+    return grads if sinks is None else (*grads, _sink_gradient(dout, out, lse, sinks))

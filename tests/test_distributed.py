@@ -5,7 +5,14 @@ the default kernels, every rank on the one GPU. NCCL between two GPUs is not tes
 
 import numpy as np
 import pytest
-from support import assert_gradients_match, assert_matches_reference, random_array, xp
+from support import (
+    assert_gradients_match,
+    assert_matches_reference,
+    random_array,
+    to_float64,
+    to_numpy,
+    xp,
+)
 
 from numflash import distributed
 from numflash.distributed import (
@@ -16,6 +23,7 @@ from numflash.distributed import (
     shard,
     unshard,
 )
+from numflash.reference import Variants
 
 
 def _on_every_rank(world, fn):
@@ -76,6 +84,41 @@ def test_ring_attention_matches_attention_on_the_whole_sequence(world, causal, d
     assert_matches_reference(q, k, v, out, lse, causal=causal, window_size=window)
     dq, dk, dv = (unshard([r[2][i] for r in results]) for i in range(3))
     assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=causal, window_size=window)
+
+
+@pytest.mark.parametrize("world,causal,window", [(2, True, (-1, -1)), (3, True, (5, -1))])
+def test_ring_attention_with_sinks_and_a_softcap_matches_the_whole_sequence(world, causal, window):
+    """Gemma-style softcap and gpt-oss-style sinks around the ring: out and lse against the
+    reference on the whole sequence, dq, dk, dv against its gradients, and the ranks' dsinks
+    summed as the formula gives it over the whole out and lse."""
+    chunk, heads, kv_heads, head_dim = 4, 2, 1, 16
+    seqlen = 2 * world * chunk
+    q = random_array((1, seqlen, heads, head_dim), "float16") * 3
+    k, v = (random_array((1, seqlen, kv_heads, head_dim), "float16") for _ in range(2))
+    dout = random_array(q.shape, "float16")
+    sinks_host = np.random.default_rng(15).normal(size=heads).astype(np.float32)
+    sinks = xp.asarray(sinks_host)
+    variants = Variants(softcap=2.0, sinks=sinks_host)
+    mask = dict(causal=causal, window_size=window)
+
+    def rank_work(rank, ring):
+        mine = [shard(x, rank, world) for x in (q, k, v, dout)]
+        call = dict(mask, softcap=2.0, sinks=sinks)
+        out, lse = ring_attention(*mine[:3], ring, return_lse=True, **call)
+        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, **call)
+        return out, lse, grads
+
+    results = _on_every_rank(world, rank_work)
+    out = unshard([r[0] for r in results])
+    lse = unshard([r[1] for r in results], axis=2)
+    assert_matches_reference(q, k, v, out, lse, variants=variants, **mask)
+    dq, dk, dv = (unshard([r[2][i] for r in results]) for i in range(3))
+    assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=variants, **mask)
+    dsinks = sum(to_numpy(r[2][3]).astype(np.float64) for r in results)
+    delta = (to_numpy(to_float64(dout)) * to_numpy(to_float64(out))).sum(axis=3)  # (b, s, h)
+    terms = np.exp(sinks_host[None, :, None] - to_numpy(lse).astype(np.float64))
+    want = -(terms * delta.transpose(0, 2, 1)).sum(axis=(0, 2))
+    np.testing.assert_allclose(dsinks, want, rtol=1e-4, atol=1e-5)
 
 
 def test_ring_attention_refuses_what_it_cannot_do():
