@@ -118,15 +118,55 @@ def _refuse_under_capture(name, planned=True):
         )
 
 
-def _user_functions(name, score_mod, mask_mod, mod_args, derivative=None, block_mask=None):
+def _user_functions(score_mod, mask_mod, mod_args, derivative=None, block_mask=None):
     """A call's (score_mod, mask_mod, mod_args, score_mod_derivative, block_mask) when it has
-    any of them, else None. Such calls take no plan (the functions are part of the kernel),
-    so they are refused under stream capture."""
+    any of them, else None."""
     mods = (score_mod, mask_mod, mod_args, derivative, block_mask)
     if type(mod_args) is tuple and not mod_args and all(x is None for x in mods[:2] + mods[3:]):
         return None
-    _refuse_under_capture(f"{name} with a score_mod, mask_mod or block_mask", planned=False)
     return mods
+
+
+#: The signatures of calls with user functions, by (public function, number of mod_args):
+#: its own parameters, then the functions and the block mask (compared by identity: a plan
+#: replays the kernels they were compiled into) and each of the mod_args (array roles after
+#: the function's own, so that a replay takes each call's arrays).
+_MODS_SIGNATURES = {}
+_MODS_VALUES = ("score_mod", "mask_mod", "score_mod_derivative", "block_mask")
+
+
+def _mods_call(sig, mods, args):
+    """(signature, arguments) of a call of ``sig`` with user functions (``mods`` as
+    :func:`_user_functions` gives them) and its own ``args``: the extended signature
+    (:data:`_MODS_SIGNATURES`) and ``args`` followed by the functions, the block mask and
+    the mod_args; (None, None) for a call that gets no plan: a block mask given with
+    mod_args (the block mask's own arrays are the only ones it takes, which a replay could
+    not check) or mod_args that are not a tuple or list (the full path refuses them)."""
+    score_mod, mask_mod, mod_args, derivative, block_mask = mods
+    if not isinstance(mod_args, (tuple, list)) or (block_mask is not None and mod_args):
+        return None, None
+    key = (sig.name, len(mod_args))
+    extended = _MODS_SIGNATURES.get(key)
+    if extended is None:
+        parameters = [*sig.parameters, *((name, "value") for name in _MODS_VALUES)]
+        parameters += [(f"mod_arg{i}", "array") for i in range(len(mod_args))]
+        output = None if sig.out_position is None else sig.parameters[sig.out_position][0]
+        name = f"{sig.name} with mods and {len(mod_args)} mod_args"  # (its own recent plans)
+        extended = signature.Signature(name, parameters, _NAMESPACE, output)
+        _MODS_SIGNATURES[key] = extended
+    return extended, (*args, score_mod, mask_mod, derivative, block_mask, *mod_args)
+
+
+def _split(full, count, mods):
+    """(the function's own ``count`` arguments, ``mods`` with the mod_args ``full`` holds,
+    the mod_args as plan roles) of a call's arguments ``full`` as :func:`_mods_call` made
+    them (arrays adopted by :func:`_repeated`); for a call without user functions (``full``,
+    None, ())."""
+    if mods is None:
+        return full, None, ()
+    mod_args = tuple(full[count + len(_MODS_VALUES) :])
+    mods = (mods[0], mods[1], mod_args if mod_args else mods[2], mods[3], mods[4])
+    return full[:count], mods, mod_args
 
 
 def _recent(sig, args):
@@ -408,7 +448,11 @@ def attention(
         mod_args: arrays passed to score_mod and mask_mod after the indices: 1-D,
             C-contiguous, int32, int64 or float32, on q's device (bias tables, document ids).
             Every kernel family of attention and attention_backward takes them; such calls
-            compile their kernels once per function and are not replayed from a plan.
+            compile their kernels once per function. A repeated call with the same
+            functions (the same objects) and block mask replays its plan, whatever the
+            mod_args hold, and so may be captured into a CUDA graph; one with a block_mask
+            and mod_args given too does not (give the block mask alone: its mod_args are
+            the ones it was made with).
         block_mask: optional numflash.BlockMask (``numflash.block_mask(mask_mod, ...)``) made
             for this call's shape: the key tiles its mask_mod hides from a whole row block
             are skipped, and mask_mod is not called on tiles it shows whole. The call's
@@ -425,29 +469,32 @@ def attention(
     call (same shapes, strides, dtypes, flags, device and stream, ``out`` given or not)
     replays the launches of the first (numflash.plans).
     """
-    mods = _user_functions("attention", score_mod, mask_mod, mod_args, block_mask=block_mask)
-    if mods is not None:
-        return _attention(q, k, v, causal, softmax_scale, window_size, return_lse, out, config,
-                          softcap, sinks, alibi_slopes, mods)  # fmt: skip
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
-    result, key, args = _repeated(_ATTENTION, args, "attention")
+    sig, full = _ATTENTION, args
+    mods = _user_functions(score_mod, mask_mod, mod_args, block_mask=block_mask)
+    if mods is not None:
+        sig, full = _mods_call(_ATTENTION, mods, args)
+        if sig is None:
+            _refuse_under_capture("attention with a block_mask and mod_args", planned=False)
+            return _attention(*args, mods=mods)
+    result, key, full = _repeated(sig, full, "attention")
     if result is not None:
         return result
-    q, k, v, out, sinks, alibi_slopes = args[0], args[1], args[2], args[7], args[10], args[11]
-    options = (causal, softmax_scale, window_size, return_lse)
+    args, mods, mod_roles = _split(full, len(args), mods)
     # else no plan yet, or an out= overlapping an input: the full path refuses it by name
     if key is None:
-        return _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
+        return _attention(*args, mods=mods)
+    q, k, v, out = (*args[:3], args[7])
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention(q, k, v, *options, out, config, softcap, sinks, alibi_slopes)
+        result = _attention(*args, mods=mods)
     out, lse = result if return_lse else (result, None)
-    # a given out was refused overlapping q, k, v, the sinks or the slopes
-    overlaps = [(3, r) for r in (0, 1, 2, 4, 5) if given]
-    tail = _forward_tail(_ATTENTION, 3, given, return_lse)
-    roles = (q, k, v, out, sinks, alibi_slopes, lse)
-    _planned(_ATTENTION, key, recorded, roles, tail, overlaps, _outputs(q))
+    # a given out was refused overlapping q, k, v, the sinks, the slopes or the mod_args
+    overlaps = [(3, r) for r in (0, 1, 2, *range(4, 6 + len(mod_roles))) if given]
+    tail = _forward_tail(sig, 3, given, return_lse)
+    roles = (q, k, v, out, *args[10:12], *mod_roles, lse)
+    _planned(sig, key, recorded, roles, tail, overlaps, _outputs(q))
     return result
 
 
@@ -586,25 +633,29 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks, alibi_slopes)
-    mods = _user_functions("attention_varlen", score_mod, mask_mod, mod_args)
+    sig, full = _VARLEN, args
+    mods = _user_functions(score_mod, mask_mod, mod_args)
     if mods is not None:
-        return _attention_varlen(*args, mods)
-    result, key, args = _repeated(_VARLEN, args, "attention_varlen")
+        sig, full = _mods_call(_VARLEN, mods, args)
+        if sig is None:
+            return _attention_varlen(*args, mods)
+    result, key, full = _repeated(sig, full, "attention_varlen")
     if result is not None:
         return result
+    args, mods, mod_roles = _split(full, len(args), mods)
     if key is None:
-        return _attention_varlen(*args)
+        return _attention_varlen(*args, mods)
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention_varlen(*args)
+        result = _attention_varlen(*args, mods)
     out, lse = result if return_lse else (result, None)
-    # a given out was refused overlapping an input (the sinks and the slopes too)
-    overlaps = [(5, r) for r in (0, 1, 2, 3, 4, 6, 7) if given]
-    tail = _forward_tail(_VARLEN, 5, given, return_lse)
+    # a given out was refused overlapping an input (the sinks, slopes and mod_args too)
+    overlaps = [(5, r) for r in (0, 1, 2, 3, 4, *range(6, 8 + len(mod_roles))) if given]
+    tail = _forward_tail(sig, 5, given, return_lse)
     outputs = (q.shape, q.dtype), ((q.shape[1], q.shape[0]), np.dtype(np.float32))
-    roles = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, *args[14:16], lse)
-    _planned(_VARLEN, key, recorded, roles, tail, overlaps, outputs)
+    roles = (q, k, v, cu_seqlens_q, cu_seqlens_k, out, *args[14:16], *mod_roles, lse)
+    _planned(sig, key, recorded, roles, tail, overlaps, outputs)
     return result
 
 
@@ -768,22 +819,27 @@ def attention_backward(
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     args += (softcap, sinks, alibi_slopes)
-    mods = _user_functions("attention_backward", score_mod, mask_mod, mod_args,
-                           score_mod_derivative, block_mask)  # fmt: skip
+    sig, full = _BACKWARD, args
+    mods = _user_functions(score_mod, mask_mod, mod_args, score_mod_derivative, block_mask)
     if mods is not None:
-        return _attention_backward(*args, mods)
-    grads, key, args = _repeated(_BACKWARD, args, "attention_backward")
+        sig, full = _mods_call(_BACKWARD, mods, args)
+        if sig is None:
+            _refuse_under_capture("attention_backward with a block_mask and mod_args", False)
+            return _attention_backward(*args, mods)
+    grads, key, full = _repeated(sig, full, "attention_backward")
     if grads is not None:
         return grads
+    args, mods, mod_roles = _split(full, len(args), mods)
     if key is None:
-        return _attention_backward(*args)
+        return _attention_backward(*args, mods)
     with launch.recording() as recorded:
-        grads = _attention_backward(*args)
+        grads = _attention_backward(*args, mods)
     outputs = [(x.shape, x.dtype) for x in grads]  # dq, dk, dv, and dsinks with sinks
-    first = _output_roles(_BACKWARD)
+    first = _output_roles(sig)
     made = tuple((i, first + i) for i in range(len(grads)))
     tail = plans.Tail(made, tuple(range(len(grads))))
-    _planned(_BACKWARD, key, recorded, (*args[:6], *args[12:14], *grads), tail, (), outputs)
+    roles = (*args[:6], *args[12:14], *mod_roles, *grads)
+    _planned(sig, key, recorded, roles, tail, (), outputs)
     return grads
 
 
@@ -932,8 +988,8 @@ def attention_with_kvcache(
         score_mod, mask_mod, mod_args: as :func:`attention`, with ``b`` q's batch row and
             ``q_idx`` the query's position in the sequence after the append (as the causal
             mask aligns it), ``kv_idx`` the key's; mod_args must not share memory with the
-            caches an append writes. Such a call is not replayed from a plan and takes no
-            block_mask.
+            caches an append writes. Such a call takes no block_mask; it replays as
+            :func:`attention`'s.
 
     Lengths that can be checked on the host (an int cache_seqlens, the shapes) are; lengths
     and indices on the device are trusted for their values but never followed outside the
@@ -947,16 +1003,20 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
-    mods = _user_functions("attention_with_kvcache", score_mod, mask_mod, mod_args)
+    sig, full = _KVCACHE, args
+    mods = _user_functions(score_mod, mask_mod, mod_args)
     if mods is not None:
-        return _attention_with_kvcache(*args, mods)
-    result, key, args = _repeated(_KVCACHE, args, "attention_with_kvcache")
+        sig, full = _mods_call(_KVCACHE, mods, args)
+        if sig is None:
+            return _attention_with_kvcache(*args, mods)
+    result, key, full = _repeated(sig, full, "attention_with_kvcache")
     if result is not None:
         return result
+    args, mods, mod_roles = _split(full, len(args), mods)
     # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
     # v (an append would write one over the other): the full path refuses it by name
     if key is None:
-        return _attention_with_kvcache(*args)
+        return _attention_with_kvcache(*args, mods)
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]
     seqlens, lengths = cache_seqlens, ()
@@ -964,20 +1024,21 @@ def attention_with_kvcache(
         seqlens, lengths = None, ((5, 0, _capacity(k_cache, block_table) - _rows(k)),)
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention_with_kvcache(*args)
+        result = _attention_with_kvcache(*args, mods)
     out, lse = result if return_lse else (result, None)
     roles = (q, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table, out, *args[16:18])
-    roles += (lse,)
+    roles += (*mod_roles, lse)
     # the caches are written: validation refused them overlapping q or the new rows, and (an
-    # append writing them) the lengths, the slot map, the table, the sinks and the slopes; a
-    # given out, any input
-    readers = (0, 3, 4, 5, 6, 7, 9, 10) if k is not None else (0, 3, 4)
+    # append writing them) the lengths, the slot map, the table, the sinks, the slopes and
+    # the mod_args; a given out, any input
+    variant = tuple(range(9, 11 + len(mod_roles)))
+    readers = (0, 3, 4, 5, 6, 7, *variant) if k is not None else (0, 3, 4)
     overlaps = [(c, r) for c in (1, 2) for r in readers]
-    overlaps += [(8, r) for r in (0, 1, 2, 3, 4, 5, 6, 7, 9, 10) if given]
-    tail = _forward_tail(_KVCACHE, 8, given, return_lse)
+    overlaps += [(8, r) for r in (0, 1, 2, 3, 4, 5, 6, 7, *variant) if given]
+    tail = _forward_tail(sig, 8, given, return_lse)
     if k is not None:  # the signature fixes the two caches' layouts: equal addresses, one cache
         tail = tail._replace(distinct=((1, 2),))
-    _planned(_KVCACHE, key, recorded, roles, tail, overlaps, _outputs(q), lengths)
+    _planned(sig, key, recorded, roles, tail, overlaps, _outputs(q), lengths)
     return result
 
 

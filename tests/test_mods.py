@@ -212,52 +212,69 @@ def test_the_backward_of_a_score_mod_needs_its_derivative():
         numflash.attention_backward(q, q, k, v, out, lse, score_mod_derivative=squashed)
 
 
-def test_calls_with_user_functions_make_and_replay_no_plan(monkeypatch):
-    """No plan key holds score_mod, mask_mod or mod_args (api's signatures): such calls must
-    never reach the plans, whose replay would run the last call's kernel and arrays."""
+def test_calls_with_user_functions_look_plans_up_by_keys_that_hold_them(monkeypatch):
+    """A call with user functions looks its plan up under its own signature, whose key holds
+    the functions (and the block mask) and each of the mod_args, never under the plain one:
+    a replay must not run another call's kernel or arrays (tests/test_replay_wiring.py
+    replays them on stand-ins)."""
     from numflash import api
 
-    def refuse(*args):
-        raise AssertionError("a call with user functions looked for a plan")
+    looked_up = []
 
-    monkeypatch.setattr(api, "_repeated", refuse)
+    def note(sig, args, name):
+        looked_up.append((sig, args))
+        return None, None, args
+
+    monkeypatch.setattr(api, "_repeated", note)
     q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
+    cu = xp.asarray(np.array([0, 3, 8], dtype=np.int32))
     out, lse = numflash.attention(q, k, v, return_lse=True, mask_mod=even_keys_of_odd_heads)
     numflash.attention_backward(q, q, k, v, out, lse, mask_mod=even_keys_of_odd_heads)
-    cu = xp.asarray(np.array([0, 3, 8], dtype=np.int32))
     packed = (q[0], k[0], v[0], cu, cu, 5, 5)
-    out, lse = numflash.attention_varlen(*packed, return_lse=True, mask_mod=even_keys_of_odd_heads)
-    numflash.attention_varlen_backward(q[0], *packed[:3], out, lse, *packed[3:],
-                                       mask_mod=even_keys_of_odd_heads)  # fmt: skip
-    numflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=8,
-                                    mask_mod=even_keys_of_odd_heads)  # fmt: skip
+    slopes, documents = xp.zeros((1,), np.float32), _documents(8, (3, 5))
+    numflash.attention_varlen(*packed, mask_mod=same_document, mod_args=(slopes, documents))
+    numflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=8, score_mod=squashed)
+    functions = [even_keys_of_odd_heads, even_keys_of_odd_heads, same_document, None]
+    arrays = [(), (), (slopes, documents), ()]
+    assert len(looked_up) == 4
+    for (sig, args), function, mod_args in zip(looked_up, functions, arrays):
+        assert " with mods and " in sig.name, sig.name
+        values = dict(zip((name for name, _ in sig.parameters), args))
+        assert values["mask_mod"] is function
+        assert values["score_mod"] is (squashed if function is None else None)
+        given = [values[n] for n, _ in sig.parameters if n.startswith("mod_arg")]
+        assert len(given) == len(mod_args) and all(a is b for a, b in zip(given, mod_args))
 
 
-def test_calls_with_user_functions_are_refused_under_capture(monkeypatch):
-    """A call with user functions has no plan to replay, so it is refused (by name) under
-    stream capture, also with only mod_args or only a derivative; one without them is not
-    refused for being so (it has no plan yet either: the planned calls' own message)."""
+def test_calls_with_user_functions_are_refused_under_capture_until_they_have_a_plan(
+    monkeypatch,
+):
+    """Under stream capture a call with user functions and no plan yet (always, in the
+    simulator) is refused as any such call is, with the first call's message; one with a
+    block mask and mod_args given too never gets a plan, and says so."""
     from numflash import api
 
     monkeypatch.setattr(api, "_capturing", lambda: True)
     q, k, v = random_qkv(1, 8, 8, 1, 1, 16, "float16")
     cu = xp.asarray(np.array([0, 3, 8], dtype=np.int32))
     packed = (q[0], k[0], v[0], cu, cu, 5, 5)
-    calls = {
-        "attention": lambda: numflash.attention(q, k, v, mask_mod=even_keys_of_odd_heads),
-        "attention_varlen": lambda: numflash.attention_varlen(*packed, mod_args=(cu,)),
-        "attention_backward": lambda: numflash.attention_backward(
+    calls = [
+        lambda: numflash.attention(q, k, v, mask_mod=even_keys_of_odd_heads),
+        lambda: numflash.attention_varlen(*packed, mod_args=(cu,)),
+        lambda: numflash.attention_backward(
             q, q, k, v, q, q[..., 0], score_mod_derivative=squashed_derivative
         ),
-        "attention_with_kvcache": lambda: numflash.attention_with_kvcache(
+        lambda: numflash.attention_with_kvcache(
             q[:, :1], k, v, cache_seqlens=8, score_mod=squashed
         ),
-    }
-    for name, call in calls.items():
-        with pytest.raises(RuntimeError, match=rf"numflash\.{name} with a score_mod.*yet"):
+        lambda: numflash.attention(q, k, v),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="the first time it runs"):
             call()
-    with pytest.raises(RuntimeError, match="the first time it runs"):
-        numflash.attention(q, k, v)
+    mask = numflash.block_mask(even_keys_of_odd_heads, 1, 1, 8, 8)
+    with pytest.raises(RuntimeError, match=r"block_mask and mod_args cannot be captured.*yet"):
+        numflash.attention(q, k, v, block_mask=mask, mod_args=(cu,))
 
 
 def _forward_with_variants_and_user_functions(config, head_dim, dtype):

@@ -3,6 +3,7 @@ arrays' pointers patched in, no plan where a replay would not be exact, value ch
 
 import numpy as np
 import pytest
+from numba import cuda, float32
 from support import random_array, random_qkv, xp
 
 import numflash
@@ -270,6 +271,72 @@ def test_a_gpt_oss_decoding_loop_with_sinks_replays_one_plan():
             assert (_bits(a) == _bits(b)).all(), f"step {step}: {name}"
         lengths += 1
     _same_caches(caches, twins)
+    assert _plan_count() == 1
+
+
+@cuda.jit(device=True)
+def _relative_bias(score, b, h, q_idx, kv_idx, slopes, documents):
+    return score + slopes[h] * (float32(q_idx) - float32(kv_idx))
+
+
+@cuda.jit(device=True)
+def _relative_bias_derivative(score, b, h, q_idx, kv_idx, slopes, documents):
+    return float32(1.0)
+
+
+@cuda.jit(device=True)
+def _same_document(b, h, q_idx, kv_idx, slopes, documents):
+    return documents[q_idx] == documents[kv_idx]
+
+
+def _mod_args(rng, heads, seqlen):
+    slopes = xp.asarray(rng.uniform(-0.3, 0.3, size=heads).astype(np.float32))
+    cuts = np.sort(rng.choice(np.arange(1, seqlen), 3, replace=False))
+    documents = np.zeros(seqlen, np.int32)
+    for cut in cuts:
+        documents[cut:] += 1
+    return slopes, xp.asarray(documents)
+
+
+def test_calls_with_user_functions_replay_with_each_call_s_mod_args():
+    """A relative bias and a document mask with new mod_args values every trial, forward and
+    backward: each replay equal to the full path bit for bit, one plan each."""
+    api._plans.clear()
+    rng = np.random.default_rng(16)
+    mods = dict(score_mod=_relative_bias, mask_mod=_same_document)
+    for trial in range(3):
+        q, k, v = random_qkv(1, 130, 130, 4, 2, 128, "bfloat16")
+        mod_args = _mod_args(rng, 4, 130)
+        out, lse = numflash.attention(q, k, v, causal=True, return_lse=True, mod_args=mod_args,
+                                      **mods)  # fmt: skip
+        full = (*mods.values(), mod_args, None, None)
+        want = api._attention(q, k, v, True, None, (-1, -1), True, None, None, mods=full)
+        for name, a, b in zip(("out", "lse"), (out, lse), want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
+        dout = random_array(q.shape, "bfloat16", rng)
+        got = numflash.attention_backward(dout, q, k, v, out, lse, causal=True,
+                                          mod_args=mod_args,
+                                          score_mod_derivative=_relative_bias_derivative, **mods)  # fmt: skip
+        full = (*mods.values(), mod_args, _relative_bias_derivative, None)
+        want = api._attention_backward(dout, q, k, v, out, lse, True, None, (-1, -1), False,
+                                       None, 0.0, None, None, full)  # fmt: skip
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert (_bits(a) == _bits(b)).all(), f"trial {trial}: {name}"
+    assert _plan_count() == 2
+
+
+def test_one_block_mask_for_every_call_replays_one_plan():
+    """A block mask made once serves a layer's calls: replays equal the full path."""
+    api._plans.clear()
+    rng = np.random.default_rng(17)
+    mod_args = _mod_args(rng, 4, 300)
+    mask = numflash.block_mask(_same_document, None, None, 300, 300, mod_args=mod_args)
+    for trial in range(3):
+        q, k, v = random_qkv(1, 300, 300, 4, 2, 64, "float16")
+        out = numflash.attention(q, k, v, score_mod=_relative_bias, block_mask=mask)
+        full = (_relative_bias, None, (), None, mask)
+        want = api._attention(q, k, v, False, None, (-1, -1), False, None, None, mods=full)
+        assert (_bits(out) == _bits(want)).all(), f"trial {trial}"
     assert _plan_count() == 1
 
 

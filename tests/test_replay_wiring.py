@@ -71,21 +71,29 @@ class _Device:
         monkeypatch.setattr(api, "_attention_varlen", self._varlen)
 
     def _launch(self, *arrays):
-        """The one launch a full path records: every array, then a scalar."""
+        """The one launch a full path records: every array, then a scalar (nothing where the
+        call is not recorded: one that gets no plan)."""
+        if launch._recording.record is None:
+            return
         args = tuple(KernelArray(x.data.ptr, x.size, x.dtype.itemsize, x) for x in arrays)
         launch._recording.record.launches.append(
             (_Launcher(self.replays), (1, 1, 1), (32, 1, 1), 0, (*args, 1.0))
         )
 
-    def _launch_present(self, *arrays):
+    def _launch_present(self, *arrays, mods=None):
+        """The launch of the arrays given, then (as the kernels take them after the sinks and
+        slopes) the mod_args and a block mask's index."""
+        if mods is not None:
+            _, _, mod_args, _, block_mask = mods
+            arrays += tuple(mod_args) + ((block_mask.index,) if block_mask is not None else ())
         self._launch(*(x for x in arrays if x is not None))
 
     def _forward(self, q, k, v, causal, scale, window, return_lse, out, config, softcap=0.0,
-                 sinks=None, alibi_slopes=None):  # fmt: skip
+                 sinks=None, alibi_slopes=None, mods=None):  # fmt: skip
         self.full_calls += 1
         out = DeviceArray(q.shape, q.dtype) if out is None else out
         lse = DeviceArray((q.shape[0], q.shape[2], q.shape[1]), np.float32)
-        self._launch_present(q, k, v, out, sinks, alibi_slopes, lse)
+        self._launch_present(q, k, v, out, sinks, alibi_slopes, lse, mods=mods)
         return (out, lse) if return_lse else out
 
     def _kvcache(self, q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, *rest):
@@ -99,14 +107,15 @@ class _Device:
                 launch._recording.record.fills.append(seqlens)
         sinks, slopes = rest[8:10]
         self._launch_present(q, k_cache, v_cache, k, v, seqlens, batch_idx, block_table, out,
-                             sinks, slopes, lse)  # fmt: skip
+                             sinks, slopes, lse, mods=rest[10] if len(rest) > 10 else None)  # fmt: skip
         return (out, lse) if return_lse else out
 
     def _varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window, return_lse, *rest):
         self.full_calls += 1
         out = DeviceArray(q.shape, q.dtype) if rest[0] is None else rest[0]
         lse = DeviceArray((q.shape[1], q.shape[0]), np.float32)
-        self._launch_present(q, k, v, cu_q, cu_k, out, *rest[3:5], lse)
+        mods = rest[5] if len(rest) > 5 else None
+        self._launch_present(q, k, v, cu_q, cu_k, out, *rest[3:5], lse, mods=mods)
         return (out, lse) if return_lse else out
 
     def _backward(self, dout, q, k, v, out, lse, *flags):
@@ -115,7 +124,8 @@ class _Device:
         grads = tuple(DeviceArray(x.shape, x.dtype) for x in (q, k, v))
         if sinks is not None:  # dsinks
             grads += (DeviceArray(sinks.shape, sinks.dtype),)
-        self._launch_present(dout, q, k, v, out, lse, sinks, slopes, *grads)
+        mods = flags[8] if len(flags) > 8 else None
+        self._launch_present(dout, q, k, v, out, lse, sinks, slopes, *grads, mods=mods)
         return grads
 
 
@@ -445,6 +455,128 @@ def test_a_packed_batch_with_slopes_replays(device):
         out = numflash.attention_varlen(q, k, v, cu, cu, 100, 100, alibi_slopes=slopes)
     assert device.full_calls == 1
     assert device.replays == [_pointers(q, k, v, cu, cu, out, slopes)]
+
+
+def _score_mod(score, b, h, q_idx, kv_idx, bias):
+    """A stand-in for a user's score_mod (the stand-ins' full path runs nothing)."""
+    return score + bias[h]
+
+
+def _mask_mod(b, h, q_idx, kv_idx, bias):
+    return kv_idx <= q_idx
+
+
+def _replayed(device, *arrays):
+    """Whether the one replay so far gave the launch exactly the pointers of ``arrays``, the
+    call's arrays (the stand-in launch takes a user function call's mod_args last)."""
+    (replay,) = device.replays
+    return sorted(replay.values()) == sorted(x.data.ptr for x in arrays)
+
+
+class _BlockMask:
+    """A stand-in block mask: the index array its kernels read."""
+
+    def __init__(self):
+        self.index = DeviceArray((64,), np.int32)
+
+
+def test_attention_with_user_functions_replays_with_the_new_calls_mod_args(device):
+    """The functions are part of the key (by identity), each of the mod_args a role: a
+    repeated call replays with its own arrays; other functions record their own plan."""
+    bias = DeviceArray((8,), np.float32)
+    numflash.attention(*_qkv(), score_mod=_score_mod, mod_args=(bias,), return_lse=True)
+    q, k, v = _qkv()
+    bias2 = DeviceArray((8,), np.float32)
+    out, lse = numflash.attention(q, k, v, score_mod=_score_mod, mod_args=[bias2],
+                                  return_lse=True)  # fmt: skip
+    assert device.full_calls == 1
+    assert _replayed(device, q, k, v, out, lse, bias2)
+    numflash.attention(q, k, v, score_mod=_mask_mod, mod_args=(bias2,), return_lse=True)
+    numflash.attention(q, k, v, mask_mod=_mask_mod, mod_args=(bias2,), return_lse=True)
+    numflash.attention(q, k, v, score_mod=_score_mod, mod_args=(bias2, bias), return_lse=True)
+    numflash.attention(q, k, v, return_lse=True)
+    assert device.full_calls == 5 and len(device.replays) == 1
+
+
+def test_a_block_mask_is_part_of_the_key_and_with_mod_args_gets_no_plan(device):
+    """One block mask for every layer and step replays; a new one records its plan; a call
+    with a block mask and its mod_args given too takes the full path every time."""
+    mask, other = _BlockMask(), _BlockMask()
+    for _ in range(3):
+        numflash.attention(*_qkv(), mask_mod=_mask_mod, block_mask=mask)
+    assert device.full_calls == 1 and len(device.replays) == 2
+    # the index is no role: the launch keeps the address it recorded (the block mask's own)
+    assert mask.index.data.ptr not in device.replays[-1].values()
+    numflash.attention(*_qkv(), mask_mod=_mask_mod, block_mask=other)
+    assert device.full_calls == 2
+    bias = DeviceArray((8,), np.float32)
+    for _ in range(2):
+        numflash.attention(*_qkv(), mask_mod=_mask_mod, block_mask=mask, mod_args=(bias,))
+    assert device.full_calls == 4
+
+
+def test_an_out_overlapping_a_mod_arg_is_left_to_the_full_path(device):
+    q, k, v = _qkv()
+    bias = DeviceArray((8,), np.float32)
+    call = dict(score_mod=_score_mod, mod_args=(bias,))
+    numflash.attention(q, k, v, out=DeviceArray(q.shape), **call)
+    numflash.attention(q, k, v, out=DeviceArray(q.shape, ptr=bias.data.ptr), **call)
+    assert device.full_calls == 2, "an out over a mod_arg was replayed"
+
+
+def test_backward_with_user_functions_replays(device):
+    def arrays():
+        q, k, v = _qkv()
+        return (DeviceArray(q.shape), q, k, v, DeviceArray(q.shape), DeviceArray((2, 8, 3), "f4"))
+
+    call = dict(score_mod=_score_mod, score_mod_derivative=_mask_mod)
+    numflash.attention_backward(*arrays(), mod_args=(DeviceArray((8,), np.float32),), **call)
+    inputs, bias = arrays(), DeviceArray((8,), np.float32)
+    grads = numflash.attention_backward(*inputs, mod_args=(bias,), **call)
+    assert device.full_calls == 1
+    assert _replayed(device, *inputs, *grads, bias)
+
+
+def test_a_decoding_step_with_user_functions_replays_and_checks_the_mod_args(device):
+    """A decoding step with a mask_mod replays with its new mod_args; a mod_arg inside a
+    cache being appended to is left to the full path (which refuses it)."""
+    q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
+    call = dict(cache_seqlens=seqlens, block_table=table, mask_mod=_mask_mod)
+    numflash.attention_with_kvcache(q, kc, vc, k, v, mod_args=(DeviceArray((2,), np.int32),),
+                                    **call)  # fmt: skip
+    ids = DeviceArray((2,), np.int32)
+    out = numflash.attention_with_kvcache(q, kc, vc, k, v, mod_args=(ids,), **call)
+    assert device.full_calls == 1
+    assert _replayed(device, q, kc, vc, k, v, seqlens, table, out, ids)
+    inside = DeviceArray((2,), np.int32, ptr=kc.data.ptr + 64)
+    numflash.attention_with_kvcache(q, kc, vc, k, v, mod_args=(inside,), **call)
+    assert device.full_calls == 2
+
+
+def test_a_packed_batch_with_user_functions_replays(device):
+    q, k, v = (DeviceArray((300, 4, 64)) for _ in range(3))
+    for _ in range(2):
+        cu, ids = DeviceArray((5,), np.int32), DeviceArray((300,), np.int32)
+        out = numflash.attention_varlen(q, k, v, cu, cu, 100, 100, mask_mod=_mask_mod,
+                                        mod_args=(ids,))  # fmt: skip
+    assert device.full_calls == 1
+    assert _replayed(device, q, k, v, cu, cu, out, ids)
+
+
+def test_a_call_with_user_functions_is_captured_once_it_has_a_plan(device):
+    q, k, v = _qkv()
+    bias = DeviceArray((8,), np.float32)
+    call = dict(score_mod=_score_mod, mod_args=(bias,))
+    device.capturing = 1
+    with pytest.raises(RuntimeError, match="captured into a CUDA graph the first time"):
+        numflash.attention(q, k, v, **call)
+    device.capturing = 0
+    numflash.attention(q, k, v, **call)
+    device.capturing = 1
+    numflash.attention(q, k, v, **call)
+    assert device.full_calls == 1 and len(device.replays) == 1
+    with pytest.raises(RuntimeError, match="cannot be captured into a CUDA graph yet"):
+        numflash.attention(q, k, v, mask_mod=_mask_mod, block_mask=_BlockMask(), mod_args=(bias,))
 
 
 def test_a_replay_under_capture_pins_its_plan(device):
