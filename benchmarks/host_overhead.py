@@ -33,6 +33,7 @@ import time
 
 import cupy
 import numpy as np
+from numba import cuda, float32
 
 import numflash
 from numflash import arrays
@@ -151,6 +152,11 @@ def kvcache_parts(call, args):
     }
 
 
+@cuda.jit(device=True)
+def _relative_bias(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (float32(q_idx) - float32(kv_idx))
+
+
 def call_patterns():
     """{pattern: host us a call} for the call patterns of a training or serving loop, each
     repeated (bursts, as :func:`per_call_us`); and the host time of the first call of a new
@@ -193,6 +199,10 @@ def call_patterns():
         )  # fmt: skip
 
     found["kvcache decode with sinks and a window (gpt-oss)"] = timed(decode_with_sinks)
+    slopes = cupy.full((4,), 0.1, dtype=cupy.float32)  # a score_mod with its mod_args
+    found["attention with a score_mod (relative bias)"] = timed(
+        lambda: numflash.attention(q, k, v, score_mod=_relative_bias, mod_args=(slopes,))
+    )
     # packed batches: 8 sequences, 1024 rows in all
     total, nseq = 1024, 8
     pq, pk, pv = (x[0] for x in random_qkv(1, total, 4, 64, "float16", seed=8))
