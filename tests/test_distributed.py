@@ -31,6 +31,25 @@ def _on_every_rank(world, fn):
     return run_ranks(fn, LocalRing.group(world), timeout=1800)
 
 
+def _ring_forward_and_backward(world, q, k, v, dout, **call):
+    """(out, lse, the gradients, each rank's (out, lse, gradients)) of ring attention over
+    ``world`` ranks of one process on the zigzag shards of the whole sequence's q, k, v and
+    dout, forward and backward with the same ``call`` keywords; out, lse and the gradients
+    put back in sequence order (a rank-local dsinks stays as each rank gave it)."""
+
+    def rank_work(rank, ring):
+        mine = [shard(x, rank, world) for x in (q, k, v, dout)]
+        out, lse = ring_attention(*mine[:3], ring, return_lse=True, **call)
+        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, **call)
+        return out, lse, grads
+
+    results = _on_every_rank(world, rank_work)
+    out = unshard([r[0] for r in results])
+    lse = unshard([r[1] for r in results], axis=2)
+    grads = [unshard([r[2][i] for r in results]) for i in range(3)]
+    return out, lse, grads + [None] * (len(results[0][2]) - 3), results
+
+
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_shard_and_unshard_are_inverse_and_zigzag(world):
     x = xp.arange(2 * 6 * world * 3).reshape(2, 6 * world, 3)
@@ -71,18 +90,10 @@ def test_ring_attention_matches_attention_on_the_whole_sequence(world, causal, d
     k, v = (random_array((1, seqlen, kv_heads, head_dim), dtype) for _ in range(2))
     dout = random_array(q.shape, dtype)
 
-    def rank_work(rank, ring):
-        mine = [shard(x, rank, world) for x in (q, k, v, dout)]
-        mask = dict(causal=causal, window_size=window)
-        out, lse = ring_attention(*mine[:3], ring, return_lse=True, **mask)
-        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, **mask)
-        return out, lse, grads
-
-    results = _on_every_rank(world, rank_work)
-    out = unshard([r[0] for r in results])
-    lse = unshard([r[1] for r in results], axis=2)
+    out, lse, (dq, dk, dv), _ = _ring_forward_and_backward(
+        world, q, k, v, dout, causal=causal, window_size=window
+    )
     assert_matches_reference(q, k, v, out, lse, causal=causal, window_size=window)
-    dq, dk, dv = (unshard([r[2][i] for r in results]) for i in range(3))
     assert_gradients_match(dout, q, k, v, dq, dk, dv, causal=causal, window_size=window)
 
 
@@ -100,19 +111,10 @@ def test_ring_attention_with_sinks_and_a_softcap_matches_the_whole_sequence(worl
     sinks = xp.asarray(sinks_host)
     variants = Variants(softcap=2.0, sinks=sinks_host)
     mask = dict(causal=causal, window_size=window)
-
-    def rank_work(rank, ring):
-        mine = [shard(x, rank, world) for x in (q, k, v, dout)]
-        call = dict(mask, softcap=2.0, sinks=sinks)
-        out, lse = ring_attention(*mine[:3], ring, return_lse=True, **call)
-        grads = ring_attention_backward(mine[3], *mine[:3], out, lse, ring, **call)
-        return out, lse, grads
-
-    results = _on_every_rank(world, rank_work)
-    out = unshard([r[0] for r in results])
-    lse = unshard([r[1] for r in results], axis=2)
+    out, lse, (dq, dk, dv, _), results = _ring_forward_and_backward(
+        world, q, k, v, dout, softcap=2.0, sinks=sinks, **mask
+    )
     assert_matches_reference(q, k, v, out, lse, variants=variants, **mask)
-    dq, dk, dv = (unshard([r[2][i] for r in results]) for i in range(3))
     assert_gradients_match(dout, q, k, v, dq, dk, dv, variants=variants, **mask)
     dsinks = sum(to_numpy(r[2][3]).astype(np.float64) for r in results)
     delta = (to_numpy(to_float64(dout)) * to_numpy(to_float64(out))).sum(axis=3)  # (b, s, h)

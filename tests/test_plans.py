@@ -82,15 +82,21 @@ def test_a_flag_of_another_type_does_not_reach_a_plan():
         numflash.attention(q, k, v, causal=1)
 
 
+def _paged_caches(rng, batch, pages, page=16):
+    """(block table, paged bf16 caches of 2 KV heads and head_dim 64, copies of them): the
+    pages of each sequence in shuffled order."""
+    table = xp.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
+    caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
+    return table, caches, [c.copy() for c in caches]
+
+
 def test_a_decoding_loop_replays_with_lengths_advancing_on_the_device():
     """One plan serves every step of a paged decoding loop with appends: cache_seqlens grows
     on the device; outputs and caches equal a second loop run through the full path."""
     api._plans.clear()
     rng = np.random.default_rng(3)
-    batch, page, pages = 3, 16, 8
-    table = xp.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
-    caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
-    twins = [c.copy() for c in caches]
+    batch = 3
+    table, caches, twins = _paged_caches(rng, batch, pages=8)
     lengths = xp.asarray(np.array([5, 40, 71], np.int32))
     for step in range(4):
         q = random_array((batch, 1, 8, 64), "bfloat16", rng)
@@ -253,10 +259,8 @@ def test_a_gpt_oss_decoding_loop_with_sinks_replays_one_plan():
     one plan for every step, outputs, lse and caches equal to the full path's."""
     api._plans.clear()
     rng = np.random.default_rng(6)
-    batch, page, pages = 3, 16, 16
-    table = xp.asarray(rng.permutation(batch * pages).astype(np.int32).reshape(batch, pages))
-    caches = [random_array((batch * pages, page, 2, 64), "bfloat16", rng) for _ in range(2)]
-    twins = [c.copy() for c in caches]
+    batch = 3
+    table, caches, twins = _paged_caches(rng, batch, pages=16)
     lengths = xp.asarray(np.array([5, 140, 201], np.int32))
     sinks = xp.asarray(rng.normal(size=8).astype(np.float32))
     call = dict(block_table=table, window_size=(127, 0), causal=True, sinks=sinks)
