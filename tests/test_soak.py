@@ -4,16 +4,18 @@ reuse, with many threads on many streams.
 Eight threads, each on its own CuPy stream, run 10,000 mixed calls between them (forward and
 backward of random shapes, KV-cache decoding steps with appends over a contiguous and a paged
 cache with lengths on the device and as an int, chunked prefill, packed batches with new
-offsets every call; a third of the forward, backward and decoding calls with sinks), each
-thread a program drawn from its seed. Every output of every call
-equals, bitwise, the output of the same program run alone afterwards on the default stream,
-and the memory pool stops growing once every signature has been seen. On the GPU, and slow:
+offsets every call; a third of the forward, backward and decoding calls with sinks, a
+quarter of the forward and backward ones with a score_mod), each thread a program drawn from
+its seed. Every output of every call equals, bitwise, the output of the same program run
+alone afterwards on the default stream, and the memory pool stops growing once every
+signature has been seen. On the GPU, and slow:
 
     python -m pytest -m slow tests/test_soak.py
 """
 
 import numpy as np
 import pytest
+from numba import cuda, float32
 from support import random_array, run_on_streams, to_numpy, xp
 
 import numflash
@@ -24,6 +26,16 @@ THREADS = 8
 CALLS = 10_000 // THREADS
 #: Elements of the largest array a digest reads.
 LARGEST = 1 << 18
+
+
+@cuda.jit(device=True)
+def _relative_bias(score, b, h, q_idx, kv_idx, slopes):
+    return score + slopes[h] * (float32(q_idx) - float32(kv_idx))
+
+
+@cuda.jit(device=True)
+def _relative_bias_derivative(score, b, h, q_idx, kv_idx, slopes):
+    return float32(1.0)
 
 
 class _Program:
@@ -65,13 +77,18 @@ class _Program:
         hk, d = int(self.rng.choice([1, 4])), int(self.rng.choice([64, 128]))
         causal = bool(self.rng.integers(2))
         q, k, v = (self.array((b, n, h, d)) for n, h in ((sq, 4), (200, hk), (200, hk)))
-        sinks = self.sinks(4)
-        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, sinks=sinks)
+        sinks, mods = self.sinks(4), {}
+        if self.rng.integers(4) == 0:  # a relative bias through a score_mod, new slopes
+            mods = dict(score_mod=_relative_bias, mod_args=(self.array((4,), "float32"),))
+        out, lse = numflash.attention(q, k, v, causal=causal, return_lse=True, sinks=sinks,
+                                      **mods)  # fmt: skip
         self.digest(out, lse)
         if backward:
             dout = self.array(q.shape)
+            if mods:
+                mods["score_mod_derivative"] = _relative_bias_derivative
             grads = numflash.attention_backward(
-                dout, q, k, v, out, lse, causal=causal, deterministic=True, sinks=sinks
+                dout, q, k, v, out, lse, causal=causal, deterministic=True, sinks=sinks, **mods
             )
             self.digest(*grads)
 
