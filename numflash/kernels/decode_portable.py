@@ -69,8 +69,8 @@ def sequence_length(seqlens, b, seqlen_new, capacity):
 
 #: Warps of an append block, each copying one (new row, kv head) of a sequence: its lanes
 #: ceil(head_dim / 32) elements of K and of V each, every load issued before the first store.
-#: Blocks of one warp took 6.1 us for b4 x 128 rows x 8 heads at head_dim 128 (4096 blocks,
-#: H200); eight a block are 512 there, not yet timed (docs/performance.md, "Chunked prefill").
+#: Blocks of one warp took 6.1 us for b4 x 128 rows x 8 heads at head_dim 128 (4096 blocks);
+#: eight a block (H200, docs/performance.md, "The append").
 APPEND_WARPS = 8
 APPEND_THREADS = 32 * APPEND_WARPS
 
