@@ -390,8 +390,8 @@ class PortableDecodeConfig(_Config):
     ROLE: ClassVar[str] = "decode"
     HARDWARE: ClassVar[str] = "portable"
     LOCAL_ROWS: ClassVar[bool] = True
-    REVISION: ClassVar[int] = 4  # 2: the combine kernel takes one block per row; 3: a warp an
-    # appended row; 4: APPEND_WARPS of them a block (decode_portable)
+    REVISION: ClassVar[int] = 3  # 2: the combine kernel takes one block per row; 3: a warp an
+    # appended row (decode_portable.APPEND_THREADS)
 
     @property
     def threads(self):

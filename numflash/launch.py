@@ -1346,8 +1346,8 @@ APPEND = KernelSpec(
     arrays=(("k", "elem"), ("v", "elem"), ("k_cache", "elem"), ("v_cache", "elem"),
             ("seqlens", "int32"), ("batch_idx", "int32"), ("block_table", "int32")),
     strided=("k", "v", "k_cache", "v_cache"),
-    scalars=(("seqlen_new", "int32"), ("nheads_k", "int32"), ("page_size", "int32"),
-             ("max_blocks", "int32"), ("slots", "int32"), ("capacity", "int32")),
+    scalars=(("page_size", "int32"), ("max_blocks", "int32"), ("slots", "int32"),
+             ("capacity", "int32")),
 )  # fmt: skip
 SPLIT_ATTENTION = KernelSpec(
     arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("seqlens", "int32"),
@@ -1435,9 +1435,8 @@ def _kvcache(
                 APPEND,
                 dtype,
             )
-            grid = decode_portable.append_grid(p.seqlen_new, p.nheads_k, p.batch)
-            scalars = (p.seqlen_new, p.nheads_k) + geometry
-            append(grid, decode_portable.APPEND_THREADS, stream, 0, APPEND.args(views, scalars))
+            grid = (p.seqlen_new, p.nheads_k, p.batch)
+            append(grid, decode_portable.APPEND_THREADS, stream, 0, APPEND.args(views, geometry))
     target, direct = _output_target(out, d, p)
     # partials of (split, batch, head, position), fp32: the portable kernels' always
     if num_splits > 1 or portable:

@@ -67,26 +67,17 @@ def sequence_length(seqlens, b, seqlen_new, capacity):
     return clamp(seqlens[b] + seqlen_new, 0, capacity)
 
 
-#: Warps of an append block, each copying one (new row, kv head) of a sequence: its lanes
-#: ceil(head_dim / 32) elements of K and of V each, every load issued before the first store.
-#: Blocks of one warp took 6.1 us for b4 x 128 rows x 8 heads at head_dim 128 (4096 blocks);
-#: eight a block (H200, docs/performance.md, "The append").
-APPEND_WARPS = 8
-APPEND_THREADS = 32 * APPEND_WARPS
-
-
-def append_grid(seqlen_new, nheads_k, batch):
-    """The append kernel's grid: blocks of APPEND_WARPS (row, kv head) pairs, a sequence's
-    rows in consecutive blocks (their pairs in memory order for a (b, s, h, d) layout)."""
-    return (-(-seqlen_new * nheads_k // APPEND_WARPS), 1, batch)
+#: Threads of an append block: one warp a (new row, kv head, sequence), each lane copying
+#: ceil(head_dim / 32) elements of K and of V, every load issued before the first store: 6.1 us
+#: against 6.6-8.0 for head_dim threads an element each (H200, docs/performance.md).
+APPEND_THREADS = 32
 
 
 @functools.lru_cache(maxsize=None)
 def build_append(head_dim, dtype_name, paged):
-    """The append kernel: grid append_grid(seqlen_new, nheads_k, batch), APPEND_THREADS
-    threads."""
+    """The append kernel: grid (seqlen_new, nheads_k, batch), APPEND_THREADS threads."""
     HEAD_DIM = head_dim
-    PER_LANE = -(-head_dim // 32)
+    PER_LANE = -(-head_dim // APPEND_THREADS)
     ELEM = float32 if dtype_name == "float32" else uint16
     key_row = address_function(paged)
 
@@ -103,8 +94,6 @@ def build_append(head_dim, dtype_name, paged):
         v_st,
         kc_st,
         vc_st,
-        seqlen_new,
-        nheads_k,
         page_size,
         max_blocks,
         slots,
@@ -114,13 +103,12 @@ def build_append(head_dim, dtype_name, paged):
         v_sb, v_ss, v_sh = v_st
         kc_sb, kc_ss, kc_sh = kc_st
         vc_sb, vc_ss, vc_sh = vc_st
-        pair = cuda.blockIdx.x * APPEND_WARPS + cuda.threadIdx.x // 32
-        i = pair // nheads_k
-        h = pair - i * nheads_k
+        i = cuda.blockIdx.x
+        h = cuda.blockIdx.y
         b = cuda.blockIdx.z
-        lane = cuda.threadIdx.x % 32
+        lane = cuda.threadIdx.x
         pos = seqlens[b] + i
-        if i < seqlen_new and 0 <= pos and pos < capacity:
+        if 0 <= pos and pos < capacity:
             found, slot, row = key_row(b, pos, batch_idx, block_table, page_size, max_blocks, slots)
             if found:
                 ks = cuda.local.array(PER_LANE, ELEM)
@@ -128,15 +116,15 @@ def build_append(head_dim, dtype_name, paged):
                 k_at = b * k_sb + i * k_ss + h * k_sh + lane
                 v_at = b * v_sb + i * v_ss + h * v_sh + lane
                 for j in range(PER_LANE):  # every load first: they are in flight together
-                    if lane + j * 32 < HEAD_DIM:
-                        ks[j] = k[k_at + j * 32]
-                        vs[j] = v[v_at + j * 32]
+                    if lane + j * APPEND_THREADS < HEAD_DIM:
+                        ks[j] = k[k_at + j * APPEND_THREADS]
+                        vs[j] = v[v_at + j * APPEND_THREADS]
                 kc_at = slot * kc_sb + row * kc_ss + h * kc_sh + lane
                 vc_at = slot * vc_sb + row * vc_ss + h * vc_sh + lane
                 for j in range(PER_LANE):
-                    if lane + j * 32 < HEAD_DIM:
-                        k_cache[kc_at + j * 32] = ks[j]
-                        v_cache[vc_at + j * 32] = vs[j]
+                    if lane + j * APPEND_THREADS < HEAD_DIM:
+                        k_cache[kc_at + j * APPEND_THREADS] = ks[j]
+                        v_cache[vc_at + j * APPEND_THREADS] = vs[j]
 
     return append
 
