@@ -102,11 +102,24 @@ def _on_xla_stream(ctx):
     return stream
 
 
-def _variant_buffers(buffers, given):
-    """(sinks, alibi_slopes) of a callback from its trailing ``buffers``: those of the two
-    that ``given`` says the call has, in that order; None for the others."""
+def _keywords(causal, scale, window, softcap, buffers, given):
+    """The keywords a callback passes numflash: its static options, and the sinks and ALiBi
+    slopes from its trailing ``buffers`` (those of the two ``given`` says the call has, in
+    that order; None for the others)."""
     buffers = iter(buffers)
-    return tuple(_array(next(buffers)) if present else None for present in given)
+    sinks, slopes = (_array(next(buffers)) if present else None for present in given)
+    return dict(causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
+                sinks=sinks, alibi_slopes=slopes)  # fmt: skip
+
+
+def _backward_into(ctx, outs, backward, arrays, keywords, fold):
+    """``backward(*arrays, **keywords)`` on XLA's stream, each gradient written into its
+    output buffer: dq, dk and dv (with ``fold``, the vmapped axes folded into their batch
+    dimension), then dsinks where the call has sinks."""
+    with _on_xla_stream(ctx):
+        for buffer, grad in zip(outs, backward(*arrays, **keywords)):
+            target = _array(buffer)
+            (_flat(target, 3) if fold and grad.ndim == 4 else target)[...] = grad
 
 
 @functools.lru_cache(maxsize=256)  # one callable per options: JAX caches by the callable
@@ -115,13 +128,10 @@ def _forward_callback(options, given=(False, False)):
 
     def callback(ctx, outs, q, k, v, *variants):
         out, lse = _flat(_array(outs[0]), 3), _flat(_array(outs[1]), 2)
-        sinks, slopes = _variant_buffers(variants, given)
+        keywords = _keywords(causal, scale, window, softcap, variants, given)
         with _on_xla_stream(ctx):
-            _, got = api.attention(
-                *(_flat(_array(x), 3) for x in (q, k, v)), causal=causal, softmax_scale=scale,
-                window_size=window, return_lse=True, out=out, softcap=softcap, sinks=sinks,
-                alibi_slopes=slopes,
-            )  # fmt: skip
+            _, got = api.attention(*(_flat(_array(x), 3) for x in (q, k, v)), return_lse=True,
+                                   out=out, **keywords)  # fmt: skip
             lse[...] = got
 
     return callback
@@ -132,16 +142,9 @@ def _backward_callback(options, given=(False, False)):
     causal, scale, window, softcap = options
 
     def callback(ctx, outs, dout, q, k, v, out, lse, *variants):
-        sinks, slopes = _variant_buffers(variants, given)
-        with _on_xla_stream(ctx):
-            grads = api.attention_backward(
-                *(_flat(_array(b), 3) for b in (dout, q, k, v, out)), _flat(_array(lse), 2),
-                causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
-                sinks=sinks, alibi_slopes=slopes,
-            )  # fmt: skip
-            for buffer, grad in zip(outs, grads):  # dq, dk, dv (vmapped axes folded), dsinks
-                target = _array(buffer)
-                (_flat(target, 3) if grad.ndim == 4 else target)[...] = grad
+        arrays = (*(_flat(_array(b), 3) for b in (dout, q, k, v, out)), _flat(_array(lse), 2))
+        keywords = _keywords(causal, scale, window, softcap, variants, given)
+        _backward_into(ctx, outs, api.attention_backward, arrays, keywords, fold=True)
 
     return callback
 
@@ -252,12 +255,11 @@ def _varlen_forward_callback(options, given=(False, False)):
 
     def callback(ctx, outs, q, k, v, cu_q, cu_k, *variants):
         out, lse = (_array(b) for b in outs)
-        sinks, slopes = _variant_buffers(variants, given)
+        keywords = _keywords(causal, scale, window, softcap, variants, given)
         with _on_xla_stream(ctx):
             _, got = api.attention_varlen(
-                *(_array(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, causal=causal,
-                softmax_scale=scale, window_size=window, return_lse=True, out=out,
-                softcap=softcap, sinks=sinks, alibi_slopes=slopes,
+                *(_array(x) for x in (q, k, v, cu_q, cu_k)), max_q, max_k, return_lse=True,
+                out=out, **keywords,
             )  # fmt: skip
             lse[...] = got
 
@@ -269,15 +271,9 @@ def _varlen_backward_callback(options, given=(False, False)):
     causal, scale, window, max_q, max_k, softcap = options
 
     def callback(ctx, outs, dout, q, k, v, out, lse, cu_q, cu_k, *variants):
-        sinks, slopes = _variant_buffers(variants, given)
-        with _on_xla_stream(ctx):
-            grads = api.attention_varlen_backward(
-                *(_array(x) for x in (dout, q, k, v, out, lse, cu_q, cu_k)), max_q, max_k,
-                causal=causal, softmax_scale=scale, window_size=window, softcap=softcap,
-                sinks=sinks, alibi_slopes=slopes,
-            )  # fmt: skip
-            for buffer, grad in zip(outs, grads):  # dq, dk, dv, dsinks
-                _array(buffer)[...] = grad
+        arrays = (*(_array(x) for x in (dout, q, k, v, out, lse, cu_q, cu_k)), max_q, max_k)
+        keywords = _keywords(causal, scale, window, softcap, variants, given)
+        _backward_into(ctx, outs, api.attention_varlen_backward, arrays, keywords, fold=False)
 
     return callback
 
@@ -344,16 +340,15 @@ def _kvcache_callback(options, appends, paged, given=(False, False)):
         # the caches' outputs alias their inputs (input_output_aliases): the append and the
         # attention work on the output buffers, which hold the caches
         out, k_out, v_out = (_array(b) for b in outs)
-        rest = [_array(x) for x in rest]
-        k, v = (rest.pop(0), rest.pop(0)) if appends else (None, None)
-        seqlens = rest.pop(0)
-        block_table = rest.pop(0) if paged else None
-        sinks, slopes = (rest.pop(0) if present else None for present in given)
+        rest = list(rest)
+        k, v = (_array(rest.pop(0)), _array(rest.pop(0))) if appends else (None, None)
+        seqlens = _array(rest.pop(0))
+        block_table = _array(rest.pop(0)) if paged else None
+        keywords = _keywords(causal, scale, window, softcap, rest, given)  # the variants left
         with _on_xla_stream(ctx):
             api.attention_with_kvcache(
                 _array(q), k_out, v_out, k, v, cache_seqlens=seqlens, block_table=block_table,
-                causal=causal, softmax_scale=scale, window_size=window, out=out, softcap=softcap,
-                sinks=sinks, alibi_slopes=slopes,
+                out=out, **keywords,
             )  # fmt: skip
 
     return callback
