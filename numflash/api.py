@@ -157,16 +157,33 @@ def _mods_call(sig, mods, args):
     return extended, (*args, score_mod, mask_mod, derivative, block_mask, *mod_args)
 
 
-def _split(full, count, mods):
-    """(the function's own ``count`` arguments, ``mods`` with the mod_args ``full`` holds,
-    the mod_args as plan roles) of a call's arguments ``full`` as :func:`_mods_call` made
-    them (arrays adopted by :func:`_repeated`); for a call without user functions (``full``,
-    None, ())."""
-    if mods is None:
-        return full, None, ()
-    mod_args = tuple(full[count + len(_MODS_VALUES) :])
-    mods = (mods[0], mods[1], mod_args if mod_args else mods[2], mods[3], mods[4])
-    return full[:count], mods, mod_args
+def _lookup(sig, args, mods, name, full_path):
+    """The start of every public call that may have a plan: ``sig`` its signature, ``args``
+    its own arguments in that order, ``mods`` its user functions (:func:`_user_functions`),
+    ``full_path(*args, mods)`` what runs it without a plan. Returns (result, None) where a
+    plan replayed the call or the full path ran it without recording (no key, or a call
+    that gets no plan: :func:`_mods_call`, refused under capture with a block mask), else
+    (None, (key, args, mods, the mod_args as plan roles)) for the caller to record, the
+    arrays as :func:`_repeated` adopted them."""
+    full = args
+    if mods is not None:
+        extended, full = _mods_call(sig, mods, args)
+        if extended is None:
+            if mods[4] is not None:
+                _refuse_under_capture(f"{name} with a block_mask and mod_args", planned=False)
+            return full_path(*args, mods), None
+        sig = extended
+    result, key, full = _repeated(sig, full, name)
+    if result is not None:
+        return result, None
+    count, mod_roles = len(args), ()
+    if mods is not None:  # the mod_args as _repeated adopted them
+        mod_roles = tuple(full[count + len(_MODS_VALUES) :])
+        mods = (mods[0], mods[1], mod_roles if mod_roles else mods[2], mods[3], mods[4])
+    args = full[:count]
+    if key is None:
+        return full_path(*args, mods), None
+    return None, (sig, key, args, mods, mod_roles)
 
 
 def _recent(sig, args):
@@ -471,24 +488,16 @@ def attention(
     """
     args = (q, k, v, causal, softmax_scale, window_size, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
-    sig, full = _ATTENTION, args
     mods = _user_functions(score_mod, mask_mod, mod_args, block_mask=block_mask)
-    if mods is not None:
-        sig, full = _mods_call(_ATTENTION, mods, args)
-        if sig is None:
-            _refuse_under_capture("attention with a block_mask and mod_args", planned=False)
-            return _attention(*args, mods=mods)
-    result, key, full = _repeated(sig, full, "attention")
-    if result is not None:
+    # no plan yet, or an out= overlapping an input: the full path refuses it by name
+    result, found = _lookup(_ATTENTION, args, mods, "attention", _attention)
+    if found is None:
         return result
-    args, mods, mod_roles = _split(full, len(args), mods)
-    # else no plan yet, or an out= overlapping an input: the full path refuses it by name
-    if key is None:
-        return _attention(*args, mods=mods)
+    sig, key, args, mods, mod_roles = found
     q, k, v, out = (*args[:3], args[7])
     given = out is not None
     with launch.recording() as recorded:
-        result = _attention(*args, mods=mods)
+        result = _attention(*args, mods)
     out, lse = result if return_lse else (result, None)
     # a given out was refused overlapping q, k, v, the sinks, the slopes or the mod_args
     overlaps = [(3, r) for r in (0, 1, 2, *range(4, 6 + len(mod_roles))) if given]
@@ -633,18 +642,11 @@ def attention_varlen(
     """
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal)
     args += (softmax_scale, window_size, return_lse, out, config, softcap, sinks, alibi_slopes)
-    sig, full = _VARLEN, args
     mods = _user_functions(score_mod, mask_mod, mod_args)
-    if mods is not None:
-        sig, full = _mods_call(_VARLEN, mods, args)
-        if sig is None:
-            return _attention_varlen(*args, mods)
-    result, key, full = _repeated(sig, full, "attention_varlen")
-    if result is not None:
+    result, found = _lookup(_VARLEN, args, mods, "attention_varlen", _attention_varlen)
+    if found is None:
         return result
-    args, mods, mod_roles = _split(full, len(args), mods)
-    if key is None:
-        return _attention_varlen(*args, mods)
+    sig, key, args, mods, mod_roles = found
     q, k, v, cu_seqlens_q, cu_seqlens_k, out = (*args[:5], args[11])
     given = out is not None
     with launch.recording() as recorded:
@@ -819,19 +821,11 @@ def attention_backward(
     """
     args = (dout, q, k, v, out, lse, causal, softmax_scale, window_size, deterministic, config)
     args += (softcap, sinks, alibi_slopes)
-    sig, full = _BACKWARD, args
     mods = _user_functions(score_mod, mask_mod, mod_args, score_mod_derivative, block_mask)
-    if mods is not None:
-        sig, full = _mods_call(_BACKWARD, mods, args)
-        if sig is None:
-            _refuse_under_capture("attention_backward with a block_mask and mod_args", False)
-            return _attention_backward(*args, mods)
-    grads, key, full = _repeated(sig, full, "attention_backward")
-    if grads is not None:
+    grads, found = _lookup(_BACKWARD, args, mods, "attention_backward", _attention_backward)
+    if found is None:
         return grads
-    args, mods, mod_roles = _split(full, len(args), mods)
-    if key is None:
-        return _attention_backward(*args, mods)
+    sig, key, args, mods, mod_roles = found
     with launch.recording() as recorded:
         grads = _attention_backward(*args, mods)
     outputs = [(x.shape, x.dtype) for x in grads]  # dq, dk, dv, and dsinks with sinks
@@ -1003,20 +997,13 @@ def attention_with_kvcache(
     args = (q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, causal)
     args += (softmax_scale, window_size, num_splits, return_lse, out, config, softcap, sinks)
     args += (alibi_slopes,)
-    sig, full = _KVCACHE, args
     mods = _user_functions(score_mod, mask_mod, mod_args)
-    if mods is not None:
-        sig, full = _mods_call(_KVCACHE, mods, args)
-        if sig is None:
-            return _attention_with_kvcache(*args, mods)
-    result, key, full = _repeated(sig, full, "attention_with_kvcache")
-    if result is not None:
+    # no plan yet, a written cache or an out= overlapping an input, or one cache for k and v
+    # (an append would write one over the other): the full path refuses it by name
+    result, found = _lookup(_KVCACHE, args, mods, "attention_with_kvcache", _attention_with_kvcache)
+    if found is None:
         return result
-    args, mods, mod_roles = _split(full, len(args), mods)
-    # else no plan yet, a written cache or an out= overlapping an input, or one cache for k and
-    # v (an append would write one over the other): the full path refuses it by name
-    if key is None:
-        return _attention_with_kvcache(*args, mods)
+    sig, key, args, mods, mod_roles = found
     q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = args[:8]
     out = args[13]
     seqlens, lengths = cache_seqlens, ()
