@@ -36,7 +36,7 @@ import threading
 
 import numpy as np
 
-from . import api, arrays, validation
+from . import api, arrays, launch, validation
 from .kernels.jit import SIMULATOR
 
 #: Numba's simulator runs one kernel at a time per process (a running kernel rebinds its
@@ -316,13 +316,16 @@ def _fold_sinks(out, lse, sinks):
     lse[...] = new
 
 
-def _sink_gradient(dout, out, lse, sinks):
+def _sink_gradient(dout, q, k, v, out, lse, sinks):
     """This rank's part of dsinks: -sum over its batch rows and query rows of e^{sink - lse}
-    rowsum(dout * out), in fp32 (the lse holds the sinks)."""
-    xp = arrays.array_module(out)
-    delta = (arrays.to_float32(dout) * arrays.to_float32(out)).sum(axis=3)  # (b, rows, h)
-    weight = xp.exp(sinks.astype(np.float32)[None, :, None] - lse)  # (b, h, rows)
-    return -(weight * delta.transpose(0, 2, 1)).sum(axis=(0, 2)).astype(np.float32)
+    rowsum(dout * out) (the lse holds the sinks), by the kernels attention_backward's dsinks
+    comes from (launch.sink_gradient: fp32, a fixed order)."""
+    p = validation.problem(q, k, v, False, None, (-1, -1))[-1]
+    dsinks = arrays.array_module(q).zeros((p.nheads,), dtype=np.float32)
+    if q.size:  # (no rows: no terms)
+        with _kernel_turn:
+            launch.sink_gradient(p, dout, out, lse, sinks, dsinks)
+    return dsinks
 
 
 # -- the ring ---------------------------------------------------------------------------------
@@ -476,4 +479,4 @@ def ring_attention_backward(
     # after ``size`` hops each slice's dK/dV came back around to its owner
     dk, dv = dkv
     grads = tuple(arrays.from_float(x, y.dtype) for x, y in ((dq, q), (dk, k), (dv, v)))
-    return grads if sinks is None else (*grads, _sink_gradient(dout, out, lse, sinks))
+    return grads if sinks is None else (*grads, _sink_gradient(dout, q, k, v, out, lse, sinks))
