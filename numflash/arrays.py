@@ -143,6 +143,16 @@ def kernel_view(x):
     return flat, strides
 
 
+def view_aligned(view, elements):
+    """Whether a :func:`kernel_view` starts and steps (every dimension but the last) at
+    multiples of ``elements`` elements."""
+    flat, strides = view
+    address = flat.ctypes.data if isinstance(flat, np.ndarray) else flat.pointer
+    if address % (elements * flat.itemsize):
+        return False
+    return all(s % elements == 0 for s in strides[:-1])
+
+
 def _byte_span(x):
     """[first, last) byte addresses that ``x``'s elements occupy (empty for a size-0 array)."""
     start = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr

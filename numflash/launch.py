@@ -51,7 +51,8 @@ LAUNCHERS = {}
 
 #: {configuration type: chunked prefill's launch builder} of the forward families that read KV
 #: caches (``READS_KV_CACHE``), taking (cfg, problem, q, k_cache, v_cache, views, geometry,
-#: stream) once the new rows are appended.
+#: stream); the new rows, where ``views`` holds "k" and "v", are its to append (its kernel, or
+#: :func:`append_new_rows` before it).
 PREFILL_LAUNCHERS = {}
 
 
@@ -1422,21 +1423,14 @@ def _kvcache(
         "block_table": arrays.kernel_view(xp.ascontiguousarray(block_table)),
     }
     views.update(_variant_views(p, variant))
-    d, dtype, paged = p.head_dim, p.dtype, p.paged
+    d, dtype = p.head_dim, p.dtype
     portable = isinstance(cfg, configs.PortableDecodeConfig)
     prefill = cfg.ROLE == "forward"  # chunked prefill on a forward family (the Hopper forward)
     if k is not None and p.seqlen_new:
         k, v = (_kernel_input(x) for x in (k, v))
         views.update(k=arrays.kernel_view(k), v=arrays.kernel_view(v))
-        if portable or prefill:  # the tensor-core decode kernel appends by itself
-            append = launcher(
-                (PORTABLE_DECODE_APPEND, d, dtype, paged),
-                lambda: decode_portable.build_append(d, dtype, paged),
-                APPEND,
-                dtype,
-            )
-            grid = (p.seqlen_new, p.nheads_k, p.batch)
-            append(grid, decode_portable.APPEND_THREADS, stream, 0, APPEND.args(views, geometry))
+        if portable:  # the tensor-core decode kernel appends by itself; chunked prefill's
+            append_new_rows(p, views, geometry, stream)  # launcher decides (its kernel may)
     target, direct = _output_target(out, d, p)
     # partials of (split, batch, head, position), fp32: the portable kernels' always
     if num_splits > 1 or portable:
@@ -1508,6 +1502,20 @@ def _portable_kvcache(cfg, num_splits, p, q, views, geometry, stream):
         0,
         spec.args(views, scalars),
     )
+
+
+def append_new_rows(p, views, geometry, stream):
+    """The portable append kernel: the new rows ``views["k"]``, ``views["v"]`` into the caches
+    at each sequence's length, before a kernel that reads them there."""
+    d, dtype, paged = p.head_dim, p.dtype, p.paged
+    append = launcher(
+        (PORTABLE_DECODE_APPEND, d, dtype, paged),
+        lambda: decode_portable.build_append(d, dtype, paged),
+        APPEND,
+        dtype,
+    )
+    grid = (p.seqlen_new, p.nheads_k, p.batch)
+    append(grid, decode_portable.APPEND_THREADS, stream, 0, APPEND.args(views, geometry))
 
 
 @launches(configs.TensorCoreDecodeConfig)

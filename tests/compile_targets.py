@@ -69,6 +69,7 @@ INSTRUCTIONS = [
     "cp.reduce.async.bulk",
     "red.global.add",
     "bar.arrive",
+    "st.global.v4.u32",
 ]
 
 
@@ -370,13 +371,14 @@ BLOCK_MASK_MODS = Mods(_relative_bias, _same_document, _relative_bias_derivative
 
 def wgmma_forward(
     hd, dtype, config, varlen, cache=None, softcap=0.0, variants=False, mods=False,
-    page_warps=None,
+    page_warps=None, append=False,
 ):  # fmt: skip
     """The Hopper forward with ``config`` (None: the default at ``hd``), dense, packed or over
     a KV cache (``cache``: "contiguous", "paged" or "grouped"), its scores capped by
     ``softcap`` where given, with sinks and ALiBi slopes where ``variants``, with a user's
     score_mod and mask_mod where ``mods`` (MODS), a paged cache's TMA copies by ``page_warps``
-    producer warps (None: forward_sm90.PAGED_PRODUCER_WARPS, as selection runs it). Its
+    producer warps (None: forward_sm90.PAGED_PRODUCER_WARPS, as selection runs it), the new
+    rows appended by the kernel where ``append``. Its
     resources are read as Numba builds it for a launch (offline.lto_resource_usage): linking
     its PTX alone makes ptxas ignore setmaxnreg."""
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
@@ -388,7 +390,7 @@ def wgmma_forward(
         schedule = schedule[:-1] + (page_warps,)
     kernel = forward_sm90.build(
         hd, dtype, *schedule, softcap=softcap, sinks=variants, alibi=variants,
-        mods=MODS if mods else None,
+        mods=MODS if mods else None, append=append,
     )  # fmt: skip
     spec = wgmma_family.WGMMA_KVCACHE if cache else wgmma_family.WGMMA_FORWARD
     extra = (("sinks", "float32"), ("alibi_slopes", "float32")) if variants else ()
@@ -404,7 +406,8 @@ def wgmma_forward(
         {
             "family": "wgmma-forward",
             "kernel": (f"kvcache-{cache}" if cache else "varlen" if varlen else "dense")
-            + ("-1warp" if page_warps == 1 else ""),
+            + ("-1warp" if page_warps == 1 else "")
+            + ("-append" if append else ""),
             "head_dim": hd,
             "dtype": dtype,
             "softcap": softcap,
@@ -512,6 +515,11 @@ def jobs(quick):
         out.append((wgmma_forward, (hd, dtype, config, False, layout)))
     # ... a paged cache's K and V copied by one producer warp (PAGED_PRODUCER_WARPS = 1)
     out.append((wgmma_forward, (128, "float16", None, False, "grouped", 0.0, False, False, 1)))
+    # ... the new rows appended by the producer's other warps (short chunks), contiguous and
+    # grouped pages copied by one producer warp and by two
+    for layout, warps in (("contiguous", None), ("grouped", None), ("grouped", 1)):
+        args = (128, "bfloat16", None, False, layout, 0.0, False, False, warps, True)
+        out.append((wgmma_forward, args))
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 50.0)))
     # ... a softcap of at most BOUNDED_SOFTCAP: the max fixed at the cap
     out.append((wgmma_forward, (128, "bfloat16", None, False, None, 30.0)))

@@ -361,6 +361,16 @@ def main(argv):
             test_kvcache.test_the_hopper_forward_copies_a_page_of_every_atom_at_once(
                 types.SimpleNamespace(setattr=setattr), warps
             )
+        # short chunks whose new rows the kernel appends itself, and hostile lengths then
+        for warps in (2, 1):
+            for case in test_kvcache.APPEND_CASES:
+                test_kvcache.test_the_hopper_forward_appends_a_short_chunk_itself(
+                    types.SimpleNamespace(setattr=setattr), case, warps
+                )
+        for page in (0, 16):
+            test_kvcache.test_hostile_lengths_stay_inside_the_arrays_when_the_hopper_forward_appends(
+                page, types.SimpleNamespace(setattr=setattr)
+            )
         cupy.cuda.Device().synchronize()
         print("ok chunked prefill over hostile lengths and pages", flush=True)
     if family in (None, "varlen") and not kvcache_only:

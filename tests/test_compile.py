@@ -313,7 +313,7 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
     with sinks and ALiBi, too); a producer hands
     tiles over through mbarriers and moves registers to the consumers, its copies cp.async or
     one TMA copy per 64 columns of a tile through the three tensor maps it publishes (over a
-    KV cache too: chunked prefill)."""
+    KV cache too: chunked prefill, and then appending the new rows itself)."""
     entries = _entries(compiled, "wgmma-forward")
     assert {(e["head_dim"], e["kernel"]) for e in entries} >= {
         (64, "dense"),
@@ -324,7 +324,13 @@ def test_wgmma_forward_kernels_assemble_for_sm90a(compiled):
         (128, "kvcache-paged"),
         (128, "kvcache-grouped"),
         (128, "kvcache-grouped-1warp"),
+        (128, "kvcache-contiguous-append"),
+        (128, "kvcache-grouped-append"),
+        (128, "kvcache-grouped-1warp-append"),
     }
+    for e in entries:  # 16-byte copies of the new rows by the kernel that appends them alone
+        copies = e["counts"]["st.global.v4.u32"]
+        assert (copies > 0) == e["kernel"].endswith("-append"), e
     assert any(e["softcap"] for e in entries)  # the scores capped (attention's softcap)
     # half the probabilities by ptx.exp2_fma: about half the capped kernel's ex2 left
     capped = {

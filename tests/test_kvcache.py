@@ -258,6 +258,55 @@ def test_hostile_device_lengths_and_pages_stay_inside_the_arrays(kernel):
     assert not np.isnan(to_numpy(out).astype(np.float32)).any()
 
 
+def _spy_on_append_launches(monkeypatch):
+    """The arguments of each append launch of the calls that follow (a list), in a fresh plan
+    cache (a replay launches nothing through Python)."""
+    from numflash import api, launch
+
+    launched = []
+    monkeypatch.setattr(api, "_plans", type(api._plans)())
+    monkeypatch.setattr(launch, "_prepared", {})
+    append = launch.append_new_rows
+    spy = lambda *a: launched.append(a) or append(*a)  # noqa: E731
+    monkeypatch.setattr(launch, "append_new_rows", spy)
+    return launched
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_hostile_lengths_stay_inside_the_arrays_when_the_hopper_forward_appends(
+    page_size, monkeypatch
+):
+    """As above for the Hopper forward appending the new rows itself (TMA copies: a contiguous
+    cache, or pages of 16): lengths past the capacity or negative, a cache row or pages outside
+    the cache; no row but the sequences' new ones changes, no NaN."""
+    rng = np.random.default_rng(12)
+    q = random_array((3, 3, 2, 64), "float16", rng)
+    new = [random_array((3, 3, 1, 64), "float16", rng) for _ in range(2)]
+    lengths = xp.asarray(np.array([10**6, 14, -2], np.int32))
+    if page_size:  # two pages a sequence: the second's out of range, the third's negative
+        caches = [random_array((5, 16, 1, 64), "float16", rng) for _ in range(2)]
+        kw = dict(block_table=xp.asarray(np.array([[0, 1], [2, 99], [-7, 4]], np.int32)))
+        changed = {(2, 14), (2, 15)}  # (page, row): sequence 1's rows 14 and 15 (16 is absent)
+    else:
+        caches = [random_array((3, 32, 1, 64), "float16", rng) for _ in range(2)]
+        kw = dict(cache_batch_idx=xp.asarray(np.array([0, 2, 7], np.int32)))
+        changed = {(2, 14), (2, 15), (2, 16)}
+    before = [to_numpy(c).copy() for c in caches]
+    launched = _spy_on_append_launches(monkeypatch)
+    out = numflash.attention_with_kvcache(
+        q, *caches, *new, cache_seqlens=lengths, config=KERNELS["hopper"], **kw
+    )
+    assert not launched, "the new rows were appended by a launch of their own"
+    for got, old, rows in zip((to_numpy(c) for c in caches), before, new):
+        for page, row in changed:
+            assert (
+                got[page, row].view(np.uint16) == to_numpy(rows)[1, row - 14].view(np.uint16)
+            ).all()
+            got[page, row] = old[page, row]
+        assert (got.view(np.uint16) == old.view(np.uint16)).all(), "a row outside the new ones"
+    assert not np.isnan(to_numpy(out).astype(np.float32)).any()
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_what_a_cache_holds_past_a_sequence_never_reaches_its_output(kernel, paged):
@@ -595,6 +644,39 @@ def test_prefill_rows_follow_how_the_forward_reads_the_cache():
     ):
         paged = dataclasses.replace(p, page_size=page, max_blocks=8192 // page + 1)
         assert selection.prefill_rows(paged) == selection.PREFILL_ROWS[entry], page
+
+
+#: Short chunks the Hopper forward appends itself (wgmma_forward.appends_in_kernel: at most a
+#: block of query rows and of new rows; KERNELS["hopper"] has 64).
+APPEND_CASES = [
+    # a permuted contiguous cache, GQA, the new rows crossing a key tile
+    Case("float16", (60, 3), seqlen_q=10, seqlen_new=10, nheads=4, nheads_k=2, head_dim=64,
+         permute=True, mask=dict(causal=True)),
+    # pages of 16 (TMA boxes), fewer query rows than new rows behind a window: new rows that
+    # no block reads reach the cache too
+    Case("bfloat16", (70, 20), seqlen_q=3, seqlen_new=40, nheads=2, nheads_k=1, head_dim=64,
+         page_size=16, mask=dict(window_size=(4, 0))),
+    # head_dim 128 over pages of 8 (a box of every atom a page), a page outside the cache
+    Case("bfloat16", (5, 64), seqlen_q=12, seqlen_new=12, nheads=2, nheads_k=1, head_dim=128,
+         page_size=8, mask=dict(causal=True)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("producer_warps", [1, 2])
+@pytest.mark.parametrize(
+    "case", APPEND_CASES, ids=lambda c: f"{c.dtype}-{c.lengths}-p{c.page_size}"
+)
+def test_the_hopper_forward_appends_a_short_chunk_itself(monkeypatch, case, producer_warps):
+    """Chunked prefill of at most a block of rows: the kernel's own producer warps write the
+    new rows into the cache before its copies read them (forward_sm90.build's ``append``),
+    with no append launch; the caches after the call and the output as run_and_check wants
+    them; with one producer warp copying a paged cache's K and V, or two."""
+    from numflash.kernels import forward_sm90
+
+    monkeypatch.setattr(forward_sm90, "PAGED_PRODUCER_WARPS", producer_warps)
+    launched = _spy_on_append_launches(monkeypatch)
+    run_and_check(case, _config("hopper", case))
+    assert not launched, "the new rows were appended by a launch of their own"
 
 
 @pytest.mark.parametrize("producer_warps", [1, 2])

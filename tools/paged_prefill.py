@@ -10,7 +10,7 @@ and runs each call once for a profiler.
     python tools/paged_prefill.py [--page-sizes 16 128 0] [--in-order] [--persistent]
                                   [--stages 3] [--registers 24,240] [--grouped-ab [--rounds 3]]
                                   [--producer-ab [--rounds 3]] [--against OTHER [--rounds 3]]
-                                  [--append-cost [--rounds 3]]
+                                  [--append-cost [--rounds 3]] [--append-ab [--rounds 3]]
     ncu --profile-from-start off -k regex:forward_sm90 --metrics smsp__inst_executed.sum \\
         python tools/paged_prefill.py --profile      # one call of each, the first shape
 
@@ -32,8 +32,10 @@ bits: how a kernel change is measured without the noise between processes
 (``git worktree add ../before HEAD~1``, then ``--against ../before``). ``--append-cost``
 times, in turns, ``attention`` on the keys and each layout's call with its new rows and
 without (no k and v, the lengths counting the rows an earlier call appended): what the
-in-place append adds. The append kernel alone: ``ncu --profile-from-start off -k
-regex:append --section SpeedOfLight python tools/paged_prefill.py --profile``.
+in-place append adds. ``--append-ab`` times short chunks (and cold caches) with the
+kernel's own append and with the append launch, in turns. The append kernel alone: ``ncu
+--profile-from-start off -k regex:append --section SpeedOfLight python tools/paged_prefill.py
+--profile``.
 """
 
 import argparse
@@ -74,6 +76,7 @@ def main():
     ap.add_argument("--producer-ab", action="store_true", help="two producer warps against one")
     ap.add_argument("--against", help="another checkout, timed in turns with this one")
     ap.add_argument("--append-cost", action="store_true", help="calls with and without k, v")
+    ap.add_argument("--append-ab", action="store_true", help="the kernel's append or a launch")
     ap.add_argument("--rounds", type=int, default=3, help="the turns of the A/B options")
     args = ap.parse_args()
     if args.registers:
@@ -105,6 +108,8 @@ def main():
         return against(args)
     if args.append_cost:
         return append_cost(args, config)
+    if args.append_ab:
+        return append_ab(args, config)
     found = {}
     for name, *sizes in SHAPES:
         for layout, call in calls(*sizes, args.page_sizes, config, not args.in_order):
@@ -163,6 +168,56 @@ def append_cost(args, config):
             ratio = found[f"{name}, attention"] / us
             print(f"{name:24s} {label:34s} {us:9.1f} us  {ratio:.3f}x attention", flush=True)
     print(json.dumps({"rounds": args.rounds, "us": found}))
+
+
+#: --append-ab's shapes beside SHAPES' first: (name, batch, new rows, cached keys)
+APPEND_SHAPES = [
+    ("b8 new128 cached1024", 8, 128, 1024),
+    ("b4 new128 cached0", 4, 128, 0),
+    ("b32 new64 cached0", 32, 64, 0),
+]
+
+
+def append_ab(args, config):
+    """--append-ab: per shape (SHAPES' first and APPEND_SHAPES: short chunks, which the
+    Hopper forward appends itself), dtype and layout, the call with the kernel's own append
+    (wgmma_forward.appends_in_kernel) and with the append launch before it, in turns; prints
+    both, the speed of the first over the second, whether they gave the same bits (output
+    and caches), and JSON."""
+    from bench_forward import DTYPES
+
+    from numflash.families import wgmma_forward
+
+    rows = wgmma_forward.APPEND_ROWS
+    found, same = {}, {}
+
+    def use(label):
+        wgmma_forward.APPEND_ROWS = rows if label.endswith("kernel") else 0
+        api._plans.clear()  # a replay plan keeps the kernels it recorded,
+        launch._prepared.clear()  # ... and so does a launch prepared for the geometry
+
+    for dtype in ("float16", "bfloat16"):
+        for name, batch, new, cached in SHAPES[:1] + APPEND_SHAPES:
+            arrays = shape_arrays(batch, new, cached, DTYPES[dtype])
+            sizes = [size or arrays[3].shape[1] for size in args.page_sizes]
+            layouts = cache_layouts(*arrays[3:], sizes, not args.in_order)
+            for (layout, call), (_, kc, vc, _) in zip(
+                kvcache_runs(*arrays[:3], layouts, cached, config), layouts
+            ):
+                bits = []
+                for label in ("kernel", "launch"):
+                    use(label)
+                    out = call()
+                    bits.append([x.view(cupy.uint16).copy() for x in (out, kc, vc)])
+                key = f"{dtype} {name}, {layout}"
+                same[key] = all(bool((a == b).all()) for a, b in zip(*bits))
+                runs = {"append by the kernel": call, "append launch": call}
+                _fastest_in_turns(runs, args.rounds, found, key, before=use)
+                mine, theirs = (found[f"{key}, {label}"] for label in runs)
+                print(f"{key:44s} {mine:8.1f} us, launch {theirs:8.1f} us: "
+                      f"{theirs / mine:.3f}x, same bits {same[key]}", flush=True)  # fmt: skip
+    use("kernel")  # numflash's own choice again
+    print(json.dumps({"rounds": args.rounds, "us": found, "same_bits": same}))
 
 
 def _fastest_in_turns(runs, rounds, found, prefix, alternate=False, before=None):

@@ -261,6 +261,13 @@ def cases():
             forward_sm90.build(128, "float16", *schedule),
             wgmma_forward.WGMMA_KVCACHE.signature("float16"),
         )
+        # ... appending a short chunk's new rows itself (wgmma_forward.appends_in_kernel)
+        yield (
+            family,
+            f"kvcache-{cache}-append-128-float16",
+            forward_sm90.build(128, "float16", *schedule, append=True),
+            wgmma_forward.WGMMA_KVCACHE.signature("float16"),
+        )
 
 
 #: A PTX instruction on float64 values (an operand type .f64: cvt, setp, arithmetic).

@@ -58,12 +58,13 @@ class WgmmaForwardConfig(config._Config):
     HARDWARE: ClassVar[str] = "wgmma"
     READS_KV_CACHE: ClassVar[bool] = True
     USER_MODS: ClassVar[bool] = True  # dense and packed calls (forward_sm90.mod_scores)
-    REVISION: ClassVar[int] = 10  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
+    REVISION: ClassVar[int] = 11  # 2: TMA; 3: packed by TMA; 4: persistent; 5: paged softmax;
     # 6: a dense persistent launch's work order made on the host; 7: a paged tile's absent-key
     # flags written by the producer warp; 8: paged tiles in 8-row groups of every atom
     # (forward_sm90.grouped_pages); 9: the paged producer reads a tile's block-table entries
     # one tile ahead (forward_sm90.table_entry); 10: a paged cache's K and V copied by a
-    # producer warp each (forward_sm90.PAGED_PRODUCER_WARPS)
+    # producer warp each (forward_sm90.PAGED_PRODUCER_WARPS); 11: a short chunk's new rows
+    # appended by the chunked-prefill kernel itself (appends_in_kernel)
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
@@ -441,24 +442,50 @@ def _wgmma_work(p, head_dim):
 
 
 #: The Hopper forward over a KV cache (forward_sm90.build's ``cache``): the arrays, the
-#: tensor-map buffer, the strides, the KV-cache scalars and the map templates (unread with
-#: cp.async).
+#: tensor-map buffer, the new rows (read where the kernel appends them), the strides, the
+#: KV-cache scalars and the map templates (unread with cp.async).
 WGMMA_KVCACHE = launch.KernelSpec(
     arrays=(("q", "elem"), ("k_cache", "elem"), ("v_cache", "elem"), ("o", "elem"),
             ("lse", "float32"), ("seqlens", "int32"), ("batch_idx", "int32"),
-            ("block_table", "int32"), ("maps", "int64")),
-    strided=("q", "k_cache", "v_cache", "o"),
+            ("block_table", "int32"), ("maps", "int64"), ("k", "elem"), ("v", "elem")),
+    strided=("q", "k_cache", "v_cache", "o", "k", "v"),
     scalars=launch.SPLIT_ATTENTION.scalars[:6] + launch.SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
     variant=(),
 )  # fmt: skip
 
 
+def _variant_flags(p):
+    """forward_sm90.build's variant arguments for problem ``p``."""
+    return dict(softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods)
+
+
+#: Chunked prefill's kernel appends the new rows itself (forward_sm90.build's ``append``)
+#: where the call has at most this many query rows and new rows: each work tile writes the
+#: new rows its key tiles hold, so a sequence's new rows are written once a query head of
+#: its kv head; a block of rows a head keeps that to the GQA group's size. Saves the append
+#: launch's 6-8 us beside the kernel (H200; docs/performance.md, "Chunked prefill").
+APPEND_ROWS = 128
+
+
+def appends_in_kernel(cfg, p, tma, views):
+    """Whether the Hopper forward over a KV cache appends the call's new rows itself: new rows
+    given, TMA copies (the producer's other warps write), no block mask, short chunks
+    (APPEND_ROWS) and new rows the kernel can copy 16 bytes at a time."""
+    if "k" not in views or not p.seqlen_new or not tma:
+        return False
+    if p.mods is not None and p.mods.block_mask:
+        return False
+    if max(p.seqlen_q, p.seqlen_new) > min(APPEND_ROWS, cfg.block_m) or p.head_dim % 8:
+        return False
+    return arrays.view_aligned(views["k"], 8) and arrays.view_aligned(views["v"], 8)
+
+
 @launch.launches(WgmmaForwardConfig, launch.PREFILL_LAUNCHERS)
 def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
     """Chunked prefill: the Hopper forward over each sequence's keys in the caches, the new
-    rows appended already (kvcache): the tiles by TMA where ``cfg`` asks for it and tensor
-    maps describe the arrays (a paged cache's pages: forward_sm90.paged_tma), else by
-    cp.async."""
+    rows appended by the kernel (appends_in_kernel) or by a launch before it: the tiles by
+    TMA where ``cfg`` asks for it and tensor maps describe the arrays (a paged cache's pages:
+    forward_sm90.paged_tma), else by cp.async."""
     d, dtype = p.head_dim, p.dtype
     xp = arrays.array_module(q)
     q, scale = launch._positive_scale(q, p.scale)
@@ -478,13 +505,17 @@ def _wgmma_kvcache(cfg, p, q, k_cache, v_cache, views, geometry, stream):
             maps = _tensor_maps(cfg, p, q, k_cache, v_cache, rows)
     tma, maps = _maps_or_none(maps, xp)
     views["maps"] = arrays.kernel_view(maps[0])
+    append = appends_in_kernel(cfg, p, tma, views)
+    if "k" not in views:  # no new rows: never read
+        views["k"] = views["v"] = views["q"]
+    elif not append:
+        launch.append_new_rows(p, views, geometry, stream)
     schedule = forward_sm90.schedule(cfg, tma=tma, cache=cache)
     spec = WGMMA_KVCACHE.for_problem(p)
     kernel = launch.launcher(
-        (WgmmaForwardConfig, d, dtype, cfg, cache, tma, schedule[-1]) + launch.variant_key(p),
-        lambda: forward_sm90.build(
-            d, dtype, *schedule, softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods
-        ),
+        (WgmmaForwardConfig, d, dtype, cfg, cache, tma, schedule[-1], append)
+        + launch.variant_key(p),
+        lambda: forward_sm90.build(d, dtype, *schedule, **_variant_flags(p), append=append),
         spec,
         dtype,
     )

@@ -53,11 +53,13 @@ Supports: float16 and bfloat16; head_dim a multiple of 8 up to 256; GQA/MQA; cau
 windows aligned bottom-right; any seqlen_q and seqlen_k; rows that see no key (output 0, LSE
 -inf); a softcap, sink logits and ALiBi (build's ``softcap``, ``sinks``, ``alibi``). Needs
 compute capability 9.x (sm_90a) and ``scale_log2 > 0`` (as kernels/forward.py).
-With ``cache`` the keys are a KV cache's (chunked prefill: launch.kvcache appends the new rows
-first), contiguous or paged, each sequence's length read on the device. A paged cache's tiles
-load through the block table: by TMA as boxes of whole pages where the page size allows it
-(paged_tma; a box a lane of the producer warp), else by cp.async a row at a time; keys behind
-a page outside the cache are flagged absent (load_keys, load_page_boxes).
+With ``cache`` the keys are a KV cache's (chunked prefill: a launch before appends the new rows,
+or with ``append`` the producer's warps that issue no copies do, each work tile's before its
+copies read them: append_tile), contiguous or paged, each sequence's length read on the
+device. A paged cache's tiles load through the block table: by TMA as boxes of whole pages
+where the page size allows it (paged_tma; a box a lane of the producer warp), else by cp.async
+a row at a time; keys behind a page outside the cache are flagged absent (load_keys,
+load_page_boxes).
 docs/performance.md ("Hopper forward") has each schedule's measurements and what limits them.
 """
 
@@ -115,6 +117,8 @@ def padded_head_dim(head_dim):
 REGISTER_SPLIT = {2: (56, 224), 3: (32, 160)}
 #: ... when the producer reads a paged cache: its per-row page lookups (cp.async) spilled at 56
 #: (head_dim 64, sm_90a, CUDA 13); by TMA, the warp's page lookups and flags take more than 24.
+#: Also where the producer appends new rows (build's ``append``): at 56 its copies spilled 52
+#: bytes over a contiguous cache (head_dim 128).
 PAGED_REGISTER_SPLIT = {2: (72, 216), 3: (32, 160)}
 #: The tensor maps a block publishes (Q, K, V), each staged in MAP_BYTES of shared memory.
 MAPS = 3
@@ -205,6 +209,7 @@ BOUNDED_SOFTCAP = 40.0
 def build(
     head_dim, dtype_name, consumers, block_n, stages, producer, pingpong, tma, varlen=False,
     cache=None, fma_exp2=0, page_warps=1, softcap=0.0, sinks=False, alibi=False, mods=None,
+    append=False,
 ):  # fmt: skip
     """The kernel of one configuration; every size is a compile-time constant. ``producer``: a
     warpgroup of its own loads the tiles (else every thread does, between barriers);
@@ -227,7 +232,9 @@ def build(
     array) times the distance
     (softmax.alibi_functions); ``mods`` (a validation.Mods): the user's score_mod and mask_mod
     after them (kernels/mods.py; the mod_args the last ``*variant`` arrays), every tile then
-    taking the masked softmax."""
+    taking the masked softmax. ``append`` (a KV cache read by TMA): the producer warps that
+    issue no copies write the call's new rows into the cache first (append_tile), each work
+    tile those its key tiles hold, instead of a launch of their own before."""
     if pingpong and (consumers != 2 or not producer):
         raise ValueError("pingpong takes two consumer warpgroups and a producer")
     if tma and not producer:
@@ -240,6 +247,8 @@ def build(
         raise ValueError("paged TMA loads take tiles of at most 256 keys")
     if page_warps not in (1, 2) or page_warps == 2 and not (cache in PAGED_CACHES and tma):
         raise ValueError(f"page_warps is 1, or 2 for a paged cache by TMA; got {page_warps}")
+    if append and (cache is None or not tma or (mods is not None and mods.block_mask)):
+        raise ValueError("the kernel appends new rows over a KV cache read by TMA, no block mask")
     if fma_exp2 not in (0, 1, 2, 3, 4):
         raise ValueError(f"fma_exp2 is a count of 4 probabilities; got {fma_exp2}")
     FMA_EXP2 = fma_exp2
@@ -277,10 +286,16 @@ def build(
     PAGE_WARPS = page_warps
     MAPS_BARRIER = 4  # the named barrier of those two warps (1, 2: pingpong's; 3: the consumers')
     MAPS_THREADS = 32 * PAGE_WARPS
+    # APPEND: the producer's other warps write the new rows (append_tile), and each work tile
+    # its copying warps and they meet at APPEND_BARRIER (the whole producer warpgroup) before
+    # the first key tile that holds one of those rows is copied
+    APPEND, APPEND_BARRIER = append, 5
+    APPEND_THREADS = 128 - MAPS_THREADS
+    APPEND_ROWS = APPEND_THREADS // (head_dim // 8)  # rows those threads copy at once
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
-    split = PAGED_REGISTER_SPLIT if PAGED else REGISTER_SPLIT
+    split = PAGED_REGISTER_SPLIT if PAGED or append else REGISTER_SPLIT
     PRODUCER_REGISTERS, CONSUMER_REGISTERS = split.get(consumers, (0, 0))
     Q_ATOM = BLOCK_M * ROW_BYTES  # bytes of one atom of the Q tile
     KV_ATOM = BLOCK_N * ROW_BYTES  # ... of a K or V tile
@@ -331,12 +346,16 @@ def build(
     # ``pages`` (kernel arguments of a paged cache, dummies otherwise): (block_table, the
     # sequence's first entry in it, page_size, log2(page_size) or -1, K's and V's page strides,
     # pages in the cache, the sequence's keys, K's and V's kv-head offsets, the int32 index of
-    # the flags in the dynamic shared memory). A key behind a page outside [0, slots) is absent:
-    # its row is zero-filled and (mark_absent, load_page_boxes) its byte in the slot set, the
-    # slot stamped with the tile's number, so that the consumers mask it; a slot's bytes count
-    # only for the tile its stamp names, and need no reset between the uses of a slot.
+    # the flags in the dynamic shared memory, the first new key: FRESH below). A key behind a
+    # page outside [0, slots) is absent: its row is zero-filled and (mark_absent,
+    # load_page_boxes) its byte in the slot set, the slot stamped with the tile's number, so
+    # that the consumers mask it; a slot's bytes count only for the tile its stamp names, and
+    # need no reset between the uses of a slot.
     TABLE, TABLE_BASE, PAGE_SIZE, PAGE_SHIFT, K_PAGES, V_PAGES, SLOTS, SEQLEN_K = range(8)
     K_HEAD, V_HEAD, FLAG0 = 8, 9, 10
+    # ... and (APPEND) the sequence's first new key: the kernel's own append writes keys
+    # FRESH.. of the cache (cache_seqlens[b]), which the copies may read only after it
+    FRESH = 11
 
     @device_function
     def load_keys(dst, src, first, stride, keys_left, pages, v_side, tid):
@@ -923,6 +942,8 @@ def build(
         k_map = ptx_tma.global_address(maps, int64(MAP_WORDS))
         v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
         slot = ring_slot(g0)
+        fresh = fresh_tile(pages, first_tile, n_tiles)
+        kv = (k_map, v_map, k_row0 + first_tile * BLOCK_N, kv_head, kv_b)
         if lane == 0 and (PAGE_WARPS == 1 or warp == 0):  # (Q: the first warp's lane 0)
             wait_for_q_room(base, job)
             q_full = barrier_address(base, Q_FULL)
@@ -930,16 +951,22 @@ def build(
             load_boxes(ptx_tma.global_address(maps, int64(0)), base, Q_ATOM, q_full,
                        int32(q_row0 + m0), head, b)  # fmt: skip
             if not PAGED:
-                for t in range(n_tiles):
+                for t in range(fresh):  # (APPEND: the tiles before the new rows)
                     n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
                     refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head,
                                kv_b, pages, False, int32(0), int32(0))  # fmt: skip
                     refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
                                kv_b, pages, True, int32(0), int32(0))  # fmt: skip
                     slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        if APPEND and not PAGED:  # the rest once the new rows are in the cache
+            appended()
+            if lane == 0:
+                copy_tiles(base, fresh, n_tiles, slot, g0, kv, pages)
         if PAGED and PAGE_WARPS == 1:  # the warp looks the tiles' pages up, copies their boxes
             found = table_entry(pages, int32(k_row0 + first_tile * BLOCK_N), lane)
             for t in range(n_tiles):
+                if APPEND and t == fresh:
+                    appended()
                 n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
                 page = box_page(pages, found)
                 refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head, kv_b,
@@ -950,31 +977,74 @@ def build(
                 refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
                            kv_b, pages, True, page, lane)  # fmt: skip
                 slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+            if APPEND and fresh == n_tiles:
+                appended()
         elif PAGED:
             first = int32(k_row0 + first_tile * BLOCK_N)
             if warp == 0:
                 produce_pages(base, EMPTY_K, FULL_K, k_map, 0, first, n_tiles, kv_head, kv_b,
-                              pages, False, slot, g0, lane)  # fmt: skip
+                              pages, False, slot, g0, lane, fresh)  # fmt: skip
             else:
                 produce_pages(base, EMPTY_V, FULL_V, v_map, V_OFF, first, n_tiles, kv_head,
-                              kv_b, pages, True, slot, g0, lane)  # fmt: skip
+                              kv_b, pages, True, slot, g0, lane, fresh)  # fmt: skip
+
+    @device_function
+    def copy_tiles(base, t0, t1, slot, g0, kv, pages):
+        """Lane 0 of the TMA producer (not paged): K and V of the work tile's key tiles t0 ..
+        t1 - 1 (``kv``: the K and V maps, the first tile's row, the kv head and the batch
+        coordinate) into the ring from ``slot`` on, after the ``g0`` tiles of the block's
+        earlier work; the slot after them."""
+        k_map, v_map, row0, kv_head, kv_b = kv
+        for t in range(t0, t1):
+            n0 = int32(row0 + t * BLOCK_N)
+            refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head, kv_b, pages,
+                       False, int32(0), int32(0))  # fmt: skip
+            refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head, kv_b,
+                       pages, True, int32(0), int32(0))  # fmt: skip
+            slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        return slot
+
+    @device_function
+    def fresh_tile(pages, first_tile, n_tiles):
+        """APPEND: the first of the work tile's ``n_tiles`` key tiles (from ``first_tile`` on)
+        that holds a key the kernel appends (pages[FRESH] on), n_tiles where none does; else
+        n_tiles."""
+        if not APPEND:
+            return n_tiles
+        ahead = pages[FRESH] - first_tile * BLOCK_N
+        if ahead <= 0:
+            return int32(0)
+        return int32(min(ahead // BLOCK_N, n_tiles))
+
+    @device_function
+    def appended():
+        """APPEND, each producer warp once a work tile: the warps that copy wait here until
+        the work tile's new rows are in the cache, which append_tile's warps have written when
+        they arrive. The warp converges first (bar.sync is warp-aligned)."""
+        ptx.sync_warp()
+        ptx_sm90.named_barrier_sync(APPEND_BARRIER, 128)
 
     @device_function
     def produce_pages(base, empty, full, tensor_map, offset, first, n_tiles, kv_head, kv_b, pages,
-                      v_side, slot, g0, lane):  # fmt: skip
+                      v_side, slot, g0, lane, fresh):  # fmt: skip
         """Paged TMA, warp-wide: the K or V (``v_side``) boxes of the block's ``n_tiles`` key
         tiles from key ``first`` on, with PAGE_WARPS 2: K and V a warp each, so that the next K
         waits neither for V's slot nor for V's boxes, as it does behind one warp issuing both in
         turn (a box a pass of an ELECT loop; docs/performance.md). Each tile's table entries are
-        read a tile ahead, before the wait for the slot, which covers their latency."""
+        read a tile ahead, before the wait for the slot, which covers their latency. ``fresh``
+        (APPEND): the first tile to wait for the new rows."""
         found = table_entry(pages, first, lane)
         for t in range(n_tiles):
+            if APPEND and t == fresh:
+                appended()
             n0 = int32(first + t * BLOCK_N)
             page = box_page(pages, found)
             found = table_entry(pages, int32(n0 + BLOCK_N), lane)
             refill_box(base, empty, full, g0 + t, slot, tensor_map, offset, n0, kv_head, kv_b,
                        pages, v_side, page, lane)  # fmt: skip
             slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+        if APPEND and fresh == n_tiles:
+            appended()
 
     @device_function
     def landed_half(base, full, it, slot):
@@ -1349,7 +1419,7 @@ def build(
             bases = dense_bases(strides, b, head, kv_head, seqlen_q, nheads)
             coords = (head, kv_head, b, b, int64(0), int64(0))
         unpaged = (cu_q, int64(0), int32(0), int32(0), int64(0), int64(0), int32(0), int32(0),
-                   int64(0), int64(0), int32(0))  # fmt: skip
+                   int64(0), int64(0), int32(0), int32(0))  # fmt: skip
         return attend_block(
             q, k, v, o, lse, bases, (q_st[1], k_st[1], v_st[1], o_st[1]), m_block, lengths[0],
             lengths[1], scale_log2, window, tid, lane, warp, maps, coords, unpaged, g, job,
@@ -1414,6 +1484,108 @@ def build(
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
 
+    # -- APPEND: the new rows written into the cache by the producer's other warps ----------
+
+    @device_function
+    def new_chunk(new, new_st, b, kv_head, i, c):
+        """The 16 bytes of chunk ``c`` of new row ``i`` of (b, kv_head) in ``new`` (k or v)."""
+        at = int64(b) * new_st[0] + int64(i) * new_st[1] + int64(kv_head) * new_st[2]
+        return ptx_sm90.load_16(new, (at + int64(c * 8)) & NON_NEGATIVE)
+
+    @device_function
+    def cache_row(place, key):
+        """(whether it has one, the cache row or page, the row within it) of the sequence's key
+        ``key`` (``place``: (b, kv_head, block_table, the sequence's first entry, page_size,
+        log2(page_size) or -1, slots, the contiguous cache's row))."""
+        _, _, block_table, table_base, page_size, page_shift, slots, row = place
+        if PAGED:
+            index, within = page_of(key, page_size, page_shift)
+            page = block_table[table_base + int64(index)]
+            return page >= 0 and page < slots, int64(page), within
+        return True, int64(row), uint32(key)
+
+    @device_function
+    def store_chunk(k_cache, v_cache, kc_st, vc_st, kv_head, where, c, k_words, v_words):
+        """Chunk ``c`` of a key into the caches where it has a row (``where``: cache_row's)."""
+        found, row, within = where
+        if found:
+            k_at = row * kc_st[0] + int64(within) * kc_st[1] + int64(kv_head) * kc_st[2]
+            v_at = row * vc_st[0] + int64(within) * vc_st[1] + int64(kv_head) * vc_st[2]
+            ptx_sm90.store_16(k_cache, (k_at + int64(c * 8)) & NON_NEGATIVE, k_words)
+            ptx_sm90.store_16(v_cache, (v_at + int64(c * 8)) & NON_NEGATIVE, v_words)
+
+    @device_function
+    def append_rows(k, v, k_cache, v_cache, new_strides, kc_st, vc_st, place, lo, hi, fresh, a):
+        """Keys lo .. hi - 1 of the sequence (new rows key - fresh of k and v) into the caches,
+        16 bytes a copy; ``a``: this thread among the APPEND_THREADS, which copies chunk a %
+        CHUNKS of every APPEND_ROWS-th row from a // CHUNKS on, two rows' loads issued before
+        their stores. The loop is kept from unrolling (an opaque step) and each pass ends in a
+        compiler fence: unrolled over a contiguous cache, its addresses and loads spilled the
+        producer's registers (setmaxnreg's count; 36-72 bytes at head_dim 64-256)."""
+        k_st, v_st = new_strides
+        b, kv_head = place[0], place[1]
+        c = a % CHUNKS
+        if a < APPEND_ROWS * CHUNKS:
+            for key in range(lo + a // CHUNKS, hi, ptx_sm90.opaque(2 * APPEND_ROWS)):
+                other = min(key + APPEND_ROWS, hi - 1)  # (past the end: key's row again)
+                # the block-table entries with the rows' loads: before a store, a load of
+                # the next entry would wait for it (the compiler cannot tell them apart)
+                w0 = cache_row(place, key)
+                w1 = cache_row(place, other)
+                k0 = new_chunk(k, k_st, b, kv_head, key - fresh, c)
+                v0 = new_chunk(v, v_st, b, kv_head, key - fresh, c)
+                k1 = new_chunk(k, k_st, b, kv_head, other - fresh, c)
+                v1 = new_chunk(v, v_st, b, kv_head, other - fresh, c)
+                store_chunk(k_cache, v_cache, kc_st, vc_st, kv_head, w0, c, k0, v0)
+                store_chunk(k_cache, v_cache, kc_st, vc_st, kv_head, w1, c, k1, v1)
+                ptx_sm90.compiler_fence()
+
+    @device_function
+    def append_tile(
+        tile, work, k, v, k_cache, v_cache, seqlens, batch_idx, block_table, strides,
+        new_strides, seqlen_q, seqlen_new, heads_per_kv, window, page_size, max_blocks, slots,
+        capacity, a,
+    ):  # fmt: skip
+        """APPEND, the producer's warps that copy no tiles, for work tile ``tile`` of
+        forward_sm90_kvcache: the new rows among the keys of its key tiles (those its copying
+        warps read, masked keys included: a V row behind a masked key still meets a zero
+        probability) into the caches, then the rendezvous with those warps (appended), which
+        a work tile that sees no key skips, as they do. A key any block reads is written by
+        that block first, so every block reads its own writes; several blocks write the same
+        bytes. The first row block of a kv head's first query head writes every new row, so
+        that rows no block reads (behind a window) reach the cache too."""
+        _, kc_st, vc_st, _ = strides
+        m_block, head, b = tile_of(tile, work)
+        kv_head = ptx_sm90.quotient32(head, heads_per_kv)
+        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        slot = int32(0)
+        if not PAGED:  # as cache_tile: no keys outside the cache's rows
+            slot = batch_idx[b]
+            if slot < 0 or slot >= slots:
+                seqlen_k = int32(0)
+                slot = int32(0)
+        m0 = m_block * BLOCK_M
+        last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+        n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window[0], window[1])
+        keys = n_hi > n_lo
+        first = int32(max(n_lo, 0) // BLOCK_N) * BLOCK_N
+        end = first + int32((max(n_hi - first, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        fresh = seqlens[b]
+        lo, hi = max(fresh, first), min(seqlen_k, end)
+        if m_block == 0 and head == kv_head * heads_per_kv:  # every new row
+            lo, hi = max(fresh, 0), seqlen_k
+        elif not keys:
+            lo = hi
+        page_shift = page_shift_of(page_size) if PAGED else int32(-1)
+        place = (b, kv_head, block_table, int64(b) * max_blocks, page_size, page_shift, slots,
+                 slot)  # fmt: skip
+        if lo < hi:
+            append_rows(k, v, k_cache, v_cache, new_strides, kc_st, vc_st, place, lo, hi, fresh,
+                        a)  # fmt: skip
+            ptx_sm90.fence_proxy_async_global()  # for the TMA copies that read them back
+        if keys:
+            appended()
+
     @device_function
     def cache_tile(
         tile, work, producing, q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table,
@@ -1441,7 +1613,7 @@ def build(
             v_base = v_head + int64(slot) * vc_st[0]
         page_shift = page_shift_of(page_size) if PAGED else int32(-1)
         pages = (block_table, int64(b) * max_blocks, page_size, page_shift, kc_st[0], vc_st[0],
-                 slots, seqlen_k, k_head, v_head, flag0)  # fmt: skip
+                 slots, seqlen_k, k_head, v_head, flag0, seqlens[b])  # fmt: skip
         return attend_block(
             q, k_cache, v_cache, o, lse, (q_base, k_base, v_base, o_base, lse_base),
             (q_st[1], kc_st[1], vc_st[1], o_st[1]), m_block, seqlen_q, seqlen_k, scale_log2,
@@ -1453,15 +1625,17 @@ def build(
 
     @kernel(launch_bounds=(THREADS, 1) if PRODUCER else THREADS)
     def forward_sm90_kvcache(
-        q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, q_st, kc_st, vc_st,
-        o_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left, window_right,
-        page_size, max_blocks, slots, capacity, nheads, batch, section, q_map, k_map, v_map,
-        *variant,
+        q, k_cache, v_cache, o, lse, seqlens, batch_idx, block_table, maps, k, v, q_st, kc_st,
+        vc_st, o_st, k_st, v_st, seqlen_q, seqlen_new, heads_per_kv, scale_log2, window_left,
+        window_right, page_size, max_blocks, slots, capacity, nheads, batch, section, q_map,
+        k_map, v_map, *variant,
     ):  # fmt: skip
         """Chunked prefill: q (batch, seqlen_q, nheads, head_dim) over sequence b's keys of the
         caches, cache_seqlens[b] + seqlen_new of them within [0, capacity] (the new rows were
-        appended before), in cache row batch_idx[b] (contiguous; none outside [0, slots): every
-        row sees no key) or through block_table's row b (paged)."""
+        appended before, or with APPEND the kernel appends k and v, (batch, seqlen_new,
+        nheads_k, head_dim) with rows 16-byte aligned, itself; unread otherwise), in cache row
+        batch_idx[b] (contiguous; none outside [0, slots): every row sees no key) or through
+        block_table's row b (paged)."""
         tid = cuda.threadIdx.x
         lane = tid & 31
         warp = tid >> 5
@@ -1477,6 +1651,16 @@ def build(
         start, reverse, end, _ = first_round(maps, tiles)  # the round of work tiles (no order)
         if PRODUCER and warp < 4:
             if not start_producer(q, k_cache, v_cache, maps, (q_map, k_map, v_map), lane, warp):
+                while APPEND and start < end:  # the warps that copy no tiles append
+                    tile = ranked(maps, start, reverse, False, end)
+                    if tile < tiles:
+                        append_tile(
+                            tile, work, k, v, k_cache, v_cache, seqlens, batch_idx,
+                            block_table, strides, (k_st, v_st), seqlen_q, seqlen_new,
+                            heads_per_kv, window, page_size, max_blocks, slots, capacity,
+                            tid - MAPS_THREADS,
+                        )  # fmt: skip
+                    start, reverse = following(start, reverse, tiles, False)
                 return
             while start < end:
                 tile = ranked(maps, start, reverse, False, end)

@@ -56,6 +56,16 @@ first (``fence_proxy_async``) by the threads that wrote it, before they synchron
 issuing thread (``bulk_reduce_add``, ``bulk_commit``, ``bulk_wait_read``, ``bulk_wait``;
 ``store_shared_pair`` writes two fp32 values into shared memory with one 8-byte store).
 
+``load_16`` / ``store_16`` move 16 bytes of a 16-bit array (``ld.global.v4.u32`` /
+``st.global.v4.u32``, the element 16-byte aligned), and ``fence_proxy_async_global``
+(``fence.proxy.async.global``) orders a thread's ordinary stores to global memory before the
+asynchronous proxy's later reads (a TMA copy that a thread issues after synchronising with the
+writer): the Hopper forward's producer appends a KV cache's new rows with them before its TMA
+copies read them back (kernels/forward_sm90.py). ``compiler_fence`` emits nothing: an empty
+statement with a memory clobber, across which the compiler moves no load or store; ``opaque``
+passes an int32 through a move the compiler cannot see through (a loop stepping by it is not
+unrolled).
+
 Barriers for warp-specialised kernels (PTX ISA, "mbarrier", "bar"):
 
 - An mbarrier is 8 bytes of shared memory (8-byte aligned) initialised with an expected
@@ -126,6 +136,11 @@ __all__ = [
     "bulk_commit",
     "bulk_wait_read",
     "bulk_wait",
+    "load_16",
+    "store_16",
+    "fence_proxy_async_global",
+    "compiler_fence",
+    "opaque",
 ]
 
 #: swizzle field values of the descriptor
@@ -393,6 +408,25 @@ if SIMULATOR:
     def bulk_wait():
         pass
 
+    fence_proxy_async_global = compiler_fence = _nothing
+
+    def opaque(x):
+        return x
+
+    def _sixteen_bytes(array, index, name):
+        i = int(index)
+        assert i % 8 == 0, f"{name}: the element is not 16-byte aligned"
+        assert 0 <= i and i + 8 <= len(array), f"{name}: elements {i}.. outside the array"
+        return i
+
+    def load_16(array, index):
+        i = _sixteen_bytes(array, index, "load_16")
+        return array[i : i + 8].copy()
+
+    def store_16(array, index, words):
+        i = _sixteen_bytes(array, index, "store_16")
+        array[i : i + 8] = words
+
 
 else:
     from llvmlite import ir
@@ -443,6 +477,60 @@ else:
     bulk_commit = _statement("cp.async.bulk.commit_group;")
     bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;")
     bulk_wait = _statement("cp.async.bulk.wait_group 0;")
+    fence_proxy_async_global = _statement("fence.proxy.async.global;")
+    compiler_fence = _statement("")  # no instruction: memory operations stay on their side
+
+    @intrinsic
+    def opaque(typingctx, x):
+        """``x`` (int32) through a register move the compiler cannot see through: a loop
+        stepping by it has no trip count LLVM can work out, so it is not unrolled."""
+        sig = types.int32(types.int32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            return builder.asm(fnty, "mov.b32 $0, $1;", "=r,r", list(args), False)
+
+        return sig, codegen
+
+    _V4 = ir.VectorType(ir.IntType(32), 4)
+    _WORDS = types.UniTuple(types.uint32, 4)
+
+    def _global_v4(context, builder, array_type, array, index):
+        """``array[index]``'s address as a global-space pointer to four 32-bit words."""
+        pointer = ptx.element_pointer(context, builder, array_type, array, index)
+        return builder.addrspacecast(builder.bitcast(pointer, _V4.as_pointer()),
+                                     ir.PointerType(_V4, 1))  # fmt: skip
+
+    @intrinsic
+    def load_16(typingctx, array, index):
+        """The 16 bytes at ``array[index]`` (a 16-bit array, the element 16-byte aligned) as
+        four uint32, by one ld.global.v4.u32."""
+        sig = _WORDS(array, types.int64)
+
+        def codegen(context, builder, sig, args):
+            vector = builder.load(_global_v4(context, builder, sig.args[0], *args), align=16)
+            words = [builder.extract_element(vector, ir.Constant(ir.IntType(32), i))
+                     for i in range(4)]  # fmt: skip
+            return context.make_tuple(builder, _WORDS, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_16(typingctx, array, index, words):
+        """Four uint32 (load_16's) into the 16 bytes at ``array[index]``, by one
+        st.global.v4.u32."""
+        sig = types.void(array, types.int64, _WORDS)
+
+        def codegen(context, builder, sig, args):
+            vector = ir.Constant(_V4, ir.Undefined)
+            for i in range(4):
+                word = builder.extract_value(args[2], i)
+                vector = builder.insert_element(vector, word, ir.Constant(ir.IntType(32), i))
+            pointer = _global_v4(context, builder, sig.args[0], args[0], args[1])
+            builder.store(vector, pointer, align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
 
     @intrinsic
     def wgmma_wait(typingctx, pending):
