@@ -272,6 +272,23 @@ def _spy_on_append_launches(monkeypatch):
     return launched
 
 
+def test_a_short_chunk_is_appended_by_the_kernel_over_a_contiguous_cache_alone(monkeypatch):
+    """numflash's choice (wgmma_forward.PAGED_APPEND off): the Hopper forward appends a short
+    chunk over a contiguous cache itself, and over pages of 16 after an append launch."""
+    config = _config("hopper", Case("float16", (0,), 3, 3, 2, 1, 64))
+    rng = np.random.default_rng(5)
+    q = random_array((1, 3, 2, 64), "float16", rng)
+    new = [random_array((1, 3, 1, 64), "float16", rng) for _ in range(2)]
+    contiguous = [random_array((1, 32, 1, 64), "float16", rng) for _ in range(2)]
+    pages = [random_array((2, 16, 1, 64), "float16", rng) for _ in range(2)]
+    table = dict(block_table=xp.asarray(np.array([[1, 0]], np.int32)))
+    launched = _spy_on_append_launches(monkeypatch)
+    numflash.attention_with_kvcache(q, *contiguous, *new, cache_seqlens=5, config=config)
+    assert not launched
+    numflash.attention_with_kvcache(q, *pages, *new, cache_seqlens=5, config=config, **table)
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("page_size", [0, 16])
 def test_hostile_lengths_stay_inside_the_arrays_when_the_hopper_forward_appends(
     page_size, monkeypatch
@@ -279,6 +296,9 @@ def test_hostile_lengths_stay_inside_the_arrays_when_the_hopper_forward_appends(
     """As above for the Hopper forward appending the new rows itself (TMA copies: a contiguous
     cache, or pages of 16): lengths past the capacity or negative, a cache row or pages outside
     the cache; no row but the sequences' new ones changes, no NaN."""
+    from numflash.families import wgmma_forward
+
+    monkeypatch.setattr(wgmma_forward, "PAGED_APPEND", True)  # (off by default: pages too)
     rng = np.random.default_rng(12)
     q = random_array((3, 3, 2, 64), "float16", rng)
     new = [random_array((3, 3, 1, 64), "float16", rng) for _ in range(2)]
@@ -671,9 +691,11 @@ def test_the_hopper_forward_appends_a_short_chunk_itself(monkeypatch, case, prod
     new rows into the cache before its copies read them (forward_sm90.build's ``append``),
     with no append launch; the caches after the call and the output as run_and_check wants
     them; with one producer warp copying a paged cache's K and V, or two."""
+    from numflash.families import wgmma_forward
     from numflash.kernels import forward_sm90
 
     monkeypatch.setattr(forward_sm90, "PAGED_PRODUCER_WARPS", producer_warps)
+    monkeypatch.setattr(wgmma_forward, "PAGED_APPEND", True)  # (off by default: pages too)
     launched = _spy_on_append_launches(monkeypatch)
     run_and_check(case, _config("hopper", case))
     assert not launched, "the new rows were appended by a launch of their own"

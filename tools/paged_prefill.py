@@ -181,18 +181,20 @@ APPEND_SHAPES = [
 def append_ab(args, config):
     """--append-ab: per shape (SHAPES' first and APPEND_SHAPES: short chunks, which the
     Hopper forward appends itself), dtype and layout, the call with the kernel's own append
-    (wgmma_forward.appends_in_kernel) and with the append launch before it, in turns; prints
+    (wgmma_forward.appends_in_kernel, over pages too: PAGED_APPEND) and with the append
+    launch before it, in turns; prints
     both, the speed of the first over the second, whether they gave the same bits (output
     and caches), and JSON."""
     from bench_forward import DTYPES
 
     from numflash.families import wgmma_forward
 
-    rows = wgmma_forward.APPEND_ROWS
+    rows, paged = wgmma_forward.APPEND_ROWS, wgmma_forward.PAGED_APPEND
     found, same = {}, {}
 
     def use(label):
         wgmma_forward.APPEND_ROWS = rows if label.endswith("kernel") else 0
+        wgmma_forward.PAGED_APPEND = label.endswith("kernel")  # over pages too
         api._plans.clear()  # a replay plan keeps the kernels it recorded,
         launch._prepared.clear()  # ... and so does a launch prepared for the geometry
 
@@ -216,7 +218,8 @@ def append_ab(args, config):
                 mine, theirs = (found[f"{key}, {label}"] for label in runs)
                 print(f"{key:44s} {mine:8.1f} us, launch {theirs:8.1f} us: "
                       f"{theirs / mine:.3f}x, same bits {same[key]}", flush=True)  # fmt: skip
-    use("kernel")  # numflash's own choice again
+    use("kernel")
+    wgmma_forward.PAGED_APPEND = paged  # numflash's own choice again
     print(json.dumps({"rounds": args.rounds, "us": found, "same_bits": same}))
 
 

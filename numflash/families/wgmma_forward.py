@@ -462,16 +462,22 @@ def _variant_flags(p):
 #: Chunked prefill's kernel appends the new rows itself (forward_sm90.build's ``append``)
 #: where the call has at most this many query rows and new rows: each work tile writes the
 #: new rows its key tiles hold, so a sequence's new rows are written once a query head of
-#: its kv head; a block of rows a head keeps that to the GQA group's size. Saves the append
-#: launch's 6-8 us beside the kernel (H200; docs/performance.md, "Chunked prefill").
+#: its kv head; a block of rows a head keeps that to the GQA group's size. Over a contiguous
+#: cache 1.03-1.14x the call with an append launch (H100; docs/performance.md, "Chunked
+#: prefill").
 APPEND_ROWS = 128
+#: ... and over a paged cache too: off, as over pages of 16 a cold cache's chunk ran 0.82-0.87x
+#: the call with an append launch (H100, with the block-table reads since moved ahead of the
+#: stores; not yet timed again: tools/paged_prefill.py --append-ab).
+PAGED_APPEND = False
 
 
 def appends_in_kernel(cfg, p, tma, views):
     """Whether the Hopper forward over a KV cache appends the call's new rows itself: new rows
-    given, TMA copies (the producer's other warps write), no block mask, short chunks
-    (APPEND_ROWS) and new rows the kernel can copy 16 bytes at a time."""
-    if "k" not in views or not p.seqlen_new or not tma:
+    given, TMA copies (the producer's other warps write), a contiguous cache (or
+    PAGED_APPEND), no block mask, short chunks (APPEND_ROWS) and new rows the kernel can copy
+    16 bytes at a time."""
+    if "k" not in views or not p.seqlen_new or not tma or (p.paged and not PAGED_APPEND):
         return False
     if p.mods is not None and p.mods.block_mask:
         return False
