@@ -195,8 +195,7 @@ def append_ab(args, config):
     def use(label):
         wgmma_forward.APPEND_ROWS = rows if label.endswith("kernel") else 0
         wgmma_forward.PAGED_APPEND = label.endswith("kernel")  # over pages too
-        api._plans.clear()  # a replay plan keeps the kernels it recorded,
-        launch._prepared.clear()  # ... and so does a launch prepared for the geometry
+        _forget_kernels()
 
     for dtype in ("float16", "bfloat16"):
         for name, batch, new, cached in SHAPES[:1] + APPEND_SHAPES:
@@ -221,6 +220,13 @@ def append_ab(args, config):
     use("kernel")
     wgmma_forward.PAGED_APPEND = paged  # numflash's own choice again
     print(json.dumps({"rounds": args.rounds, "us": found, "same_bits": same}))
+
+
+def _forget_kernels():
+    """After a switch of the kernels numflash builds: a replay plan keeps the kernels it
+    recorded, and so does a launch prepared for the geometry."""
+    api._plans.clear()
+    launch._prepared.clear()
 
 
 def _fastest_in_turns(runs, rounds, found, prefix, alternate=False, before=None):
@@ -250,8 +256,7 @@ def _turns(args, config, variants):
 
             def before(label, switches=switches):
                 switches[label]()
-                api._plans.clear()  # a replay plan keeps the kernel it recorded,
-                launch._prepared.clear()  # ... and so does a launch prepared for the geometry
+                _forget_kernels()
 
             runs = dict.fromkeys(switches, call)
             _fastest_in_turns(runs, args.rounds, found, name, before=before)

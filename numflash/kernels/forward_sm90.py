@@ -291,7 +291,7 @@ def build(
     # the first key tile that holds one of those rows is copied
     APPEND, APPEND_BARRIER = append, 5
     APPEND_THREADS = 128 - MAPS_THREADS
-    APPEND_ROWS = APPEND_THREADS // (head_dim // 8)  # rows those threads copy at once
+    COPY_ROWS = APPEND_THREADS // (head_dim // 8)  # rows those threads copy at once
     # Registers a thread after setmaxnreg (REGISTER_SPLIT): what the producer gives up the
     # consumers take; one consumer has all it can use already.
     MOVE_REGISTERS = PRODUCER and consumers in REGISTER_SPLIT
@@ -943,21 +943,15 @@ def build(
         v_map = ptx_tma.global_address(maps, int64(2 * MAP_WORDS))
         slot = ring_slot(g0)
         fresh = fresh_tile(pages, first_tile, n_tiles)
-        kv = (k_map, v_map, k_row0 + first_tile * BLOCK_N, kv_head, kv_b)
+        kv = (k_map, v_map, k_row0, first_tile, kv_head, kv_b)
         if lane == 0 and (PAGE_WARPS == 1 or warp == 0):  # (Q: the first warp's lane 0)
             wait_for_q_room(base, job)
             q_full = barrier_address(base, Q_FULL)
             ptx_sm90.mbarrier_expect_tx(q_full, uint32(ATOMS * Q_ATOM))
             load_boxes(ptx_tma.global_address(maps, int64(0)), base, Q_ATOM, q_full,
                        int32(q_row0 + m0), head, b)  # fmt: skip
-            if not PAGED:
-                for t in range(fresh):  # (APPEND: the tiles before the new rows)
-                    n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
-                    refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head,
-                               kv_b, pages, False, int32(0), int32(0))  # fmt: skip
-                    refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head,
-                               kv_b, pages, True, int32(0), int32(0))  # fmt: skip
-                    slot = int32(slot + 1) if slot + 1 < STAGES else int32(0)
+            if not PAGED:  # (APPEND: the tiles before the new rows)
+                slot = copy_tiles(base, int32(0), fresh, slot, g0, kv, pages)
         if APPEND and not PAGED:  # the rest once the new rows are in the cache
             appended()
             if lane == 0:
@@ -991,12 +985,12 @@ def build(
     @device_function
     def copy_tiles(base, t0, t1, slot, g0, kv, pages):
         """Lane 0 of the TMA producer (not paged): K and V of the work tile's key tiles t0 ..
-        t1 - 1 (``kv``: the K and V maps, the first tile's row, the kv head and the batch
-        coordinate) into the ring from ``slot`` on, after the ``g0`` tiles of the block's
-        earlier work; the slot after them."""
-        k_map, v_map, row0, kv_head, kv_b = kv
+        t1 - 1 (``kv``: the K and V maps, the sequence's first row in them, the work tile's
+        first key tile, the kv head and the batch coordinate) into the ring from ``slot`` on,
+        after the ``g0`` tiles of the block's earlier work; the slot after them."""
+        k_map, v_map, k_row0, first_tile, kv_head, kv_b = kv
         for t in range(t0, t1):
-            n0 = int32(row0 + t * BLOCK_N)
+            n0 = int32(k_row0 + (first_tile + t) * BLOCK_N)
             refill_box(base, EMPTY_K, FULL_K, g0 + t, slot, k_map, 0, n0, kv_head, kv_b, pages,
                        False, int32(0), int32(0))  # fmt: skip
             refill_box(base, EMPTY_V, FULL_V, g0 + t, slot, v_map, V_OFF, n0, kv_head, kv_b,
@@ -1484,6 +1478,19 @@ def build(
                     )  # fmt: skip
                     g, job = counted(taken, g, job)
 
+    @device_function
+    def cache_sequence(seqlens, batch_idx, b, seqlen_new, capacity, slots):
+        """(keys of sequence b after the append, its cache row: 0 when paged) of
+        forward_sm90_kvcache; no keys where a contiguous cache's row is outside [0, slots)."""
+        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        slot = int32(0)
+        if not PAGED:
+            slot = batch_idx[b]
+            if slot < 0 or slot >= slots:
+                seqlen_k = int32(0)
+                slot = int32(0)
+        return seqlen_k, slot
+
     # -- APPEND: the new rows written into the cache by the producer's other warps ----------
 
     @device_function
@@ -1496,7 +1503,9 @@ def build(
     def cache_row(place, key):
         """(whether it has one, the cache row or page, the row within it) of the sequence's key
         ``key`` (``place``: (b, kv_head, block_table, the sequence's first entry, page_size,
-        log2(page_size) or -1, slots, the contiguous cache's row))."""
+        log2(page_size) or -1, slots, the contiguous cache's row)). In 32 bits (page_of), as
+        the copies' lookups: decode_portable's key_row divides in 64, and a 64-bit division
+        makes ptxas serialise a kernel's wgmma (docs/performance.md, "Hopper backward")."""
         _, _, block_table, table_base, page_size, page_shift, slots, row = place
         if PAGED:
             index, within = page_of(key, page_size, page_shift)
@@ -1518,16 +1527,16 @@ def build(
     def append_rows(k, v, k_cache, v_cache, new_strides, kc_st, vc_st, place, lo, hi, fresh, a):
         """Keys lo .. hi - 1 of the sequence (new rows key - fresh of k and v) into the caches,
         16 bytes a copy; ``a``: this thread among the APPEND_THREADS, which copies chunk a %
-        CHUNKS of every APPEND_ROWS-th row from a // CHUNKS on, two rows' loads issued before
+        CHUNKS of every COPY_ROWS-th row from a // CHUNKS on, two rows' loads issued before
         their stores. The loop is kept from unrolling (an opaque step) and each pass ends in a
         compiler fence: unrolled over a contiguous cache, its addresses and loads spilled the
         producer's registers (setmaxnreg's count; 36-72 bytes at head_dim 64-256)."""
         k_st, v_st = new_strides
         b, kv_head = place[0], place[1]
         c = a % CHUNKS
-        if a < APPEND_ROWS * CHUNKS:
-            for key in range(lo + a // CHUNKS, hi, ptx_sm90.opaque(2 * APPEND_ROWS)):
-                other = min(key + APPEND_ROWS, hi - 1)  # (past the end: key's row again)
+        if a < COPY_ROWS * CHUNKS:
+            for key in range(lo + a // CHUNKS, hi, ptx_sm90.opaque(2 * COPY_ROWS)):
+                other = min(key + COPY_ROWS, hi - 1)  # (past the end: key's row again)
                 # the block-table entries with the rows' loads: before a store, a load of
                 # the next entry would wait for it (the compiler cannot tell them apart)
                 w0 = cache_row(place, key)
@@ -1557,13 +1566,7 @@ def build(
         _, kc_st, vc_st, _ = strides
         m_block, head, b = tile_of(tile, work)
         kv_head = ptx_sm90.quotient32(head, heads_per_kv)
-        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
-        slot = int32(0)
-        if not PAGED:  # as cache_tile: no keys outside the cache's rows
-            slot = batch_idx[b]
-            if slot < 0 or slot >= slots:
-                seqlen_k = int32(0)
-                slot = int32(0)
+        seqlen_k, slot = cache_sequence(seqlens, batch_idx, b, seqlen_new, capacity, slots)
         m0 = m_block * BLOCK_M
         last_row = min(m0 + BLOCK_M, seqlen_q) - 1
         n_lo, n_hi = block_key_range(m0, last_row, seqlen_q, seqlen_k, window[0], window[1])
@@ -1597,18 +1600,12 @@ def build(
         m_block, head, b = tile_of(tile, work)
         nheads = work[1]
         kv_head = ptx_sm90.quotient32(head, heads_per_kv)
-        seqlen_k = sequence_length(seqlens, b, seqlen_new, capacity)
+        seqlen_k, slot = cache_sequence(seqlens, batch_idx, b, seqlen_new, capacity, slots)
         q_base, _, _, o_base, lse_base = dense_bases(strides, b, head, kv_head, seqlen_q, nheads)
         k_head = int64(kv_head) * kc_st[2]
         v_head = int64(kv_head) * vc_st[2]
-        slot = int32(0)  # the sequence's cache row (contiguous)
-        if PAGED:
-            k_base, v_base = k_head, v_head
-        else:
-            slot = batch_idx[b]
-            if slot < 0 or slot >= slots:
-                seqlen_k = int32(0)
-                slot = int32(0)
+        k_base, v_base = k_head, v_head
+        if not PAGED:
             k_base = k_head + int64(slot) * kc_st[0]
             v_base = v_head + int64(slot) * vc_st[0]
         page_shift = page_shift_of(page_size) if PAGED else int32(-1)
