@@ -466,9 +466,9 @@ def _variant_flags(p):
 #: cache 1.03-1.14x the call with an append launch (H100; docs/performance.md, "Chunked
 #: prefill").
 APPEND_ROWS = 128
-#: ... and over a paged cache too: off, as over pages of 16 a cold cache's chunk ran 0.82-0.87x
-#: the call with an append launch (H100, with the block-table reads since moved ahead of the
-#: stores; not yet timed again: tools/paged_prefill.py --append-ab).
+#: ... and over a paged cache too: off, as over pages of 16 and 64 a cold cache's chunk runs
+#: 0.80-0.83x the call with an append launch, a warm one 1.03-1.06x (H100, 2026-12-07:
+#: tools/paged_prefill.py --append-ab), and the host cannot tell them apart.
 PAGED_APPEND = False
 
 
