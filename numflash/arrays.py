@@ -9,6 +9,7 @@ Kernels see every tensor as a flat 1-D array over the memory it spans plus its e
 so any strided view whose last dimension is contiguous is read in place.
 """
 
+import sys
 from typing import NamedTuple
 
 import ml_dtypes
@@ -60,6 +61,11 @@ def intake(x, name):
             f"{name} is a NumPy (host) array; numflash runs on the GPU: pass a CuPy array "
             f"(cupy.asarray({name}))"
         )
+    torch = sys.modules.get("torch")  # a tensor's module is loaded when there is a tensor
+    if torch is not None and type(x) is torch.Tensor:
+        adopted = _torch_view(x, torch, cupy)
+        if adopted is not None:
+            return adopted
     if hasattr(x, "__dlpack__"):
         try:
             return cupy.from_dlpack(x)
@@ -71,6 +77,46 @@ def intake(x, name):
         f"{name} must be a CuPy array or a GPU array exposing __dlpack__ or "
         f"__cuda_array_interface__; got {type(x).__name__}"
     )
+
+
+#: torch dtypes taken by :func:`_torch_view`, by their names, and CuPy's dtype for each.
+_TORCH_DTYPES = {
+    "torch.float16": np.dtype(np.float16), "torch.bfloat16": BFLOAT16,
+    "torch.float32": np.dtype(np.float32), "torch.int32": np.dtype(np.int32),
+}  # fmt: skip
+
+
+def _torch_view(x, torch, cupy):
+    """A CUDA ``torch.Tensor`` as a CuPy array over its memory, or None where DLPack is to
+    take it: the same array ``cupy.from_dlpack`` makes, without PyTorch's Python half of
+    the exchange (17 against 5 us a tensor on the H100 machine: docs/performance.md, "PyTorch
+    tensors"). Only where that exchange would do nothing else: a dense CUDA tensor of a
+    dtype numflash reads, holding at least one element, that needs no gradient (DLPack
+    refuses those, and so does this) and is no lazily negated view, while PyTorch's current stream on its device is CuPy's
+    (else DLPack makes CuPy's stream wait for PyTorch's). The array keeps ``x`` alive."""
+    dtype = _TORCH_DTYPES.get(str(x.dtype))
+    if dtype is None or not x.is_cuda or x.requires_grad or x.layout is not torch.strided:
+        return None
+    if x.is_neg():  # a lazily negated view: its memory holds the values before the negation
+        return None
+    device = x.device.index
+    if _torch_stream(torch, device) != cupy.cuda.get_current_stream().ptr:
+        return None
+    shape, pointer = tuple(x.shape), x.data_ptr()
+    if not pointer or 0 in shape:
+        return None
+    strides = tuple(s * dtype.itemsize for s in x.stride())
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
+    memory = cupy.cuda.UnownedMemory(pointer, span, x, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+def _torch_stream(torch, device):
+    """The address of PyTorch's current stream on ``device``: through the binding PyTorch's
+    own compiled code asks (a tenth of ``torch.cuda.current_stream``'s cost), where there is
+    one."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def array_module(x):

@@ -1,0 +1,80 @@
+"""What taking PyTorch tensors costs a call's host, numflash's intake against DLPack's (GPU).
+
+    python tools/torch_intake_cost.py [--runs 3] [--calls 3000] [--json PATH]
+
+``numflash.attention`` on three CUDA tensors (2 x 128 x 4 x 64, fp16), repeated (its replay
+plan), with numflash's own view of a tensor (``numflash.arrays._torch_view``) and with every
+tensor taken by ``cupy.from_dlpack`` instead, in turns in one process; the same call on the
+CuPy arrays under the tensors; and the parts: one tensor through ``cupy.from_dlpack``,
+through ``_torch_view``, PyTorch's ``__dlpack__`` alone, ``torch.cuda.current_stream`` and the
+raw stream query ``_torch_view`` makes. Host time a call, the best of ``--runs`` runs of
+``--calls`` calls back to back (docs/performance.md, "PyTorch tensors").
+"""
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+
+import cupy  # noqa: E402
+from host_overhead import report  # noqa: E402
+from peers import random_qkv  # noqa: E402
+
+import numflash  # noqa: E402
+from numflash import arrays  # noqa: E402
+
+
+def best_us(fn, runs, calls):
+    """The best of ``runs`` runs' host time a call (us), after a warm-up, the GPU idle between."""
+    for _ in range(calls // 10):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    cupy.cuda.Device().synchronize()
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    import torch  # (after the options: --help needs no PyTorch)
+
+    q, k, v = random_qkv(2, 128, 4, 64, "float16")
+    tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+    view, found = arrays._torch_view, {"device": torch.cuda.get_device_name()}
+
+    def call():
+        return numflash.attention(tq, tk, tv)
+
+    for turn in range(2):  # in turns, each keeping its best
+        for label, intake in (("numflash's view", view), ("cupy.from_dlpack", lambda *a: None)):
+            arrays._torch_view = intake
+            key = f"attention on tensors, {label}_us"
+            found[key] = min(found.get(key, float("inf")), best_us(call, args.runs, args.calls))
+    arrays._torch_view = view
+    parts = {
+        "attention on the CuPy arrays": lambda: numflash.attention(q, k, v),
+        "one tensor, cupy.from_dlpack": lambda: cupy.from_dlpack(tq),
+        "one tensor, numflash's view": lambda: view(tq, torch, cupy),
+        "tensor.__dlpack__(stream=1)": lambda: tq.__dlpack__(stream=1),
+        "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
+        "the raw stream query": lambda: arrays._torch_stream(torch, 0),
+    }
+    for label, fn in parts.items():
+        found[f"{label}_us"] = best_us(fn, args.runs, args.calls)
+    report({key: round(value, 2) if isinstance(value, float) else value
+            for key, value in found.items()}, args.json)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
