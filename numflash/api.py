@@ -30,12 +30,13 @@ class _Cupy:
     an import statement and attribute lookups in every call."""
 
     empty = get_device = current_stream = stream_is_capturing = device_count = fill = None
+    ndarray = None
 
     @classmethod
     def bind(cls):
         import cupy
 
-        cls.empty = cupy.ndarray  # cupy.empty without its Python frame (0.5 us less)
+        cls.empty = cls.ndarray = cupy.ndarray  # (empty: cupy.empty without its frame, 0.5 us)
         cls.get_device = cupy.cuda.runtime.getDevice
         cls.current_stream = cupy.cuda.get_current_stream
         cls.stream_is_capturing = cupy.cuda.runtime.streamIsCapturing
@@ -234,12 +235,15 @@ def _repeated(sig, args, name):
     signature ``sig``'s order): its result where a plan replays it, else None; its key where
     it was built (None where a recent plan took the call, where the call has no key, and in
     the simulator); and its arguments, the arrays that are not CuPy arrays taken as CuPy ones
-    (:func:`_adopted`) when that gives the call a key. A call first tries its function's
+    (:func:`_adopted`: first where the first array is not one, else when that gives the call
+    a key). A call first tries its function's
     most recent plans, each through its run (its key's matcher and its replay in one function,
     numflash.plans), then builds its key and replays that key's plan; a call without a plan
     under stream capture is refused (:func:`_refuse_under_capture`)."""
     plan = key = None
     if not SIMULATOR:
+        if not isinstance(args[sig.array_positions[0]], _Cupy.ndarray or arrays.cupy_ndarray()):
+            args = _adopted(sig, args) or args  # PyTorch tensors, JAX arrays: CuPy ones first
         try:
             for run in _recent(sig, args).entries:
                 result = run(*args)
@@ -248,7 +252,7 @@ def _repeated(sig, args, name):
         except (AttributeError, TypeError, ValueError):  # not CuPy arrays, or odd flags
             pass
         plan, pointers, key = _find(sig, args)
-        if key is None:  # PyTorch tensors, JAX arrays: as CuPy arrays they have a key
+        if key is None:  # another library's arrays past the first: as CuPy arrays, a key
             adopted = _adopted(sig, args)
             if adopted is not None:
                 args = adopted

@@ -339,6 +339,13 @@ def test_arrays_of_another_library_replay_as_the_arrays_they_are_taken_as(device
     for _ in range(2):
         out = numflash.attention(*(_Foreign(x) for x in _qkv()))
     assert device.full_calls == 2 and len(device.replays) == 3
+    keys = []  # taken as CuPy arrays before the recent plans are tried: no key built
+    original = api._ATTENTION.key
+    monkeypatch.setattr(api._ATTENTION, "key", lambda *a: keys.append(a) or original(*a))
+    q, k, v = _qkv()
+    out = numflash.attention(*(_Foreign(x) for x in (q, k, v)))
+    assert keys == [] and device.full_calls == 2 and len(device.replays) == 4
+    assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
 
 
 def test_new_rows_inside_the_cache_are_left_to_the_full_path_to_refuse(device):

@@ -8,7 +8,9 @@ replaced, the first call of each signature records one launch over every array o
 builtin where the driver would launch. What is timed is therefore a repeated call's own Python:
 its matcher, the overlap check, its outputs, the pointer patches, without cuLaunchKernel and
 without CuPy (a stand-in's shape and strides are Python properties, slower to read than
-CuPy's). Per call: the best of ``--runs`` runs of ``--calls`` back-to-back calls (best, not
+CuPy's). The calls: a tiny forward, the same on another library's arrays (taken as the
+stand-ins they hold, at no cost: what is timed is numflash's own route to them), its
+backward and a paged decoding step. Per call: the best of ``--runs`` runs of ``--calls`` back-to-back calls (best, not
 median: on a shared machine the other runs are the slower ones).
 
 To compare with another tree, run this file with that tree's numflash first on the path:
@@ -106,12 +108,26 @@ class _Stream:
     ptr = STREAM
 
 
+class Foreign:
+    """An array of another library (a PyTorch tensor, a JAX array) over a stand-in, which
+    the stand-ins' intake takes as that stand-in (numflash.arrays.intake)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def _intake(x, name):
+    return x.inner if isinstance(x, Foreign) else x
+
+
 def stand_in():
-    """numflash.api on stand-ins: one device, one stream, the full paths above."""
+    """numflash.api on stand-ins: one device, one stream, the full paths above; the
+    stand-ins are its CuPy arrays, and a :class:`Foreign` the array it holds."""
     api.SIMULATOR = False
+    api.arrays.intake = _intake
     api._plans = plans.PlanCache()
     cupy = api._Cupy
-    cupy.empty = DeviceArray
+    cupy.empty = cupy.ndarray = DeviceArray
     cupy.get_device = int  # 0
     cupy.device_count = lambda: 1
     cupy.current_stream = _Stream
@@ -121,7 +137,8 @@ def stand_in():
 
 
 def calls():
-    """{name: call}: a tiny forward, its backward, and a paged decoding step with an append
+    """{name: call}: a tiny forward (also on :class:`Foreign` arrays), its backward, and a
+    paged decoding step with an append
     (seven arrays), as benchmarks/host_overhead.py times them on the GPU."""
     q, k, v, dout, out = (DeviceArray((1, 128, 1, 64)) for _ in range(5))
     lse = _lse(q)
@@ -129,8 +146,10 @@ def calls():
     k_cache, v_cache = DeviceArray((64, 16, 2, 64)), DeviceArray((64, 16, 2, 64))
     k_new, v_new = DeviceArray((4, 1, 2, 64)), DeviceArray((4, 1, 2, 64))
     table, lengths = DeviceArray((4, 16), np.int32), DeviceArray((4,), np.int32)
+    fq, fk, fv = (Foreign(DeviceArray((1, 96, 1, 64))) for _ in range(3))  # a plan of its own
     return {
         "attention": lambda: numflash.attention(q, k, v),
+        "attention on another library's arrays": lambda: numflash.attention(fq, fk, fv),
         "attention_backward": lambda: numflash.attention_backward(dout, q, k, v, out, lse),
         "attention_with_kvcache": lambda: numflash.attention_with_kvcache(
             qd, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, block_table=table
