@@ -91,9 +91,10 @@ def _torch_view(x, torch, cupy):
     take it: the same array ``cupy.from_dlpack`` makes, without PyTorch's Python half of
     the exchange (17 against 5 us a tensor on the H100 machine: docs/performance.md, "PyTorch
     tensors"). Only where that exchange would do nothing else: a dense CUDA tensor of a
-    dtype numflash reads, holding at least one element, that needs no gradient (DLPack
-    refuses those, and so does this) and is no lazily negated view, while PyTorch's current stream on its device is CuPy's
-    (else DLPack makes CuPy's stream wait for PyTorch's). The array keeps ``x`` alive."""
+    dtype numflash reads, holding at least one element, needing no gradient (DLPack refuses
+    those, and so does this) and no lazily negated view, while PyTorch's current stream on
+    its device is CuPy's (else DLPack makes CuPy's stream wait for PyTorch's). The array
+    keeps ``x`` alive."""
     dtype = _TORCH_DTYPES.get(str(x.dtype))
     if dtype is None or not x.is_cuda or x.requires_grad or x.layout is not torch.strided:
         return None

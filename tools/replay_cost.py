@@ -10,8 +10,9 @@ its matcher, the overlap check, its outputs, the pointer patches, without cuLaun
 without CuPy (a stand-in's shape and strides are Python properties, slower to read than
 CuPy's). The calls: a tiny forward, the same on another library's arrays (taken as the
 stand-ins they hold, at no cost: what is timed is numflash's own route to them), its
-backward and a paged decoding step. Per call: the best of ``--runs`` runs of ``--calls`` back-to-back calls (best, not
-median: on a shared machine the other runs are the slower ones).
+backward and a paged decoding step. Per call: the best of ``--runs`` runs of ``--calls``
+back-to-back calls (best, not median: on a shared machine the other runs are the slower
+ones).
 
 To compare with another tree, run this file with that tree's numflash first on the path:
 ``PYTHONPATH=/path/to/other/checkout python tools/replay_cost.py``.
@@ -138,8 +139,8 @@ def stand_in():
 
 def calls():
     """{name: call}: a tiny forward (also on :class:`Foreign` arrays), its backward, and a
-    paged decoding step with an append
-    (seven arrays), as benchmarks/host_overhead.py times them on the GPU."""
+    paged decoding step with an append (seven arrays), as benchmarks/host_overhead.py times
+    them on the GPU."""
     q, k, v, dout, out = (DeviceArray((1, 128, 1, 64)) for _ in range(5))
     lse = _lse(q)
     qd = DeviceArray((4, 1, 8, 64))

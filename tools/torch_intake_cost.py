@@ -56,7 +56,7 @@ def main():
     def call():
         return numflash.attention(tq, tk, tv)
 
-    for turn in range(2):  # in turns, each keeping its best
+    for _ in range(2):  # in turns, each keeping its best
         for label, intake in (("numflash's view", view), ("cupy.from_dlpack", lambda *a: None)):
             arrays._torch_view = intake
             key = f"attention on tensors, {label}_us"
