@@ -7,7 +7,7 @@ kernels compute is tests/test_plans.py's part, on the GPU."""
 
 import numpy as np
 import pytest
-from support.standins import DeviceArray
+from support.standins import DeviceArray, Foreign, foreign_intake
 
 import numflash
 from numflash import api, launch, plans
@@ -313,21 +313,11 @@ def test_packed_batches_cycling_through_more_bounds_than_recent_plans_skip_the_k
     assert keys == [] and device.full_calls == len(bounds)
 
 
-class _Foreign:
-    """An array of another library (a PyTorch tensor, a JAX array), which numflash takes as a
-    CuPy array of the same memory (arrays.intake: DLPack)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-
 def test_arrays_of_another_library_replay_as_the_arrays_they_are_taken_as(device, monkeypatch):
-    monkeypatch.setattr(
-        api.arrays, "intake", lambda x, name: x.inner if isinstance(x, _Foreign) else x
-    )
+    monkeypatch.setattr(api.arrays, "intake", foreign_intake)
     q, (kc, vc), (k, v), seqlens, table = _kvcache_arrays()
     for _ in range(3):
-        given = [_Foreign(x) for x in (q, kc, vc, k, v, seqlens, table)]
+        given = [Foreign(x) for x in (q, kc, vc, k, v, seqlens, table)]
         out = numflash.attention_with_kvcache(
             *given[:5], cache_seqlens=given[5], block_table=given[6]
         )
@@ -337,13 +327,13 @@ def test_arrays_of_another_library_replay_as_the_arrays_they_are_taken_as(device
         q, kc, vc, k, v, seqlens, table, out
     )
     for _ in range(2):
-        out = numflash.attention(*(_Foreign(x) for x in _qkv()))
+        out = numflash.attention(*(Foreign(x) for x in _qkv()))
     assert device.full_calls == 2 and len(device.replays) == 3
     keys = []  # taken as CuPy arrays before the recent plans are tried: no key built
     original = api._ATTENTION.key
     monkeypatch.setattr(api._ATTENTION, "key", lambda *a: keys.append(a) or original(*a))
     q, k, v = _qkv()
-    out = numflash.attention(*(_Foreign(x) for x in (q, k, v)))
+    out = numflash.attention(*(Foreign(x) for x in (q, k, v)))
     assert keys == [] and device.full_calls == 2 and len(device.replays) == 4
     assert {p: device.replays[-1][p] for p in range(4)} == _pointers(q, k, v, out)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 
 import numpy as np  # noqa: E402
 from host_overhead import report  # noqa: E402  (imports CuPy, which needs no GPU to load)
-from support.standins import DeviceArray  # noqa: E402
+from support.standins import DeviceArray, Foreign, foreign_intake  # noqa: E402
 
 import numflash  # noqa: E402
 from numflash import api, launch, plans  # noqa: E402
@@ -109,23 +109,11 @@ class _Stream:
     ptr = STREAM
 
 
-class Foreign:
-    """An array of another library (a PyTorch tensor, a JAX array) over a stand-in, which
-    the stand-ins' intake takes as that stand-in (numflash.arrays.intake)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-
-def _intake(x, name):
-    return x.inner if isinstance(x, Foreign) else x
-
-
 def stand_in():
     """numflash.api on stand-ins: one device, one stream, the full paths above; the
     stand-ins are its CuPy arrays, and a :class:`Foreign` the array it holds."""
     api.SIMULATOR = False
-    api.arrays.intake = _intake
+    api.arrays.intake = foreign_intake
     api._plans = plans.PlanCache()
     cupy = api._Cupy
     cupy.empty = cupy.ndarray = DeviceArray

@@ -255,6 +255,11 @@ def _maps_or_none(maps, xp):
     return True, maps
 
 
+def _variant_flags(p):
+    """forward_sm90.build's variant arguments for problem ``p``."""
+    return dict(softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods)
+
+
 @launch.launches(WgmmaForwardConfig)
 def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     """The Hopper forward: dense, or a packed batch with ``offsets`` = (cu_q, cu_k). Both
@@ -275,15 +280,7 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
         order = launch._unread_array(xp, xp.int32)
     views = {"maps": arrays.kernel_view(maps[0]), "order": arrays.kernel_view(order)}
     launch._launch_forward(
-        lambda: forward_sm90.build(
-            head_dim,
-            p.dtype,
-            *schedule,
-            softcap=p.softcap,
-            sinks=p.sinks,
-            alibi=p.alibi,
-            mods=p.mods,
-        ),
+        lambda: forward_sm90.build(head_dim, p.dtype, *schedule, **_variant_flags(p)),
         (WgmmaForwardConfig, head_dim, p.dtype, cfg, tma, varlen) + launch.variant_key(p),
         cfg,
         p,
@@ -452,11 +449,6 @@ WGMMA_KVCACHE = launch.KernelSpec(
     scalars=launch.SPLIT_ATTENTION.scalars[:6] + launch.SPLIT_ATTENTION.scalars[6:10] + _WGMMA_TAIL,
     variant=(),
 )  # fmt: skip
-
-
-def _variant_flags(p):
-    """forward_sm90.build's variant arguments for problem ``p``."""
-    return dict(softcap=p.softcap, sinks=p.sinks, alibi=p.alibi, mods=p.mods)
 
 
 #: Chunked prefill's kernel appends the new rows itself (forward_sm90.build's ``append``)

@@ -59,3 +59,17 @@ def _c_contiguous(shape, strides, itemsize):
                 return False
             step *= n
     return True
+
+
+class Foreign:
+    """An array of another library (a PyTorch tensor, a JAX array) over a stand-in, which
+    numflash takes as a CuPy array of the same memory (arrays.intake: DLPack); on stand-ins,
+    :func:`foreign_intake` takes it as the stand-in it holds."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+def foreign_intake(x, name):
+    """arrays.intake on stand-ins: a :class:`Foreign` as the array it holds, the rest as is."""
+    return x.inner if isinstance(x, Foreign) else x
