@@ -2,16 +2,18 @@
 
 One JSON file per compute capability (``sm_90.json``) in ``$NUMFLASH_CACHE_DIR``, else the
 platform's user cache directory (``~/.cache/numflash`` on Linux); numflash also ships files of
-the same format in ``numflash/configs/``. A file carries a header (compute capability, device
-name, numflash version, the revision of each kernel family) and, per problem key, the winning
-configuration with its measured time, the default's, and the revision of the family's kernels
-it was measured on::
+the same format in ``numflash/configs/``. A file carries a header (compute capability, the
+name of the device that wrote it last, numflash version, the revision of each kernel family)
+and, per problem key, the winning configuration with its measured time, the default's, the
+revision of the family's kernels it was measured on and the device it was measured on (one
+file serves every device of its compute capability, an H100 and an H200 alike)::
 
     {"format": 3, "arch": "sm_90", "compute_capability": [9, 0], "device": "NVIDIA H200",
      "numflash_version": "0.1.0", "kernel_revisions": {"tensor-core": 1},
      "entries": {"tensor-core/float16/hd128/causal/s4096":
                  {"config": {...}, "time_ms": 1.91, "default_ms": 2.04, "default_config": {...},
-                  "trials": 30, "date": "2026-11-29", "kernel_revision": 1}}}
+                  "trials": 30, "date": "2026-11-29", "kernel_revision": 1,
+                  "device": "NVIDIA H200"}}}
 
 The KV-cache families' keys name one more thing, the grid class (``.../s4096/gfew``): whether
 the call's thread blocks without splits (batch x kv heads x blocks of query rows) fill fewer or
@@ -316,7 +318,7 @@ def record(device, results, header_extra=None, path=None):
         notes = _notes(path)
         current.update(
             {
-                str(k): {**e, "kernel_revision": kernel_revision(k.family)}
+                str(k): {**e, "kernel_revision": kernel_revision(k.family), "device": device.name}
                 for k, e in results.items()
             }
         )

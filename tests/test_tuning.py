@@ -191,6 +191,20 @@ def test_record_keeps_the_files_own_notes_and_each_entrys_command(cache_dirs):
     assert data["entries"][str(other)]["command"] == second["command"]
 
 
+def test_each_entry_names_the_device_it_was_measured_on(cache_dirs):
+    """One file serves every device of its compute capability: entries tuned on an H100 and
+    merged into a file an H200 wrote keep their own device's name, and the header names the
+    last writer."""
+    h100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 1024)
+    cache.record(H200, {KEY: entry(CFG)})
+    other = KEY._replace(seqlen=65536)
+    path = cache.record(h100, {other: entry(CFG)})
+    data = json.loads(path.read_text())
+    assert data["entries"][str(KEY)]["device"] == "NVIDIA H200"
+    assert data["entries"][str(other)]["device"] == h100.name == data["device"]
+    assert cache.lookup("sm_90", other)[0] == CFG
+
+
 def test_nearest_sequence_bucket(cache_dirs):
     cache.record(
         H200,
