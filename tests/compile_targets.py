@@ -106,20 +106,30 @@ def _with_remarks(usage):
 
 
 def _shipped():
-    """(file, head_dim, dtype, configuration dict) of every distinct tuned tensor-core
-    configuration in numflash/configs."""
+    """(file, head_dim, dtype, configuration dict) of every distinct tuned configuration in
+    numflash/configs of the mma.sync forward, and of the Hopper forward where it is not the
+    default that wgmma_forward compiles anyway."""
     found = []
     for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
         for key, entry in cache.shipped_entries(path.stem).items():
             item = (path.name, key.head_dim, key.dtype, entry["config"])
-            if key.family == "tensor-core" and item not in found:
+            if key.family == "wgmma-forward":
+                default = default_config(key.family, key.head_dim, None)[1].to_dict()
+                if entry["config"] == default:
+                    continue
+            elif key.family != "tensor-core":
+                continue
+            if item not in found:
                 found.append(item)
     return found
 
 
 def shipped_one(file, head_dim, dtype, config):
     """One shipped configuration compiled for the targets of the architecture its file serves
-    (sm_90.json: sm_90a), with ptxas' report."""
+    (sm_90.json: sm_90a), with ptxas' report; a Hopper forward's as wgmma_forward reports it,
+    marked with its file."""
+    if config["family"] == "wgmma-forward":
+        return [{**e, "shipped": file} for e in wgmma_forward(head_dim, dtype, config, False)]
     major = int(file[3:-5]) // 10
     cfg = config_from_dict(config)
     kernel = forward.build(

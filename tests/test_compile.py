@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from support import json_from_subprocess
 
+from numflash import cache
 from numflash.kernels.backward_mma import dq_split
+from numflash.selection import default_config
 
 HERE = Path(__file__).parent
 
@@ -173,6 +175,19 @@ def test_shipped_configurations_compile_and_spill_nothing(compiled):
         ):
             assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
+    # the Hopper forward's tuned configurations that are not its default: compiled as its
+    # own kernels are, and held to test_wgmma_forward_kernels_assemble_for_sm90a's checks
+    tuned = [e for e in compiled if e.get("shipped") and e["family"] == "wgmma-forward"]
+    shipped = {
+        (file, key.head_dim, key.dtype, tuple(sorted(entry["config"].items())))
+        for file in ("sm_90.json",)
+        for key, entry in cache.shipped_entries(file[:-5]).items()
+        if key.family == "wgmma-forward"
+        and entry["config"] != default_config(key.family, key.head_dim, None)[1].to_dict()
+    }
+    assert {
+        (e["shipped"], e["head_dim"], e["dtype"], tuple(sorted(e["config"].items()))) for e in tuned
+    } == shipped
 
 
 def test_wgmma_tiles_assemble_for_sm90a(compiled):
