@@ -125,6 +125,19 @@ def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypa
     assert selection.forward_family(problem(64), A100) == "tensor-core"
 
 
+@pytest.fixture
+def no_tuned_entries(tmp_path, monkeypatch):
+    """An empty user cache and no shipped files, as long as the test runs."""
+    from numflash import cache
+
+    monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(tmp_path / "user"))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path)
+    cache.reload()
+    yield
+    monkeypatch.undo()
+    cache.reload()
+
+
 @pytest.mark.parametrize(
     "head_dim, seqlen, window, expected",
     [
@@ -140,10 +153,13 @@ def test_a_forward_family_registered_from_outside_is_chosen_by_its_rule(monkeypa
         (128, 4096, (-1, 0), (128, 2)),
     ],
 )
-def test_the_hopper_forward_default_follows_the_seqlen_bucket(head_dim, seqlen, window, expected):
+def test_the_hopper_forward_default_follows_the_seqlen_bucket(
+    head_dim, seqlen, window, expected, no_tuned_entries
+):
     """A call's default Hopper forward depends on its seqlen bucket and mask where that was
     measured to pay (head_dim 64 at seqlen 1024: wgmma_forward.SHORT_BUCKET), and the tuner
-    starts a key's study from the same default."""
+    starts a key's study from the same default (no tuned entry here: an empty user cache and
+    no shipped files)."""
     from numflash import cache
     from numflash.families import wgmma_forward
     from numflash.validation import Problem
