@@ -13,8 +13,9 @@ from CUDA events (numflash.timing.time_gpu, L2 flushed between runs), TFLOP/s co
 attention alone. Writes benchmarks/results/prefill.json and prefill.md.
 
 ``--crossover`` instead times the KV-cache call (4 sequences over 8192 cached keys, contiguous
-and paged) at 16-256 new rows on both of its routes, the split-KV decode kernel and the Hopper
-forward, the evidence for selection.PREFILL_ROWS (docs/performance.md, "Chunked prefill").
+and paged) at 16-256 new rows (``--rows``) on both of its routes, the split-KV decode kernel
+and the Hopper forward, the evidence for selection.PREFILL_ROWS (docs/performance.md,
+"Chunked prefill").
 """
 
 import os
@@ -125,12 +126,17 @@ def bench(args):
     return records
 
 
-def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
+#: The new rows a sequence --crossover times by default.
+CROSSOVER_ROWS = (16, 32, 48, 64, 96, 128, 256)
+
+
+def crossover(args, rows=CROSSOVER_ROWS, batch=4, cached=8192, kv_heads=NHEADS_K):
     """us of the KV-cache call per route (the decode kernel: what numflash chooses with
-    PREFILL_ROWS out of reach; the Hopper forward: its default configuration forced)."""
+    PREFILL_ROWS out of reach; the Hopper forward: its default configuration forced), with
+    NHEADS query heads over ``kv_heads`` KV heads."""
     records = []
     dtype = DTYPES[args.dtypes[0]]
-    k_cache, v_cache = peers.random_qkv(batch, cached + max(rows), NHEADS_K, HEAD_DIM, dtype)[:2]
+    k_cache, v_cache = peers.random_qkv(batch, cached + max(rows), kv_heads, HEAD_DIM, dtype)[:2]
     lengths = cupy.full((batch,), cached, dtype=cupy.int32)
     layouts = [("contiguous", k_cache, v_cache, {})]
     for page in args.page_sizes:
@@ -139,7 +145,7 @@ def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
     for new in rows:
         q, k_new, v_new = (
             peers.random_qkv(batch, new, heads, HEAD_DIM, dtype, seed=s)[0]
-            for s, heads in ((1, NHEADS), (2, NHEADS_K), (3, NHEADS_K))
+            for s, heads in ((1, NHEADS), (2, kv_heads), (3, kv_heads))
         )
         for layout, kc, vc, kw in layouts:
             args_ = (q, kc, vc, k_new, v_new)
@@ -156,7 +162,8 @@ def crossover(args, rows=(16, 32, 48, 64, 96, 128, 256), batch=4, cached=8192):
             for route, config in (("decode", decode), ("hopper", hopper)):
                 t = time_gpu(lambda c=config: numflash.attention_with_kvcache(*args_, **kw, config=c),
                              warmup=3, runs=args.runs)  # fmt: skip
-                rec = dict(rows=new, layout=layout, route=route, us=t.median_ms * 1e3)
+                rec = dict(rows=new, layout=layout, route=route, us=t.median_ms * 1e3,
+                           kv_heads=kv_heads)  # fmt: skip
                 records.append(rec)
                 print(f"rows {new:4d} {layout:10s} {route:7s} {rec['us']:9.1f} us", flush=True)
     return records
@@ -189,11 +196,16 @@ def main():
     ap.add_argument("--page-sizes", type=int, nargs="*", default=[16])
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--crossover", action="store_true", help="time both routes at 16-256 rows")
+    ap.add_argument("--rows", type=int, nargs="*", default=list(CROSSOVER_ROWS),
+                    help="--crossover's new rows a sequence")  # fmt: skip
+    ap.add_argument("--kv-heads", type=int, default=NHEADS_K,
+                    help=f"--crossover's KV heads (of {NHEADS} query heads)")  # fmt: skip
     args = ap.parse_args()
     dev = current_device()
     if args.crossover:
-        records = crossover(args)
-        lines = [f"KV-cache call by route on {dev.name} (b4, 8192 cached keys, causal), us:", ""]
+        records = crossover(args, tuple(args.rows), kv_heads=args.kv_heads)
+        lines = [f"KV-cache call by route on {dev.name} (b4, 8192 cached keys, causal, "
+                 f"{NHEADS} / {args.kv_heads} heads), us:", ""]  # fmt: skip
         lines += ["| rows | layout | decode kernel | Hopper forward |", "|---|---|---|---|"]
         by = {(r["rows"], r["layout"], r["route"]): r["us"] for r in records}
         for new, layout in dict.fromkeys((r["rows"], r["layout"]) for r in records):

@@ -76,9 +76,14 @@ def info(out=sys.stdout):
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
                 paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
+                small = PREFILL_ROWS["small pages"]
+                small = (
+                    f"{small} over pages below {LARGE_PAGE} rows, "
+                    if small != PREFILL_ROWS["contiguous"]
+                    else ""
+                )
                 kvcache = (
-                    f"the wgmma forward past {PREFILL_ROWS['contiguous']} new rows "
-                    f"({PREFILL_ROWS['small pages']} over pages below {LARGE_PAGE} rows, "
+                    f"the wgmma forward past {PREFILL_ROWS['contiguous']} new rows ({small}"
                     f"{PREFILL_ROWS['paged by cp.async']} over pages read by cp.async) at its "
                     "head dims, else " + kvcache
                 )

@@ -414,13 +414,15 @@ def split_count(config, problem, device):
 
 
 #: New query rows of a KV-cache call above which it runs on the Hopper forward rather than
-#: the split-KV decode kernel (chunked prefill), by how the forward reads the cache. On the
-#: H200 (benchmarks/bench_prefill.py --crossover, docs/performance.md "Chunked prefill") the
-#: forward takes about the same time from 16 to 128 rows while the decode kernel's grows with
-#: them; they cross near 22 rows over a contiguous cache, 24 over pages of 64 (TMA boxes of 64
-#: rows), 37 over pages of 16 (boxes of 16 rows) and 48 over pages the forward reads by
-#: cp.async.
-PREFILL_ROWS = {"contiguous": 24, "large pages": 24, "small pages": 36, "paged by cp.async": 48}
+#: the split-KV decode kernel (chunked prefill), by how the forward reads the cache
+#: (benchmarks/bench_prefill.py --crossover, docs/performance.md "Chunked prefill"). The
+#: forward takes about the same time from 8 to 128 rows; the decode kernel's doubles past 16
+#: rows at 4 query heads a KV head (its blocks hold 64 (head, row) pairs), and past 16 at 1 and
+#: 8 too. On the H100 (2026-12-07; the decode kernel and contiguous forward time as on the
+#: H200) the forward won from 17 rows at every one of those groups and layouts (1.14-1.8x),
+#: the decode kernel up to 16 (tied at 1); over pages the forward reads by cp.async they
+#: crossed near 48 (H200, an earlier forward).
+PREFILL_ROWS = {"contiguous": 16, "large pages": 16, "small pages": 16, "paged by cp.async": 48}
 #: Pages of this many rows or more load as few TMA boxes as a contiguous cache's tile.
 LARGE_PAGE = 64
 
