@@ -222,8 +222,8 @@ def _adopted(sig, args):
         x = args[i]
         if x is None or isinstance(x, int) or isinstance(x, arrays.cupy_ndarray()):
             continue
-        try:
-            adopted[i] = arrays.intake(x, sig.parameters[i][0])
+        try:  # out= is handed back: its array keeps a tensor alive; the others are borrowed
+            adopted[i] = arrays.intake(x, sig.parameters[i][0], i != sig.out_position)
         except TypeError:
             return None
         taken = True

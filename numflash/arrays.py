@@ -10,6 +10,7 @@ so any strided view whose last dimension is contiguous is read in place.
 """
 
 import sys
+import weakref
 from typing import NamedTuple
 
 import ml_dtypes
@@ -45,8 +46,11 @@ def cupy_ndarray():
     return _cupy().ndarray
 
 
-def intake(x, name):
-    """``x`` as a CuPy array (NumPy in the simulator); TypeError naming ``name`` otherwise."""
+def intake(x, name, borrowed=False):
+    """``x`` as a CuPy array (NumPy in the simulator); TypeError naming ``name`` otherwise.
+    ``borrowed``: the array is read or written during the call and never handed back (a
+    PyTorch tensor's view is then one that does not keep the tensor alive, remembered for
+    the calls that take the tensor again: :func:`_borrowed_torch_view`)."""
     if SIMULATOR:
         if isinstance(x, np.ndarray):
             return x
@@ -63,7 +67,7 @@ def intake(x, name):
         )
     torch = sys.modules.get("torch")  # a tensor's module is loaded when there is a tensor
     if torch is not None and type(x) is torch.Tensor:
-        adopted = _torch_view(x, torch, cupy)
+        adopted = (_borrowed_torch_view if borrowed else _torch_view)(x, torch, cupy)
         if adopted is not None:
             return adopted
     if hasattr(x, "__dlpack__"):
@@ -86,7 +90,7 @@ _TORCH_DTYPES = {
 }  # fmt: skip
 
 
-def _torch_view(x, torch, cupy):
+def _torch_view(x, torch, cupy, owned=True):
     """A CUDA ``torch.Tensor`` as a CuPy array over its memory, or None where DLPack is to
     take it: the same array ``cupy.from_dlpack`` makes, without PyTorch's Python half of
     the exchange (17 against 5 us a tensor on the H100 machine: docs/performance.md, "PyTorch
@@ -94,7 +98,7 @@ def _torch_view(x, torch, cupy):
     dtype numflash reads, holding at least one element, needing no gradient (DLPack refuses
     those, and so does this) and no lazily negated view, while PyTorch's current stream on
     its device is CuPy's (else DLPack makes CuPy's stream wait for PyTorch's). The array
-    keeps ``x`` alive."""
+    keeps ``x`` alive where ``owned``."""
     dtype = _TORCH_DTYPES.get(str(x.dtype))
     if dtype is None or not x.is_cuda or x.requires_grad or x.layout is not torch.strided:
         return None
@@ -108,8 +112,61 @@ def _torch_view(x, torch, cupy):
         return None
     strides = tuple(s * dtype.itemsize for s in x.stride())
     span = sum((n - 1) * s for n, s in zip(shape, strides)) + dtype.itemsize
-    memory = cupy.cuda.UnownedMemory(pointer, span, x, device)
+    memory = cupy.cuda.UnownedMemory(pointer, span, x if owned else None, device)
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(memory, 0), strides)
+
+
+#: The views :func:`_borrowed_torch_view` made, by the id of their tensor: (a weak reference
+#: to the tensor, the view, and the tensor's address, shape, strides and dtype when it was
+#: made). An entry leaves when its tensor dies.
+_BORROWED = {}
+#: At most this many views are remembered; a new one beyond them drops the oldest.
+BORROWED_VIEWS = 64
+
+
+def _borrowed_torch_view(x, torch, cupy):
+    """:func:`_torch_view` of a tensor that a call reads or writes and never hands back: a
+    view that does not keep ``x`` alive (the caller holds it for the call), made once and
+    given again to the calls that take ``x`` while ``x`` lives with the same address, shape,
+    strides, dtype and device, needs no gradient and PyTorch's current stream is still
+    CuPy's. A repeated call on tensors then costs a few attribute reads a tensor, not a new
+    CuPy array (docs/performance.md, "PyTorch tensors")."""
+    entry = _BORROWED.get(id(x))
+    if entry is not None:
+        ref, view, pointer, shape, strides, dtype = entry
+        if (
+            ref() is x
+            and x.data_ptr() == pointer
+            and x.shape == shape
+            and x.stride() == strides
+            and x.dtype is dtype
+            and not x.requires_grad
+            and x.get_device() == view.data.device_id
+            and _torch_stream(torch, view.data.device_id) == cupy.cuda.get_current_stream().ptr
+        ):
+            return view
+    view = _torch_view(x, torch, cupy, owned=False)
+    if view is not None:
+        _remember(x, view)
+    return view
+
+
+def _remember(x, view):
+    """Keep ``view`` of tensor ``x`` in _BORROWED until ``x`` dies (or BORROWED_VIEWS newer
+    ones come)."""
+    key = id(x)
+
+    def forget(ref):
+        entry = _BORROWED.get(key)
+        if entry is not None and entry[0] is ref:  # not a later tensor's under the same id
+            _BORROWED.pop(key, None)
+
+    while len(_BORROWED) >= BORROWED_VIEWS:
+        try:
+            _BORROWED.pop(next(iter(_BORROWED)), None)
+        except (StopIteration, RuntimeError):  # emptied or changed by another thread
+            break
+    _BORROWED[key] = (weakref.ref(x, forget), view, x.data_ptr(), x.shape, x.stride(), x.dtype)
 
 
 def _torch_stream(torch, device):

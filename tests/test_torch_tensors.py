@@ -75,3 +75,32 @@ def test_the_adopted_array_keeps_the_tensor_memory():
     assert bool((adopted == expected).all())
     del adopted
     assert torch.cuda.memory_allocated() < before
+
+
+def test_a_repeated_call_borrows_its_tensors_and_follows_them():
+    """A call's tensors are taken by views remembered for the next call (not keeping them
+    alive), made anew when a tensor's memory or layout changed in place; out= is handed back
+    and keeps its tensor."""
+    import cupy
+
+    (q, k, v), (tq, tk, tv) = _tensors(2, 64, 64, 4, 4, 64, "float16")
+    out = numflash.attention(tq, tk, tv, causal=True)
+    again = numflash.attention(tq, tk, tv, causal=True)
+    assert bool((again.view("uint16") == out.view("uint16")).all())
+    assert arrays._BORROWED[id(tq)][0]() is tq
+    (_, _, v2), _ = _tensors(2, 64, 64, 4, 4, 64, "float16")
+    tv.data = torch.from_dlpack(v2)  # another memory under the same tensor
+    out, lse = numflash.attention(tq, tk, tv, causal=True, return_lse=True)
+    assert_matches_reference(q, k, v2, out, lse, causal=True)
+    t = torch.randn(1 << 20, device="cuda", dtype=torch.float16)
+    arrays.intake(t, "q", borrowed=True)
+    before = torch.cuda.memory_allocated()
+    key = id(t)
+    del t
+    assert torch.cuda.memory_allocated() < before and key not in arrays._BORROWED
+    to = torch.empty_like(tq)
+    given = numflash.attention(tq, tk, tv, out=to)
+    before = torch.cuda.memory_allocated()
+    del to
+    assert torch.cuda.memory_allocated() == before  # held by the array handed back
+    assert isinstance(given, cupy.ndarray)

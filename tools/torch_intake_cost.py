@@ -3,11 +3,12 @@
     python tools/torch_intake_cost.py [--runs 3] [--calls 3000] [--json PATH]
 
 ``numflash.attention`` on three CUDA tensors (2 x 128 x 4 x 64, fp16), repeated (its replay
-plan), with numflash's own view of a tensor (``numflash.arrays._torch_view``) and with every
-tensor taken by ``cupy.from_dlpack`` instead, in turns in one process; the same call on the
-CuPy arrays under the tensors; and the parts: one tensor through ``cupy.from_dlpack``,
-through ``_torch_view``, PyTorch's ``__dlpack__`` alone, ``torch.cuda.current_stream`` and the
-raw stream query ``_torch_view`` makes. Host time a call, the best of ``--runs`` runs of
+plan), in turns in one process: as numflash takes them (views remembered from the call
+before, ``numflash.arrays._borrowed_torch_view``), with a new view of each every call
+(``numflash.arrays._torch_view``) and with every tensor taken by ``cupy.from_dlpack``; the
+same call on the CuPy arrays under the tensors; and the parts: one tensor through
+``cupy.from_dlpack``, through ``_torch_view``, its remembered view found again, PyTorch's
+``__dlpack__`` alone, ``torch.cuda.current_stream`` and the raw stream query the views make. Host time a call, the best of ``--runs`` runs of
 ``--calls`` calls back to back (docs/performance.md, "PyTorch tensors").
 """
 
@@ -51,21 +52,31 @@ def main():
 
     q, k, v = random_qkv(2, 128, 4, 64, "float16")
     tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-    view, found = arrays._torch_view, {"device": torch.cuda.get_device_name()}
+    view, borrowed = arrays._torch_view, arrays._borrowed_torch_view
+    found = {"device": torch.cuda.get_device_name()}
 
     def call():
         return numflash.attention(tq, tk, tv)
 
+    def no_view(x, torch, cupy, owned=True):
+        return None  # DLPack takes the tensor
+
+    intakes = {  # (_torch_view, _borrowed_torch_view) of each way
+        "borrowed views": (view, borrowed),
+        "a new view each call": (view, view),
+        "cupy.from_dlpack": (no_view, no_view),
+    }
     for _ in range(2):  # in turns, each keeping its best
-        for label, intake in (("numflash's view", view), ("cupy.from_dlpack", lambda *a: None)):
-            arrays._torch_view = intake
+        for label, (arrays._torch_view, arrays._borrowed_torch_view) in intakes.items():
+            arrays._BORROWED.clear()
             key = f"attention on tensors, {label}_us"
             found[key] = min(found.get(key, float("inf")), best_us(call, args.runs, args.calls))
-    arrays._torch_view = view
+    arrays._torch_view, arrays._borrowed_torch_view = view, borrowed
     parts = {
         "attention on the CuPy arrays": lambda: numflash.attention(q, k, v),
         "one tensor, cupy.from_dlpack": lambda: cupy.from_dlpack(tq),
         "one tensor, numflash's view": lambda: view(tq, torch, cupy),
+        "one tensor, its borrowed view again": lambda: borrowed(tq, torch, cupy),
         "tensor.__dlpack__(stream=1)": lambda: tq.__dlpack__(stream=1),
         "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
         "the raw stream query": lambda: arrays._torch_stream(torch, 0),

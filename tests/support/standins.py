@@ -70,6 +70,6 @@ class Foreign:
         self.inner = inner
 
 
-def foreign_intake(x, name):
+def foreign_intake(x, name, borrowed=False):
     """arrays.intake on stand-ins: a :class:`Foreign` as the array it holds, the rest as is."""
     return x.inner if isinstance(x, Foreign) else x
