@@ -151,7 +151,7 @@ def crossover(args, rows=CROSSOVER_ROWS, batch=4, cached=8192, kv_heads=NHEADS_K
             args_ = (q, kc, vc, k_new, v_new)
             kw = dict(kw, cache_seqlens=lengths, causal=True)
             hopper = selection.prefill_config(
-                wgmma_forward.default_wgmma_forward_config(HEAD_DIM), _paged(kw)
+                wgmma_forward.default_wgmma_forward_config(HEAD_DIM), _paged(kw, kc)
             )
             saved = dict(selection.PREFILL_ROWS)
             selection.PREFILL_ROWS.update(dict.fromkeys(saved, 1 << 30))
@@ -169,9 +169,11 @@ def crossover(args, rows=CROSSOVER_ROWS, batch=4, cached=8192, kv_heads=NHEADS_K
     return records
 
 
-def _paged(kw):
-    """A stand-in problem for selection.prefill_config: whether the call is paged."""
-    return types.SimpleNamespace(paged="block_table" in kw)
+def _paged(kw, cache):
+    """A stand-in problem for selection.prefill_config: whether the call is paged, and its
+    page size."""
+    paged = "block_table" in kw
+    return types.SimpleNamespace(paged=paged, page_size=cache.shape[1] if paged else 0)
 
 
 def markdown(records, device):

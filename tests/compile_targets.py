@@ -394,7 +394,7 @@ def wgmma_forward(
     cfg = config_from_dict(config) if config else default_config("wgmma-forward", hd, None)[1]
     if cache:  # as selection runs it
         paged = cache in forward_sm90.PAGED_CACHES
-        cfg = prefill_config(cfg, types.SimpleNamespace(paged=paged))
+        cfg = prefill_config(cfg, types.SimpleNamespace(paged=paged, page_size=16 if paged else 0))
     schedule = forward_sm90.schedule(cfg, varlen, cache=cache)
     if page_warps is not None:
         schedule = schedule[:-1] + (page_warps,)

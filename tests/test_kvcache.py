@@ -666,6 +666,27 @@ def test_prefill_rows_follow_how_the_forward_reads_the_cache():
         assert selection.prefill_rows(paged) == selection.PREFILL_ROWS[entry], page
 
 
+def test_chunked_prefill_keeps_tiles_that_read_pages_by_tma():
+    """A configuration (tuned for dense calls) whose key tiles would not read a paged cache by
+    TMA where 128-key tiles do runs chunked prefill on 128-key tiles; over a contiguous cache,
+    or pages its tiles read by TMA, it runs as it is."""
+    import dataclasses
+
+    from numflash import selection
+    from numflash.families.wgmma_forward import WgmmaForwardConfig
+    from numflash.validation import KVCacheProblem
+
+    p = KVCacheProblem(1, 64, 64, 8, 2, 128, "float16", 0.1, -1, -1, 8192, 1, 0, 0, None, 0)
+    tuned = WgmmaForwardConfig(block_n=112)
+    assert selection.prefill_config(tuned, p) == tuned
+    for page, block_n in ((16, 112), (64, 128), (256, 128), (24, 112), (8, 112)):
+        paged = dataclasses.replace(p, page_size=page, max_blocks=8192 // page + 1)
+        assert selection.prefill_config(tuned, paged).block_n == block_n, page
+    wide = WgmmaForwardConfig(block_n=192)  # past 128 keys over any page size
+    paged = dataclasses.replace(p, page_size=24, max_blocks=8192 // 24 + 1)
+    assert selection.prefill_config(wide, paged).block_n == 128
+
+
 #: Short chunks the Hopper forward appends itself (wgmma_forward.appends_in_kernel: at most a
 #: block of query rows and of new rows; KERNELS["hopper"] has 64).
 APPEND_CASES = [

@@ -140,8 +140,15 @@ class WgmmaForwardConfig(config._Config):
         """This configuration as chunked prefill runs it over ``problem``'s cache: a paged
         cache's copies find each row's page, and past 128-key tiles at head_dim 64 that spilled
         the producer's registers (sm_90a, CUDA 13: tests/compile_targets.py), so its tiles keep
-        at most 128 keys."""
-        if problem.paged and self.block_n > 128:
+        at most 128 keys; and where 128-key tiles read the pages by TMA and this
+        configuration's would not (a tuned 112-key tile over pages of 64), 128 keys, not the
+        cp.async copies (docs/performance.md, "Chunked prefill")."""
+        if not problem.paged:
+            return self
+        page = problem.page_size
+        if self.block_n > 128 or (
+            forward_sm90.paged_tma(page, 128) and not forward_sm90.paged_tma(page, self.block_n)
+        ):
             return dataclasses.replace(self, block_n=128)
         return self
 
