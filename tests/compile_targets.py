@@ -126,10 +126,14 @@ def _shipped():
 
 def shipped_one(file, head_dim, dtype, config):
     """One shipped configuration compiled for the targets of the architecture its file serves
-    (sm_90.json: sm_90a), with ptxas' report; a Hopper forward's as wgmma_forward reports it,
-    marked with its file."""
+    (sm_90.json: sm_90a), with ptxas' report; a Hopper forward's dense and packed kernels as
+    wgmma_forward reports them (a call of either kind takes the entry), marked with its file."""
     if config["family"] == "wgmma-forward":
-        return [{**e, "shipped": file} for e in wgmma_forward(head_dim, dtype, config, False)]
+        return [
+            {**e, "shipped": file}
+            for varlen in (False, True)
+            for e in wgmma_forward(head_dim, dtype, config, varlen)
+        ]
     major = int(file[3:-5]) // 10
     cfg = config_from_dict(config)
     kernel = forward.build(
