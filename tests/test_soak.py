@@ -6,9 +6,9 @@ backward of random shapes, KV-cache decoding steps with appends over a contiguou
 cache with lengths on the device and as an int, chunked prefill, packed batches with new
 offsets every call; a third of the decoding calls and of the forward and backward ones at
 head_dim 64 with sinks, a quarter of those forward and backward ones with a score_mod), each
-thread a program drawn from its seed. Every output of every call equals, bitwise, the output of the same program run
-alone afterwards on the default stream, and the memory pool stops growing once every
-signature has been seen. On the GPU, and slow:
+thread a program drawn from its seed. Every output of every call equals, bitwise, the output
+of the same program run alone afterwards on the default stream, and the memory pool stops
+growing once every signature has been seen. On the GPU, and slow:
 
     python -m pytest -m slow tests/test_soak.py
 """
