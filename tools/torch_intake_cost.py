@@ -10,8 +10,9 @@ same call on the CuPy arrays under the tensors; and the parts: one tensor throug
 ``cupy.from_dlpack``, through ``_torch_view``, its remembered view found again, PyTorch's
 ``__dlpack__`` alone, ``torch.cuda.current_stream`` and the raw stream query the views make.
 Each way is also timed on tensors seen once (new tensor objects every call, as a training
-step's q, k and v are): what remembering a view costs where it is never found again. Host time a call, the best of ``--runs`` runs of
-``--calls`` calls back to back (docs/performance.md, "PyTorch tensors").
+step's q, k and v are): what remembering a view costs where it is never found again. Host
+time a call, the best of ``--runs`` runs of ``--calls`` calls back to back (1000 calls on
+tensors seen once; docs/performance.md, "PyTorch tensors").
 """
 
 import argparse
