@@ -117,8 +117,8 @@ def _torch_view(x, torch, cupy, owned=True):
 
 
 #: The views :func:`_borrowed_torch_view` made, by the id of their tensor: (a weak reference
-#: to the tensor, the view, and the tensor's address, shape, strides and dtype when it was
-#: made). An entry leaves when its tensor dies.
+#: to the tensor, the view, and the tensor's address, shape, strides, dtype and device when
+#: it was made). An entry leaves when its tensor dies.
 _BORROWED = {}
 #: At most this many views are remembered; a new one beyond them drops the oldest.
 BORROWED_VIEWS = 64
@@ -133,7 +133,7 @@ def _borrowed_torch_view(x, torch, cupy):
     CuPy array (docs/performance.md, "PyTorch tensors")."""
     entry = _BORROWED.get(id(x))
     if entry is not None:
-        ref, view, pointer, shape, strides, dtype = entry
+        ref, view, pointer, shape, strides, dtype, device = entry
         if (
             ref() is x
             and x.data_ptr() == pointer
@@ -141,8 +141,8 @@ def _borrowed_torch_view(x, torch, cupy):
             and x.stride() == strides
             and x.dtype is dtype
             and not x.requires_grad
-            and x.get_device() == view.data.device_id
-            and _torch_stream(torch, view.data.device_id) == cupy.cuda.get_current_stream().ptr
+            and x.get_device() == device
+            and _torch_stream(torch, device) == cupy.cuda.get_current_stream().ptr
         ):
             return view
     view = _torch_view(x, torch, cupy, owned=False)
@@ -166,7 +166,16 @@ def _remember(x, view):
             _BORROWED.pop(next(iter(_BORROWED)), None)
         except (StopIteration, RuntimeError):  # emptied or changed by another thread
             break
-    _BORROWED[key] = (weakref.ref(x, forget), view, x.data_ptr(), x.shape, x.stride(), x.dtype)
+    data = view.data  # the address and device _torch_view read, not asked of x again
+    _BORROWED[key] = (
+        weakref.ref(x, forget),
+        view,
+        data.ptr,
+        x.shape,
+        x.stride(),
+        x.dtype,
+        data.device_id,
+    )
 
 
 def _torch_stream(torch, device):

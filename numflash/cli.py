@@ -76,15 +76,15 @@ def info(out=sys.stdout):
                 dims = ", ".join(map(str, WGMMA_FORWARD_HEAD_DIMS))
                 paths = f"wgmma with TMA loads at head_dim {dims}, else " + paths
                 backward = "wgmma at head_dim 64 and 128, else " + backward
-                small = PREFILL_ROWS["small pages"]
-                small = (
-                    f"{small} over pages below {LARGE_PAGE} rows, "
-                    if small != PREFILL_ROWS["contiguous"]
+                rows = PREFILL_ROWS
+                small_pages = (
+                    f"{rows['small pages']} over pages below {LARGE_PAGE} rows, "
+                    if rows["small pages"] != rows["contiguous"]
                     else ""
                 )
                 kvcache = (
-                    f"the wgmma forward past {PREFILL_ROWS['contiguous']} new rows ({small}"
-                    f"{PREFILL_ROWS['paged by cp.async']} over pages read by cp.async) at its "
+                    f"the wgmma forward past {rows['contiguous']} new rows ({small_pages}"
+                    f"{rows['paged by cp.async']} over pages read by cp.async) at its "
                     "head dims, else " + kvcache
                 )
         else:

@@ -108,7 +108,8 @@ def test_a_dead_tensors_view_is_forgotten_and_never_given_to_another(world):
     assert key not in arrays._BORROWED
     # a new tensor whose id is a dead one's, its entry still there (no callback yet)
     u = Tensor()
-    arrays._BORROWED[id(u)] = (lambda: None, made[0], u.pointer, u.shape, u.strides, u.dtype)
+    entry = (lambda: None, made[0], u.pointer, u.shape, u.strides, u.dtype, u.device)
+    arrays._BORROWED[id(u)] = entry
     assert arrays._borrowed_torch_view(u, torch, cupy) is not made[0]
 
 
