@@ -8,10 +8,14 @@ offsets every call; a third of the decoding calls and of the forward and backwar
 head_dim 64 with sinks, a quarter of those forward and backward ones with a score_mod), each
 thread a program drawn from its seed. Every output of every call equals, bitwise, the output
 of the same program run alone afterwards on the default stream, and the memory pool stops
-growing once every signature has been seen. On the GPU, and slow:
+growing once every signature has been seen. On the GPU, and slow (``-s`` shows each
+program's progress, the first fifth of it mostly compiling):
 
-    python -m pytest -m slow tests/test_soak.py
+    python -m pytest -m slow -s tests/test_soak.py
 """
+
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -43,7 +47,7 @@ class _Program:
     order, whenever it runs. Each output goes into :meth:`digest`."""
 
     def __init__(self, seed):
-        self.rng = np.random.default_rng(seed)
+        self.seed, self.rng = seed, np.random.default_rng(seed)
         self.dtype = "bfloat16" if seed % 2 else "float16"
         self.digests = xp.zeros(CALLS * 6 + 4, dtype=xp.uint64)  # 6 outputs a call at most
         self.weights = xp.asarray(self.rng.integers(1, 1 << 40, LARGEST, dtype=np.uint64))
@@ -144,8 +148,12 @@ class _Program:
         the calls and after the last."""
         steps = (lambda: self.forward(False), lambda: self.forward(True), self.decode)
         steps += (self.packed,)
+        start = time.perf_counter()
         for i in range(CALLS):
             steps[int(self.rng.integers(len(steps)))]()
+            if (i + 1) % (CALLS // 5) == 0:
+                print(f"soak: program {self.seed}{'' if pool_bytes is None else ' (threaded)'}, "
+                      f"{i + 1} calls in {time.perf_counter() - start:.1f} s", file=sys.stderr)  # fmt: skip
             if pool_bytes is not None and i + 1 in (CALLS // 4, CALLS):
                 xp.cuda.get_current_stream().synchronize()
                 pool_bytes.append(xp.get_default_memory_pool().total_bytes())
