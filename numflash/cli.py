@@ -97,7 +97,19 @@ def info(out=sys.stdout):
     print(f"configuration cache: {cache_dir()}", file=out)
     if not SIMULATOR and gpu_available():
         _print_entries(current_device(), out)
+    _print_kernel_cache(out)
     return 0
+
+
+def _print_kernel_cache(out):
+    from numflash import kernel_cache
+
+    if not kernel_cache.enabled():
+        why = "the simulator" if kernel_cache.SIMULATOR else "NUMFLASH_KERNEL_CACHE=0"
+        print(f"compiled-kernel cache: off ({why})", file=out)
+        return
+    folder, count, size = kernel_cache.summary()
+    print(f"compiled-kernel cache: {folder} ({count} kernels, {size / 2**20:.1f} MiB)", file=out)
 
 
 def _print_entries(device, out):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import arrays
+from . import arrays, kernel_cache
 from . import config as configs
 from .kernels import (
     backward as backward_kernels,
@@ -422,10 +422,11 @@ class Launcher:
     memory together exceed 48 KiB first raises the kernel's opt-in limit on that device.
     """
 
-    def __init__(self, dispatcher, argtypes):
+    def __init__(self, dispatcher, argtypes, key=None):
         self.dispatcher = dispatcher
         self.argtypes = argtypes
-        self._compiled = None
+        self.key = key  # what numflash.kernel_cache names its file by (None: not kept)
+        self._compiled = {}  # compute capability -> Numba's compiled kernel
         self._lock = threading.Lock()
         if not SIMULATOR:
             self._format, self._kinds = _param_layout(argtypes)
@@ -438,11 +439,18 @@ class Launcher:
         self._thread = threading.local()  # .params: this thread's parameter buffer
 
     def compiled(self):
-        if self._compiled is None:
+        """Numba's compiled kernel for the current device's compute capability: kept on disk
+        by numflash.kernel_cache, so compiled once a machine (a kept kernel holds the cubin of
+        one compute capability, so a process with GPUs of two has one of each)."""
+        cc = kernel_cache.current_cc()
+        found = self._compiled.get(cc)
+        if found is None:
             with self._lock:
-                if self._compiled is None:
-                    self._compiled = self.dispatcher.compile(self.argtypes)
-        return self._compiled
+                found = self._compiled.get(cc)
+                if found is None:
+                    found = kernel_cache.compiled(self.key, self.dispatcher, self.argtypes)
+                    self._compiled[cc] = found
+        return found
 
     def _static_shared(self):
         """The kernel's static shared memory in bytes: without an opt-in, dynamic shared memory
@@ -591,7 +599,7 @@ def launcher(key, build, spec, dtype_name):
         with _launchers_lock:
             found = _launchers.get(key)
             if found is None:
-                found = _launchers[key] = Launcher(build(), spec.signature(dtype_name))
+                found = _launchers[key] = Launcher(build(), spec.signature(dtype_name), key)
                 name = getattr(found.dispatcher, "__name__", type(found.dispatcher).__name__)
                 _log.info("compiling %s for %s%s", name, dtype_name, _user_functions(key))
     return found
