@@ -101,6 +101,28 @@ def test_the_defaults_neighbours_change_one_knob_each_nearest_first():
     assert found.index(dataclasses.replace(default, block_n=128)) < 16
 
 
+def test_the_first_points_of_every_study_are_compiled_once_each(monkeypatch):
+    """tuning.precompile.points: each new study's first configurations (the default of its
+    bucket and mask, then neighbours: what tune_key enqueues), once for keys whose kernels
+    are the same (two seqlen buckets of one default); none compiled ahead with one job or
+    without the kernel cache (the simulator)."""
+    from tuning import precompile
+    from tuning.study import first_points
+
+    keys = [cache.ProblemKey("wgmma-backward", dt, 128, mask, s) for dt in ("float16", "bfloat16")
+            for mask in ("full", "causal") for s in (4096, 16384)]  # fmt: skip
+    first = first_points(keys[0], H200, 8)
+    head_dim, default = numflash.selection.default_config("wgmma-backward", 128, H200)
+    assert first == [default] + space.neighbours(default, head_dim, H200)[:7]
+    assert 1 < len(first) <= 8 and len(set(first)) == len(first)
+    found = precompile.points(keys, H200, 8)
+    assert len(found) == 4 * len(first)  # the buckets share their points
+    assert {(k.dtype, k.mask) for k, _ in found} == {(k.dtype, k.mask) for k in keys}
+    assert all(cfg in first_points(key, H200, 8) for key, cfg in found)
+    assert precompile.run(keys, H200, 8, jobs=1, out=sys.stdout) == 0.0
+    assert precompile.run(keys, H200, 8, jobs=8, out=sys.stdout) == 0.0  # no kernel cache
+
+
 def test_infeasible_points_are_pruned_before_compiling():
     feasible = space.feasible_points(TensorCoreConfig, 128, H200)
     assert CFG in feasible

@@ -134,13 +134,12 @@ def tune_key(
         sampler=optuna.samplers.TPESampler(seed=SEED),
         load_if_exists=True,
     )
-    head_dim, default = selection.default_config(
-        key.family, key.head_dim, device, key.grid or "few", key
-    )
+    default, *neighbours = first_points(key, device, trials)
+    head_dim = selection.default_config(key.family, key.head_dim, device)[0]
     target = min(trials, len(space.feasible_points(type(default), head_dim, device)))
     if not study.trials:
         study.enqueue_trial(space.as_params(default), user_attrs={"default": True})
-        for cfg in space.neighbours(default, head_dim, device)[: target - 1]:
+        for cfg in neighbours:
             study.enqueue_trial(space.as_params(cfg), user_attrs={"neighbour": True})
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     objective = None
@@ -170,6 +169,16 @@ def tune_key(
         objective = objective or _objective(key, device, workload, timing)
         result = runoff(result, objective, runoff_rounds)
     return result
+
+
+def first_points(key, device, trials):
+    """The configurations a new study of ``key`` tries first, before its sampler proposes any:
+    the default of the key's bucket and mask, then its nearest feasible neighbours
+    (:func:`tuning.space.neighbours`), ``trials`` in all at most."""
+    head_dim, default = selection.default_config(
+        key.family, key.head_dim, device, key.grid or "few", key
+    )
+    return [default] + space.neighbours(default, head_dim, device)[: max(0, trials - 1)]
 
 
 def _objective(key, device, workload, timing):
