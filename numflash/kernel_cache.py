@@ -8,9 +8,10 @@ later process with the same fingerprint loads the cubin instead of compiling.
 
 Nothing is ever loaded that this source did not compile:
 
-- the fingerprint hashes every source file of the numflash package and the numba and
-  numba-cuda versions (and whether line information is compiled in), so an upgrade or an
-  edit of any kernel starts an empty directory;
+- the fingerprint hashes every source file of the numflash package, the compiler packages'
+  versions (numba, numba-cuda, NVVM, nvJitLink, llvmlite), Numba's NUMBA_* settings and
+  whether line information is compiled in, so an upgrade, an edit of any kernel or another
+  optimisation level starts an empty directory;
 - a file's name hashes the launcher's key (family, head dim, dtype, configuration, variant
   flags: what :func:`numflash.launch.launcher` keys compiled kernels by within a process) and
   the argument types it was compiled for;
@@ -46,24 +47,31 @@ def enabled():
     return not SIMULATOR and os.environ.get("NUMFLASH_KERNEL_CACHE", "1") not in ("", "0")
 
 
+#: Distributions whose versions decide the code: the compiler and its NVVM, PTX linker.
+COMPILER_PACKAGES = ("numba", "numba-cuda", "nvidia-nvvm", "nvidia-nvjitlink", "llvmlite")
+
+
 @functools.lru_cache(maxsize=1)
 def fingerprint():
     """Hex digest of what decides the code a key compiles to besides the key: every ``.py``
-    file of the package (path and bytes), the numba and numba-cuda versions, the line
+    file of the package (path and bytes), the compiler packages' versions, Numba's settings
+    from the environment (NUMBA_*: optimisation level, debug information), the line
     information switch and Python's version (pickles of Numba's types)."""
-    import numba
+    from importlib import metadata
 
-    try:
-        from numba_cuda import __version__ as numba_cuda_version
-    except ImportError:  # pragma: no cover - numba-cuda is a dependency
-        numba_cuda_version = "?"
     digest = hashlib.sha256()
     root = Path(__file__).resolve().parent
     for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
-    versions = (numba.__version__, numba_cuda_version, LINEINFO, sys.version_info[:2])
-    digest.update(repr(versions).encode())
+    versions = []
+    for name in COMPILER_PACKAGES:
+        try:
+            versions.append((name, metadata.version(name)))
+        except metadata.PackageNotFoundError:  # a toolkit from the system, say
+            versions.append((name, None))
+    settings = sorted((k, v) for k, v in os.environ.items() if k.startswith("NUMBA_"))
+    digest.update(repr((versions, settings, LINEINFO, sys.version_info[:2])).encode())
     return digest.hexdigest()[:20]
 
 
