@@ -1,5 +1,5 @@
 """Imports run one way: distributed -> api, families -> validation, selection, launch -> config,
-cache -> kernels; no module imports one above it, and nothing in numflash forms an import cycle.
+launch -> kernel_cache -> cache -> kernels; no module imports one above it, and nothing in numflash forms an import cycle.
 A family's module (numflash/families/) stands above the generic layers it registers into."""
 
 import ast
@@ -20,6 +20,7 @@ LAYERS = {
     "launch": 4,
     "plans": 4,
     "signature": 4,
+    "kernel_cache": 3.5,  # compiled kernels on disk: under launch, over cache's directory
     "cache": 3,
     "block_masks": 3,
     "config": 2,
