@@ -184,8 +184,13 @@ def compiled(key, dispatcher, argtypes):
     if file is not None:
         kernel = load(file)
         if kernel is not None:
-            _log.debug("loaded %s", file)
-            return kernel
+            try:  # into this context now, as its first launch would: a refused cubin compiles
+                kernel._codelibrary.get_cufunc()
+            except Exception as exc:
+                _log.warning("compiling again: the kept kernel %s did not load (%s)", file, exc)
+            else:
+                _log.debug("loaded %s", file)
+                return kernel
     kernel = dispatcher.compile(argtypes)
     if file is not None:
         store(file, kernel, cc)

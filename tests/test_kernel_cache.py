@@ -20,12 +20,23 @@ CC = (9, 0, "a")
 KEY = (WgmmaForwardConfig, 128, "float16", WgmmaForwardConfig(), "dense", True, 1, False)
 
 
+class _Library:
+    """Stands in for Numba's code library: loads into a context unless ``refused``."""
+
+    def __init__(self, refused=False):
+        self.refused = refused
+
+    def get_cufunc(self):
+        if self.refused:
+            raise RuntimeError("CUDA_ERROR_NO_BINARY_FOR_GPU")
+
+
 class _Kernel:
     """Stands in for Numba's compiled kernel: picklable, with a code library."""
 
-    def __init__(self, label):
+    def __init__(self, label, refused=False):
         self.label = label
-        self._codelibrary = "cubin of " + label
+        self._codelibrary = _Library(refused)
 
 
 class _Dispatcher:
@@ -108,6 +119,18 @@ def test_an_unreadable_file_is_compiled_again_and_replaced(on_disk, caplog):
     assert d.compiles == 1 and kernel.label == "k"
     assert any("unreadable kernel cache file" in r.getMessage() for r in caplog.records)
     again = _Dispatcher()
+    assert kernel_cache.compiled(KEY, again, ("argtypes",)).label == "k" and again.compiles == 0
+
+
+def test_a_kept_kernel_the_driver_refuses_is_compiled_again(on_disk, caplog):
+    file = kernel_cache.path(KEY, ("argtypes",), CC)
+    kernel_cache.store(file, _Kernel("refused", refused=True), CC)
+    assert file.is_file()
+    d = _Dispatcher()
+    with caplog.at_level(logging.WARNING, logger="numflash"):
+        assert kernel_cache.compiled(KEY, d, ("argtypes",)).label == "k" and d.compiles == 1
+    assert any("did not load" in r.getMessage() for r in caplog.records)
+    again = _Dispatcher("other")  # the compiled one replaced it
     assert kernel_cache.compiled(KEY, again, ("argtypes",)).label == "k" and again.compiles == 0
 
 
