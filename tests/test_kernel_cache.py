@@ -234,6 +234,7 @@ _PROCESS = textwrap.dedent(
 @pytest.mark.gpu
 def test_a_second_process_loads_every_kernel_the_first_compiled(tmp_path):
     runs = {m: _python(_PROCESS, m, NUMFLASH_CACHE_DIR=str(tmp_path)) for m in ("compile", "load")}
+    print("first calls, s:", {m: round(r["seconds"], 3) for m, r in runs.items()})  # for -s
     assert runs["compile"]["kept"] >= 3  # the forward, and the backward's kernels
     assert runs["load"]["kept"] == runs["compile"]["kept"]
     assert runs["load"]["bits"] == runs["compile"]["bits"]
