@@ -700,8 +700,8 @@ def local_memory_bytes(cfg):
     sizes = [
         launcher.compiled().local_mem_per_thread
         for key, launcher in list(_launchers.items())
-        if len(key) > 3 and key[3] == cfg
-    ]
+        if len(key) > 3 and key[3] == cfg and launcher.dispatcher is not None
+    ]  # (a fused backward's dQ launcher holds no kernel: its dK/dV kernel adds dQ up)
     return max(sizes) if sizes else None
 
 

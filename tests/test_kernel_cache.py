@@ -184,7 +184,8 @@ def _python(source, *argv, timeout=600, **env):
     """The last line ``python -c source argv...`` prints, as JSON, run without the simulator
     (Numba's real compiler types) and with the repository first on the path."""
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, PYTHONPATH=str(root), **env)
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, **env)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     env.pop("NUMFLASH_KERNEL_CACHE", None)
     done = subprocess.run(
