@@ -107,13 +107,13 @@ def _with_remarks(usage):
 
 def _shipped():
     """(file, head_dim, dtype, configuration dict) of every distinct tuned configuration in
-    numflash/configs of the mma.sync forward, and of the Hopper forward where it is not the
-    default that wgmma_forward compiles anyway."""
+    numflash/configs of the mma.sync forward, and of the Hopper forward and backward where it
+    is not the default that their own compile targets build anyway."""
     found = []
     for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
         for key, entry in cache.shipped_entries(path.stem).items():
             item = (path.name, key.head_dim, key.dtype, entry["config"])
-            if key.family == "wgmma-forward":
+            if key.family in ("wgmma-forward", "wgmma-backward"):
                 default = default_config(key.family, key.head_dim, None)[1].to_dict()
                 if entry["config"] == default:
                     continue
@@ -134,6 +134,10 @@ def shipped_one(file, head_dim, dtype, config):
             for varlen in (False, True)
             for e in wgmma_forward(head_dim, dtype, config, varlen)
         ]
+    if config["family"] == "wgmma-backward":
+        knobs = {k: v for k, v in config.items() if k not in ("family", "num_warps", "stages")}
+        built = wgmma_backward(head_dim, dtype, config["num_warps"], config["stages"], **knobs)
+        return [{**e, "shipped": file, "config": config} for e in built]
     major = int(file[3:-5]) // 10
     cfg = config_from_dict(config)
     kernel = forward.build(

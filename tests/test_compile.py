@@ -175,19 +175,23 @@ def test_shipped_configurations_compile_and_spill_nothing(compiled):
         ):
             assert e["counts"][instruction] > 0, f"{instruction} missing from {e}"
         assert e["resources"]["spill_stores"] == 0 and e["resources"]["stack"] == 0, e
-    # the Hopper forward's tuned configurations that are not its default: compiled as its
-    # own kernels are, and held to test_wgmma_forward_kernels_assemble_for_sm90a's checks
-    tuned = [e for e in compiled if e.get("shipped") and e["family"] == "wgmma-forward"]
-    shipped = {
-        (file, key.head_dim, key.dtype, tuple(sorted(entry["config"].items())))
-        for file in ("sm_90.json",)
-        for key, entry in cache.shipped_entries(file[:-5]).items()
-        if key.family == "wgmma-forward"
-        and entry["config"] != default_config(key.family, key.head_dim, None)[1].to_dict()
-    }
-    assert {
-        (e["shipped"], e["head_dim"], e["dtype"], tuple(sorted(e["config"].items()))) for e in tuned
-    } == shipped
+    # the Hopper forward's and backward's tuned configurations that are not their default:
+    # compiled as their own kernels are, and held to
+    # test_wgmma_{forward,backward}_kernels_assemble_for_sm90a's checks
+    for family in ("wgmma-forward", "wgmma-backward"):
+        tuned = [e for e in compiled if e.get("shipped") and e["family"] == family]
+        shipped = {
+            (file, key.head_dim, key.dtype, tuple(sorted(entry["config"].items())))
+            for file in ("sm_90.json",)
+            for key, entry in cache.shipped_entries(file[:-5]).items()
+            if key.family == family
+            and entry["config"] != default_config(key.family, key.head_dim, None)[1].to_dict()
+        }
+        assert shipped, family
+        assert {
+            (e["shipped"], e["head_dim"], e["dtype"], tuple(sorted(e["config"].items())))
+            for e in tuned
+        } == shipped
 
 
 def test_wgmma_tiles_assemble_for_sm90a(compiled):
