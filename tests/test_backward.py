@@ -130,6 +130,10 @@ PINGPONG = WG(8, 3, ring=True, pingpong=True)
 #: the ring with pingpong turns adding dQ up in the dK/dV kernel (a third turn a query block)
 RING_DQ = WG(8, 3, dq_separate=False, ring=True, pingpong=True)
 RING_DQ_TMA = WG(8, 3, dq_separate=False, ring=True, pingpong=True, tma=True)
+#: sm_90.json's tuned Hopper backward entries: the ring by TMA, A rounded before the wgmma
+#: fence, the warpgroups not taking turns (128-row tiles at head_dim 64)
+TUNED = WG(8, 3, pack_first=True, ring=True, tma=True)
+TUNED_64 = WG(8, 3, pack_first=True, ring=True, tma=True, block_m=128)
 #: 128-row tiles through the ring filled by TMA (head_dim 64)
 TMA_128 = WG(8, 3, ring=True, pingpong=True, tma=True, block_m=128)
 
@@ -185,6 +189,7 @@ TC_SIM_CASES = [
     # 128-row tiles (head_dim 64, through the ring), each short: one query block of 100 rows
     # (dK/dV kernel), a key tile of 100 keys (dQ kernel); with 64-row steps alone dQ is off
     ("bfloat16", 64, 100, 100, 1, "causal", WG(8, 3, ring=True, pingpong=True, block_m=128)),
+    ("float16", 64, 100, 100, 1, "causal", TUNED_64),  # sm_90.json's head_dim 64 entries
 ]
 
 
@@ -256,6 +261,10 @@ TC_GPU_CASES = [
         ("float16", 64, (517, 1023), 1, "window", WG(8, 3, ring=True, pingpong=True, tma=True)),
         ("float16", 128, (777, 777), 2, "none", WG(8, 3, ring=True, tma=True)),
         ("bfloat16", 64, (300, 451), 1, "left", WG(4, 3, ring=True, tma=True)),
+        # sm_90.json's tuned entries
+        ("float16", 64, (517, 1023), 2, "causal", TUNED_64),
+        ("bfloat16", 64, (777, 777), 1, "window", WG(8, 3, ring=True, tma=True, block_m=128)),
+        ("float16", 128, (1023, 517), 4, "causal", TUNED),
         ("bfloat16", 128, (1023, 517), 2, "causal", RING_DQ_TMA),
         ("float16", 64, (2048, 2048), 1, "left", RING_DQ_TMA),
         # 128-row tiles at head_dim 64: the ring by cp.async (pingpong or not) and by TMA
