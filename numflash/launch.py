@@ -601,7 +601,9 @@ def launcher(key, build, spec, dtype_name):
             if found is None:
                 found = _launchers[key] = Launcher(build(), spec.signature(dtype_name), key)
                 name = getattr(found.dispatcher, "__name__", type(found.dispatcher).__name__)
-                _log.info("compiling %s for %s%s", name, dtype_name, _user_functions(key))
+                kept = kernel_cache.enabled() and kernel_cache.storable(key)
+                _log.info("compiling %s for %s%s%s", name, dtype_name, _user_functions(key),
+                          " (or loading it from the kernel cache)" if kept else "")  # fmt: skip
     return found
 
 
