@@ -20,8 +20,9 @@ Nothing is ever loaded that this source did not compile:
 - a file that cannot be read or unpickled is compiled again and written anew.
 
 The files are pickles, loaded from the user's own cache directory, as Numba's and Triton's
-kernel caches are. ``NUMFLASH_KERNEL_CACHE=0`` turns the cache off; deleting the directory
-(``numflash info`` prints it) is safe at any time.
+kernel caches are. Only the KEEP_FINGERPRINTS most recently used fingerprint folders are kept.
+``NUMFLASH_KERNEL_CACHE=0`` turns the cache off; deleting the directory (``numflash info``
+prints it) is safe at any time.
 """
 
 import functools
@@ -29,6 +30,7 @@ import hashlib
 import logging
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -174,6 +176,32 @@ def store(file, kernel, cc):
             _log.warning("cannot keep compiled kernels in %s (%s)", file.parent, exc)
 
 
+#: Fingerprint folders kept: the one in use and the most recently used others (another
+#: virtual environment's numflash, the version before an upgrade); older ones are deleted.
+KEEP_FINGERPRINTS = 4
+_tended = set()  # the folders this process has marked as used (and pruned beside)
+
+
+def _tend(folder):
+    """Once a process for each fingerprint ``folder``: mark it used now (its time is what
+    pruning ranks by) and delete all but the KEEP_FINGERPRINTS most recently used of its
+    siblings, so upgrades and edits do not pile up compiled kernels. A folder another
+    process is reading may go: that process then compiles what it misses and writes it
+    again."""
+    if folder in _tended:
+        return
+    _tended.add(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.utime(folder)
+        others = [f for f in folder.parent.iterdir() if f.is_dir() and f != folder]
+        others.sort(key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in others[KEEP_FINGERPRINTS - 1 :]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError:  # an unwritable cache: store() says so
+        pass
+
+
 def compiled(key, dispatcher, argtypes):
     """Numba's compiled kernel of ``dispatcher`` for ``argtypes`` on the current device: the
     one kept under ``key`` where there is one, else compiled now and kept."""
@@ -182,6 +210,7 @@ def compiled(key, dispatcher, argtypes):
     cc = current_cc()
     file = path(key, argtypes, cc)
     if file is not None:
+        _tend(directory())
         kernel = load(file)
         if kernel is not None:
             try:  # into this context now, as its first launch would: a refused cubin compiles

@@ -57,6 +57,7 @@ def on_disk(monkeypatch, tmp_path):
     monkeypatch.setattr(kernel_cache, "SIMULATOR", False)
     monkeypatch.setattr(kernel_cache, "current_cc", lambda: CC)
     monkeypatch.setattr(kernel_cache, "_slim", lambda kernel, cc: kernel)
+    monkeypatch.setattr(kernel_cache, "_tended", set())
     return tmp_path
 
 
@@ -132,6 +133,21 @@ def test_a_kept_kernel_the_driver_refuses_is_compiled_again(on_disk, caplog):
     assert any("did not load" in r.getMessage() for r in caplog.records)
     again = _Dispatcher("other")  # the compiled one replaced it
     assert kernel_cache.compiled(KEY, again, ("argtypes",)).label == "k" and again.compiles == 0
+
+
+def test_only_the_most_recently_used_fingerprints_are_kept(on_disk):
+    """Folders of other fingerprints (older versions, edited sources) beyond the most recently
+    used KEEP_FINGERPRINTS - 1 are deleted when a process first uses the cache."""
+    root = kernel_cache.directory().parent
+    for age, name in enumerate(["newest", "newer", "new", "old", "older"], 1):
+        folder = root / name / "sm_90a"
+        folder.mkdir(parents=True)
+        (folder / ("x" + kernel_cache.SUFFIX)).write_bytes(b"kept by another version")
+        os.utime(root / name, (1e9 - age * 3600, 1e9 - age * 3600))
+    kernel_cache.compiled(KEY, _Dispatcher(), ("argtypes",))
+    kept = {f.name for f in root.iterdir()}
+    assert kept == {kernel_cache.fingerprint(), "newest", "newer", "new"}
+    assert kernel_cache.KEEP_FINGERPRINTS == 4
 
 
 def test_switched_off_or_unwritable_it_compiles_and_says_so_once(on_disk, monkeypatch, caplog):
