@@ -508,13 +508,15 @@ def _call(fwd, **changes):
 def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path, monkeypatch):
     """fp16/bf16 on a GPU with mma.sync: the tensor-core backward at every head_dim (wgmma on
     Hopper where it fits), and with deterministic=True a tuned atomic configuration gets the
-    dQ kernel instead."""
+    dQ kernel instead. The heuristics alone: no shipped entries, an empty user cache."""
     import dataclasses
 
     from numflash import cache, selection
     from numflash.validation import problem
 
     monkeypatch.setenv("NUMFLASH_CACHE_DIR", str(tmp_path))
+    (tmp_path / "shipped").mkdir()
+    monkeypatch.setattr(cache, "SHIPPED_DIR", tmp_path / "shipped")
     cache.reload()
     h200 = dataclasses.replace(
         numflash.device.current_device(), compute_capability=(9, 0), simulated=False
