@@ -702,8 +702,8 @@ def local_memory_bytes(cfg):
     sizes = [
         launcher.compiled().local_mem_per_thread
         for key, launcher in list(_launchers.items())
-        if len(key) > 3 and key[3] == cfg and launcher.dispatcher is not None
-    ]  # (a fused backward's dQ launcher holds no kernel: its dK/dV kernel adds dQ up)
+        if len(key) > 3 and key[3] == cfg
+    ]
     return max(sizes) if sizes else None
 
 
@@ -1311,11 +1311,14 @@ def _tensor_core_launchers(family, build, head_dim, p, cfg, varlen, tma=False):
     specs = _tensor_core_backward_specs(p, varlen, tma)
     if varlen:
         dkdv = launcher(key + ("dkdv",), lambda: build().dkdv_varlen, specs[0], p.dtype)
-        dq = launcher(key + ("dq",), lambda: build().dq_varlen, specs[1], p.dtype)
     else:
         dkdv = launcher(key + ("dkdv",), lambda: build().dkdv, specs[0], p.dtype)
-        dq = launcher(key + ("dq",), lambda: build().dq, specs[1], p.dtype)
-    return dkdv, dq if cfg.dq_separate else None
+    if not cfg.dq_separate:  # no dQ kernel to launch (or to keep a launcher of)
+        return dkdv, None
+    dq = launcher(
+        key + ("dq",), lambda: build().dq_varlen if varlen else build().dq, specs[1], p.dtype
+    )
+    return dkdv, dq
 
 
 @launches(configs.TensorCoreBackwardConfig)

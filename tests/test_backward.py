@@ -505,6 +505,19 @@ def _call(fwd, **changes):
     )
 
 
+def test_a_backward_that_adds_dq_up_itself_keeps_no_dq_launcher(fwd):
+    """dq_separate=False: the dK/dV kernel adds dQ up, so there is no dQ kernel and no
+    launcher of one (the tuner's spill check, launch.local_memory_bytes, asks every launcher
+    of a configuration for its compiled kernel)."""
+    from numflash import launch
+
+    cfg = numflash.TensorCoreBackwardConfig(16, 1, dq_separate=False)
+    dq, dk, dv = _call(fwd, config=cfg)
+    mine = [key for key in launch._launchers if len(key) > 3 and key[3] == cfg]
+    assert [key[-1] for key in mine] == ["dkdv"]
+    assert launch._launchers[mine[0]].dispatcher is not None
+
+
 def test_tensor_core_gpus_take_the_tensor_core_backward_everywhere(fwd, tmp_path, monkeypatch):
     """fp16/bf16 on a GPU with mma.sync: the tensor-core backward at every head_dim (wgmma on
     Hopper where it fits), and with deterministic=True a tuned atomic configuration gets the
