@@ -409,6 +409,51 @@ def test_a_winner_is_written_only_if_it_stays_ahead_of_the_default_in_the_runoff
         assert study.runoff(settled, Objective()) is settled
 
 
+def test_the_report_says_why_configurations_failed_or_were_rejected():
+    """A trial that raised past the objective's own handlers keeps its error, and the run's
+    report lists every failed or rejected configuration with its reason; skipped points
+    (duplicates, infeasible) are not listed."""
+    import io
+
+    from tuning import objective, run, study
+
+    class Failing:
+        def _evaluate(self, trial):
+            trial.set_user_attr("config", CFG.to_dict())  # as the real one does first
+            raise RuntimeError("cudaErrorLaunchOutOfResources")
+
+    trials = optuna.create_study()
+    trial = trials.ask()
+    with pytest.raises(RuntimeError):
+        objective.Objective.__call__(Failing(), trial)
+    trials.tell(trial, state=optuna.trial.TrialState.FAIL)
+    cfg = CFG.to_dict()
+    for attrs, state in [
+        ({"pruned": "uses 40 bytes of local memory a thread"}, "PRUNED"),
+        ({"rejected": "wrong result: [max error 0.5]"}, "PRUNED"),
+        ({"pruned": "duplicate of trial 1"}, "PRUNED"),
+        ({"default": True}, "COMPLETE"),
+    ]:
+        trials.add_trial(
+            optuna.trial.create_trial(
+                state=getattr(optuna.trial.TrialState, state),
+                value=1.0 if state == "COMPLETE" else None,
+                user_attrs={"config": cfg, **attrs},
+            )
+        )
+    found = study.summarise(KEY, trials, CFG)
+    assert (found.complete, found.rejected, found.pruned, found.failed, found.skipped) == (
+        1, 1, 1, 1, 1,
+    )  # fmt: skip
+    out = io.StringIO()
+    run.report([found], out)
+    listed = out.getvalue().split("configurations that failed or gave wrong results:")[1]
+    lines = listed.strip().splitlines()
+    assert len(lines) == 3 and all(str(KEY) in line and "block_m=128" in line for line in lines)
+    assert "RuntimeError: cudaErrorLaunchOutOfResources" in lines[0]
+    assert "40 bytes of local memory" in lines[1] and "wrong result" in lines[2]
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the GPU runs real studies through `numflash autotune`")
 def test_study_in_the_simulator_picks_a_winner_that_the_next_call_uses(cache_dirs, capsys):
     """The real portable kernel, real Optuna (TPE, SQLite), a tiny problem, three trials."""

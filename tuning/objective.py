@@ -147,6 +147,15 @@ class Objective:
         self.timing = dict(warmup=warmup, runs=runs, max_total_ms=max_ms)
 
     def __call__(self, trial):
+        try:
+            return self._evaluate(trial)
+        except optuna.TrialPruned:
+            raise
+        except Exception as exc:  # the study catches it and marks the trial failed
+            trial.set_user_attr("failed", f"{type(exc).__name__}: {exc}"[:500])
+            raise
+
+    def _evaluate(self, trial):
         cfg = space.suggest(trial, self.config_type)
         trial.set_user_attr("config", cfg.to_dict())
         for other in trial.study.get_trials(deepcopy=False):

@@ -248,6 +248,12 @@ def report(results, out):
             f"{fmt(r.speedup, '7.2f')} {counts:>23s}  {cfg_text}",
             file=out,
         )
+    problems = [(r.key, *p) for r in results for p in r.problems]
+    if problems:
+        print("\nconfigurations that failed or gave wrong results:", file=out)
+    for key, number, config, why in problems:
+        knobs = ", ".join(f"{k}={v}" for k, v in config.items() if k != "family")
+        print(f"  {key} trial {number} ({knobs}): {why[:300]}", file=out)
 
 
 def main(args, out=sys.stdout):

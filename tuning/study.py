@@ -13,7 +13,7 @@ written only where it stays MIN_GAIN faster; otherwise the default is.
 import dataclasses
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import optuna
@@ -44,6 +44,8 @@ class KeyResult:
     failed: int
     skipped: int = 0  # duplicates and infeasible points: nothing compiled or ran
     runoff: dict | None = None  # the winner timed again beside the default (:func:`runoff`)
+    #: why configurations failed or gave wrong results: (trial number, config dict, reason)
+    problems: list = field(default_factory=list)
 
     @property
     def speedup(self):
@@ -261,6 +263,11 @@ def summarise(key, study, default):
     rejected = [t for t in pruned if "rejected" in t.user_attrs]
     default_ms = next((t.value for t in complete if t.user_attrs.get("default")), None)
     best = min(complete, key=lambda t: t.value) if complete else None
+    problems = [
+        (t.number, t.user_attrs.get("config", t.params), _why(t))
+        for t in study.trials
+        if t.state == states.FAIL or (t.state == states.PRUNED and not _skipped(t))
+    ]
     return KeyResult(
         key=key,
         default_config=default,
@@ -272,4 +279,11 @@ def summarise(key, study, default):
         rejected=len(rejected),
         failed=sum(t.state == states.FAIL for t in study.trials),
         skipped=sum(t.state == states.PRUNED and _skipped(t) for t in study.trials),
+        problems=problems,
     )
+
+
+def _why(trial):
+    """What a trial that failed or was rejected recorded of why (tuning.objective)."""
+    attrs = trial.user_attrs
+    return attrs.get("rejected") or attrs.get("pruned") or attrs.get("failed") or "not recorded"
