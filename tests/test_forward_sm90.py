@@ -55,6 +55,11 @@ if not SIMULATOR:
             ("float16", (257, 1500), 4, 96, "window", W(2, 128, 2)),
             ("bfloat16", (700, 333), 1, 64, "causal", W(3, 64, 2, pingpong=False)),
             ("bfloat16", (1000, 3001), 2, 128, "none", W(2, 112, 2)),  # sm_90.json's
+            # sm_90.json's head_dim 64 entries at seqlen 4096 (160-key tiles, the last of
+            # 3001 keys partial) and its head_dim 256 entry with part of the exp2 on FMA units
+            ("float16", (1000, 3001), 2, 64, "none", W(2, 160, 2, pingpong=False)),
+            ("bfloat16", (999, 3001), 1, 64, "causal", W(2, 160, 2, pingpong=False)),
+            ("float16", (700, 1500), 2, 256, "causal", W(2, 64, 2, pingpong=False, fma_exp2=1)),
         ]
     ]
 
