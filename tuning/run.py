@@ -100,45 +100,30 @@ def add_arguments(parser):
         "splits fill fewer or more than two a multiprocessor (tuned at batch 8 and 66 of "
         "32/8 heads on the H200)",
     )
-    parser.add_argument(
-        "--trials",
-        type=_bounded_int("--trials", 1),
-        default=30,
-        help="configurations compiled and measured per key (duplicate and infeasible "
-        "proposals are skipped and do not count)",
-    )
-    parser.add_argument(
-        "--timeout-per-key",
-        type=_positive_float("--timeout-per-key"),
-        default=600,
-        help="seconds a key's study may start new trials for",
-    )
-    parser.add_argument(
-        "--budget",
-        type=_positive_float("--budget"),
-        default=None,
-        help="seconds for the whole run: no key starts after it is spent",
-    )
-    parser.add_argument(
-        "--runoff-rounds",
-        type=_bounded_int("--runoff-rounds", 0),
-        default=None,
-        help="rounds in which a key's winner, where it is not the default, is timed again "
-        "in turn with the default, written only if it stays MIN_GAIN (2%%) faster; 0: no "
-        "runoff (default: tuning.study.RUNOFF_ROUNDS, 3)",
-    )
+    # the run's numbers: (option, its type, default, help)
+    numbers = [
+        ("--trials", _bounded_int("--trials", 1), 30,
+         "configurations compiled and measured per key (duplicate and infeasible proposals are "
+         "skipped and do not count)"),
+        ("--timeout-per-key", _positive_float("--timeout-per-key"), 600,
+         "seconds a key's study may start new trials for"),
+        ("--budget", _positive_float("--budget"), None,
+         "seconds for the whole run: no key starts after it is spent"),
+        ("--runoff-rounds", _bounded_int("--runoff-rounds", 0), None,
+         "rounds in which a key's winner, where it is not the default, is timed again in turn "
+         "with the default, written only if it stays MIN_GAIN (2%%) faster; 0: no runoff "
+         "(default: tuning.study.RUNOFF_ROUNDS, 3)"),
+        ("--jobs", _bounded_int("--jobs", 1), None,
+         "processes that compile each study's first configurations before any is timed (kept "
+         "in the compiled-kernel cache; 1: each trial compiles its own; default: "
+         "tuning.precompile.default_jobs(), 8 at most)"),
+    ]  # fmt: skip
+    for option, kind, default, text in numbers:
+        parser.add_argument(option, type=kind, default=default, help=text)
     parser.add_argument(
         "--quick",
         action="store_true",
         help="head dims 64 and 128, fp16, full and causal, seqlen 4096, 8 trials",
-    )
-    parser.add_argument(
-        "--jobs",
-        type=_bounded_int("--jobs", 1),
-        default=None,
-        help="processes that compile each study's first configurations before any is timed "
-        "(kept in the compiled-kernel cache; 1: each trial compiles its own; default: "
-        "tuning.precompile.default_jobs(), 8 at most)",
     )
     parser.add_argument("--fresh", action="store_true", help="ignore and replace stored studies")
     parser.add_argument(
