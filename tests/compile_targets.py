@@ -108,14 +108,15 @@ def _with_remarks(usage):
 def _shipped():
     """(file, head_dim, dtype, configuration dict) of every distinct tuned configuration in
     numflash/configs of the mma.sync forward, and of the Hopper forward and backward where it
-    is not the default that their own compile targets build anyway."""
+    is neither the family's default nor the default of the entry's own seqlen bucket and mask
+    (an entry that kept it): their own compile targets build those."""
     found = []
     for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
         for key, entry in cache.shipped_entries(path.stem).items():
             item = (path.name, key.head_dim, key.dtype, entry["config"])
             if key.family in ("wgmma-forward", "wgmma-backward"):
                 default = default_config(key.family, key.head_dim, None)[1].to_dict()
-                if entry["config"] == default:
+                if entry["config"] in (default, entry.get("default_config")):
                     continue
             elif key.family != "tensor-core":
                 continue
@@ -506,8 +507,9 @@ def jobs(quick):
     tma = {"family": "wgmma-forward", "consumers": 2, "block_n": 128, "stages": 2}
     tma.update(producer=True, pingpong=True, tma=True)
     tma_plain = dict(tma, stages=3, pingpong=False)
-    # head_dim 64's default at seqlen buckets to SHORT_BUCKET, causal (non-causal: two stages)
+    # head_dim 64's defaults at seqlen buckets to SHORT_BUCKET, causal and non-causal
     short = dict(tma, stages=4, pingpong=False)
+    short_full = dict(short, stages=2)
     for hd, dtype, config, varlen in [
         (128, "float16", None, False),
         (64, "bfloat16", None, False),
@@ -517,6 +519,7 @@ def jobs(quick):
         (128, "float16", tma, False),
         (64, "bfloat16", tma_plain, False),
         (64, "float16", short, False),
+        (64, "bfloat16", short_full, False),
     ]:
         out.append((wgmma_forward, (hd, dtype, config, varlen)))
     # ... over a KV cache (chunked prefill): the defaults (TMA), contiguous and paged (a page's
