@@ -109,14 +109,17 @@ def _shipped():
     """(file, head_dim, dtype, configuration dict) of every distinct tuned configuration in
     numflash/configs of the mma.sync forward, and of the Hopper forward and backward where it
     is neither the family's default nor the default of the entry's own seqlen bucket and mask
-    (an entry that kept it): their own compile targets build those."""
+    (an entry that kept it): the families' own compile targets build those."""
     found = []
     for path in sorted(cache.SHIPPED_DIR.glob("sm_*.json")):
         for key, entry in cache.shipped_entries(path.stem).items():
             item = (path.name, key.head_dim, key.dtype, entry["config"])
             if key.family in ("wgmma-forward", "wgmma-backward"):
-                default = default_config(key.family, key.head_dim, None)[1].to_dict()
-                if entry["config"] in (default, entry.get("default_config")):
+                defaults = [
+                    default_config(key.family, key.head_dim, None, key=k)[1].to_dict()
+                    for k in (None, key)
+                ]
+                if entry["config"] in defaults:
                     continue
             elif key.family != "tensor-core":
                 continue
