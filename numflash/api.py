@@ -217,17 +217,11 @@ def _adopted(sig, args):
     :func:`numflash.arrays.intake` (a PyTorch tensor or JAX array through DLPack: the same
     memory, no copy), which the full path would do anyway; None where one cannot be taken
     (the full path then refuses it by name) or where every array is a CuPy one already."""
-    adopted, taken = list(args), False
-    for i in sig.array_positions:
-        x = args[i]
-        if x is None or isinstance(x, int) or isinstance(x, arrays.cupy_ndarray()):
-            continue
-        try:  # out= is handed back: its array keeps a tensor alive; the others are borrowed
-            adopted[i] = arrays.intake(x, sig.parameters[i][0], i != sig.out_position)
-        except TypeError:
-            return None
-        taken = True
-    return tuple(adopted) if taken else None
+    try:  # out= is handed back: its array keeps a tensor alive; the others are borrowed
+        taken = arrays.adopted(args, sig.array_positions, sig.parameters, sig.out_position)
+    except TypeError:
+        return None
+    return tuple(taken) if taken is not None else None
 
 
 def _repeated(sig, args, name):

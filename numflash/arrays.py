@@ -131,24 +131,64 @@ def _borrowed_torch_view(x, torch, cupy):
     strides, dtype and device, needs no gradient and PyTorch's current stream is still
     CuPy's. A repeated call on tensors then costs a few attribute reads a tensor, not a new
     CuPy array (docs/performance.md, "PyTorch tensors")."""
-    entry = _BORROWED.get(id(x))
-    if entry is not None:
-        ref, view, pointer, shape, strides, dtype, device = entry
-        if (
-            ref() is x
-            and x.data_ptr() == pointer
-            and x.shape == shape
-            and x.stride() == strides
-            and x.dtype is dtype
-            and not x.requires_grad
-            and x.get_device() == device
-            and _torch_stream(torch, device) == cupy.cuda.get_current_stream().ptr
-        ):
-            return view
+    view = _view_again(x, torch, cupy, {})
+    if view is not None:
+        return view
     view = _torch_view(x, torch, cupy, owned=False)
     if view is not None:
         _remember(x, view)
     return view
+
+
+def _view_again(x, torch, cupy, streams):
+    """The view :func:`_borrowed_torch_view` made of ``x`` where it may be given again (the
+    same tensor, address, shape, strides, dtype and device, no gradient, PyTorch's current
+    stream on the device CuPy's), else None. ``streams``: whether the streams agree, by
+    device, as one call found them (a dict the call keeps, so that its tensors on one device
+    ask PyTorch and CuPy once)."""
+    entry = _BORROWED.get(id(x))
+    if entry is None:
+        return None
+    ref, view, pointer, shape, strides, dtype, device = entry
+    if not (
+        ref() is x
+        and x.data_ptr() == pointer
+        and x.shape == shape
+        and x.stride() == strides
+        and x.dtype is dtype
+        and not x.requires_grad
+        and x.get_device() == device
+    ):
+        return None
+    same = streams.get(device)
+    if same is None:
+        same = _torch_stream(torch, device) == cupy.cuda.get_current_stream().ptr
+        streams[device] = same
+    return view if same else None
+
+
+def adopted(args, positions, parameters, kept):
+    """``args`` as a list with each array at ``positions`` that is not a CuPy array taken as
+    one through :func:`intake` (borrowed, but for position ``kept``: out=, which the call hands
+    back), or None where every one is a CuPy array already; TypeError naming the parameter
+    (``parameters[i][0]``) where one cannot be taken. A PyTorch tensor whose view a call
+    before made is found again first, the streams compared once a device for the call's
+    tensors, not once a tensor (docs/performance.md, "PyTorch tensors")."""
+    cupy = _cupy()
+    torch = sys.modules.get("torch")
+    tensor = getattr(torch, "Tensor", None)
+    taken, streams = None, {}
+    for i in positions:
+        x = args[i]
+        if x is None or isinstance(x, int) or isinstance(x, cupy.ndarray):
+            continue
+        if taken is None:
+            taken = list(args)
+        view = None
+        if x.__class__ is tensor and i != kept:
+            view = _view_again(x, torch, cupy, streams)
+        taken[i] = view if view is not None else intake(x, parameters[i][0], i != kept)
+    return taken
 
 
 def _remember(x, view):

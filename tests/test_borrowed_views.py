@@ -135,3 +135,33 @@ def test_intake_borrows_only_when_asked(world, monkeypatch):
     assert arrays.intake(t, "out").owned
     assert not arrays.intake(t, "q", borrowed=True).owned
     assert arrays.intake(t, "q", borrowed=True) is made[-1]
+
+
+def test_a_calls_tensors_are_found_again_with_one_stream_query_a_device(world, monkeypatch):
+    """arrays.adopted, as a repeated call takes its arguments: the views made before given
+    again, PyTorch's stream asked once for the call's tensors on one device, out= (``kept``)
+    taken by a view that keeps its tensor alive, the rest of the arguments left as they are."""
+    torch, cupy, made, streams = world
+    torch.Tensor = Tensor
+    cupy.ndarray = View
+    asked = []
+    ask = torch._C._cuda_getCurrentRawStream
+    torch._C._cuda_getCurrentRawStream = lambda device: asked.append(device) or ask(device)
+    monkeypatch.setattr(arrays, "SIMULATOR", False)
+    monkeypatch.setattr(arrays, "_cupy", lambda: cupy)
+    monkeypatch.setitem(__import__("sys").modules, "torch", torch)
+    tensors = [Tensor(pointer=0x1000 * (i + 1)) for i in range(4)]
+    args = (*tensors[:3], True, None, 7, tensors[3])
+    parameters = [(name, "array") for name in ("q", "k", "v", "causal", "x", "n", "out")]
+    positions, kept = (0, 1, 2, 4, 5, 6), 6
+    first = arrays.adopted(args, positions, parameters, kept)
+    assert first[3:6] == [True, None, 7] and first[6].owned
+    assert [x.owned for x in first[:3]] == [False] * 3
+    asked.clear()
+    again = arrays.adopted(args, positions, parameters, kept)
+    assert again[:3] == first[:3] and len(asked) == 1
+    assert again[6] is not first[6] and again[6].owned
+    streams["torch"] = 0x5EED  # PyTorch on another stream now: no view given again
+    arrays.adopted(args, positions, parameters, kept)
+    assert len(made) == 4 + 1 + 4  # the first call, out= again, then all four anew
+    assert arrays.adopted((made[0],) * 3, (0, 1, 2), parameters, None) is None
