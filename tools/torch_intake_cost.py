@@ -8,15 +8,19 @@ before, ``numflash.arrays._borrowed_torch_view``), with a new view of each every
 (``numflash.arrays._torch_view``) and with every tensor taken by ``cupy.from_dlpack``; the
 same call on the CuPy arrays under the tensors; and the parts: one tensor through
 ``cupy.from_dlpack``, through ``_torch_view``, its remembered view found again, PyTorch's
-``__dlpack__`` alone, ``torch.cuda.current_stream`` and the raw stream query the views make.
+``__dlpack__`` alone, ``torch.cuda.current_stream`` and the raw stream query the views make;
+and the three tensors taken as a repeated call takes them (``arrays.adopted``, the streams
+compared once) beside one ``arrays.intake`` a tensor, as the calls took them before.
 Each way is also timed on tensors seen once (new tensor objects every call, as a training
 step's q, k and v are): what remembering a view costs where it is never found again. Host
-time a call, the best of ``--runs`` runs of ``--calls`` calls back to back (1000 calls on
-tensors seen once; docs/performance.md, "PyTorch tensors").
+time a call, the best of ``--runs`` runs of ``--calls`` calls (1000 on tensors seen once),
+each run the median over bursts of 20 calls with the GPU drained between them, as
+benchmarks/host_overhead.py times a call (docs/performance.md, "PyTorch tensors").
 """
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -30,34 +34,47 @@ import numflash  # noqa: E402
 from numflash import arrays  # noqa: E402
 
 
-def best_us(fn, runs, calls):
-    """The best of ``runs`` runs' host time a call (us), after a warm-up, the GPU idle between."""
+def best_us(fn, runs, calls, burst=20):
+    """The best of ``runs`` runs' host time a call (us), after a warm-up: each run the median
+    over bursts of ``burst`` calls, the GPU drained between bursts (as
+    benchmarks/host_overhead.py times a call), ``calls`` calls in all. Calls back to back
+    without the drains would fill the GPU's launch queue with these 8-us kernels, and the
+    host would then wait for the GPU."""
     for _ in range(calls // 10):
         fn()
+    stream = cupy.cuda.get_current_stream()
     best = float("inf")
     for _ in range(runs):
-        cupy.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-    cupy.cuda.Device().synchronize()
+        means = []
+        for _ in range(max(1, calls // burst)):
+            stream.synchronize()
+            start = time.perf_counter()
+            for _ in range(burst):
+                fn()
+            means.append((time.perf_counter() - start) / burst * 1e6)
+        best = min(best, statistics.median(means))
+    stream.synchronize()
     return best
 
 
-def once_us(tq, tk, tv, runs, calls=1000):
+def once_us(tq, tk, tv, runs, calls=1000, burst=20):
     """:func:`best_us` of ``attention`` where every call takes new tensor objects (views of
-    ``tq``, ``tk``, ``tv``), as a loop over fresh activations does."""
+    ``tq``, ``tk``, ``tv``, made before the clock starts), as a loop over fresh activations
+    does."""
+    stream = cupy.cuda.get_current_stream()
     best = float("inf")
     for _ in range(runs):
-        fresh = [tuple(t.view(t.shape) for t in (tq, tk, tv)) for _ in range(calls)]
-        cupy.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for q, k, v in fresh:
-            numflash.attention(q, k, v)
-        best = min(best, (time.perf_counter() - start) / calls * 1e6)
-        del fresh
-    cupy.cuda.Device().synchronize()
+        means = []
+        for _ in range(calls // burst):
+            fresh = [tuple(t.view(t.shape) for t in (tq, tk, tv)) for _ in range(burst)]
+            stream.synchronize()
+            start = time.perf_counter()
+            for q, k, v in fresh:
+                numflash.attention(q, k, v)
+            means.append((time.perf_counter() - start) / burst * 1e6)
+            del fresh
+        best = min(best, statistics.median(means))
+    stream.synchronize()
     return best
 
 
@@ -104,6 +121,22 @@ def main():
         "torch.cuda.current_stream": lambda: torch.cuda.current_stream(0).cuda_stream,
         "the raw stream query": lambda: arrays._torch_stream(torch, 0),
     }
+    sig = numflash.api._ATTENTION
+    taken = (tq, tk, tv, False, None, (-1, -1), False, None, None, 0.0, None, None)
+
+    def one_by_one():  # api._adopted before arrays.adopted: arrays.intake a tensor
+        adopted = list(taken)
+        for i in sig.array_positions:
+            x = taken[i]
+            if x is None or isinstance(x, int) or isinstance(x, arrays.cupy_ndarray()):
+                continue
+            adopted[i] = arrays.intake(x, sig.parameters[i][0], i != sig.out_position)
+        return tuple(adopted)
+
+    parts["three tensors, one intake each (the route before)"] = one_by_one
+    parts["three tensors, arrays.adopted"] = lambda: arrays.adopted(
+        taken, sig.array_positions, sig.parameters, sig.out_position
+    )
     for label, fn in parts.items():
         found[f"{label}_us"] = best_us(fn, args.runs, args.calls)
     report({key: round(value, 2) if isinstance(value, float) else value
