@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 
 import cupy  # noqa: E402
-from host_overhead import report  # noqa: E402
+from host_overhead import per_call_us, report  # noqa: E402
 from peers import random_qkv  # noqa: E402
 
 import numflash  # noqa: E402
@@ -35,27 +35,16 @@ from numflash import arrays  # noqa: E402
 
 
 def best_us(fn, runs, calls, burst=20):
-    """The best of ``runs`` runs' host time a call (us), after a warm-up: each run the median
-    over bursts of ``burst`` calls, the GPU drained between bursts (as
-    benchmarks/host_overhead.py times a call), ``calls`` calls in all. Timed back to back
+    """The best of ``runs`` runs' host time a call (us), after a warm-up: each run
+    benchmarks/host_overhead.py's :func:`per_call_us`, the median over bursts of ``burst``
+    calls with the GPU drained between them, ``calls`` calls in all. Timed back to back
     without the drains, the CuPy call read 12.2 us against host_overhead's 7.8 on one H100
     host: likely the launch queue filling with these kernels, the host then waiting on the
     GPU."""
     for _ in range(calls // 10):
         fn()
-    stream = cupy.cuda.get_current_stream()
-    best = float("inf")
-    for _ in range(runs):
-        means = []
-        for _ in range(max(1, calls // burst)):
-            stream.synchronize()
-            start = time.perf_counter()
-            for _ in range(burst):
-                fn()
-            means.append((time.perf_counter() - start) / burst * 1e6)
-        best = min(best, statistics.median(means))
-    stream.synchronize()
-    return best
+    bursts = max(1, calls // burst)
+    return min(per_call_us(fn, bursts=bursts, calls=burst) for _ in range(runs))
 
 
 def once_us(tq, tk, tv, runs, calls=1000, burst=20):
