@@ -362,3 +362,95 @@ def test_the_kernel_s_own_rounds_where_the_order_gains_too_little():
         p = _dense_problem(batch, seqlen, seqlen, 16, 128, causal=causal)
         order = wgmma_forward.work_order(p, 128, 128, 12, 132)
         assert order is wgmma_forward.ALTERNATING
+
+
+def _packed_order_model(cu_q, cu_k, m_blocks, nheads, section, blocks, max_q, max_k, block_m,
+                        block_n, window):  # fmt: skip
+    """kernels/work_order.py's order, worked out here: the (sequence, row block) slots with
+    rows, costliest first (key tiles seen plus TILE_OVERHEAD; then by slot), each slot's heads
+    next to each other, dealt in rounds of ``blocks`` whose direction alternates; as the
+    kernel writes it (the blocks' list starts, then each block's tiles)."""
+    batch, (left, right) = len(cu_q) - 1, window
+    slots = []
+    for slot in range(batch * m_blocks):
+        b, m = divmod(slot, m_blocks)
+        q0 = min(max(cu_q[b], 0), cu_q[-1])
+        rows = min(min(max(cu_q[b + 1], q0), cu_q[-1]) - q0, max_q)
+        k0 = min(max(cu_k[b], 0), cu_k[-1])
+        keys = min(min(max(cu_k[b + 1], k0), cu_k[-1]) - k0, max_k)
+        if m * block_m >= rows:
+            continue
+        first, last, shift = m * block_m, min(m * block_m + block_m, rows) - 1, keys - rows
+        hi = keys if right < 0 else min(keys, last + shift + right + 1)
+        lo = 0 if left < 0 else max(0, first + shift - left)
+        seen = -(-hi // block_n) - lo // block_n if hi > lo else 0
+        slots.append((-(seen + int(wgmma_forward.TILE_OVERHEAD)), slot))
+    lists = [[] for _ in range(blocks)]
+    pairs = nheads * batch
+    for j, (_, slot) in enumerate((s for s in sorted(slots) for _ in range(nheads))):
+        b, m = divmod(slot, m_blocks)
+        pair = b * nheads + j % nheads
+        sec = pair // section
+        width = min(section, pairs - sec * section)
+        rank = sec * section * m_blocks + (m_blocks - 1 - m) * width + pair - sec * section
+        turn, within = divmod(j, blocks)
+        lists[within if turn % 2 == 0 else blocks - 1 - within].append(rank)
+    starts = np.cumsum([0] + [len(x) for x in lists])
+    return np.concatenate([starts, *lists]).astype(np.int32)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 0), (30, 20)])
+def test_a_packed_batch_s_device_work_order_follows_the_model(window):
+    """kernels/work_order.py against its model: the tiles with rows, each once, costliest
+    first, dealt to the blocks in alternating rounds; empty sequences, a longer key side,
+    sections of several pairs; nothing written past the order."""
+    from numflash.families.wgmma_forward import WORK_ORDER
+    from numflash.kernels import work_order
+
+    rng = np.random.default_rng(sum(window) + 7)
+    for blocks, section in ((1, 1), (3, 2), (5, 4)):
+        rows = rng.integers(0, 300, 5)
+        rows[1] = 0
+        keys = rows + rng.integers(0, 60, 5)
+        cu_q = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(keys)]).astype(np.int32)
+        block_m, block_n, nheads = 64, 48, 3
+        max_q, max_k = int(rows.max()), int(keys.max())
+        m_blocks = -(-max_q // block_m)
+        expected = _packed_order_model(cu_q, cu_k, m_blocks, nheads, section, blocks, max_q,
+                                       max_k, block_m, block_n, window)  # fmt: skip
+        order = xp.full((blocks + 1 + 5 * m_blocks * nheads,), -7, dtype=np.int32)
+        scalars = (5, m_blocks, nheads, section, blocks, int(cu_q[-1]), int(cu_k[-1]), max_q,
+                   max_k, block_m, block_n, *window, int(wgmma_forward.TILE_OVERHEAD))  # fmt: skip
+        views = {"cu_q": (xp.asarray(cu_q),), "cu_k": (xp.asarray(cu_k),), "order": (order,)}
+        work_order.build(64, 16)[1, 16](*WORK_ORDER.args(views, scalars))
+        got = to_numpy(order)
+        np.testing.assert_array_equal(got[: len(expected)], expected)
+        assert (got[len(expected) :] == -7).all()
+
+
+def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(monkeypatch):
+    """Three blocks of a persistent launch over a packed batch (a multiprocessor each) go
+    through the order the device made; with too many slots for that order, through the
+    alternating rounds over every slot: both the reference's."""
+    from numflash import launch, plans
+
+    monkeypatch.setattr(launch, "_multiprocessors", lambda: 3)
+    cfg = W(1, 64, 2, pingpong=False)
+    _wgmma_or_skip(cfg, 64)
+    lengths = [70, 0, 130, 5] if SIMULATOR else [700, 0, 1300, 5, 4000, 64]
+    q, k, v, offsets, _ = packed_qkv(lengths, lengths, 2, 1, 64, "bfloat16")
+    cu = to_numpy(offsets)
+    for slots in (wgmma_forward.PACKED_ORDER_SLOTS, 2):
+        monkeypatch.setattr(wgmma_forward, "PACKED_ORDER_SLOTS", slots)
+        monkeypatch.setattr(numflash.api, "_plans", plans.PlanCache())  # no replay of the
+        launch._prepared.clear()  # first round's launches: each round builds its own
+        out, lse = numflash.attention_varlen(
+            q, k, v, offsets, offsets, max(lengths), max(lengths), window_size=(90, 0),
+            return_lse=True, out=poisoned_like(q), config=cfg,
+        )  # fmt: skip
+        for i, n in enumerate(lengths):
+            if n:
+                s = slice(int(cu[i]), int(cu[i + 1]))
+                assert_matches_reference(q[None, s], k[None, s], v[None, s], out[None, s],
+                                         lse[None, :, s], window_size=(90, 0))  # fmt: skip

@@ -34,6 +34,7 @@ from numflash.kernels import (  # noqa: E402
     forward_portable,
     forward_sm90,
     offline,
+    work_order,
 )
 
 RECORD = Path(__file__).resolve().parent.parent / "tests" / "ptx_fingerprints.json"
@@ -250,6 +251,13 @@ def cases():
             forward_sm90.build(hd, dt, *schedule, softcap=softcap),
             wgmma_forward.WGMMA_FORWARD.signature(dt),
         )
+    # a packed batch's work order, made on the device before its launch (the largest sort)
+    yield (
+        family,
+        "packed-work-order-4096",
+        work_order.build(4096, 512),
+        wgmma_forward.WORK_ORDER.signature("float16"),
+    )
     # chunked prefill over a KV cache, contiguous and paged (as selection.prefill_config runs
     # it; "grouped": pages whose boxes copy every atom at once)
     for cache in ("contiguous", "paged", "grouped"):

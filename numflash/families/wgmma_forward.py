@@ -16,6 +16,7 @@ import numpy as np
 
 from .. import arrays, config, launch, selection
 from ..kernels import forward_sm90, ptx_tma
+from ..kernels import work_order as device_order
 
 # -- configuration ------------------------------------------------------------------------------
 
@@ -64,7 +65,9 @@ class WgmmaForwardConfig(config._Config):
     # (forward_sm90.grouped_pages); 9: the paged producer reads a tile's block-table entries
     # one tile ahead (forward_sm90.table_entry); 10: a paged cache's K and V copied by a
     # producer warp each (forward_sm90.PAGED_PRODUCER_WARPS); 11: a short chunk's new rows
-    # appended by the chunked-prefill kernel itself (appends_in_kernel)
+    # appended by the chunked-prefill kernel itself (appends_in_kernel). (A packed batch's
+    # work order made on the device changed only the packed kernels, which no tuned entry
+    # was measured on: kept at 11.)
     #: Registers a consumer thread takes beside its fragments (addresses, loop and softmax
     #: state): a coarse bound that prunes hopeless points; ptxas' report is the judge.
     REGISTERS_BESIDES_FRAGMENTS: ClassVar[int] = 48
@@ -216,8 +219,8 @@ _WGMMA_TAIL = (
     ("v_map", "map"),
 )
 #: The Hopper forward, dense or packed: launch.FORWARD_VARLEN's parameters, the buffer its blocks
-#: publish tensor maps into, a persistent dense launch's work order (work_order; unread
-#: otherwise), and _WGMMA_TAIL.
+#: publish tensor maps into, a persistent launch's work order (work_order, a packed batch's
+#: made on the device: _packed_work_order; unread otherwise), and _WGMMA_TAIL.
 WGMMA_FORWARD = launch.KernelSpec(
     arrays=launch.FORWARD_VARLEN.arrays + (("maps", "int64"), ("order", "int32")),
     strided=launch.FORWARD_VARLEN.strided,
@@ -281,7 +284,9 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     work, grid = _wgmma_work(p, head_dim), _wgmma_grid(cfg, p)
-    if forward_sm90.ordered(cfg.producer, varlen):
+    if forward_sm90.ordered(cfg.producer, varlen) and varlen:
+        order = _packed_work_order(cfg, p, offsets, work, grid[0], q, k, xp)
+    elif forward_sm90.ordered(cfg.producer, varlen):
         order = _work_order_array(p, cfg, work, grid[0], xp)
     else:
         order = launch._unread_array(xp, xp.int32)
@@ -426,12 +431,62 @@ def _work_order_array(p, cfg, work, blocks, xp):
             _orders.clear()
         order = work_order(p, cfg.block_m, cfg.block_n, work[-1], blocks)
         if order is ALTERNATING:  # the common answer: one copy a device, no upload a geometry
-            found = _alternating_arrays.get(device)
-            if found is None:
-                found = _alternating_arrays[device] = xp.asarray(ALTERNATING)
+            found = _alternating_array(xp)
         else:
             found = xp.asarray(order)
         _orders[key] = found
+    return found
+
+
+#: A packed batch's work order is made on the device (kernels/work_order.py) where its
+#: (sequence, row block) slots number at most this: one block sorts them in shared memory,
+#: 8 bytes a slot (32 KiB, under the 48 KiB a block gets without opting in).
+PACKED_ORDER_SLOTS = 4096
+#: ... and its tiles at most this: the order's 512 KiB of ranks stay under the 1 MiB a
+#: prepared launch keeps of buffers its call made (launch.MAX_KEPT_BYTES).
+PACKED_ORDER_TILES = 1 << 17
+#: The order kernel's parameters (kernels/work_order.build).
+WORK_ORDER = launch.KernelSpec(
+    arrays=(("cu_q", "int32"), ("cu_k", "int32"), ("order", "int32")),
+    strided=(),
+    scalars=tuple((name, "int32") for name in (
+        "batch", "m_blocks", "nheads", "section", "blocks", "total_q", "total_k", "max_q",
+        "max_k", "block_m", "block_n", "window_left", "window_right", "overhead")),
+)  # fmt: skip
+
+
+def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
+    """The work order of a packed batch's persistent launch of ``blocks`` blocks: made on the
+    device from ``offsets`` (cu_q, cu_k) just before the launch, on its stream (the tiles with
+    rows, costliest first, in rounds of alternating direction: kernels/work_order.py); the
+    alternating rounds over every (row block, head, sequence) where a block holds the tiles
+    anyway or the slots or tiles pass PACKED_ORDER_SLOTS or PACKED_ORDER_TILES."""
+    m_blocks = launch._ceil_div(p.seqlen_q, cfg.block_m)
+    slots = m_blocks * p.batch
+    tiles = slots * p.nheads
+    if tiles <= blocks or slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES:
+        return _alternating_array(xp)
+    size = 64  # the sort's slots, a power of two: a kernel a size
+    while size < slots:
+        size *= 2
+    threads = min(512, size // 4)  # (61 registers a thread: 1024 threads would need them all)
+    order = arrays.empty((blocks + 1 + tiles,), np.int32, like=q)
+    views, totals = launch._packed_offsets(offsets, q, k)
+    views["order"] = arrays.kernel_view(order)
+    scalars = (p.batch, m_blocks, p.nheads, work[-1], blocks, *totals, p.seqlen_q, p.seqlen_k,
+               cfg.block_m, cfg.block_n, p.window_left, p.window_right, int(TILE_OVERHEAD))  # fmt: skip
+    run = launch.launcher(("packed-work-order", size, threads),
+                          lambda: device_order.build(size, threads), WORK_ORDER, p.dtype)  # fmt: skip
+    run((1, 1, 1), threads, arrays.current_stream(), 0, WORK_ORDER.args(views, scalars))
+    return order
+
+
+def _alternating_array(xp):
+    """ALTERNATING on the current device, one copy a device."""
+    device = 0 if launch.SIMULATOR else xp.cuda.runtime.getDevice()
+    found = _alternating_arrays.get(device)
+    if found is None:
+        found = _alternating_arrays[device] = xp.asarray(ALTERNATING)
     return found
 
 

@@ -174,12 +174,13 @@ def persistent(producer, cache=None):
 
 
 def ordered(producer, varlen=False, cache=None):
-    """Whether the launch's blocks take their work tiles from a work order made on the host
-    (families.wgmma_forward.work_order: each round's costliest tiles to the blocks with the
-    least work so far): a persistent dense launch, whose tiles' costs the host knows. A packed
-    batch's and a KV cache's depend on lengths on the device: rounds of alternating
-    direction (ranked)."""
-    return persistent(producer, cache) and not varlen and cache is None
+    """Whether the launch's blocks may take their work tiles from a work order (listed, or -1
+    for rounds of alternating direction: ranked): a persistent launch over a dense or packed
+    batch. A dense launch's is made on the host (families.wgmma_forward.work_order: each
+    round's costliest tiles to the blocks with the least work so far), a packed batch's on the
+    device from its offsets (kernels/work_order.py). A KV cache's tiles keep the alternating
+    rounds."""
+    return persistent(producer, cache) and cache is None
 
 
 #: The producer warps that copy a paged cache's tiles by TMA: 1, one warp issuing K's and V's
@@ -1168,7 +1169,8 @@ def build(
     @device_function
     def first_round(order, tiles):
         """(start, reverse, end, listed) of this block's first round of work tiles: with a
-        work order (ORDERED, and its first entry not -1: families.wgmma_forward.work_order)
+        work order (ORDERED, and its first entry not -1: families.wgmma_forward.work_order, a
+        packed batch's kernels/work_order.py)
         its place there, where its tiles end and True, else the launch's first round, its
         ``tiles`` and False."""
         if ORDERED:
