@@ -1,0 +1,89 @@
+"""A packed batch's Hopper forward with its work order made on the device and without it
+(the alternating rounds over every slot), beside varlen_attn (GPU, compute capability 9.x).
+
+    python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2] [--json PATH]
+
+One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 64..max-len,
+seed 0), model dim 2048, head dims 64 and 128, fp16 and bf16, causal and not; each way in a
+process of its own (families.wgmma_forward.PACKED_ORDER_SLOTS = 0 turns the order off before
+the first call), the processes taking turns ``--rounds`` times; each figure the fastest
+round's median of 30 CUDA-event timings, useful TFLOP/s. varlen_attn
+(torch.nn.attention.varlen, FlashAttention-2's varlen kernel) runs in the first way's process.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = [(dtype, hd, causal) for dtype in ("float16", "bfloat16") for hd in (64, 128)
+         for causal in (True, False)]  # fmt: skip
+
+
+def child(mode, tokens, max_len):
+    """{case: (packed ms, varlen_attn ms or None, TFLOP of the case)} in this process."""
+    sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    from numflash.families import wgmma_forward
+
+    if mode == "off":
+        wgmma_forward.PACKED_ORDER_SLOTS = 0
+    from bench_varlen import draw_lengths, torch_varlen_runs, useful_flops, varlen_runs
+
+    from numflash.timing import time_gpu
+
+    lengths = draw_lengths(tokens, 64, max_len, 0)
+    found = {}
+    for dtype, hd, causal in CASES:
+        nheads = 2048 // hd
+        fwd, _ = varlen_runs(lengths, nheads, hd, dtype, causal)
+        ms = time_gpu(fwd, runs=30).median_ms
+        peer = None
+        if mode == "on":
+            theirs, _ = torch_varlen_runs(lengths, nheads, hd, dtype, causal)
+            peer = time_gpu(theirs, runs=30).median_ms if theirs is not None else None
+        flops = useful_flops(lengths, nheads, hd, causal, "fwd") / 1e12
+        found[f"{dtype} d{hd} {'causal' if causal else 'full'}"] = (ms, peer, flops)
+    print(json.dumps(found))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=65536)
+    parser.add_argument("--max-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args.tokens, args.max_len)
+    best = {}
+    for _ in range(args.rounds):
+        for mode in ("on", "off"):
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", mode, "--tokens", str(args.tokens),
+                 "--max-len", str(args.max_len)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if done.returncode:
+                raise SystemExit(f"the {mode} process failed:\n{done.stderr[-3000:]}")
+            for case, (ms, peer, flops) in json.loads(done.stdout.splitlines()[-1]).items():
+                row = best.setdefault(case, {"flops": flops})
+                row[mode] = min(row.get(mode, float("inf")), ms)
+                if peer is not None:
+                    row["varlen_attn"] = min(row.get("varlen_attn", float("inf")), peer)
+    print("| case | order on | order off | on / off | varlen_attn | on / varlen_attn |")
+    print("|---|---|---|---|---|---|")
+    for case, row in best.items():
+        on, off, peer, flops = row["on"], row["off"], row.get("varlen_attn"), row["flops"]
+        theirs = f"{flops / peer * 1e3:.1f} | {peer / on:.3f}x" if peer else "- | -"
+        print(f"| {case} | {flops / on * 1e3:.1f} | {flops / off * 1e3:.1f} | "
+              f"{off / on:.3f}x | {theirs} |")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(best, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
