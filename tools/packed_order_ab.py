@@ -1,10 +1,11 @@
 """A packed batch's Hopper forward with its work order made on the device and without it
 (the alternating rounds over every slot), beside varlen_attn (GPU, compute capability 9.x).
 
-    python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2] [--json PATH]
+    python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2]
+        [--head-dims 64 128] [--dtypes float16 bfloat16] [--json PATH]
 
 One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 64..max-len,
-seed 0), model dim 2048, head dims 64 and 128, fp16 and bf16, causal and not; each way in a
+seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; each way in a
 process of its own (families.wgmma_forward.PACKED_ORDER_SLOTS = 0 turns the order off before
 the first call), the processes taking turns ``--rounds`` times; each figure the fastest
 round's median of 30 CUDA-event timings, useful TFLOP/s. varlen_attn
@@ -18,11 +19,9 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = [(dtype, hd, causal) for dtype in ("float16", "bfloat16") for hd in (64, 128)
-         for causal in (True, False)]  # fmt: skip
 
 
-def child(mode, tokens, max_len):
+def child(mode, tokens, max_len, head_dims, dtypes):
     """{case: (packed ms, varlen_attn ms or None, TFLOP of the case)} in this process."""
     sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
     from numflash.families import wgmma_forward
@@ -35,7 +34,7 @@ def child(mode, tokens, max_len):
 
     lengths = draw_lengths(tokens, 64, max_len, 0)
     found = {}
-    for dtype, hd, causal in CASES:
+    for dtype, hd, causal in [(d, h, c) for d in dtypes for h in head_dims for c in (True, False)]:
         nheads = 2048 // hd
         fwd, _ = varlen_runs(lengths, nheads, hd, dtype, causal)
         ms = time_gpu(fwd, runs=30).median_ms
@@ -53,17 +52,20 @@ def main():
     parser.add_argument("--tokens", type=int, default=65536)
     parser.add_argument("--max-len", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.tokens, args.max_len)
+        return child(args.child, args.tokens, args.max_len, args.head_dims, args.dtypes)
     best = {}
     for _ in range(args.rounds):
         for mode in ("on", "off"):
             done = subprocess.run(
                 [sys.executable, __file__, "--child", mode, "--tokens", str(args.tokens),
-                 "--max-len", str(args.max_len)],
+                 "--max-len", str(args.max_len), "--head-dims", *map(str, args.head_dims),
+                 "--dtypes", *args.dtypes],
                 capture_output=True, text=True,
             )  # fmt: skip
             if done.returncode:

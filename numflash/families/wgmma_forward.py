@@ -469,7 +469,9 @@ def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
     size = 64  # the sort's slots, a power of two: a kernel a size
     while size < slots:
         size *= 2
-    threads = min(512, size // 4)  # (61 registers a thread: 1024 threads would need them all)
+    # a thread for every 4 slots of the sort, at least 4 warps (each slot's heads are written
+    # by its thread), at most 512 (61 registers a thread: 1024 would need every register)
+    threads = min(512, max(128, size // 4))
     order = arrays.empty((blocks + 1 + tiles,), np.int32, like=q)
     views, totals = launch._packed_offsets(offsets, q, k)
     views["order"] = arrays.kernel_view(order)
