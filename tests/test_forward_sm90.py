@@ -436,6 +436,10 @@ def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(m
     from numflash import launch, plans
 
     monkeypatch.setattr(launch, "_multiprocessors", lambda: 3)
+    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
+    made, making = [], wgmma_forward._packed_work_order
+    monkeypatch.setattr(wgmma_forward, "_packed_work_order",
+                        lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip
     cfg = W(1, 64, 2, pingpong=False)
     _wgmma_or_skip(cfg, 64)
     lengths = [70, 0, 130, 5] if SIMULATOR else [700, 0, 1300, 5, 4000, 64]
@@ -454,3 +458,5 @@ def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(m
                 s = slice(int(cu[i]), int(cu[i + 1]))
                 assert_matches_reference(q[None, s], k[None, s], v[None, s], out[None, s],
                                          lse[None, :, s], window_size=(90, 0))  # fmt: skip
+    listed, alternating = made
+    assert to_numpy(listed)[0] == 0 and to_numpy(alternating).tolist() == [-1]

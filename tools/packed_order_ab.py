@@ -2,12 +2,15 @@
 (the alternating rounds over every slot), beside varlen_attn (GPU, compute capability 9.x).
 
     python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2]
-        [--head-dims 64 128] [--dtypes float16 bfloat16] [--json PATH]
+        [--head-dims 64 128] [--dtypes float16 bfloat16] [--sequences given] [--json PATH]
 
 One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 64..max-len,
-seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; each way in a
-process of its own (families.wgmma_forward.PACKED_ORDER_SLOTS = 0 turns the order off before
-the first call), the processes taking turns ``--rounds`` times; each figure the fastest
+seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; ``--sequences``
+puts the same lengths in another order (``longest-first``, ``longest-last``) or gives every
+sequence the mean length (``equal``: the same tokens, no row block past a sequence's end
+but the last); each way in a
+process of its own (families.wgmma_forward.DEVICE_PACKED_ORDER set before the first
+call), the processes taking turns ``--rounds`` times; each figure the fastest
 round's median of 30 CUDA-event timings, useful TFLOP/s. varlen_attn
 (torch.nn.attention.varlen, FlashAttention-2's varlen kernel) runs in the first way's process.
 """
@@ -21,18 +24,27 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def child(mode, tokens, max_len, head_dims, dtypes):
+def arranged(lengths, sequences):
+    """``lengths`` in the order (or the equal lengths) ``--sequences`` asks for."""
+    if sequences == "equal":
+        n = len(lengths)
+        return [sum(lengths) // n + (i < sum(lengths) % n) for i in range(n)]
+    if sequences == "given":
+        return lengths
+    return sorted(lengths, reverse=sequences == "longest-first")
+
+
+def child(mode, tokens, max_len, head_dims, dtypes, sequences):
     """{case: (packed ms, varlen_attn ms or None, TFLOP of the case)} in this process."""
     sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
     from numflash.families import wgmma_forward
 
-    if mode == "off":
-        wgmma_forward.PACKED_ORDER_SLOTS = 0
+    wgmma_forward.DEVICE_PACKED_ORDER = mode == "on"
     from bench_varlen import draw_lengths, torch_varlen_runs, useful_flops, varlen_runs
 
     from numflash.timing import time_gpu
 
-    lengths = draw_lengths(tokens, 64, max_len, 0)
+    lengths = arranged(draw_lengths(tokens, 64, max_len, 0), sequences)
     found = {}
     for dtype, hd, causal in [(d, h, c) for d in dtypes for h in head_dims for c in (True, False)]:
         nheads = 2048 // hd
@@ -54,18 +66,23 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16"])
+    parser.add_argument(
+        "--sequences", choices=("given", "longest-first", "longest-last", "equal"),
+        default="given",
+    )  # fmt: skip
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.tokens, args.max_len, args.head_dims, args.dtypes)
+        return child(args.child, args.tokens, args.max_len, args.head_dims, args.dtypes,
+                     args.sequences)  # fmt: skip
     best = {}
     for _ in range(args.rounds):
         for mode in ("on", "off"):
             done = subprocess.run(
                 [sys.executable, __file__, "--child", mode, "--tokens", str(args.tokens),
                  "--max-len", str(args.max_len), "--head-dims", *map(str, args.head_dims),
-                 "--dtypes", *args.dtypes],
+                 "--dtypes", *args.dtypes, "--sequences", args.sequences],
                 capture_output=True, text=True,
             )  # fmt: skip
             if done.returncode:

@@ -438,9 +438,16 @@ def _work_order_array(p, cfg, work, blocks, xp):
     return found
 
 
-#: A packed batch's work order is made on the device (kernels/work_order.py) where its
-#: (sequence, row block) slots number at most this: one block sorts them in shared memory,
-#: 8 bytes a slot (32 KiB, under the 48 KiB a block gets without opting in).
+#: Whether a packed batch's persistent launch takes a work order made on the device
+#: (kernels/work_order.py) rather than the alternating rounds over every slot. Off until
+#: timed on a GPU: it is correct (tests/test_forward_sm90.py), and the order of the sequences
+#: alone moved the packed forward by up to 7% either way on an H100 (docs/performance.md,
+#: "A packed batch's work order"), but the order itself has not run there
+#: (``python tools/packed_order_ab.py`` decides).
+DEVICE_PACKED_ORDER = False
+#: A packed batch's work order is made on the device where its (sequence, row block) slots
+#: number at most this: one block sorts them in shared memory, 8 bytes a slot (32 KiB, under
+#: the 48 KiB a block gets without opting in).
 PACKED_ORDER_SLOTS = 4096
 #: ... and its tiles at most this: the order's 512 KiB of ranks stay under the 1 MiB a
 #: prepared launch keeps of buffers its call made (launch.MAX_KEPT_BYTES).
@@ -459,12 +466,14 @@ def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
     """The work order of a packed batch's persistent launch of ``blocks`` blocks: made on the
     device from ``offsets`` (cu_q, cu_k) just before the launch, on its stream (the tiles with
     rows, costliest first, in rounds of alternating direction: kernels/work_order.py); the
-    alternating rounds over every (row block, head, sequence) where a block holds the tiles
-    anyway or the slots or tiles pass PACKED_ORDER_SLOTS or PACKED_ORDER_TILES."""
+    alternating rounds over every (row block, head, sequence) where DEVICE_PACKED_ORDER is
+    off, a block holds the tiles anyway or the slots or tiles pass PACKED_ORDER_SLOTS or
+    PACKED_ORDER_TILES."""
     m_blocks = launch._ceil_div(p.seqlen_q, cfg.block_m)
     slots = m_blocks * p.batch
     tiles = slots * p.nheads
-    if tiles <= blocks or slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES:
+    too_many = slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES
+    if not DEVICE_PACKED_ORDER or tiles <= blocks or too_many:
         return _alternating_array(xp)
     size = 64  # the sort's slots, a power of two: a kernel a size
     while size < slots:
