@@ -460,3 +460,25 @@ def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(m
                                          lse[None, :, s], window_size=(90, 0))  # fmt: skip
     listed, alternating = made
     assert to_numpy(listed)[0] == 0 and to_numpy(alternating).tolist() == [-1]
+
+
+def test_blocks_the_device_order_leaves_without_a_tile_just_finish(monkeypatch):
+    """More blocks than tiles with rows (the slots past the sequences' ends left out of the
+    order): the blocks whose lists are empty finish at once, the others give the reference."""
+    from numflash import launch
+
+    monkeypatch.setattr(launch, "_multiprocessors", lambda: 5)
+    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
+    made, making = [], wgmma_forward._packed_work_order
+    monkeypatch.setattr(wgmma_forward, "_packed_work_order",
+                        lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip
+    cfg = W(1, 64, 2, pingpong=False)
+    _wgmma_or_skip(cfg, 64)
+    lengths = [130, 0, 0, 0, 0]  # 15 slots of 64 rows, 3 with rows
+    q, k, v, offsets, _ = packed_qkv(lengths, lengths, 1, 1, 64, "float16")
+    out, lse = numflash.attention_varlen(
+        q, k, v, offsets, offsets, 130, 130, causal=True, return_lse=True,
+        out=poisoned_like(q), config=cfg,
+    )  # fmt: skip
+    assert to_numpy(made[0])[:6].tolist() == [0, 1, 2, 3, 3, 3]  # blocks 3 and 4: no tile
+    assert_matches_reference(q[None], k[None], v[None], out[None], lse[None], causal=True)
