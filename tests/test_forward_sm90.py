@@ -429,17 +429,26 @@ def test_a_packed_batch_s_device_work_order_follows_the_model(window):
         assert (got[len(expected) :] == -7).all()
 
 
+def _device_order_on(monkeypatch, blocks):
+    """A persistent launch of ``blocks`` blocks (a multiprocessor each) with the packed
+    batch's device order on; the list each of its calls' orders is appended to."""
+    from numflash import launch
+
+    monkeypatch.setattr(launch, "_multiprocessors", lambda: blocks)
+    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
+    made, making = [], wgmma_forward._packed_work_order
+    monkeypatch.setattr(wgmma_forward, "_packed_work_order",
+                        lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip
+    return made
+
+
 def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(monkeypatch):
     """Three blocks of a persistent launch over a packed batch (a multiprocessor each) go
     through the order the device made; with too many slots for that order, through the
     alternating rounds over every slot: both the reference's."""
     from numflash import launch, plans
 
-    monkeypatch.setattr(launch, "_multiprocessors", lambda: 3)
-    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
-    made, making = [], wgmma_forward._packed_work_order
-    monkeypatch.setattr(wgmma_forward, "_packed_work_order",
-                        lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip
+    made = _device_order_on(monkeypatch, 3)
     cfg = W(1, 64, 2, pingpong=False)
     _wgmma_or_skip(cfg, 64)
     lengths = [70, 0, 130, 5] if SIMULATOR else [700, 0, 1300, 5, 4000, 64]
@@ -465,13 +474,7 @@ def test_a_packed_persistent_launch_over_several_blocks_takes_its_device_order(m
 def test_blocks_the_device_order_leaves_without_a_tile_just_finish(monkeypatch):
     """More blocks than tiles with rows (the slots past the sequences' ends left out of the
     order): the blocks whose lists are empty finish at once, the others give the reference."""
-    from numflash import launch
-
-    monkeypatch.setattr(launch, "_multiprocessors", lambda: 5)
-    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
-    made, making = [], wgmma_forward._packed_work_order
-    monkeypatch.setattr(wgmma_forward, "_packed_work_order",
-                        lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip
+    made = _device_order_on(monkeypatch, 5)
     cfg = W(1, 64, 2, pingpong=False)
     _wgmma_or_skip(cfg, 64)
     lengths = [130, 0, 0, 0, 0]  # 15 slots of 64 rows, 3 with rows

@@ -284,10 +284,11 @@ def _wgmma_forward(cfg, p, q, k, v, out, lse, offsets=None, variant=()):
     tma, maps = _maps_or_none(maps, xp)
     schedule = forward_sm90.schedule(cfg, varlen, tma)
     work, grid = _wgmma_work(p, head_dim), _wgmma_grid(cfg, p)
-    if forward_sm90.ordered(cfg.producer, varlen) and varlen:
-        order = _packed_work_order(cfg, p, offsets, work, grid[0], q, k, xp)
-    elif forward_sm90.ordered(cfg.producer, varlen):
-        order = _work_order_array(p, cfg, work, grid[0], xp)
+    if forward_sm90.ordered(cfg.producer, varlen):
+        if varlen:
+            order = _packed_work_order(cfg, p, offsets, work, grid[0], q, k, xp)
+        else:
+            order = _work_order_array(p, cfg, work, grid[0], xp)
     else:
         order = launch._unread_array(xp, xp.int32)
     views = {"maps": arrays.kernel_view(maps[0]), "order": arrays.kernel_view(order)}
