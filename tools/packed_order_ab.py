@@ -2,7 +2,8 @@
 (the alternating rounds over every slot), beside varlen_attn (GPU, compute capability 9.x).
 
     python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2]
-        [--head-dims 64 128] [--dtypes float16 bfloat16] [--sequences given] [--json PATH]
+        [--head-dims 64 128] [--dtypes float16 bfloat16] [--sequences given]
+        [--configs 2,128,2,p,t ...] [--json PATH]
 
 One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 64..max-len,
 seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; ``--sequences``
@@ -13,6 +14,9 @@ process of its own (families.wgmma_forward.DEVICE_PACKED_ORDER set before the fi
 call), the processes taking turns ``--rounds`` times; each figure the fastest
 round's median of 30 CUDA-event timings, useful TFLOP/s. varlen_attn
 (torch.nn.attention.varlen, FlashAttention-2's varlen kernel) runs in the first way's process.
+``--configs`` also times each Hopper forward configuration named (tools/hopper_forward.py's
+form: consumers,block_n,stages[,p][,pp][,t][,e1|e2]) beside numflash's choice, each case's
+varlen_attn figure standing beside all of them.
 """
 
 import argparse
@@ -34,13 +38,15 @@ def arranged(lengths, sequences):
     return sorted(lengths, reverse=sequences == "longest-first")
 
 
-def child(mode, tokens, max_len, head_dims, dtypes, sequences):
+def child(mode, tokens, max_len, head_dims, dtypes, sequences, configs=()):
     """{case: (packed ms, varlen_attn ms or None, TFLOP of the case)} in this process."""
     sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+    sys.path.insert(0, HERE)
     from numflash.families import wgmma_forward
 
     wgmma_forward.DEVICE_PACKED_ORDER = mode == "on"
     from bench_varlen import draw_lengths, torch_varlen_runs, useful_flops, varlen_runs
+    from hopper_forward import parse_config
 
     from numflash.timing import time_gpu
 
@@ -48,14 +54,17 @@ def child(mode, tokens, max_len, head_dims, dtypes, sequences):
     found = {}
     for dtype, hd, causal in [(d, h, c) for d in dtypes for h in head_dims for c in (True, False)]:
         nheads = 2048 // hd
-        fwd, _ = varlen_runs(lengths, nheads, hd, dtype, causal)
-        ms = time_gpu(fwd, runs=30).median_ms
         peer = None
         if mode == "on":
             theirs, _ = torch_varlen_runs(lengths, nheads, hd, dtype, causal)
             peer = time_gpu(theirs, runs=30).median_ms if theirs is not None else None
         flops = useful_flops(lengths, nheads, hd, causal, "fwd") / 1e12
-        found[f"{dtype} d{hd} {'causal' if causal else 'full'}"] = (ms, peer, flops)
+        case = f"{dtype} d{hd} {'causal' if causal else 'full'}"
+        for text in (None, *configs):
+            config = parse_config(text) if text else None
+            fwd, _ = varlen_runs(lengths, nheads, hd, dtype, causal, config=config)
+            ms = time_gpu(fwd, runs=30).median_ms
+            found[f"{case} [{text}]" if text else case] = (ms, peer, flops)
     print(json.dumps(found))
 
 
@@ -70,19 +79,21 @@ def main():
         "--sequences", choices=("given", "longest-first", "longest-last", "equal"),
         default="given",
     )  # fmt: skip
+    parser.add_argument("--configs", nargs="*", default=[])
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.tokens, args.max_len, args.head_dims, args.dtypes,
-                     args.sequences)  # fmt: skip
+                     args.sequences, args.configs)  # fmt: skip
     best = {}
     for _ in range(args.rounds):
         for mode in ("on", "off"):
             done = subprocess.run(
                 [sys.executable, __file__, "--child", mode, "--tokens", str(args.tokens),
                  "--max-len", str(args.max_len), "--head-dims", *map(str, args.head_dims),
-                 "--dtypes", *args.dtypes, "--sequences", args.sequences],
+                 "--dtypes", *args.dtypes, "--sequences", args.sequences,
+                 "--configs", *args.configs],
                 capture_output=True, text=True,
             )  # fmt: skip
             if done.returncode:
