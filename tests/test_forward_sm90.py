@@ -367,28 +367,30 @@ def test_the_kernel_s_own_rounds_where_the_order_gains_too_little():
 def _packed_order_model(cu_q, cu_k, m_blocks, nheads, section, blocks, max_q, max_k, block_m,
                         block_n, window):  # fmt: skip
     """kernels/work_order.py's order, worked out here: the (sequence, row block) slots with
-    rows, costliest first (key tiles seen plus TILE_OVERHEAD; then by slot), each slot's heads
-    next to each other, dealt in rounds of ``blocks`` whose direction alternates; as the
-    kernel writes it (the blocks' list starts, then each block's tiles)."""
+    rows, a sequence's together, the sequences costliest first (key tiles their last row
+    block sees plus TILE_OVERHEAD; then by sequence), each sequence's row blocks last first,
+    each slot's heads next to each other, dealt in rounds of ``blocks`` whose direction
+    alternates; as the kernel writes it (the blocks' list starts, then each block's tiles)."""
     batch, (left, right) = len(cu_q) - 1, window
     slots = []
-    for slot in range(batch * m_blocks):
-        b, m = divmod(slot, m_blocks)
+    for b in range(batch):
         q0 = min(max(cu_q[b], 0), cu_q[-1])
         rows = min(min(max(cu_q[b + 1], q0), cu_q[-1]) - q0, max_q)
         k0 = min(max(cu_k[b], 0), cu_k[-1])
         keys = min(min(max(cu_k[b + 1], k0), cu_k[-1]) - k0, max_k)
-        if m * block_m >= rows:
+        if rows <= 0:
             continue
+        m = (rows - 1) // block_m  # the costliest row block
         first, last, shift = m * block_m, min(m * block_m + block_m, rows) - 1, keys - rows
         hi = keys if right < 0 else min(keys, last + shift + right + 1)
         lo = 0 if left < 0 else max(0, first + shift - left)
         seen = -(-hi // block_n) - lo // block_n if hi > lo else 0
-        slots.append((-(seen + int(wgmma_forward.TILE_OVERHEAD)), slot))
+        cost = seen + int(wgmma_forward.TILE_OVERHEAD)
+        slots += [(-cost, b, -m) for m in range(m + 1)]
     lists = [[] for _ in range(blocks)]
     pairs = nheads * batch
-    for j, (_, slot) in enumerate((s for s in sorted(slots) for _ in range(nheads))):
-        b, m = divmod(slot, m_blocks)
+    for j, (_, b, m) in enumerate((s for s in sorted(slots) for _ in range(nheads))):
+        m = -m
         pair = b * nheads + j % nheads
         sec = pair // section
         width = min(section, pairs - sec * section)
@@ -401,9 +403,9 @@ def _packed_order_model(cu_q, cu_k, m_blocks, nheads, section, blocks, max_q, ma
 
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (40, 0), (30, 20)])
 def test_a_packed_batch_s_device_work_order_follows_the_model(window):
-    """kernels/work_order.py against its model: the tiles with rows, each once, costliest
-    first, dealt to the blocks in alternating rounds; empty sequences, a longer key side,
-    sections of several pairs; nothing written past the order."""
+    """kernels/work_order.py against its model: the tiles with rows, each once, a sequence's
+    together, the costliest sequences first, dealt to the blocks in alternating rounds; empty
+    sequences, a longer key side, sections of several pairs; nothing written past the order."""
     from numflash.families.wgmma_forward import WORK_ORDER
     from numflash.kernels import work_order
 

@@ -7,15 +7,22 @@ sequence, head, sequence) in rank order: the row blocks past a sequence's end co
 block a visit, and the tiles' costs rose and fell along the rounds. This kernel, launched
 just before the forward on the same stream, reads the offsets and writes the order the
 forward's listed path takes (forward_sm90.first_round and ranked): the tiles that hold rows
-only, costliest first by the same model as the host's (key tiles seen under the mask plus
-TILE_OVERHEAD), handed out in rounds of ``blocks`` tiles whose direction alternates, so each
-block's sum of falling costs comes out alike. Which block runs a tile changes no bit of its
-output.
+only, a sequence's together, the sequences costliest first by the same model as the host's
+(key tiles its costliest row block sees under the mask plus TILE_OVERHEAD), each sequence's
+row blocks last first (under a causal mask they see the most keys), handed out in rounds of
+``blocks`` tiles whose direction alternates, so each block's sum of falling costs comes out
+alike. Which block runs a tile changes no bit of its output.
 
-One block of THREADS threads: the (sequence, row block) slots' costs into shared memory,
-a bitonic sort of them (costliest first, then by slot: the order is deterministic), then each
-slot's tiles (a head each, next to each other, so a GQA group's heads run together) written
-to their blocks' lists.
+A sequence's tiles stay together because the tiles in flight at once then share their keys
+and values in L2, as the dense launch's rank order keeps them (forward_sm90.tile_of): sorted
+by each row block's own cost, a causal batch's tiles in flight were the same row block of
+many sequences, none sharing its keys, and the packed forward ran 0.77x the alternating
+rounds at head_dim 128 (H100; docs/performance.md, "A packed batch's work order").
+
+One block of THREADS threads: the (sequence, row block) slots' keys into shared memory,
+a bitonic sort of them (the costliest sequences first, then by sequence and row block: the
+order is deterministic), then each slot's tiles (a head each, next to each other, so a GQA
+group's heads run together) written to their blocks' lists.
 """
 
 import functools
@@ -24,8 +31,9 @@ from numba import cuda, int32, int64
 
 from .jit import device_function, kernel
 
-#: A slot's sort key: (COST_CAP - cost) << 32 | slot, so that ascending keys are the costliest
-#: slots first; an empty slot (no rows) sorts after every cost, padding after those.
+#: A slot's sort key: (COST_CAP - its sequence's cost) << 32 | (sequence, row block last
+#: first), so that ascending keys are the costliest sequences first, a sequence's slots
+#: together; an empty slot (no rows) sorts after every cost, padding after those.
 COST_CAP = 1 << 20
 _SLOT_MASK = (1 << 32) - 1
 
@@ -57,6 +65,21 @@ def slot_cost(cu_q, cu_k, slot, m_blocks, total_q, total_k, max_q, max_k, block_
     if hi > lo:
         seen = (hi + block_n - 1) // block_n - lo // block_n
     return int32(min(seen + overhead, COST_CAP))
+
+
+@device_function
+def sequence_cost(cu_q, cu_k, b, m_blocks, total_q, total_k, max_q, max_k, block_m, block_n,
+                  window_left, window_right, overhead):  # fmt: skip
+    """The model's cost of sequence ``b``'s costliest row block, its last (the one whose rows
+    see the most keys under a causal mask or a window; every row block the same without);
+    -1 where the sequence holds no row."""
+    q0 = min(max(cu_q[b], 0), total_q)
+    rows = min(min(max(cu_q[b + 1], q0), total_q) - q0, max_q)
+    if rows <= 0:
+        return int32(-1)
+    last = b * m_blocks + (rows - 1) // block_m
+    return slot_cost(cu_q, cu_k, int32(last), m_blocks, total_q, total_k, max_q, max_k, block_m,
+                     block_n, window_left, window_right, overhead)  # fmt: skip
 
 
 @device_function
@@ -118,7 +141,12 @@ def build(slots, threads):
                                  overhead)  # fmt: skip
                 if cost >= 0:
                     cuda.atomic.add(counted, 0, 1)
-                    key = int64(COST_CAP - cost) << 32 | int64(i)
+                    b = i // m_blocks
+                    cost = sequence_cost(cu_q, cu_k, b, m_blocks, total_q, total_k, max_q,
+                                         max_k, block_m, block_n, window_left, window_right,
+                                         overhead)  # fmt: skip
+                    reversed_slot = b * m_blocks + m_blocks - 1 - (i - b * m_blocks)
+                    key = int64(COST_CAP - cost) << 32 | int64(reversed_slot)
                 else:
                     key = int64(COST_CAP + 1) << 32 | int64(i)
             keys[i] = key
@@ -145,9 +173,9 @@ def build(slots, threads):
             order[x] = list_start(x, rounds, rem, blocks) if x < blocks else tiles
         pairs = nheads * batch
         for s in range(tid, filled, THREADS):
-            slot = int32(keys[s] & _SLOT_MASK)
+            slot = int32(keys[s] & _SLOT_MASK)  # (sequence, row block last first)
             b = slot // m_blocks
-            m = slot - b * m_blocks
+            m = m_blocks - 1 - (slot - b * m_blocks)
             position = s * nheads
             r = position // blocks
             w = position - r * blocks
