@@ -44,6 +44,7 @@ import test_varlen  # noqa: E402
 from support import (  # noqa: E402
     assert_gradients_match,
     assert_matches_reference,
+    packed_qkv,
     poisoned_like,
     random_array,
     random_qkv,
@@ -383,6 +384,39 @@ def main(argv):
         for name, configs in test_varlen.LYING_CONFIGS.items():
             test_varlen.test_device_offsets_that_lie_stay_inside_the_arrays(*configs)
             print(f"ok varlen offsets that lie ({name})", flush=True)
+        if current_device().has_wgmma:
+            run_packed_device_order()
+            print("ok packed batches through the work order made on the device", flush=True)
+
+
+def run_packed_device_order():
+    """The Hopper forward's packed persistent launch through the order kernels/work_order.py
+    makes (on for every mask and any number of rounds here): six sequences of 1-1500 rows,
+    one empty, 4 heads over 2; causal, full and a window; each sequence against the
+    reference."""
+    saved = {name: getattr(wgmma_forward, name) for name in (
+        "DEVICE_PACKED_ORDER", "DEVICE_PACKED_ORDER_MASKED", "PACKED_ORDER_ROUNDS")}  # fmt: skip
+    wgmma_forward.DEVICE_PACKED_ORDER = wgmma_forward.DEVICE_PACKED_ORDER_MASKED = True
+    wgmma_forward.PACKED_ORDER_ROUNDS = 1
+    try:
+        for head_dim, dtype, mask in ((64, "float16", dict(causal=True)),
+                                      (128, "bfloat16", dict(causal=False)),
+                                      (64, "bfloat16", dict(window_size=(200, 0)))):  # fmt: skip
+            lengths = [int(n) for n in np.random.default_rng(head_dim).integers(1, 1501, 6)]
+            lengths[2] = 0
+            q, k, v, offsets, _ = packed_qkv(lengths, lengths, 4, 2, head_dim, dtype)
+            out, lse = numflash.attention_varlen(q, k, v, offsets, offsets, max(lengths),
+                                                 max(lengths), return_lse=True,
+                                                 out=poisoned_like(q), **mask)  # fmt: skip
+            cu = offsets.get()
+            for i, n in enumerate(lengths):
+                if n:
+                    s = slice(int(cu[i]), int(cu[i + 1]))
+                    assert_matches_reference(q[None, s], k[None, s], v[None, s], out[None, s],
+                                             lse[None, :, s], **mask)  # fmt: skip
+    finally:
+        for name, value in saved.items():
+            setattr(wgmma_forward, name, value)
 
 
 if __name__ == "__main__":

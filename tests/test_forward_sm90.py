@@ -431,6 +431,26 @@ def test_a_packed_batch_s_device_work_order_follows_the_model(window):
         assert (got[len(expected) :] == -7).all()
 
 
+def test_a_packed_batch_takes_the_device_order_where_it_was_timed_to_pay():
+    """The device order by default: for a batch without a mask or window whose tiles fill
+    PACKED_ORDER_ROUNDS rounds of the launch's blocks; not under a causal mask or a window
+    (not yet timed), nor for a few rounds, nor past the sort's slots or the order's tiles."""
+    from types import SimpleNamespace
+
+    pays = wgmma_forward.device_order_pays
+    full, causal = (
+        SimpleNamespace(window_left=-1, window_right=-1),
+        SimpleNamespace(window_left=-1, window_right=0),
+    )
+    window = SimpleNamespace(window_left=128, window_right=-1)
+    rounds = wgmma_forward.PACKED_ORDER_ROUNDS
+    assert pays(full, 960, 132 * rounds, 132)
+    assert not pays(full, 960, 132 * rounds - 1, 132)
+    assert not pays(causal, 960, 132 * rounds, 132) and not pays(window, 960, 15360, 132)
+    assert not pays(full, wgmma_forward.PACKED_ORDER_SLOTS + 1, 15360, 132)
+    assert not pays(full, 960, wgmma_forward.PACKED_ORDER_TILES + 1, 132)
+
+
 def _device_order_on(monkeypatch, blocks):
     """A persistent launch of ``blocks`` blocks (a multiprocessor each) with the packed
     batch's device order on; the list each of its calls' orders is appended to."""
@@ -438,6 +458,8 @@ def _device_order_on(monkeypatch, blocks):
 
     monkeypatch.setattr(launch, "_multiprocessors", lambda: blocks)
     monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER", True)
+    monkeypatch.setattr(wgmma_forward, "DEVICE_PACKED_ORDER_MASKED", True)
+    monkeypatch.setattr(wgmma_forward, "PACKED_ORDER_ROUNDS", 1)
     made, making = [], wgmma_forward._packed_work_order
     monkeypatch.setattr(wgmma_forward, "_packed_work_order",
                         lambda *args: made.append(making(*args)) or made[-1])  # fmt: skip

@@ -9,10 +9,10 @@ One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 
 seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; ``--sequences``
 puts the same lengths in another order (``longest-first``, ``longest-last``) or gives every
 sequence the mean length (``equal``: the same tokens, no row block past a sequence's end
-but the last); each way in a
-process of its own (families.wgmma_forward.DEVICE_PACKED_ORDER set before the first
-call), the processes taking turns ``--rounds`` times; each figure the fastest
-round's median of 30 CUDA-event timings, useful TFLOP/s. varlen_attn
+but the last); each way in a process of its own (families.wgmma_forward.DEVICE_PACKED_ORDER
+and DEVICE_PACKED_ORDER_MASKED set before the first call, PACKED_ORDER_ROUNDS as it stands),
+the processes taking turns ``--rounds`` times; each figure the fastest round's median of 30
+CUDA-event timings, useful TFLOP/s. varlen_attn
 (torch.nn.attention.varlen, FlashAttention-2's varlen kernel) runs in the first way's process.
 ``--configs`` also times each Hopper forward configuration named (tools/hopper_forward.py's
 form: consumers,block_n,stages[,p][,pp][,t][,e1|e2]) beside numflash's choice, each case's
@@ -44,7 +44,7 @@ def child(mode, tokens, max_len, head_dims, dtypes, sequences, configs=()):
     sys.path.insert(0, HERE)
     from numflash.families import wgmma_forward
 
-    wgmma_forward.DEVICE_PACKED_ORDER = mode == "on"
+    wgmma_forward.DEVICE_PACKED_ORDER = wgmma_forward.DEVICE_PACKED_ORDER_MASKED = mode == "on"
     from bench_varlen import draw_lengths, torch_varlen_runs, useful_flops, varlen_runs
     from hopper_forward import parse_config
 

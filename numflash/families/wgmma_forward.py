@@ -439,13 +439,19 @@ def _work_order_array(p, cfg, work, blocks, xp):
     return found
 
 
-#: Whether a packed batch's persistent launch takes a work order made on the device
-#: (kernels/work_order.py) rather than the alternating rounds over every slot. Off until
-#: timed on a GPU: it is correct (tests/test_forward_sm90.py), and the order of the sequences
-#: alone moved the packed forward by up to 7% either way on an H100 (docs/performance.md,
-#: "A packed batch's work order"), but the order itself has not run there
-#: (``python tools/packed_order_ab.py`` decides).
-DEVICE_PACKED_ORDER = False
+#: Whether a packed batch's persistent launch without a causal mask or window takes a work
+#: order made on the device (kernels/work_order.py) rather than the alternating rounds over
+#: every slot: 1.10-1.13x at head_dim 64 and 128, fp16 and bf16 (H100, 30 sequences of
+#: 65536 tokens; docs/performance.md, "A packed batch's work order").
+DEVICE_PACKED_ORDER = True
+#: ... and with a causal mask or a window: off, as the order that keeps a sequence's tiles
+#: together is not yet timed (the one before it, sorted by each row block's own cost, ran
+#: 0.77x the alternating rounds at head_dim 128 causal on that H100).
+DEVICE_PACKED_ORDER_MASKED = False
+#: ... and only where the tiles fill at least this many rounds of the launch's blocks: a
+#: guess, not timed apart (the batch above holds 116-232 rounds): below it the order's own
+#: launch (one block sorting the slots) may cost more than the balanced rounds save.
+PACKED_ORDER_ROUNDS = 16
 #: A packed batch's work order is made on the device where its (sequence, row block) slots
 #: number at most this: one block sorts them in shared memory, 8 bytes a slot (32 KiB, under
 #: the 48 KiB a block gets without opting in).
@@ -463,24 +469,38 @@ WORK_ORDER = launch.KernelSpec(
 )  # fmt: skip
 
 
+def device_order_pays(p, slots, tiles, blocks):
+    """Whether a packed batch's launch of ``blocks`` blocks over ``slots`` (sequence, row
+    block) slots and ``tiles`` work tiles takes a work order made on the device: as
+    DEVICE_PACKED_ORDER (DEVICE_PACKED_ORDER_MASKED under a causal mask or a window) says,
+    where the tiles fill PACKED_ORDER_ROUNDS rounds and more than one, and the slots and
+    tiles stay within PACKED_ORDER_SLOTS and PACKED_ORDER_TILES."""
+    if slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES:
+        return False
+    if tiles <= blocks or tiles < PACKED_ORDER_ROUNDS * blocks:
+        return False
+    if p.window_left >= 0 or p.window_right >= 0:
+        return DEVICE_PACKED_ORDER_MASKED
+    return DEVICE_PACKED_ORDER
+
+
 def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
     """The work order of a packed batch's persistent launch of ``blocks`` blocks: made on the
     device from ``offsets`` (cu_q, cu_k) just before the launch, on its stream (the tiles with
-    rows, costliest first, in rounds of alternating direction: kernels/work_order.py); the
-    alternating rounds over every (row block, head, sequence) where DEVICE_PACKED_ORDER is
-    off, a block holds the tiles anyway or the slots or tiles pass PACKED_ORDER_SLOTS or
-    PACKED_ORDER_TILES."""
+    rows, a sequence's together, the costliest sequences first, in rounds of alternating
+    direction: kernels/work_order.py); the
+    alternating rounds over every (row block, head, sequence) where
+    :func:`device_order_pays` says no."""
     m_blocks = launch._ceil_div(p.seqlen_q, cfg.block_m)
     slots = m_blocks * p.batch
     tiles = slots * p.nheads
-    too_many = slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES
-    if not DEVICE_PACKED_ORDER or tiles <= blocks or too_many:
+    if not device_order_pays(p, slots, tiles, blocks):
         return _alternating_array(xp)
     size = 64  # the sort's slots, a power of two: a kernel a size
     while size < slots:
         size *= 2
     # a thread for every 4 slots of the sort, at least 4 warps (each slot's heads are written
-    # by its thread), at most 512 (61 registers a thread: 1024 would need every register)
+    # by its thread), at most 512 (8 keys a thread at PACKED_ORDER_SLOTS; not timed apart)
     threads = min(512, max(128, size // 4))
     order = arrays.empty((blocks + 1 + tiles,), np.int32, like=q)
     views, totals = launch._packed_offsets(offsets, q, k)
