@@ -397,7 +397,7 @@ def run_packed_device_order():
     saved = {name: getattr(wgmma_forward, name) for name in (
         "DEVICE_PACKED_ORDER", "DEVICE_PACKED_ORDER_MASKED", "PACKED_ORDER_ROUNDS")}  # fmt: skip
     wgmma_forward.DEVICE_PACKED_ORDER = wgmma_forward.DEVICE_PACKED_ORDER_MASKED = True
-    wgmma_forward.PACKED_ORDER_ROUNDS = 1
+    wgmma_forward.PACKED_ORDER_ROUNDS = 0
     try:
         for head_dim, dtype, mask in ((64, "float16", dict(causal=True)),
                                       (128, "bfloat16", dict(causal=False)),

@@ -432,9 +432,10 @@ def test_a_packed_batch_s_device_work_order_follows_the_model(window):
 
 
 def test_a_packed_batch_takes_the_device_order_where_it_was_timed_to_pay():
-    """The device order by default: for a batch without a mask or window whose tiles fill
-    PACKED_ORDER_ROUNDS rounds of the launch's blocks; not under a causal mask or a window
-    (not yet timed), nor for a few rounds, nor past the sort's slots or the order's tiles."""
+    """The device order by default: for a batch without a mask or window whose tiles with
+    rows may fill PACKED_ORDER_ROUNDS rounds of the launch's blocks; not under a causal mask
+    or a window (not yet timed), nor for fewer rounds, nor past the sort's slots or the
+    order's tiles."""
     from types import SimpleNamespace
 
     pays = wgmma_forward.device_order_pays
@@ -443,12 +444,12 @@ def test_a_packed_batch_takes_the_device_order_where_it_was_timed_to_pay():
         SimpleNamespace(window_left=-1, window_right=0),
     )
     window = SimpleNamespace(window_left=128, window_right=-1)
-    rounds = wgmma_forward.PACKED_ORDER_ROUNDS
-    assert pays(full, 960, 132 * rounds, 132)
-    assert not pays(full, 960, 132 * rounds - 1, 132)
-    assert not pays(causal, 960, 132 * rounds, 132) and not pays(window, 960, 15360, 132)
-    assert not pays(full, wgmma_forward.PACKED_ORDER_SLOTS + 1, 15360, 132)
-    assert not pays(full, 960, wgmma_forward.PACKED_ORDER_TILES + 1, 132)
+    busy = 132 * wgmma_forward.PACKED_ORDER_ROUNDS
+    assert pays(full, 960, 15360, busy, 132)
+    assert not pays(full, 960, 15360, busy - 1, 132)  # the tiles with rows too few
+    assert not pays(causal, 960, 15360, busy, 132) and not pays(window, 960, 15360, busy, 132)
+    assert not pays(full, wgmma_forward.PACKED_ORDER_SLOTS + 1, 15360, busy, 132)
+    assert not pays(full, 960, wgmma_forward.PACKED_ORDER_TILES + 1, busy, 132)
 
 
 def _device_order_on(monkeypatch, blocks):

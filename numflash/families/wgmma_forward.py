@@ -448,9 +448,9 @@ DEVICE_PACKED_ORDER = True
 #: together is not yet timed (the one before it, sorted by each row block's own cost, ran
 #: 0.77x the alternating rounds at head_dim 128 causal on that H100).
 DEVICE_PACKED_ORDER_MASKED = False
-#: ... and only where the tiles fill at least this many rounds of the launch's blocks: a
-#: guess, not timed apart (the batch above holds 116-232 rounds): below it the order's own
-#: launch (one block sorting the slots) may cost more than the balanced rounds save.
+#: ... and only where the tiles with rows may fill this many rounds of the launch's blocks:
+#: a guess, not timed apart (the batch above fills 66-131 such rounds): below it the order's
+#: own launch (one block sorting the slots) may cost more than the balanced rounds save.
 PACKED_ORDER_ROUNDS = 16
 #: A packed batch's work order is made on the device where its (sequence, row block) slots
 #: number at most this: one block sorts them in shared memory, 8 bytes a slot (32 KiB, under
@@ -469,15 +469,16 @@ WORK_ORDER = launch.KernelSpec(
 )  # fmt: skip
 
 
-def device_order_pays(p, slots, tiles, blocks):
+def device_order_pays(p, slots, tiles, busy, blocks):
     """Whether a packed batch's launch of ``blocks`` blocks over ``slots`` (sequence, row
-    block) slots and ``tiles`` work tiles takes a work order made on the device: as
-    DEVICE_PACKED_ORDER (DEVICE_PACKED_ORDER_MASKED under a causal mask or a window) says,
-    where the tiles fill PACKED_ORDER_ROUNDS rounds and more than one, and the slots and
-    tiles stay within PACKED_ORDER_SLOTS and PACKED_ORDER_TILES."""
+    block) slots and ``tiles`` work tiles, at most ``busy`` of them holding rows, takes a
+    work order made on the device: as DEVICE_PACKED_ORDER (DEVICE_PACKED_ORDER_MASKED under a
+    causal mask or a window) says, where the tiles with rows may fill PACKED_ORDER_ROUNDS
+    rounds and the tiles more than one, and the slots and tiles stay within
+    PACKED_ORDER_SLOTS and PACKED_ORDER_TILES."""
     if slots > PACKED_ORDER_SLOTS or tiles > PACKED_ORDER_TILES:
         return False
-    if tiles <= blocks or tiles < PACKED_ORDER_ROUNDS * blocks:
+    if tiles <= blocks or busy < PACKED_ORDER_ROUNDS * blocks:
         return False
     if p.window_left >= 0 or p.window_right >= 0:
         return DEVICE_PACKED_ORDER_MASKED
@@ -494,7 +495,9 @@ def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
     m_blocks = launch._ceil_div(p.seqlen_q, cfg.block_m)
     slots = m_blocks * p.batch
     tiles = slots * p.nheads
-    if not device_order_pays(p, slots, tiles, blocks):
+    # the tiles with rows, at most: the packed rows' blocks and a partial one a sequence
+    busy = min(tiles, (launch._ceil_div(q.shape[0], cfg.block_m) + p.batch) * p.nheads)
+    if not device_order_pays(p, slots, tiles, busy, blocks):
         return _alternating_array(xp)
     size = 64  # the sort's slots, a power of two: a kernel a size
     while size < slots:
