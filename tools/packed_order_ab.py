@@ -3,14 +3,15 @@
 
     python tools/packed_order_ab.py [--tokens 65536] [--max-len 4096] [--rounds 2]
         [--head-dims 64 128] [--dtypes float16 bfloat16] [--sequences given]
-        [--configs 2,128,2,p,t ...] [--json PATH]
+        [--configs 2,128,2,p,t ...] [--order-rounds N] [--json PATH]
 
 One packed batch (benchmarks/bench_varlen.py's draw_lengths: lengths uniform in 64..max-len,
 seed 0), model dim 2048, the head dims and dtypes asked for, causal and not; ``--sequences``
 puts the same lengths in another order (``longest-first``, ``longest-last``) or gives every
 sequence the mean length (``equal``: the same tokens, no row block past a sequence's end
 but the last); each way in a process of its own (families.wgmma_forward.DEVICE_PACKED_ORDER
-and DEVICE_PACKED_ORDER_MASKED set before the first call, PACKED_ORDER_ROUNDS as it stands),
+and DEVICE_PACKED_ORDER_MASKED set before the first call, PACKED_ORDER_ROUNDS as it stands
+or ``--order-rounds``: 0 times small batches through the order too),
 the processes taking turns ``--rounds`` times; each figure the fastest round's median of 30
 CUDA-event timings, useful TFLOP/s. varlen_attn
 (torch.nn.attention.varlen, FlashAttention-2's varlen kernel) runs in the first way's process.
@@ -38,13 +39,15 @@ def arranged(lengths, sequences):
     return sorted(lengths, reverse=sequences == "longest-first")
 
 
-def child(mode, tokens, max_len, head_dims, dtypes, sequences, configs=()):
+def child(mode, tokens, max_len, head_dims, dtypes, sequences, configs=(), order_rounds=None):
     """{case: (packed ms, varlen_attn ms or None, TFLOP of the case)} in this process."""
     sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
     sys.path.insert(0, HERE)
     from numflash.families import wgmma_forward
 
     wgmma_forward.DEVICE_PACKED_ORDER = wgmma_forward.DEVICE_PACKED_ORDER_MASKED = mode == "on"
+    if order_rounds is not None:
+        wgmma_forward.PACKED_ORDER_ROUNDS = order_rounds
     from bench_varlen import draw_lengths, torch_varlen_runs, useful_flops, varlen_runs
     from hopper_forward import parse_config
 
@@ -80,12 +83,13 @@ def main():
         default="given",
     )  # fmt: skip
     parser.add_argument("--configs", nargs="*", default=[])
+    parser.add_argument("--order-rounds", type=int, default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--child", choices=("on", "off"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args.child, args.tokens, args.max_len, args.head_dims, args.dtypes,
-                     args.sequences, args.configs)  # fmt: skip
+                     args.sequences, args.configs, args.order_rounds)  # fmt: skip
     best = {}
     for _ in range(args.rounds):
         for mode in ("on", "off"):
@@ -93,7 +97,9 @@ def main():
                 [sys.executable, __file__, "--child", mode, "--tokens", str(args.tokens),
                  "--max-len", str(args.max_len), "--head-dims", *map(str, args.head_dims),
                  "--dtypes", *args.dtypes, "--sequences", args.sequences,
-                 "--configs", *args.configs],
+                 "--configs", *args.configs,
+                 *(["--order-rounds", str(args.order_rounds)] if args.order_rounds is not None
+                   else [])],
                 capture_output=True, text=True,
             )  # fmt: skip
             if done.returncode:
