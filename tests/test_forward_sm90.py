@@ -380,7 +380,7 @@ def _packed_order_model(cu_q, cu_k, m_blocks, nheads, section, blocks, max_q, ma
         keys = min(min(max(cu_k[b + 1], k0), cu_k[-1]) - k0, max_k)
         if rows <= 0:
             continue
-        m = (rows - 1) // block_m  # the costliest row block
+        m = (rows - 1) // block_m  # the last row block: the sequence's sort key
         first, last, shift = m * block_m, min(m * block_m + block_m, rows) - 1, keys - rows
         hi = keys if right < 0 else min(keys, last + shift + right + 1)
         lo = 0 if left < 0 else max(0, first + shift - left)

@@ -8,7 +8,7 @@ block a visit, and the tiles' costs rose and fell along the rounds. This kernel,
 just before the forward on the same stream, reads the offsets and writes the order the
 forward's listed path takes (forward_sm90.first_round and ranked): the tiles that hold rows
 only, a sequence's together, the sequences costliest first by the same model as the host's
-(key tiles its costliest row block sees under the mask plus TILE_OVERHEAD), each sequence's
+(key tiles its last row block sees under the mask plus TILE_OVERHEAD), each sequence's
 row blocks last first (under a causal mask they see the most keys), handed out in rounds of
 ``blocks`` tiles whose direction alternates, so each block's sum of falling costs comes out
 alike. Which block runs a tile changes no bit of its output.
@@ -70,9 +70,10 @@ def slot_cost(cu_q, cu_k, slot, m_blocks, total_q, total_k, max_q, max_k, block_
 @device_function
 def sequence_cost(cu_q, cu_k, b, m_blocks, total_q, total_k, max_q, max_k, block_m, block_n,
                   window_left, window_right, overhead):  # fmt: skip
-    """The model's cost of sequence ``b``'s costliest row block, its last (the one whose rows
-    see the most keys under a causal mask or a window; every row block the same without);
-    -1 where the sequence holds no row."""
+    """The model's cost of sequence ``b``'s last row block, the key its slots are sorted by
+    (the costliest row block under a causal mask; without a mask every row block's cost;
+    under a window near the costliest, as a short last block sees fewer keys); -1 where the
+    sequence holds no row."""
     q0 = min(max(cu_q[b], 0), total_q)
     rows = min(min(max(cu_q[b + 1], q0), total_q) - q0, max_q)
     if rows <= 0:
