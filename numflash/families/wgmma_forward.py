@@ -489,9 +489,8 @@ def _packed_work_order(cfg, p, offsets, work, blocks, q, k, xp):
     """The work order of a packed batch's persistent launch of ``blocks`` blocks: made on the
     device from ``offsets`` (cu_q, cu_k) just before the launch, on its stream (the tiles with
     rows, a sequence's together, the costliest sequences first, in rounds of alternating
-    direction: kernels/work_order.py); the
-    alternating rounds over every (row block, head, sequence) where
-    :func:`device_order_pays` says no."""
+    direction: kernels/work_order.py); the alternating rounds over every (row block, head,
+    sequence) where :func:`device_order_pays` says no."""
     m_blocks = launch._ceil_div(p.seqlen_q, cfg.block_m)
     slots = m_blocks * p.batch
     tiles = slots * p.nheads
